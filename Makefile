@@ -1,0 +1,44 @@
+# FanStore: `make demo` and `make test` work on a fresh Debian machine (as root or with sudo).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: setup system-deps demo test test-slow bench slurm-e2e clean
+
+## setup: install missing Debian packages, create .venv, install FanStore with all extras
+setup: system-deps $(STAMP)
+
+system-deps:
+	@bash tools/setup-system.sh
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[all]'
+	@touch $(STAMP)
+
+## demo: pack a generated sample dataset, mount it, read it back, select a codec, unmount
+demo: setup
+	@bash tools/demo.sh
+
+## test: the whole default suite (real FUSE mounts, real MPI ranks, real local Slurm)
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+## test-slow: the long stress and fuzz tests as well
+test-slow: setup
+	$(PY) -m pytest -q -m "slow or not slow" $(PYTEST_ARGS)
+
+## bench: the benchmarks of tools/bench (long; writes docs/benchmarks.md)
+bench: setup
+	bash tools/bench/run_all.sh
+
+## slurm-e2e: pack and train on a local two-node Slurm (tools/slurm-local.sh)
+slurm-e2e: setup
+	$(PY) -m pytest -q -m slurm tests/test_slurm_e2e.py $(PYTEST_ARGS)
+
+clean:
+	rm -rf demo-work bench-work .pytest_cache build *.egg-info
