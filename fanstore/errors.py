@@ -1,0 +1,92 @@
+"""FanStore's error tree.
+
+Library errors (codec, OS, MPI) are translated into these at the layer that sees them.
+Only ``fanstore.fuse`` turns them into ``FUSEError(errno)`` and only ``fanstore.cli.main``
+turns them into a message and an exit status.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+
+
+class FanStoreError(Exception):
+    """Base class; ``exit_code`` is what the CLI exits with, ``errno`` what FUSE reports."""
+
+    exit_code = 1
+    errno = _errno.EIO
+
+
+class UsageError(FanStoreError):
+    """Bad command-line input or bad arguments to an API call."""
+
+    exit_code = 2
+    errno = _errno.EINVAL
+
+
+class FormatError(FanStoreError):
+    """A store, index or partition is malformed, truncated or inconsistent."""
+
+    exit_code = 1
+
+
+class VersionTooNewError(FormatError):
+    """The store was written by a newer FanStore (format version above ours)."""
+
+    exit_code = 33
+
+
+class VersionTooOldError(FormatError):
+    """The store uses a format version this release no longer reads."""
+
+    exit_code = 32
+
+
+class NotAStoreError(FormatError):
+    """The path is not a (complete) FanStore store."""
+
+
+class CorruptDataError(FanStoreError):
+    """Stored bytes failed a checksum or could not be decoded."""
+
+    errno = _errno.EIO
+
+
+class NotFoundError(FanStoreError):
+    errno = _errno.ENOENT
+
+
+class IsADirectoryError_(FanStoreError):
+    errno = _errno.EISDIR
+
+
+class NotADirectoryError_(FanStoreError):
+    errno = _errno.ENOTDIR
+
+
+class PackError(FanStoreError):
+    """The source tree cannot be packed as asked (unreadable files, escaping symlinks, ...)."""
+
+
+class StoreExistsError(PackError):
+    """The destination already holds a store and --force was not given."""
+
+
+class MountError(FanStoreError):
+    """Mounting, unmounting or talking to a daemon failed."""
+
+
+class RemoteError(FanStoreError):
+    """A peer daemon did not answer, answered with an error, or is gone."""
+
+    errno = _errno.EIO
+
+
+class StageError(FanStoreError):
+    """Copying partitions to node-local storage failed."""
+
+
+class BudgetNotMetError(FanStoreError):
+    """The codec selector found no candidate meeting the decompression budget."""
+
+    exit_code = 3

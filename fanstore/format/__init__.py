@@ -1,0 +1,43 @@
+"""On-disk format v1: pure, synchronous, no MPI/FUSE/trio.
+
+The canonical byte layout is docs/format.md; the constants and struct layouts here are its
+executable form and the two must change together.
+"""
+
+from fanstore.format.index import (
+    CHUNK_COLUMNS,
+    ENTRY_COLUMNS,
+    INDEX_NAME,
+    KIND_DIR,
+    KIND_FILE,
+    KIND_SYMLINK,
+    Index,
+    IndexBuilder,
+    read_index,
+    read_index_bytes,
+    write_index,
+)
+from fanstore.format.partition import (
+    PARTITION_HEADER_SIZE,
+    PartitionWriter,
+    partition_name,
+    read_partition_header,
+)
+
+__all__ = [
+    "CHUNK_COLUMNS",
+    "ENTRY_COLUMNS",
+    "INDEX_NAME",
+    "KIND_DIR",
+    "KIND_FILE",
+    "KIND_SYMLINK",
+    "Index",
+    "IndexBuilder",
+    "PARTITION_HEADER_SIZE",
+    "PartitionWriter",
+    "partition_name",
+    "read_index",
+    "read_index_bytes",
+    "read_partition_header",
+    "write_index",
+]

@@ -1,0 +1,640 @@
+"""The store index: the whole namespace and where every chunk lives (docs/format.md).
+
+Layout of ``fanstore.idx``::
+
+    header (64 bytes, little-endian)
+        magic        8s   b"FANSTIDX"
+        version      u16  format version (1)
+        flags        u16  0
+        header_size  u32  64
+        body_raw     u64  size of the body after decompression
+        body_stored  u64  size of the body as stored (zstd frame)
+        body_xxh3    u64  XXH3-64 of the stored body
+        zero padding to 64 bytes
+    body: one zstd frame; decompressed it is
+        meta_len     u32
+        meta         JSON (UTF-8): store metadata, codec table, partition table, column directory
+        columns      raw little-endian arrays, each 8-byte aligned, at the offsets the column
+                     directory gives (relative to the start of the decompressed body)
+
+Entries are numbered 0..N-1 (entry 0 is the root directory; inode = entry + 1). They are in
+breadth-first order: the children of a directory are contiguous, sorted by name, and every
+child comes after its parent. Files own a contiguous run of the chunk table, and a file's
+chunks are contiguous in one partition, so one read fetches a whole file.
+
+Everything read from disk is validated before use (``Index.validate``): a hostile or corrupt
+index is refused instead of making a reader touch bytes outside the store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import xxhash
+import zstandard
+
+from fanstore import FORMAT_VERSION, __version__
+from fanstore.errors import FormatError, NotAStoreError, VersionTooNewError, VersionTooOldError
+from fanstore.format.partition import PARTITION_HEADER_SIZE, partition_name
+
+INDEX_NAME = "fanstore.idx"
+INDEX_MAGIC = b"FANSTIDX"
+_HEADER = struct.Struct("<8sHHIQQQ")
+INDEX_HEADER_SIZE = 64
+
+KIND_FILE = 0
+KIND_DIR = 1
+KIND_SYMLINK = 2
+
+#: Largest chunk the format allows (the packer's default is 1 MiB).
+MAX_CHUNK_SIZE = 64 << 20
+#: A decompressed index larger than this is refused (guards against a bomb in the header).
+MAX_INDEX_BODY = 64 << 30
+MAX_NAME = 255
+MAX_TARGET = 4095
+
+#: Entry table columns: (name, dtype). ``first``/``count`` mean: for a file, its run of the
+#: chunk table; for a directory, its run of child entries; for a symlink, its target's
+#: byte range in the ``targets`` blob.
+ENTRY_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("parent", "<u4"),
+    ("name_off", "<u8"),
+    ("name_len", "<u2"),
+    ("kind", "u1"),
+    ("mode", "<u2"),  # permission bits only (07777); the type comes from ``kind``
+    ("size", "<u8"),
+    ("mtime_ns", "<i8"),
+    ("first", "<u8"),
+    ("count", "<u4"),
+    ("checksum", "<u8"),  # XXH3-64 of a file's whole content; 0 otherwise
+)
+CHUNK_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("part", "<u4"),
+    ("offset", "<u8"),
+    ("stored", "<u4"),
+    ("raw", "<u4"),
+    ("codec", "<u2"),  # index into the codec table
+    ("checksum", "<u8"),  # XXH3-64 of the chunk's original (raw) bytes
+)
+#: Name lookup table: XXH3-64 of (parent u32 LE + name), sorted, with the entry it names.
+LOOKUP_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("lk_hash", "<u8"),
+    ("lk_entry", "<u4"),
+)
+BLOB_COLUMNS: tuple[str, ...] = ("names", "targets")
+
+_ENTRY_PREFIX = "e_"
+_CHUNK_PREFIX = "c_"
+
+
+def name_hash(parent: int, name: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(struct.pack("<I", parent) + name)
+
+
+@dataclass
+class PartitionInfo:
+    number: int
+    size: int
+    checksum: str  # XXH3-128 hex of the whole partition file
+    files: int = 0
+    raw_bytes: int = 0
+    broadcast: bool = False
+
+    @property
+    def name(self) -> str:
+        return partition_name(self.number)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "size": self.size,
+            "checksum": self.checksum,
+            "files": self.files,
+            "raw_bytes": self.raw_bytes,
+            "broadcast": self.broadcast,
+        }
+
+
+@dataclass
+class Index:
+    """A loaded, validated index. Columns are read-only numpy arrays."""
+
+    meta: dict[str, Any]
+    e: dict[str, np.ndarray]  # entry columns without prefix: e["size"], e["kind"], ...
+    c: dict[str, np.ndarray]  # chunk columns without prefix
+    lk_hash: np.ndarray
+    lk_entry: np.ndarray
+    names: bytes
+    targets: bytes
+    codecs: list[dict[str, Any]] = field(default_factory=list)
+    partitions: list[PartitionInfo] = field(default_factory=list)
+    raw_body_size: int = 0
+    stored_size: int = 0
+
+    # ---- shape
+    @property
+    def n_entries(self) -> int:
+        return int(self.e["kind"].shape[0])
+
+    @property
+    def n_chunks(self) -> int:
+        return int(self.c["part"].shape[0])
+
+    @property
+    def chunk_size(self) -> int:
+        return int(self.meta["chunk_size"])
+
+    # ---- per-entry helpers (scalar; used off the hot path or by the namespace)
+    def name(self, entry: int) -> bytes:
+        off = int(self.e["name_off"][entry])
+        return self.names[off : off + int(self.e["name_len"][entry])]
+
+    def target(self, entry: int) -> bytes:
+        off = int(self.e["first"][entry])
+        return self.targets[off : off + int(self.e["count"][entry])]
+
+    def path(self, entry: int) -> bytes:
+        parts = []
+        parent = self.e["parent"]
+        while entry != 0:
+            parts.append(self.name(entry))
+            entry = int(parent[entry])
+        return b"/".join(reversed(parts))
+
+    def lookup(self, parent: int, name: bytes) -> int | None:
+        h = name_hash(parent, name)
+        i = int(np.searchsorted(self.lk_hash, np.uint64(h)))
+        n = self.lk_hash.shape[0]
+        while i < n and int(self.lk_hash[i]) == h:
+            entry = int(self.lk_entry[i])
+            if int(self.e["parent"][entry]) == parent and self.name(entry) == name and entry:
+                return entry
+            i += 1
+        return None
+
+    def resolve(self, path: bytes | str) -> int | None:
+        """Entry of a relative path inside the store (no symlinks followed), or None."""
+        if isinstance(path, str):
+            path = os.fsencode(path)
+        entry = 0
+        for part in path.split(b"/"):
+            if part in (b"", b"."):
+                continue
+            if int(self.e["kind"][entry]) != KIND_DIR:
+                return None
+            found = self.lookup(entry, part)
+            if found is None:
+                return None
+            entry = found
+        return entry
+
+    def stored_bytes_of(self, entry: int) -> int:
+        first, count = int(self.e["first"][entry]), int(self.e["count"][entry])
+        return int(self.c["stored"][first : first + count].sum())
+
+    def file_entries(self) -> np.ndarray:
+        return np.nonzero(self.e["kind"] == KIND_FILE)[0]
+
+    def validate(self, partition_sizes: dict[int, int] | None = None) -> None:
+        validate_index(self, partition_sizes)
+
+
+# --------------------------------------------------------------------------- building
+
+
+class IndexBuilder:
+    """Collects the namespace and chunk rows during a pack and serialises the index.
+
+    The packer adds entries in breadth-first order with children sorted by name; ``finish``
+    checks that and builds the lookup table.
+    """
+
+    def __init__(self, n_entries: int, n_chunks: int) -> None:
+        self.e = {name: np.zeros(n_entries, dtype=dt) for name, dt in ENTRY_COLUMNS}
+        self.c = {name: np.zeros(n_chunks, dtype=dt) for name, dt in CHUNK_COLUMNS}
+        self.names = bytearray()
+        self.targets = bytearray()
+
+    def set_name(self, entry: int, name: bytes) -> None:
+        self.e["name_off"][entry] = len(self.names)
+        self.e["name_len"][entry] = len(name)
+        self.names += name
+
+    def set_target(self, entry: int, target: bytes) -> None:
+        self.e["first"][entry] = len(self.targets)
+        self.e["count"][entry] = len(target)
+        self.targets += target
+
+    def build_lookup(self) -> tuple[np.ndarray, np.ndarray]:
+        n = self.e["kind"].shape[0]
+        hashes = np.zeros(n, dtype="<u8")
+        names = bytes(self.names)
+        parent, off, ln = self.e["parent"], self.e["name_off"], self.e["name_len"]
+        for i in range(1, n):
+            o = int(off[i])
+            hashes[i] = name_hash(int(parent[i]), names[o : o + int(ln[i])])
+        # The root (entry 0) has no name and is never looked up: leave it out.
+        order = np.argsort(hashes[1:], kind="stable") + 1
+        return hashes[order].astype("<u8"), order.astype("<u4")
+
+
+def encode_index(
+    meta: dict[str, Any],
+    e: dict[str, np.ndarray],
+    c: dict[str, np.ndarray],
+    lookup: tuple[np.ndarray, np.ndarray],
+    names: bytes,
+    targets: bytes,
+    level: int = 3,
+) -> bytes:
+    """Serialise an index (header + zstd body) to bytes."""
+    columns: list[tuple[str, bytes]] = []
+    for name, dt in ENTRY_COLUMNS:
+        columns.append((_ENTRY_PREFIX + name, np.ascontiguousarray(e[name], dtype=dt).tobytes()))
+    for name, dt in CHUNK_COLUMNS:
+        columns.append((_CHUNK_PREFIX + name, np.ascontiguousarray(c[name], dtype=dt).tobytes()))
+    lk_hash, lk_entry = lookup
+    columns.append(("lk_hash", np.ascontiguousarray(lk_hash, dtype="<u8").tobytes()))
+    columns.append(("lk_entry", np.ascontiguousarray(lk_entry, dtype="<u4").tobytes()))
+    columns.append(("names", bytes(names)))
+    columns.append(("targets", bytes(targets)))
+
+    meta = dict(meta)
+    meta["format_version"] = FORMAT_VERSION
+    meta.setdefault("created_by", f"fanstore {__version__}")
+    meta["n_entries"] = int(e["kind"].shape[0])
+    meta["n_chunks"] = int(c["part"].shape[0])
+
+    # Column offsets depend on the JSON length, which depends on the offsets: lay out the
+    # columns after a JSON area padded to a fixed size computed from a first estimate.
+    directory = {name: [0, len(data)] for name, data in columns}
+    meta["columns"] = directory
+    estimate = len(json.dumps(meta, sort_keys=True).encode()) + 32 * len(columns) + 64
+    data_start = _align(4 + estimate)
+    pos = data_start
+    for name, data in columns:
+        directory[name] = [pos, len(data)]
+        pos = _align(pos + len(data))
+    meta_bytes = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
+    if 4 + len(meta_bytes) > data_start:  # cannot happen with the estimate above
+        raise FormatError("internal error: index metadata larger than its reserved area")
+    body = bytearray(pos)
+    struct.pack_into("<I", body, 0, len(meta_bytes))
+    body[4 : 4 + len(meta_bytes)] = meta_bytes
+    for name, data in columns:
+        off = directory[name][0]
+        body[off : off + len(data)] = data
+
+    stored = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(bytes(body))
+    header = _HEADER.pack(
+        INDEX_MAGIC,
+        FORMAT_VERSION,
+        0,
+        INDEX_HEADER_SIZE,
+        len(body),
+        len(stored),
+        xxhash.xxh3_64_intdigest(stored),
+    ).ljust(INDEX_HEADER_SIZE, b"\0")
+    return header + stored
+
+
+def write_index(path: str, data: bytes) -> None:
+    """Write index bytes to ``path`` atomically (temp file, fsync, rename)."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _align(n: int) -> int:
+    return (n + 7) & ~7
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_index(store_dir: str) -> Index:
+    """Load and validate ``<store_dir>/fanstore.idx`` (partition sizes are not checked here)."""
+    path = os.path.join(store_dir, INDEX_NAME)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        if not os.path.isdir(store_dir):
+            raise NotAStoreError(f"{store_dir}: no such directory") from None
+        raise NotAStoreError(
+            f"{store_dir}: not a FanStore store (no {INDEX_NAME}; an interrupted pack leaves none)"
+        ) from None
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot read index: {exc.strerror}") from exc
+    return read_index_bytes(data, where=path)
+
+
+def parse_index_header(data: bytes, where: str = "index") -> tuple[int, int, int]:
+    """Check the fixed header; return (body_raw, body_stored, body_xxh3)."""
+    if len(data) < INDEX_HEADER_SIZE:
+        raise FormatError(f"{where}: truncated index ({len(data)} bytes)")
+    magic, version, _flags, hsize, body_raw, body_stored, body_sum = _HEADER.unpack_from(data)
+    if magic != INDEX_MAGIC:
+        raise NotAStoreError(f"{where}: not a FanStore index (bad magic)")
+    if version > FORMAT_VERSION:
+        raise VersionTooNewError(
+            f"{where}: store format v{version} is newer than this FanStore reads "
+            f"(v{FORMAT_VERSION}); upgrade fanstore"
+        )
+    if version < 1:
+        raise VersionTooOldError(f"{where}: store format v{version} is no longer supported")
+    if hsize != INDEX_HEADER_SIZE:
+        raise FormatError(f"{where}: bad index header size {hsize}")
+    if body_raw > MAX_INDEX_BODY:
+        raise FormatError(f"{where}: index claims an absurd size ({body_raw} bytes)")
+    return body_raw, body_stored, body_sum
+
+
+def read_index_bytes(data: bytes, where: str = "index") -> Index:
+    body_raw, body_stored, body_sum = parse_index_header(data, where)
+    stored = memoryview(data)[INDEX_HEADER_SIZE:]
+    if len(stored) != body_stored:
+        raise FormatError(
+            f"{where}: truncated or extended index (body {len(stored)} bytes, header says "
+            f"{body_stored})"
+        )
+    if xxhash.xxh3_64_intdigest(stored) != body_sum:
+        raise FormatError(f"{where}: index checksum mismatch (corrupt index)")
+    try:
+        params = zstandard.get_frame_parameters(stored)
+        if params.content_size != body_raw:
+            raise FormatError(f"{where}: index body size does not match its header")
+        body = zstandard.ZstdDecompressor().decompress(stored, max_output_size=body_raw)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"{where}: cannot decompress index: {exc}") from exc
+    if len(body) != body_raw:
+        raise FormatError(f"{where}: index body has the wrong size")
+    index = _parse_body(body, where)
+    index.raw_body_size = body_raw
+    index.stored_size = len(data)
+    validate_index(index, where=where)
+    return index
+
+
+def _parse_body(body: bytes, where: str) -> Index:
+    if len(body) < 4:
+        raise FormatError(f"{where}: index body too short")
+    (meta_len,) = struct.unpack_from("<I", body)
+    if 4 + meta_len > len(body):
+        raise FormatError(f"{where}: index metadata runs past the body")
+    try:
+        meta = json.loads(body[4 : 4 + meta_len].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise FormatError(f"{where}: index metadata is not valid JSON") from exc
+    if not isinstance(meta, dict):
+        raise FormatError(f"{where}: index metadata is not an object")
+    directory = meta.get("columns")
+    if not isinstance(directory, dict):
+        raise FormatError(f"{where}: index has no column directory")
+
+    def column(name: str, dtype: str | None) -> Any:
+        spec = directory.get(name)
+        if (
+            not isinstance(spec, list)
+            or len(spec) != 2
+            or not all(isinstance(v, int) and v >= 0 for v in spec)
+        ):
+            raise FormatError(f"{where}: index column {name!r} missing or malformed")
+        off, length = spec
+        if off + length > len(body) or off < 4 + meta_len:
+            raise FormatError(f"{where}: index column {name!r} lies outside the body")
+        if dtype is None:
+            return body[off : off + length]
+        itemsize = np.dtype(dtype).itemsize
+        if length % itemsize:
+            raise FormatError(f"{where}: index column {name!r} has a partial row")
+        arr = np.frombuffer(body, dtype=dtype, count=length // itemsize, offset=off)
+        return arr
+
+    try:
+        n_entries = int(meta["n_entries"])
+        n_chunks = int(meta["n_chunks"])
+        int(meta["chunk_size"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FormatError(f"{where}: index metadata lacks {exc}") from exc
+    e = {name: column(_ENTRY_PREFIX + name, dt) for name, dt in ENTRY_COLUMNS}
+    c = {name: column(_CHUNK_PREFIX + name, dt) for name, dt in CHUNK_COLUMNS}
+    for name, arr in e.items():
+        if arr.shape[0] != n_entries:
+            raise FormatError(f"{where}: entry column {name!r} has the wrong length")
+    for name, arr in c.items():
+        if arr.shape[0] != n_chunks:
+            raise FormatError(f"{where}: chunk column {name!r} has the wrong length")
+    lk_hash = column("lk_hash", "<u8")
+    lk_entry = column("lk_entry", "<u4")
+    codecs = meta.get("codecs")
+    if not isinstance(codecs, list) or not all(isinstance(x, dict) and "id" in x for x in codecs):
+        raise FormatError(f"{where}: index codec table is malformed")
+    parts_raw = meta.get("partitions")
+    if not isinstance(parts_raw, list):
+        raise FormatError(f"{where}: index partition table is malformed")
+    partitions = []
+    for number, p in enumerate(parts_raw):
+        try:
+            partitions.append(
+                PartitionInfo(
+                    number=number,
+                    size=int(p["size"]),
+                    checksum=str(p["checksum"]),
+                    files=int(p.get("files", 0)),
+                    raw_bytes=int(p.get("raw_bytes", 0)),
+                    broadcast=bool(p.get("broadcast", False)),
+                )
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"{where}: partition {number} entry is malformed") from exc
+    return Index(
+        meta=meta,
+        e=e,
+        c=c,
+        lk_hash=lk_hash,
+        lk_entry=lk_entry,
+        names=column("names", None),
+        targets=column("targets", None),
+        codecs=codecs,
+        partitions=partitions,
+    )
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate_index(
+    index: Index, partition_sizes: dict[int, int] | None = None, where: str = "index"
+) -> None:
+    """Refuse an index whose structure could make a reader misbehave.
+
+    Checks (vectorised, cheap even for millions of entries): the tree shape, names (no '/',
+    NUL, '.', '..' or empty components), symlink targets stay inside the store, chunk runs
+    are in bounds, contiguous, disjoint and inside their partitions, chunk sizes are bounded
+    (no decompression bombs), file sizes equal the sum of their chunks.
+    """
+
+    def bad(msg: str) -> FormatError:
+        return FormatError(f"{where}: {msg}")
+
+    e, c = index.e, index.c
+    n, m = index.n_entries, index.n_chunks
+    chunk_size = index.chunk_size
+    if not 0 < chunk_size <= MAX_CHUNK_SIZE:
+        raise bad(f"bad chunk size {chunk_size}")
+    if n < 1:
+        raise bad("no root entry")
+    kind, parent, first, count = e["kind"], e["parent"], e["first"], e["count"]
+    if kind[0] != KIND_DIR or parent[0] != 0 or e["name_len"][0] != 0:
+        raise bad("entry 0 is not the root directory")
+    if np.any(kind > KIND_SYMLINK):
+        raise bad("unknown entry kind")
+    if np.any(e["mode"] > 0o7777):
+        raise bad("mode has bits beyond 07777")
+
+    # -- tree: the children runs of directories tile entries 1..n-1 in directory order.
+    dirs = np.nonzero(kind == KIND_DIR)[0]
+    d_first = first[dirs].astype(np.int64)
+    d_count = count[dirs].astype(np.int64)
+    if d_count.sum() != n - 1:
+        raise bad("directory child counts do not add up to the number of entries")
+    expected_first = np.concatenate(([1], 1 + np.cumsum(d_count)[:-1])) if len(dirs) else []
+    if not np.array_equal(d_first, expected_first):
+        raise bad("directory child runs are not contiguous in breadth-first order")
+    if n > 1:
+        expected_parent = np.repeat(dirs, d_count)
+        if not np.array_equal(parent[1:].astype(np.int64), expected_parent):
+            raise bad("entries are not where their parent's child run says")
+        if np.any(parent[1:].astype(np.int64) >= np.arange(1, n)):
+            raise bad("an entry precedes its parent")
+
+    # -- names
+    names = np.frombuffer(index.names, dtype=np.uint8)
+    name_off = e["name_off"][1:].astype(np.int64)
+    name_len = e["name_len"][1:].astype(np.int64)
+    if np.any(name_len == 0) or np.any(name_len > MAX_NAME):
+        raise bad("an entry has an empty or over-long name")
+    if np.any(name_off + name_len > len(names)):
+        raise bad("a name lies outside the name table")
+    if np.any(names == ord("/")) or np.any(names == 0):
+        raise bad("a name contains '/' or NUL")
+    dot = ord(".")
+    if n > 1:
+        b0 = names[name_off]
+        b1 = names[np.minimum(name_off + 1, max(len(names) - 1, 0))]
+        if np.any((name_len == 1) & (b0 == dot)) or np.any(
+            (name_len == 2) & (b0 == dot) & (b1 == dot)
+        ):
+            raise bad("an entry is named '.' or '..'")
+
+    # -- lookup table
+    if index.lk_hash.shape[0] != n - 1 or index.lk_entry.shape[0] != n - 1:
+        raise bad("lookup table has the wrong length")
+    if n > 1:
+        if np.any(index.lk_hash[1:] < index.lk_hash[:-1]):
+            raise bad("lookup table is not sorted")
+        if np.any(index.lk_entry == 0) or np.any(index.lk_entry >= n):
+            raise bad("lookup table points outside the entry table")
+
+    # -- symlinks
+    links = np.nonzero(kind == KIND_SYMLINK)[0]
+    if len(links):
+        t_end = first[links].astype(np.int64) + count[links].astype(np.int64)
+        if np.any(t_end > len(index.targets)) or np.any(count[links] == 0):
+            raise bad("a symlink target lies outside the target table or is empty")
+        if np.any(count[links] > MAX_TARGET):
+            raise bad("a symlink target is over-long")
+        if np.any(e["size"][links] != count[links]):
+            raise bad("a symlink's size differs from its target length")
+        for entry in links.tolist():
+            target = index.target(entry)
+            if b"\0" in target:
+                raise bad("a symlink target contains NUL")
+            if not target_stays_inside(index.path(entry), target):
+                raise bad(
+                    f"symlink {os.fsdecode(index.path(entry))!r} points outside the store"
+                )
+
+    # -- files and chunks
+    files = np.nonzero(kind == KIND_FILE)[0]
+    nonfile = np.nonzero(kind != KIND_FILE)[0]
+    if np.any(e["checksum"][nonfile] != 0) or np.any(e["size"][dirs] != 0):
+        raise bad("a directory or symlink carries file data")
+    f_first = first[files].astype(np.int64)
+    f_count = count[files].astype(np.int64)
+    if f_count.sum() != m:
+        raise bad("file chunk counts do not add up to the chunk table")
+    used = f_count > 0
+    if np.any(f_first[used] + f_count[used] > m):
+        raise bad("a file's chunk run lies outside the chunk table")
+    order = np.argsort(f_first[used], kind="stable")
+    starts = f_first[used][order]
+    lens = f_count[used][order]
+    if len(starts) and (
+        starts[0] != 0 or np.any(starts[1:] != starts[:-1] + lens[:-1])
+    ):
+        raise bad("file chunk runs overlap or leave gaps")
+    if m:
+        raw = c["raw"].astype(np.int64)
+        stored = c["stored"].astype(np.int64)
+        part = c["part"].astype(np.int64)
+        offset = c["offset"].astype(np.int64)
+        if np.any(raw == 0) or np.any(raw > chunk_size):
+            raise bad("a chunk claims an absurd raw size (possible decompression bomb)")
+        if np.any(stored == 0):
+            raise bad("a chunk has no stored bytes")
+        if np.any(c["codec"] >= len(index.codecs)):
+            raise bad("a chunk names a codec outside the codec table")
+        if np.any(part >= len(index.partitions)):
+            raise bad("a chunk names a partition outside the partition table")
+        sizes = np.array([p.size for p in index.partitions], dtype=np.int64)
+        if partition_sizes is not None:
+            for number, size in partition_sizes.items():
+                sizes[number] = size
+        if np.any(offset < PARTITION_HEADER_SIZE) or np.any(offset + stored > sizes[part]):
+            raise bad("a chunk lies outside its partition")
+        # Sum of raw chunk sizes is each file's size.
+        sums = np.add.reduceat(raw, starts) if len(starts) else np.zeros(0, np.int64)
+        f_sizes = e["size"][files][used][order].astype(np.int64)
+        if not np.array_equal(sums, f_sizes) or np.any(e["size"][files][~used] != 0):
+            raise bad("a file's size differs from the sum of its chunks")
+        # Every chunk but a file's last is exactly chunk_size long (offsets map to chunks).
+        ends = starts + lens - 1
+        is_last = np.zeros(m, dtype=bool)
+        is_last[ends] = True
+        if np.any(raw[~is_last] != chunk_size):
+            raise bad("a chunk other than a file's last is not chunk_size long")
+        # Chunks of one file are contiguous in one partition.
+        is_start = np.zeros(m, dtype=bool)
+        is_start[starts] = True
+        cont = ~is_start[1:]
+        if np.any(part[1:][cont] != part[:-1][cont]) or np.any(
+            offset[1:][cont] != offset[:-1][cont] + stored[:-1][cont]
+        ):
+            raise bad("a file's chunks are not contiguous in one partition")
+        # No two chunks overlap inside a partition.
+        by_pos = np.lexsort((offset, part))
+        p_s, o_s, s_s = part[by_pos], offset[by_pos], stored[by_pos]
+        same = p_s[1:] == p_s[:-1]
+        if np.any(o_s[1:][same] < o_s[:-1][same] + s_s[:-1][same]):
+            raise bad("chunks overlap inside a partition")
+    elif np.any(e["size"][files] != 0):
+        raise bad("a file's size differs from the sum of its chunks")
+
+
+def target_stays_inside(link_path: bytes, target: bytes) -> bool:
+    """True if a symlink at ``link_path`` (relative to the store root) with ``target``
+    resolves, lexically, to a path inside the store root."""
+    if target.startswith(b"/"):
+        return False
+    joined = posixpath.normpath(posixpath.join(posixpath.dirname(link_path), target))
+    return joined != b".." and not joined.startswith(b"../")

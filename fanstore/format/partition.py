@@ -1,0 +1,99 @@
+"""Partition files: a 64-byte header followed by stored chunk bodies (docs/format.md).
+
+A partition holds no metadata of its own beyond its header: where each chunk lives, its
+codec and checksums are in the index. The writer computes the whole-file XXH3-128 as it
+writes, so the index can record it without a second pass (staging verifies against it).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import xxhash
+
+from fanstore import FORMAT_VERSION
+from fanstore.errors import FormatError, VersionTooNewError
+
+PARTITION_MAGIC = b"FANSTPRT"
+# magic, version, flags, header size, partition number; zero padding to 64 bytes.
+_HEADER = struct.Struct("<8sHHII")
+PARTITION_HEADER_SIZE = 64
+
+
+def partition_name(number: int) -> str:
+    return f"part-{number:05d}.fsp"
+
+
+def encode_partition_header(number: int) -> bytes:
+    head = _HEADER.pack(PARTITION_MAGIC, FORMAT_VERSION, 0, PARTITION_HEADER_SIZE, number)
+    return head.ljust(PARTITION_HEADER_SIZE, b"\0")
+
+
+def read_partition_header(buf: bytes, where: str = "partition") -> int:
+    """Check a partition header and return the partition number it declares."""
+    if len(buf) < PARTITION_HEADER_SIZE:
+        raise FormatError(f"{where}: truncated header ({len(buf)} bytes)")
+    magic, version, _flags, hsize, number = _HEADER.unpack_from(buf)
+    if magic != PARTITION_MAGIC:
+        raise FormatError(f"{where}: not a FanStore partition (bad magic)")
+    if version > FORMAT_VERSION:
+        raise VersionTooNewError(
+            f"{where}: partition format v{version} is newer than this FanStore reads "
+            f"(v{FORMAT_VERSION}); upgrade fanstore"
+        )
+    if version < 1 or hsize != PARTITION_HEADER_SIZE:
+        raise FormatError(f"{where}: unsupported partition header (v{version}, {hsize} bytes)")
+    return number
+
+
+class PartitionWriter:
+    """Append-only writer of one partition file; ``append`` returns the blob's offset."""
+
+    def __init__(self, path: str, number: int, buffer_size: int = 4 << 20) -> None:
+        self.path = path
+        self.number = number
+        self._f = open(path, "wb", buffering=buffer_size)
+        self._hash = xxhash.xxh3_128()
+        self.size = 0
+        self._write(encode_partition_header(number))
+
+    def _write(self, data) -> None:
+        self._f.write(data)
+        self._hash.update(data)
+        self.size += len(data)
+
+    def append(self, data) -> int:
+        offset = self.size
+        self._write(data)
+        return offset
+
+    def close(self) -> str:
+        """Flush, fsync and close; return the file's XXH3-128 as hex."""
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        return self._hash.hexdigest()
+
+    def abort(self) -> None:
+        try:
+            self._f.close()
+        finally:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def file_checksum(path: str, block: int = 8 << 20) -> str:
+    """XXH3-128 (hex) of a whole file, as recorded in the index's partition table."""
+    h = xxhash.xxh3_128()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(block)
+        view = memoryview(buf)
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+    return h.hexdigest()
