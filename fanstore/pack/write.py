@@ -1,0 +1,541 @@
+"""Write a store: parallel partition writers, then the index, then an atomic rename.
+
+Each worker process owns whole partitions: it reads its files in chunks, checksums,
+compresses (keeping the raw bytes where compression does not shrink them), appends to its
+partition file and returns only the chunk rows. Nothing bulky crosses the process boundary.
+
+Atomicity: everything is written into a temporary sibling directory, fsynced, and renamed
+onto the destination at the end; the index, whose presence makes a store, is written last.
+An interrupted pack leaves at most a temporary directory, which the next pack removes.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from compressors import CodecError, get_codec, parse_spec
+from fanstore import __version__
+from fanstore.errors import PackError, StoreExistsError, UsageError
+from fanstore.format.index import (
+    INDEX_NAME,
+    KIND_DIR,
+    KIND_FILE,
+    KIND_SYMLINK,
+    MAX_CHUNK_SIZE,
+    IndexBuilder,
+    PartitionInfo,
+    encode_index,
+    write_index,
+)
+from fanstore.format.partition import PartitionWriter, partition_name
+from fanstore.pack.plan import CodecPolicy, in_dir, plan_partitions
+from fanstore.pack.scan import ScanResult, scan_tree, show
+
+log = logging.getLogger(__name__)
+
+TMP_MARK = ".fanstore-tmp-"
+OLD_MARK = ".fanstore-old-"
+NONE_CONFIG = {"id": "none"}
+
+
+@dataclass
+class PackOptions:
+    partitions: int = 8
+    jobs: int = 0  # 0: all cores
+    chunk_size: int = 1 << 20
+    skip_unreadable: bool = False
+    force: bool = False
+    broadcast: list[str] = field(default_factory=list)
+    progress: bool | None = None  # None: on a terminal only
+    extra_meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PackSummary:
+    dest: str
+    files: int
+    dirs: int
+    symlinks: int
+    raw_bytes: int
+    stored_bytes: int
+    index_bytes: int
+    partitions: int
+    seconds: float
+    skipped: list[str]
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+    def lines(self) -> list[str]:
+        mb_s = self.raw_bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
+        return [
+            f"packed {self.files:,} files, {self.dirs:,} directories, {self.symlinks:,} symlinks "
+            f"into {self.partitions} partitions at {self.dest}",
+            f"raw {_mb(self.raw_bytes)}, stored {_mb(self.stored_bytes)} "
+            f"(+ index {_mb(self.index_bytes)}), ratio {self.ratio:.2f}x",
+            f"time {self.seconds:.1f} s, {mb_s:.0f} MB/s",
+        ] + ([f"skipped {len(self.skipped)} entries (--skip-unreadable)"] if self.skipped else [])
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+# --------------------------------------------------------------------------- destination
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _clean_stale_siblings(dest: str) -> None:
+    parent, base = os.path.split(dest)
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        for mark in (TMP_MARK, OLD_MARK):
+            prefix = base + mark
+            if name.startswith(prefix):
+                try:
+                    pid = int(name[len(prefix) :].split("-")[0])
+                except ValueError:
+                    continue
+                if not _pid_alive(pid):
+                    path = os.path.join(parent, name)
+                    print(f"fanstore: removing leftover of an interrupted pack: {path}",
+                          file=sys.stderr)
+                    shutil.rmtree(path, ignore_errors=True)
+
+
+def check_destination(src: str, dest: str, force: bool) -> None:
+    real_src = os.path.realpath(src)
+    real_dest = os.path.realpath(dest)
+    if real_dest == real_src or real_dest.startswith(real_src.rstrip("/") + "/"):
+        raise UsageError(f"destination {dest} is inside the source {src}")
+    if real_src.startswith(real_dest.rstrip("/") + "/"):
+        raise UsageError(f"source {src} is inside the destination {dest}")
+    if os.path.lexists(dest):
+        if not os.path.isdir(dest):
+            raise StoreExistsError(f"destination {dest} exists and is not a directory")
+        if os.path.exists(os.path.join(dest, INDEX_NAME)):
+            if not force:
+                raise StoreExistsError(
+                    f"destination {dest} already holds a store (use --force to replace it)"
+                )
+        elif os.listdir(dest):
+            raise StoreExistsError(
+                f"destination {dest} exists, is not empty and is not a store; refusing to "
+                "overwrite it"
+            )
+
+
+# --------------------------------------------------------------------------- workers
+
+# Set in each worker by the pool initializer.
+_progress: Any = None
+
+
+def _init_worker(progress) -> None:
+    global _progress
+    _progress = progress
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles ^C and terminates us
+    try:
+        import blosc2
+
+        blosc2.set_nthreads(1)
+    except Exception:  # pragma: no cover - optional
+        pass
+
+
+@dataclass
+class _PartTask:
+    number: int
+    path: str
+    files: list[tuple[int, bytes, int, int]]  # (entry, abs path, size, codec slot)
+    codecs: list[dict[str, Any]]  # codec table (slot -> config); slot 0 is "none"
+    chunk_size: int
+
+
+@dataclass
+class _PartResult:
+    number: int
+    size: int = 0
+    checksum: str = ""
+    entries: np.ndarray | None = None  # entry id per file, in partition order
+    file_sums: np.ndarray | None = None
+    chunk_counts: np.ndarray | None = None
+    chunks: dict[str, np.ndarray] | None = None
+    raw_bytes: int = 0
+    error: str | None = None
+
+
+def _pack_partition(task: _PartTask) -> _PartResult:
+    codecs = [get_codec(cfg) for cfg in task.codecs]
+    res = _PartResult(task.number)
+    n_est = sum(max(1, -(-size // task.chunk_size)) for _, _, size, _ in task.files)
+    rows = {
+        "offset": np.zeros(n_est, "<u8"),
+        "stored": np.zeros(n_est, "<u4"),
+        "raw": np.zeros(n_est, "<u4"),
+        "codec": np.zeros(n_est, "<u2"),
+        "checksum": np.zeros(n_est, "<u8"),
+    }
+    entries = np.zeros(len(task.files), "<u4")
+    sums = np.zeros(len(task.files), "<u8")
+    counts = np.zeros(len(task.files), "<u4")
+    writer = PartitionWriter(task.path, task.number)
+    buf = bytearray(task.chunk_size)
+    view = memoryview(buf)
+    k = 0
+    try:
+        for i, (entry, path, size, slot) in enumerate(task.files):
+            codec = codecs[slot]
+            whole = xxhash.xxh3_64()
+            got = 0
+            try:
+                with open(path, "rb", buffering=0) as f:
+                    while True:
+                        n = f.readinto(buf)
+                        if not n:
+                            break
+                        # Short reads happen (pipes, network FS): fill the chunk before coding.
+                        while n < len(buf):
+                            m = f.readinto(view[n:])
+                            if not m:
+                                break
+                            n += m
+                        got += n
+                        if got > size:
+                            raise PackError(f"{show(path)}: file grew while being packed")
+                        raw = view[:n]
+                        whole.update(raw)
+                        stored = codec.encode(raw) if slot else raw
+                        use = slot
+                        if len(stored) >= n:
+                            stored, use = raw, 0
+                        rows["offset"][k] = writer.append(stored)
+                        rows["stored"][k] = len(stored)
+                        rows["raw"][k] = n
+                        rows["codec"][k] = use
+                        rows["checksum"][k] = xxhash.xxh3_64_intdigest(raw)
+                        k += 1
+                        counts[i] += 1
+                        if _progress is not None:
+                            with _progress.get_lock():
+                                _progress.value += n
+                        if n < len(buf):
+                            break
+            except OSError as exc:
+                raise PackError(f"{show(path)}: cannot read: {exc.strerror}") from exc
+            except CodecError as exc:
+                raise PackError(f"{show(path)}: compression failed: {exc}") from exc
+            if got != size:
+                raise PackError(
+                    f"{show(path)}: file changed size while being packed ({size} -> {got} bytes)"
+                )
+            entries[i] = entry
+            sums[i] = whole.intdigest()
+            res.raw_bytes += size
+        res.checksum = writer.close()
+        res.size = writer.size
+    except PackError as exc:
+        writer.abort()
+        res.error = str(exc)
+        return res
+    except OSError as exc:
+        writer.abort()
+        if exc.errno == errno.ENOSPC:
+            res.error = f"no space left on device while writing {task.path}"
+        else:
+            res.error = f"cannot write {task.path}: {exc.strerror}"
+        return res
+    res.entries, res.file_sums, res.chunk_counts = entries, sums, counts
+    res.chunks = {name: arr[:k] for name, arr in rows.items()}
+    res.chunks["part"] = np.full(k, task.number, "<u4")
+    return res
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def pack(
+    src: str,
+    dest: str,
+    policy: CodecPolicy | None = None,
+    options: PackOptions | None = None,
+    scan: ScanResult | None = None,
+) -> PackSummary:
+    """Pack ``src`` into a store at ``dest``. Raises FanStoreError subclasses on failure."""
+    options = options or PackOptions()
+    policy = policy or CodecPolicy(parse_spec("zstd:3"))
+    t0 = time.monotonic()
+    if not os.path.exists(src):
+        raise UsageError(f"source {src} does not exist")
+    if not os.path.isdir(src):
+        raise UsageError(f"source {src} is not a directory")
+    if options.partitions < 1:
+        raise UsageError("--partitions must be at least 1")
+    if not 4096 <= options.chunk_size <= MAX_CHUNK_SIZE:
+        raise UsageError(f"chunk size must be between 4 KiB and {MAX_CHUNK_SIZE >> 20} MiB")
+    dest = os.path.abspath(dest)
+    check_destination(src, dest, options.force)
+    parent = os.path.dirname(dest)
+    os.makedirs(parent, exist_ok=True)
+    _clean_stale_siblings(dest)
+
+    if scan is None:
+        scan = scan_tree(src)
+    skipped: list[str] = []
+    if scan.problems:
+        if not options.skip_unreadable:
+            for p in scan.problems:
+                print(f"fanstore: cannot pack {p}", file=sys.stderr)
+            n = len(scan.problems)
+            raise PackError(
+                f"{n} entr{'y' if n == 1 else 'ies'} cannot be packed (listed above); fix "
+                "them or pass --skip-unreadable to leave them out"
+            )
+        skipped = list(scan.problems)
+        for p in skipped:
+            print(f"fanstore: skipping {p}", file=sys.stderr)
+
+    entries = scan.entries
+    files = scan.files
+    bcast_dirs = [os.fsencode(b.strip("/")) for b in options.broadcast]
+    for b in bcast_dirs:
+        e = next((x for x in entries if x.rel == b), None)
+        if e is None or e.kind != KIND_DIR:
+            raise UsageError(f"--broadcast {os.fsdecode(b)}: no such directory in the source")
+    is_bcast = [any(in_dir(entries[i].rel, b) for b in bcast_dirs) for i in files]
+    normal = [i for i, bc in zip(files, is_bcast) if not bc]
+    bcast = [i for i, bc in zip(files, is_bcast) if bc]
+
+    n_normal = options.partitions
+    assign_normal = plan_partitions([entries[i].size for i in normal], n_normal)
+    n_bcast = 0
+    assign_bcast: list[int] = []
+    if bcast:
+        total_normal = sum(entries[i].size for i in normal)
+        target = max(1, total_normal // n_normal)
+        bcast_bytes = sum(entries[i].size for i in bcast)
+        n_bcast = max(1, min(len(bcast), -(-bcast_bytes // target)))
+        assign_bcast = [n_normal + p for p in plan_partitions(
+            [entries[i].size for i in bcast], n_bcast)]
+    n_parts = n_normal + n_bcast
+
+    # Codec table: slot 0 is always "none" (stored raw).
+    configs: list[dict[str, Any]] = [NONE_CONFIG]
+    slot_of: dict[str, int] = {}
+
+    def slot(codec) -> int:
+        cfg = codec.get_config()
+        if cfg.get("id") == "none":
+            return 0
+        key = _canon(cfg)
+        if key not in slot_of:
+            slot_of[key] = len(configs)
+            configs.append(cfg)
+        return slot_of[key]
+
+    tmp = f"{dest}{TMP_MARK}{os.getpid()}"
+    os.mkdir(tmp)
+    try:
+        tasks = [
+            _PartTask(p, os.path.join(tmp, partition_name(p)), [], configs, options.chunk_size)
+            for p in range(n_parts)
+        ]
+        for i, p in zip(normal + bcast, assign_normal + assign_bcast):
+            e = entries[i]
+            codec = policy.codec_for(os.fsdecode(e.rel), e.size)
+            tasks[p].files.append((i, os.path.join(scan.root, e.rel), e.size, slot(codec)))
+        for t in tasks:
+            t.files.sort(key=lambda f: f[0])  # scan (breadth-first) order: neighbours together
+        results = _run_workers(tasks, options, scan.raw_bytes)
+        errors = [r.error for r in results if r.error]
+        if errors:
+            for msg in errors[:-1]:
+                print(f"fanstore: {msg}", file=sys.stderr)
+            raise PackError(errors[-1] + ("" if len(errors) == 1 else
+                                          f" (and {len(errors) - 1} more, above)"))
+        index_bytes, stored = _build_index(scan, results, configs, options, n_normal, tmp, src)
+        _fsync_dir(tmp)
+        _install(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    kinds = [e.kind for e in entries]
+    return PackSummary(
+        dest=dest,
+        files=kinds.count(KIND_FILE),
+        dirs=kinds.count(KIND_DIR) - 1,
+        symlinks=kinds.count(KIND_SYMLINK),
+        raw_bytes=scan.raw_bytes,
+        stored_bytes=stored,
+        index_bytes=index_bytes,
+        partitions=n_parts,
+        seconds=time.monotonic() - t0,
+        skipped=skipped,
+    )
+
+
+def _canon(cfg: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(cfg, sort_keys=True)
+
+
+def _run_workers(tasks: list[_PartTask], options: PackOptions, total: int) -> list[_PartResult]:
+    jobs = options.jobs or len(os.sched_getaffinity(0))
+    jobs = max(1, min(jobs, len(tasks)))
+    show_bar = sys.stderr.isatty() if options.progress is None else options.progress
+    ctx = mp.get_context("fork")  # before any thread exists: the bar starts after the pool
+    progress = ctx.Value("q", 0)
+    # Biggest partitions first so the workers finish together.
+    order = sorted(tasks, key=lambda t: -sum(f[2] for f in t.files))
+    pool = ctx.Pool(jobs, initializer=_init_worker, initargs=(progress,))
+    bar = None
+    try:
+        pending = [pool.apply_async(_pack_partition, (t,)) for t in order]
+        if show_bar:
+            from tqdm import tqdm
+
+            tqdm.monitor_interval = 0
+            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000,
+                       desc="packing", file=sys.stderr, smoothing=0.1)
+        results = []
+        last = 0
+        while pending:
+            still = []
+            for r in pending:
+                if r.ready():
+                    results.append(r.get())
+                else:
+                    still.append(r)
+            pending = still
+            if bar is not None:
+                now = progress.value
+                bar.update(now - last)
+                last = now
+            if pending:
+                time.sleep(0.1)
+        if bar is not None:
+            bar.update(progress.value - last)
+        pool.close()
+        pool.join()
+    except BaseException:
+        pool.terminate()
+        pool.join()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return sorted(results, key=lambda r: r.number)
+
+
+def _build_index(scan: ScanResult, results: list[_PartResult], configs, options: PackOptions,
+                 n_normal: int, tmp: str, src: str) -> tuple[int, int]:
+    entries = scan.entries
+    n_chunks = sum(len(r.chunks["part"]) for r in results)
+    b = IndexBuilder(len(entries), n_chunks)
+    for i, e in enumerate(entries):
+        b.e["parent"][i] = e.parent
+        b.e["kind"][i] = e.kind
+        b.e["mode"][i] = e.mode
+        b.e["mtime_ns"][i] = e.mtime_ns
+        if i:
+            b.set_name(i, os.path.basename(e.rel))
+        if e.kind == KIND_DIR:
+            b.e["first"][i], b.e["count"][i] = e.children
+        elif e.kind == KIND_SYMLINK:
+            b.set_target(i, e.target)
+            b.e["size"][i] = len(e.target)
+        else:
+            b.e["size"][i] = e.size
+    base = 0
+    partitions = []
+    for r in results:
+        k = len(r.chunks["part"])
+        for name, arr in r.chunks.items():
+            b.c[name][base : base + k] = arr
+        starts = base + np.concatenate(([0], np.cumsum(r.chunk_counts)[:-1])).astype(np.int64)
+        b.e["first"][r.entries] = np.where(r.chunk_counts > 0, starts, 0)
+        b.e["count"][r.entries] = r.chunk_counts
+        b.e["checksum"][r.entries] = r.file_sums
+        base += k
+        partitions.append(PartitionInfo(
+            number=r.number, size=r.size, checksum=r.checksum, files=len(r.entries),
+            raw_bytes=r.raw_bytes, broadcast=r.number >= n_normal,
+        ))
+    # Empty files own no chunks; point them at 0 so the runs of the others stay contiguous.
+    stored = int(sum(p.size for p in partitions))
+    meta = {
+        "chunk_size": options.chunk_size,
+        "codecs": configs,
+        "partitions": [p.to_json() for p in partitions],
+        "counts": {
+            "files": sum(1 for e in entries if e.kind == KIND_FILE),
+            "dirs": sum(1 for e in entries if e.kind == KIND_DIR) - 1,  # not the root
+            "symlinks": sum(1 for e in entries if e.kind == KIND_SYMLINK),
+            "raw_bytes": scan.raw_bytes,
+            "stored_bytes": stored,
+        },
+        "pack": {
+            "source": os.path.abspath(src),
+            "partitions": n_normal,
+            "broadcast": list(options.broadcast),
+            "chunk_size": options.chunk_size,
+            "tool": f"fanstore {__version__}",
+        },
+    }
+    meta.update(options.extra_meta)
+    data = encode_index(meta, b.e, b.c, b.build_lookup(), bytes(b.names), bytes(b.targets))
+    write_index(os.path.join(tmp, INDEX_NAME), data)
+    return len(data), stored
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _install(tmp: str, dest: str) -> None:
+    """Move the finished store into place; an existing store (--force) is replaced."""
+    old = None
+    if os.path.isdir(dest) and os.listdir(dest):
+        old = f"{dest}{OLD_MARK}{os.getpid()}"
+        os.rename(dest, old)
+    elif os.path.isdir(dest):
+        os.rmdir(dest)
+    try:
+        os.rename(tmp, dest)
+    except BaseException:
+        if old:
+            os.rename(old, dest)
+        raise
+    _fsync_dir(os.path.dirname(dest) or ".")
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
