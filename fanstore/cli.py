@@ -1,0 +1,624 @@
+"""The ``fanstore`` command. Only ``main`` turns errors into messages and exit codes.
+
+Exit codes: 0 ok; 1 failure (including damaged files found by ``verify``); 2 bad usage;
+3 no codec meets the budget (``select``); 32/33 store format too old/new; 70 internal
+error; 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+from fanstore import __version__
+from fanstore.errors import FanStoreError, MountError, UsageError
+
+log = logging.getLogger("fanstore")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage dump) and exit status 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+# --------------------------------------------------------------------------- pack
+
+
+def cmd_pack(args) -> int:
+    from compressors import CodecError, parse_spec
+    from fanstore.pack import CodecPolicy, PackOptions, pack
+
+    extra: dict[str, Any] = {}
+    if args.codec == "auto":
+        policy, extra = _auto_policy(args)
+    else:
+        try:
+            policy = CodecPolicy(parse_spec(args.codec))
+        except CodecError as exc:
+            raise UsageError(f"--codec: {exc}") from None
+    options = PackOptions(
+        partitions=args.partitions,
+        jobs=args.jobs,
+        chunk_size=args.chunk_kb * 1024,
+        skip_unreadable=args.skip_unreadable,
+        force=args.force,
+        broadcast=args.broadcast or [],
+        progress=None if not args.no_progress else False,
+        extra_meta=extra,
+    )
+    summary = pack(args.src, args.dest, policy, options)
+    for line in summary.lines():
+        print(line)
+    return 0
+
+
+def _auto_policy(args):
+    """Run the codec selector on the source and turn its choice into a pack policy."""
+    try:
+        from fanstore.select import policy_from_selection, run_selection, selection_options
+    except ImportError as exc:  # pragma: no cover - select is part of the package
+        raise UsageError(f"--codec auto is not available: {exc}") from None
+    sel_opts = selection_options(args)
+    result = run_selection(args.src, sel_opts)
+    policy = policy_from_selection(result)
+    print(f"codec selection: {result.summary_line()}", file=sys.stderr)
+    return policy, {"selection": result.to_json()}
+
+
+# --------------------------------------------------------------------------- mount
+
+
+def cmd_mount(args) -> int:
+    from fanstore.service import check_fuse_available
+
+    check_fuse_available()
+    mpi_world = _mpi_launcher_world()
+    if mpi_world is not None:
+        from fanstore.daemon.node import mount_mpi
+
+        return mount_mpi(args)
+    if args.local_dir or args.replicas != 1:
+        # Single rank: staging still works (copy every partition to --local-dir).
+        from fanstore.daemon.node import mount_mpi
+
+        return mount_mpi(args)
+    store = args.store
+    mountpoint = args.mountpoint
+    if args.foreground:
+        _setup_logging(args, stream=sys.stderr)
+        _mount_single(args, store, mountpoint, on_ready=lambda: print(
+            f"fanstore: mounted {store} at {mountpoint} (foreground; Ctrl-C unmounts)",
+            file=sys.stderr, flush=True))
+        return 0
+    return _daemonize(args, lambda on_ready: _mount_single(args, store, mountpoint, on_ready))
+
+
+def _mount_single(args, store: str, mountpoint: str, on_ready) -> None:
+    from fanstore.fuse.mount import MountOptions
+    from fanstore.service import mount_local
+
+    options = MountOptions(cache_mb=args.cache_mb, threads=args.threads,
+                           allow_other=args.allow_other)
+    mount_local(store, mountpoint, options, on_ready=on_ready)
+
+
+def _mpi_launcher_world() -> int | None:
+    """World size if we run under an MPI launcher with more than one rank, else None."""
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"):
+        value = os.environ.get(var)
+        if value and value.isdigit() and int(value) > 1:
+            return int(value)
+    if os.environ.get("SLURM_STEP_ID") is not None:
+        ntasks = os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS")
+        if ntasks and ntasks.isdigit() and int(ntasks) > 1:
+            return int(ntasks)
+    return None
+
+
+def _daemonize(args, body) -> int:
+    """Run ``body(on_ready)`` in a background child; return once it reports ready or fails."""
+    from fanstore import runtime
+
+    runtime.runtime_dir(args.mountpoint, create=True)
+    log_file = args.log or runtime.log_path(args.mountpoint)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the daemon
+        os.close(r)
+        code = 0
+        try:
+            os.setsid()
+            fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
+            os.close(null)
+            sys.stdout = open(1, "w", buffering=1, closefd=False)
+            sys.stderr = open(2, "w", buffering=1, closefd=False)
+            _setup_logging(args, stream=sys.stderr)
+
+            def on_ready() -> None:
+                os.write(w, b"ready\n")
+
+            body(on_ready)
+        except FanStoreError as exc:
+            log.error("%s", exc)
+            _pipe_write(w, f"error: {exc}")
+            code = exc.exit_code
+        except BaseException as exc:  # noqa: BLE001 - the daemon must report, not vanish
+            log.exception("daemon failed")
+            _pipe_write(w, f"error: internal error ({type(exc).__name__}: {exc}); see {log_file}")
+            code = 70
+        finally:
+            try:
+                os.close(w)
+            except OSError:
+                pass
+        os._exit(code)
+    os.close(w)
+    data = b""
+    while True:
+        chunk = os.read(r, 4096)
+        if not chunk:
+            break
+        data += chunk
+        if data.startswith(b"ready\n"):
+            break
+    os.close(r)
+    if data.startswith(b"ready\n"):
+        return 0
+    _, status = os.waitpid(pid, 0)
+    text = data.decode(errors="replace").strip()
+    if text.startswith("error: "):
+        err = MountError(text[len("error: "):])
+        err.exit_code = os.waitstatus_to_exitcode(status) or 1
+        raise err
+    raise MountError(f"the daemon exited before the mount was ready; see {log_file}")
+
+
+def _pipe_write(fd: int, text: str) -> None:
+    try:
+        os.write(fd, text.encode(errors="replace")[:4000])
+    except OSError:
+        pass
+
+
+def cmd_umount(args) -> int:
+    from fanstore import runtime
+
+    mnt = args.mountpoint
+    status = runtime.mount_status(mnt)
+    state = runtime.read_state(mnt) or {}
+    pid = state.get("pid")
+    if status == "none":
+        if runtime.pid_alive(pid) and state.get("phase") not in ("stopped", "failed"):
+            runtime.control(mnt, {"op": "shutdown", "reason": "fanstore umount"})
+            _wait_pid(pid, args.timeout, mnt)
+            return 0
+        raise MountError(f"{mnt} is not mounted")
+    if status == "stale":
+        ok, msg = runtime.fusermount_unmount(mnt, lazy=True)
+        if not ok:
+            raise MountError(f"{mnt}: cannot clean up the stale mount: {msg}")
+        print(f"fanstore: {mnt}: cleaned up a stale mount (its daemon had died)", file=sys.stderr)
+        return 0
+    if pid and runtime.pid_alive(pid) and not args.lazy:
+        # Ask the daemon to unmount itself: in a multi-rank job it also tells its peers.
+        try:
+            runtime.control(mnt, {"op": "shutdown", "reason": "fanstore umount"}, timeout=10)
+        except MountError:
+            pass
+        else:
+            if _wait_pid(pid, args.timeout, mnt, must=False) and runtime.mount_status(mnt) == "none":
+                return 0
+    ok, msg = runtime.fusermount_unmount(mnt, lazy=args.lazy)
+    if not ok:
+        if "busy" in msg.lower():
+            raise MountError(f"{mnt} is busy (files or directories in use); close them or use "
+                             "--lazy")
+        raise MountError(f"cannot unmount {mnt}: {msg}")
+    if pid:
+        _wait_pid(pid, args.timeout, mnt)
+    return 0
+
+
+def _wait_pid(pid: int | None, timeout: float, mnt: str, must: bool = True) -> bool:
+    from fanstore import runtime
+
+    deadline = time.monotonic() + timeout
+    while runtime.pid_alive(pid):
+        if time.monotonic() > deadline:
+            if must:
+                raise MountError(f"{mnt}: daemon pid {pid} did not exit within {timeout:g} s")
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def cmd_wait(args) -> int:
+    from fanstore import runtime
+
+    mnt = args.mountpoint
+    deadline = time.monotonic() + args.timeout
+    while True:
+        state = runtime.read_state(mnt) or {}
+        phase = state.get("phase")
+        if phase == "ready" and runtime.mount_status(mnt) == "live":
+            return 0
+        if phase == "failed" and state.get("error"):
+            raise MountError(f"{mnt}: the daemon failed: {state['error']}")
+        pid = state.get("pid")
+        if phase in ("stopped", "failed") or (pid and not runtime.pid_alive(pid)):
+            if phase not in (None, "ready") or pid:
+                raise MountError(f"{mnt}: the daemon is not running (last phase: {phase})")
+        if time.monotonic() > deadline:
+            raise MountError(f"{mnt}: not ready after {args.timeout:g} s (phase: {phase})")
+        time.sleep(0.1)
+
+
+def cmd_stats(args) -> int:
+    from fanstore import runtime
+
+    reply = runtime.control(args.mountpoint, {"op": "stats"})
+    if args.json:
+        print(json.dumps(reply, indent=2, sort_keys=True))
+        return 0
+    width = max(len(k) for k in reply)
+    for key in sorted(reply):
+        print(f"{key:<{width}}  {reply[key]}")
+    return 0
+
+
+# --------------------------------------------------------------------------- offline
+
+
+def _open_store(path: str):
+    from fanstore.store import LocalStore
+
+    return LocalStore(path)
+
+
+def cmd_info(args) -> int:
+    from fanstore.format.index import read_index
+
+    index = read_index(args.store)
+    info = _store_info(index)
+    if args.json:
+        print(json.dumps(info, indent=2, sort_keys=True))
+        return 0
+    c = info["counts"]
+    print(f"store          {os.path.abspath(args.store)}")
+    print(f"format         v{info['format_version']} ({info['created_by']})")
+    print(f"entries        {c['files']:,} files, {c['dirs']:,} dirs, {c['symlinks']:,} symlinks")
+    print(f"raw bytes      {c['raw_bytes']:,}")
+    print(f"stored bytes   {c['stored_bytes']:,} (ratio {info['ratio']:.2f}x)")
+    print(f"index bytes    {info['index_bytes']:,} ({info['index_bytes_per_entry']:.0f} B/entry "
+          f"on disk, {info['memory_bytes_per_entry']:.0f} B/entry in memory)")
+    print(f"chunk size     {info['chunk_size']:,}")
+    bc = sum(1 for p in info["partitions"] if p["broadcast"])
+    print(f"partitions     {len(info['partitions'])}" + (f" ({bc} broadcast)" if bc else ""))
+    for spec, n in info["codec_chunks"].items():
+        print(f"codec          {spec}: {n:,} chunks")
+    if info.get("selection"):
+        print(f"selection      {info['selection'].get('chosen')} "
+              f"(mode {info['selection'].get('mode')})")
+    return 0
+
+
+def _store_info(index) -> dict[str, Any]:
+    import numpy as np
+
+    from compressors import get_codec
+
+    counts = dict(index.meta.get("counts", {}))
+    raw, stored = counts.get("raw_bytes", 0), counts.get("stored_bytes", 0)
+    per_codec = np.bincount(index.c["codec"], minlength=len(index.codecs))
+    codec_chunks = {}
+    for slot, cfg in enumerate(index.codecs):
+        if per_codec[slot]:
+            try:
+                spec = get_codec(cfg).spec
+            except Exception:  # noqa: BLE001 - a codec this install lacks
+                spec = cfg.get("id", "?")
+            codec_chunks[spec] = int(per_codec[slot])
+    memory = sum(a.nbytes for a in index.e.values()) + sum(a.nbytes for a in index.c.values())
+    memory += index.lk_hash.nbytes + index.lk_entry.nbytes + len(index.names) + len(index.targets)
+    n = max(1, index.n_entries)
+    return {
+        "format_version": index.meta.get("format_version"),
+        "created_by": index.meta.get("created_by"),
+        "counts": counts,
+        "ratio": raw / stored if stored else 1.0,
+        "chunk_size": index.chunk_size,
+        "index_bytes": index.stored_size,
+        "index_bytes_per_entry": index.stored_size / n,
+        "memory_bytes_per_entry": memory / n,
+        "partitions": [dict(p.to_json(), name=p.name) for p in index.partitions],
+        "codecs": index.codecs,
+        "codec_chunks": codec_chunks,
+        "pack": index.meta.get("pack", {}),
+        "selection": index.meta.get("selection"),
+    }
+
+
+def cmd_ls(args) -> int:
+    import stat as st_mod
+
+    from fanstore.format.index import KIND_DIR, KIND_SYMLINK
+    from fanstore.format.index import read_index
+    from fanstore.namespace import Namespace
+
+    ns = Namespace(read_index(args.store))
+    entry = ns.resolve(args.path or "")
+    entries = list(ns.children(entry)) if ns.is_dir(entry) else [entry]
+    out = sys.stdout
+    for child in entries:
+        name = os.fsdecode(ns.name(child) if child != entry else ns.path(child))
+        if not args.long:
+            out.write(name + ("/" if ns.is_dir(child) else "") + "\n")
+            continue
+        s = ns.stat(child)
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(s.mtime_ns / 1e9))
+        line = f"{st_mod.filemode(s.mode)} {s.size:>12} {when} {name}"
+        if s.kind == KIND_SYMLINK:
+            line += " -> " + os.fsdecode(ns.readlink(child))
+        elif s.kind == KIND_DIR:
+            line += "/"
+        out.write(line + "\n")
+    return 0
+
+
+def cmd_cat(args) -> int:
+    with _open_store(args.store) as store:
+        entry = store.file_entry(args.path)
+        out = sys.stdout.buffer
+        for chunk in store.iter_file(entry):
+            out.write(chunk)
+        out.flush()
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from fanstore.verify import verify_store
+
+    report = verify_store(args.store, jobs=args.jobs,
+                          progress=None if not args.no_progress else False)
+    for line in report.damaged_lines():
+        print(line)
+    print(report.summary(), file=sys.stderr)
+    return 1 if report.damaged else 0
+
+
+# --------------------------------------------------------------------------- select
+
+
+def cmd_select(args) -> int:
+    from fanstore.select.cli import run_select_command
+
+    return run_select_command(args)
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _Parser(add_help=False)
+    common.add_argument("--debug", action="store_true",
+                        help="verbose logging and a traceback on errors")
+    p = _Parser(prog="fanstore", parents=[common],
+                description="Compressed burst-buffer object store for deep-learning training.")
+    p.add_argument("--version", action="version", version=f"fanstore {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    s = sub.add_parser("pack", parents=[common], help="compress a dataset into a store",
+                       description="Compress SRC into a store at DEST (partitions + index).")
+    s.add_argument("src", metavar="SRC")
+    s.add_argument("dest", metavar="DEST")
+    s.add_argument("--partitions", type=_positive_int, default=8,
+                   help="number of partitions (default 8; at least the node count)")
+    s.add_argument("--codec", default="zstd:3",
+                   help="codec spec (zstd:3, lz4, lz4hc:9, snappy, blosc2:zstd:5:shuffle:4, "
+                        "zlib:6, none) or 'auto' to run the selector (default zstd:3)")
+    s.add_argument("--jobs", type=_nonneg_int, default=0,
+                   help="worker processes (default: all cores)")
+    s.add_argument("--chunk-kb", type=_positive_int, default=1024,
+                   help="chunk size for large files in KiB (default 1024)")
+    s.add_argument("--broadcast", action="append", metavar="RELDIR",
+                   help="put the files under RELDIR on every node (repeatable)")
+    s.add_argument("--skip-unreadable", action="store_true",
+                   help="leave out entries that cannot be packed instead of failing")
+    s.add_argument("--force", action="store_true", help="replace an existing store at DEST")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_select_budget_args(s, for_pack=True)
+    s.set_defaults(func=cmd_pack)
+
+    s = sub.add_parser("mount", parents=[common], help="mount a store read-only",
+                       description="Mount STORE read-only at MOUNTPOINT. Returns once the mount "
+                                   "is ready (unless --foreground). Under an MPI launcher, one "
+                                   "daemon per rank in the foreground.")
+    s.add_argument("store", metavar="STORE")
+    s.add_argument("mountpoint", metavar="MOUNTPOINT")
+    s.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground")
+    s.add_argument("--cache-mb", type=_nonneg_int, default=256,
+                   help="decoded-chunk cache budget in MB (default 256)")
+    s.add_argument("--threads", type=_nonneg_int, default=0,
+                   help="decode threads (default: 2 per core, at least 4)")
+    s.add_argument("--allow-other", action="store_true",
+                   help="let other users read the mount (needs user_allow_other)")
+    s.add_argument("--log", help="log file of a background daemon")
+    s.add_argument("--local-dir", help="node-local directory to stage partitions into "
+                                       "({rank} and {host} are substituted)")
+    s.add_argument("--replicas", type=_positive_int, default=1,
+                   help="copies of each partition on consecutive ranks (default 1)")
+    s.add_argument("--remote-timeout", type=_positive_float, default=30.0,
+                   help="seconds before an unanswered remote read fails with EIO (default 30)")
+    s.add_argument("--keep-local", action="store_true",
+                   help="keep staged partitions on exit (a restart reuses them)")
+    s.add_argument("--stage-jobs", type=_positive_int, default=4,
+                   help="partition copies in flight while staging (default 4)")
+    s.set_defaults(func=cmd_mount)
+
+    s = sub.add_parser("umount", parents=[common], help="unmount a FanStore mount")
+    s.add_argument("mountpoint", metavar="MOUNTPOINT")
+    s.add_argument("--lazy", "-z", action="store_true", help="detach even if busy")
+    s.add_argument("--timeout", type=_positive_float, default=30.0,
+                   help="seconds to wait for the daemon to exit (default 30)")
+    s.set_defaults(func=cmd_umount)
+
+    s = sub.add_parser("wait", parents=[common], help="wait until a mount is ready")
+    s.add_argument("mountpoint", metavar="MOUNTPOINT")
+    s.add_argument("--timeout", type=_positive_float, default=300.0,
+                   help="seconds (default 300)")
+    s.set_defaults(func=cmd_wait)
+
+    s = sub.add_parser("stats", parents=[common], help="this node's counters for a mount")
+    s.add_argument("mountpoint", metavar="MOUNTPOINT")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_stats)
+
+    s = sub.add_parser("verify", parents=[common], help="check every file of a store")
+    s.add_argument("store", metavar="STORE")
+    s.add_argument("--jobs", type=_nonneg_int, default=0, help="threads (default: all cores)")
+    s.add_argument("--no-progress", action="store_true")
+    s.set_defaults(func=cmd_verify)
+
+    s = sub.add_parser("info", parents=[common], help="describe a store")
+    s.add_argument("store", metavar="STORE")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_info)
+
+    s = sub.add_parser("ls", parents=[common], help="list a directory of a store")
+    s.add_argument("store", metavar="STORE")
+    s.add_argument("path", metavar="PATH", nargs="?", default="")
+    s.add_argument("-l", "--long", action="store_true")
+    s.set_defaults(func=cmd_ls)
+
+    s = sub.add_parser("cat", parents=[common], help="write a file of a store to stdout")
+    s.add_argument("store", metavar="STORE")
+    s.add_argument("path", metavar="PATH")
+    s.set_defaults(func=cmd_cat)
+
+    s = sub.add_parser("select", parents=[common], help="benchmark codecs and pick one",
+                       description="Benchmark codecs on a sample of SRC and pick the best "
+                                   "ratio that meets the decompression budget.")
+    s.add_argument("src", metavar="SRC")
+    _add_select_budget_args(s, for_pack=False)
+    s.add_argument("--json", action="store_true", help="print the report as JSON")
+    s.add_argument("--plot", metavar="FILE", help="draw ratio vs decode rate (matplotlib)")
+    s.set_defaults(func=cmd_select)
+    return p
+
+
+def _add_select_budget_args(s, for_pack: bool) -> None:
+    g = s.add_argument_group("codec selection" + (" (with --codec auto)" if for_pack else ""))
+    g.add_argument("--mode", choices=("sync", "prefetch"), default="sync",
+                   help="sync: decode on the read path; prefetch: decode overlaps compute")
+    rate = g.add_mutually_exclusive_group()
+    rate.add_argument("--files-per-sec", type=_positive_float, help="required files/s per node")
+    rate.add_argument("--mb-per-sec", type=_positive_float, help="required MB/s per node")
+    g.add_argument("--cores", type=_positive_int, default=None,
+                   help="cores available for decompression per node (default: all here)")
+    g.add_argument("--sample-mb", type=_positive_float, default=200.0,
+                   help="sample size in MB (default 200)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    g.add_argument("--per-kind", action="store_true",
+                   help="choose a codec per file kind (extension and size band)")
+    g.add_argument("--storage-mb-per-sec", type=_positive_float, default=None,
+                   help="node-local read bandwidth in MB/s for the sync model (default: measured)")
+
+
+def _setup_logging(args, stream=None) -> None:
+    level = logging.DEBUG if getattr(args, "debug", False) else logging.INFO
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(logging.Formatter(
+        "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        if not getattr(args, "command", None):
+            raise UsageError("no command given (see 'fanstore --help')")
+        if not logging.getLogger().handlers:
+            logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING,
+                                format="fanstore: %(levelname)s: %(message)s")
+        return int(args.func(args) or 0)
+    except FanStoreError as exc:
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        print(f"fanstore: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("fanstore: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        try:
+            sys.stdout = None  # type: ignore[assignment]
+        finally:
+            return 1
+    except OSError as exc:
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"fanstore: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - last line of defence: never a raw traceback
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        print(f"fanstore: internal error: {type(exc).__name__}: {exc} (run with --debug for "
+              "details)", file=sys.stderr)
+        return 70
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The FUSE front end (pyfuse3 + trio): a thin ``Operations`` class and the mount wiring."""

@@ -1,0 +1,249 @@
+"""Mount wiring: pyfuse3 init/main/close, signals, the control socket, readiness.
+
+Everything that lives as long as the mount is started here, in one nursery, and torn down
+in one place: the FUSE session loop, the signal watcher (SIGINT/SIGTERM unmount cleanly),
+the control socket server, and any extra tasks the caller adds (the MPI layer adds one
+that watches for a cluster-wide shutdown).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket as _socket
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import pyfuse3
+import trio
+
+from fanstore import runtime
+from fanstore.errors import FanStoreError, MountError
+from fanstore.fuse.ops import FanStoreOps
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[dict[str, Any]], Any]
+
+
+@dataclass
+class MountOptions:
+    cache_mb: int = 256
+    threads: int = 0  # decode threads; 0 = 2 per core, at least 4
+    allow_other: bool = False
+    max_tasks: int = 64
+    fsname: str = "fanstore"
+    extra_handlers: dict[str, Handler] = field(default_factory=dict)
+
+    def decode_threads(self) -> int:
+        if self.threads:
+            return self.threads
+        return max(4, 2 * len(os.sched_getaffinity(0)))
+
+
+def prepare_mountpoint(mountpoint: str) -> None:
+    """Refuse bad mount points; clean a stale mount left by a crashed daemon."""
+    status = runtime.mount_status(mountpoint)
+    if status == "stale":
+        log.warning("%s: stale mount left by a daemon that died; unmounting it", mountpoint)
+        print(f"fanstore: {mountpoint}: cleaning up a stale mount left by a crashed daemon",
+              flush=True, file=__import__("sys").stderr)
+        ok, msg = runtime.fusermount_unmount(mountpoint, lazy=True)
+        if not ok and runtime.mount_status(mountpoint) != "none":
+            raise MountError(f"{mountpoint}: cannot clean up the stale mount: {msg}")
+    elif status == "live":
+        state = runtime.read_state(mountpoint) or {}
+        pid = state.get("pid")
+        if runtime.pid_alive(pid):
+            raise MountError(f"{mountpoint} is already mounted by FanStore (daemon pid {pid})")
+        raise MountError(f"{mountpoint} is already a mount point; unmount it first")
+    if not os.path.exists(mountpoint):
+        raise MountError(f"mount point {mountpoint} does not exist")
+    if not os.path.isdir(mountpoint):
+        raise MountError(f"mount point {mountpoint} is not a directory")
+
+
+class Daemon:
+    """One mounted file system: the trio side of a FanStore daemon."""
+
+    def __init__(self, ns, store, mountpoint: str, options: MountOptions) -> None:
+        self.ns = ns
+        self.store = store
+        self.mountpoint = mountpoint
+        self.options = options
+        self.handlers: dict[str, Handler] = {
+            "ping": lambda req: {"ok": True, "pid": os.getpid()},
+            "stats": lambda req: self.store.stats.to_json(self.store.cache),
+            "shutdown": self._shutdown_request,
+        }
+        self.handlers.update(options.extra_handlers)
+        self.stopping = False
+        self.stop_reason = ""
+        self.on_stop: list[Callable[[str], None]] = []
+        self._token: trio.lowlevel.TrioToken | None = None
+
+    # ------------------------------------------------------------------ stopping
+    def request_stop(self, reason: str) -> None:
+        """Unmount and end the loop (from the trio thread)."""
+        if self.stopping:
+            return
+        self.stopping = True
+        self.stop_reason = reason
+        log.info("stopping: %s", reason)
+        for cb in self.on_stop:
+            try:
+                cb(reason)
+            except Exception:  # pragma: no cover - defensive
+                log.exception("stop callback failed")
+        pyfuse3.terminate()
+
+    def request_stop_threadsafe(self, reason: str) -> None:
+        if self._token is None:
+            return
+        try:
+            trio.from_thread.run_sync(self.request_stop, reason, trio_token=self._token)
+        except trio.RunFinishedError:
+            pass
+
+    def _shutdown_request(self, req: dict[str, Any]) -> dict[str, Any]:
+        self.request_stop(str(req.get("reason", "shutdown requested")))
+        return {"ok": True}
+
+    # ------------------------------------------------------------------ tasks
+    async def _signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as sigs:
+            async for signum in sigs:
+                self.request_stop(f"signal {signal.Signals(signum).name}")
+
+    async def _control_server(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        path = runtime.socket_path(self.mountpoint)
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        sock = trio.socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        await sock.bind(path)
+        sock.listen(64)
+        task_status.started()
+        try:
+            async with trio.open_nursery() as nursery:
+                while True:
+                    conn, _ = await sock.accept()
+                    nursery.start_soon(self._serve_client, conn)
+        finally:
+            sock.close()
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    async def _serve_client(self, conn) -> None:
+        stream = trio.SocketStream(conn)
+        try:
+            buf = bytearray()
+            with trio.move_on_after(30):
+                while True:
+                    while b"\n" not in buf:
+                        data = await stream.receive_some(65536)
+                        if not data:
+                            return
+                        buf += data
+                    line, _, rest = bytes(buf).partition(b"\n")
+                    buf = bytearray(rest)
+                    reply = await self._dispatch(line)
+                    await stream.send_all(json.dumps(reply).encode() + b"\n")
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        finally:
+            await stream.aclose()
+
+    async def _dispatch(self, line: bytes) -> dict[str, Any]:
+        try:
+            req = json.loads(line)
+            handler = self.handlers.get(req.get("op")) if isinstance(req, dict) else None
+            if handler is None:
+                return {"error": f"unknown request {line[:80]!r}"}
+            out = handler(req)
+            if hasattr(out, "__await__"):
+                out = await out
+            return out
+        except FanStoreError as exc:
+            return {"error": str(exc)}
+        except ValueError:
+            return {"error": "malformed request"}
+
+    # ------------------------------------------------------------------ run
+    async def main(
+        self,
+        on_ready: Callable[[], Any] | None = None,
+        extra_tasks: tuple[Callable[..., Awaitable[Any]], ...] = (),
+    ) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._signals)
+            await nursery.start(self._control_server)
+            for task in extra_tasks:
+                nursery.start_soon(task, self)
+            # The kernel queues requests from the moment of the mount; they are served once
+            # the session loop below runs, so the mount is ready now.
+            runtime.write_state(self.mountpoint, phase="ready")
+            if on_ready is not None:
+                on_ready()
+            await pyfuse3.main(min_tasks=1, max_tasks=self.options.max_tasks)
+            if not self.stopping:
+                self.stopping = True
+                self.stop_reason = "unmounted"
+                for cb in self.on_stop:
+                    cb("unmounted")
+            nursery.cancel_scope.cancel()
+
+
+def run(
+    ns,
+    store,
+    mountpoint: str,
+    options: MountOptions,
+    on_ready: Callable[[], Any] | None = None,
+    extra_tasks: tuple = (),
+    setup: Callable[[Daemon], Any] | None = None,
+) -> Daemon:
+    """Mount ``store`` at ``mountpoint`` and serve until unmounted or signalled.
+
+    Blocks; returns the daemon (its ``stop_reason`` says why it ended) after the file
+    system is unmounted.
+    """
+    prepare_mountpoint(mountpoint)
+    daemon = Daemon(ns, store, mountpoint, options)
+    if setup is not None:
+        setup(daemon)
+    ops = FanStoreOps(ns, store)
+    fuse_opts = set(pyfuse3.default_options)
+    fuse_opts |= {"ro", f"fsname={options.fsname}", "subtype=fanstore"}
+    if options.allow_other:
+        fuse_opts.add("allow_other")
+    runtime.write_state(mountpoint, pid=os.getpid(), mountpoint=os.path.abspath(mountpoint),
+                        phase="mounting")
+    try:
+        pyfuse3.init(ops, mountpoint, fuse_opts)
+    except RuntimeError as exc:
+        hint = "" if os.path.exists("/dev/fuse") else " (/dev/fuse is missing)"
+        raise MountError(f"cannot mount {mountpoint}: {exc}{hint}") from exc
+    unmounted = False
+    try:
+        trio.run(daemon.main, on_ready, extra_tasks)
+        unmounted = True
+    finally:
+        try:
+            pyfuse3.close(unmount=True)
+        except Exception:  # pragma: no cover - best effort
+            log.exception("pyfuse3.close failed")
+        if runtime.mount_status(mountpoint) != "none":
+            ok, msg = runtime.fusermount_unmount(mountpoint, lazy=True)
+            if not ok:
+                log.error("%s: could not unmount: %s", mountpoint, msg)
+        runtime.write_state(mountpoint, phase="stopped" if unmounted else "failed")
+    return daemon
+

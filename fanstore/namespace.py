@@ -1,0 +1,125 @@
+"""Read-only, in-memory namespace over a loaded index: lookup, stat, readdir, readlink.
+
+No I/O and no async: every answer comes from the index's arrays. Entry ids are stable
+(they are the index rows), so inode numbers derived from them are stable too.
+"""
+
+from __future__ import annotations
+
+import os
+import stat as stat_mod
+from dataclasses import dataclass
+
+import numpy as np
+
+from fanstore.errors import NotADirectoryError_, NotFoundError
+from fanstore.format.index import KIND_DIR, KIND_FILE, KIND_SYMLINK, Index
+
+_TYPE_BITS = {KIND_FILE: stat_mod.S_IFREG, KIND_DIR: stat_mod.S_IFDIR,
+              KIND_SYMLINK: stat_mod.S_IFLNK}
+
+
+@dataclass(frozen=True)
+class Stat:
+    entry: int
+    mode: int  # full st_mode, type bits included
+    size: int
+    mtime_ns: int
+    nlink: int
+    kind: int
+
+
+class Namespace:
+    """Path and attribute queries on an :class:`Index` (entry 0 is the root)."""
+
+    ROOT = 0
+
+    def __init__(self, index: Index) -> None:
+        self.index = index
+        e = index.e
+        self._kind = e["kind"]
+        self._parent = e["parent"]
+        self._first = e["first"]
+        self._count = e["count"]
+        self._size = e["size"]
+        self._mode = e["mode"]
+        self._mtime = e["mtime_ns"]
+        # nlink of a directory: 2 + its subdirectories.
+        dirs = np.nonzero(self._kind == KIND_DIR)[0]
+        sub = np.bincount(self._parent[dirs[1:]], minlength=index.n_entries) if len(dirs) > 1 \
+            else np.zeros(index.n_entries, dtype=np.int64)
+        self._nlink_dirs = sub
+        counts = index.meta.get("counts", {})
+        self.n_files = int(counts.get("files", int((self._kind == KIND_FILE).sum())))
+        self.raw_bytes = int(counts.get("raw_bytes", int(self._size[self._kind == KIND_FILE].sum())))
+
+    @property
+    def n_entries(self) -> int:
+        return self.index.n_entries
+
+    def kind(self, entry: int) -> int:
+        return int(self._kind[entry])
+
+    def is_dir(self, entry: int) -> bool:
+        return int(self._kind[entry]) == KIND_DIR
+
+    def parent(self, entry: int) -> int:
+        return int(self._parent[entry])
+
+    def lookup(self, parent: int, name: bytes) -> int | None:
+        if name == b".":
+            return parent
+        if name == b"..":
+            return int(self._parent[parent])
+        return self.index.lookup(parent, name)
+
+    def stat(self, entry: int) -> Stat:
+        kind = int(self._kind[entry])
+        nlink = 2 + int(self._nlink_dirs[entry]) if kind == KIND_DIR else 1
+        return Stat(entry, _TYPE_BITS[kind] | int(self._mode[entry]), int(self._size[entry]),
+                    int(self._mtime[entry]), nlink, kind)
+
+    def size(self, entry: int) -> int:
+        return int(self._size[entry])
+
+    def children(self, entry: int) -> range:
+        if int(self._kind[entry]) != KIND_DIR:
+            raise NotADirectoryError_(f"{self.show(entry)}: not a directory")
+        first = int(self._first[entry])
+        return range(first, first + int(self._count[entry]))
+
+    def name(self, entry: int) -> bytes:
+        return self.index.name(entry)
+
+    def readlink(self, entry: int) -> bytes:
+        return self.index.target(entry)
+
+    def chunks(self, entry: int) -> tuple[int, int]:
+        """(first chunk, number of chunks) of a file."""
+        return int(self._first[entry]), int(self._count[entry])
+
+    def path(self, entry: int) -> bytes:
+        return self.index.path(entry)
+
+    def show(self, entry: int) -> str:
+        return os.fsdecode(self.path(entry)) or "/"
+
+    def resolve(self, path: str | bytes) -> int:
+        """Entry for a path relative to the root (no symlinks followed); NotFoundError if none."""
+        entry = self.index.resolve(path)
+        if entry is None:
+            shown = os.fsdecode(path) if isinstance(path, bytes) else path
+            raise NotFoundError(f"{shown}: no such file or directory in the store")
+        return entry
+
+    def walk_files(self, root: int = 0):
+        """Yield every file entry below ``root`` in breadth-first order."""
+        stack = [root]
+        while stack:
+            d = stack.pop(0)
+            for child in self.children(d):
+                k = int(self._kind[child])
+                if k == KIND_DIR:
+                    stack.append(child)
+                elif k == KIND_FILE:
+                    yield child
