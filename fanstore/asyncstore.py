@@ -77,7 +77,8 @@ class Stats:
             "chunks_decoded": self.chunks_decoded,
             "errors": self.errors,
         }
-        out.update(self.extra)
+        for key, value in self.extra.items():
+            out[key] = value() if callable(value) else value
         return out
 
 

@@ -242,23 +242,40 @@ def cmd_umount(args) -> int:
         print(f"fanstore: {mnt}: cleaned up a stale mount (its daemon had died)", file=sys.stderr)
         return 0
     if pid and runtime.pid_alive(pid) and not args.lazy:
-        # Ask the daemon to unmount itself: in a multi-rank job it also tells its peers.
+        # Ask the daemon to unmount itself: in a multi-rank job it also tells its peers, and
+        # it then keeps serving them ("draining") until every rank is done.
         try:
             runtime.control(mnt, {"op": "shutdown", "reason": "fanstore umount"}, timeout=10)
         except MountError:
             pass
         else:
-            if _wait_pid(pid, args.timeout, mnt, must=False) and runtime.mount_status(mnt) == "none":
+            if _wait_unmounted(pid, args.timeout, mnt):
                 return 0
     ok, msg = runtime.fusermount_unmount(mnt, lazy=args.lazy)
     if not ok:
+        if runtime.mount_status(mnt) == "none":
+            return 0
         if "busy" in msg.lower():
             raise MountError(f"{mnt} is busy (files or directories in use); close them or use "
                              "--lazy")
         raise MountError(f"cannot unmount {mnt}: {msg}")
     if pid:
-        _wait_pid(pid, args.timeout, mnt)
+        _wait_unmounted(pid, args.timeout, mnt)
     return 0
+
+
+def _wait_unmounted(pid: int, timeout: float, mnt: str) -> bool:
+    """Wait until the mount is gone and its daemon has exited or is only serving peers."""
+    from fanstore import runtime
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if runtime.mount_status(mnt) == "none":
+            state = runtime.read_state(mnt) or {}
+            if not runtime.pid_alive(pid) or state.get("phase") in ("draining", "stopped"):
+                return True
+        time.sleep(0.05)
+    return False
 
 
 def _wait_pid(pid: int | None, timeout: float, mnt: str, must: bool = True) -> bool:
@@ -275,23 +292,31 @@ def _wait_pid(pid: int | None, timeout: float, mnt: str, must: bool = True) -> b
 
 
 def cmd_wait(args) -> int:
+    """Wait until this node's daemon reports ready (all ranks are mounted by then).
+
+    A state left by an earlier daemon counts only once it is newer than this wait: the
+    daemon being waited for may not have started yet.
+    """
     from fanstore import runtime
 
     mnt = args.mountpoint
+    start = time.time()
     deadline = time.monotonic() + args.timeout
     while True:
         state = runtime.read_state(mnt) or {}
-        phase = state.get("phase")
+        current = state.get("updated", 0) >= start - 1 or runtime.pid_alive(state.get("pid"))
+        phase = state.get("phase") if current else None
         if phase == "ready" and runtime.mount_status(mnt) == "live":
             return 0
-        if phase == "failed" and state.get("error"):
-            raise MountError(f"{mnt}: the daemon failed: {state['error']}")
-        pid = state.get("pid")
-        if phase in ("stopped", "failed") or (pid and not runtime.pid_alive(pid)):
-            if phase not in (None, "ready") or pid:
-                raise MountError(f"{mnt}: the daemon is not running (last phase: {phase})")
+        if phase in ("failed", "stopped"):
+            why = f": {state['error']}" if state.get("error") else f" (phase: {phase})"
+            raise MountError(f"{mnt}: the daemon stopped before the mount was ready{why}")
+        if phase and not runtime.pid_alive(state.get("pid")):
+            raise MountError(f"{mnt}: the daemon died before the mount was ready (phase: "
+                             f"{phase})")
         if time.monotonic() > deadline:
-            raise MountError(f"{mnt}: not ready after {args.timeout:g} s (phase: {phase})")
+            raise MountError(f"{mnt}: not ready after {args.timeout:g} s (phase: "
+                             f"{phase or 'not started'})")
         time.sleep(0.1)
 
 

@@ -45,6 +45,7 @@ class LocalPartitions:
     def __init__(self, directory: str, index: Index, numbers=None) -> None:
         self.directory = directory
         self._fds: dict[int, int] = {}
+        self._sizes = {p.number: p.size for p in index.partitions}
         wanted = range(len(index.partitions)) if numbers is None else sorted(set(numbers))
         try:
             for n in wanted:
@@ -86,6 +87,22 @@ class LocalPartitions:
         return part in self._fds
 
     is_local = has
+
+    def size_of(self, part: int) -> int:
+        return self._sizes[part]
+
+    def read_into(self, part: int, offset: int, view: memoryview) -> None:
+        """Fill ``view`` with the partition's bytes at ``offset`` (no intermediate copy)."""
+        fd = self._fds.get(part)
+        if fd is None:
+            raise FormatError(f"partition {part} is not available here")
+        got = 0
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n <= 0:
+                raise CorruptDataError(
+                    f"partition {part}: short read at offset {offset + got}")
+            got += n
 
     def fetch(self, part: int, offset: int, length: int) -> bytes:
         fd = self._fds.get(part)

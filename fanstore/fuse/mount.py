@@ -81,12 +81,15 @@ class Daemon:
         self.handlers.update(options.extra_handlers)
         self.stopping = False
         self.stop_reason = ""
-        self.on_stop: list[Callable[[str], None]] = []
+        self.on_stop: list[Callable[[str, bool], None]] = []
+        self.pending_stop: str | None = None
+        self.signal_stop_everywhere = False
         self._token: trio.lowlevel.TrioToken | None = None
 
     # ------------------------------------------------------------------ stopping
-    def request_stop(self, reason: str) -> None:
-        """Unmount and end the loop (from the trio thread)."""
+    def request_stop(self, reason: str, everywhere: bool = False) -> None:
+        """Unmount and end the loop (call from the trio thread). ``everywhere`` asks the
+        on-stop callbacks to stop the other nodes too (a multi-rank job)."""
         if self.stopping:
             return
         self.stopping = True
@@ -94,13 +97,15 @@ class Daemon:
         log.info("stopping: %s", reason)
         for cb in self.on_stop:
             try:
-                cb(reason)
+                cb(reason, everywhere)
             except Exception:  # pragma: no cover - defensive
                 log.exception("stop callback failed")
         pyfuse3.terminate()
 
     def request_stop_threadsafe(self, reason: str) -> None:
+        """Ask for a stop from another thread (e.g. the MPI server thread)."""
         if self._token is None:
+            self.pending_stop = reason  # the loop has not started: main() picks it up
             return
         try:
             trio.from_thread.run_sync(self.request_stop, reason, trio_token=self._token)
@@ -108,14 +113,16 @@ class Daemon:
             pass
 
     def _shutdown_request(self, req: dict[str, Any]) -> dict[str, Any]:
-        self.request_stop(str(req.get("reason", "shutdown requested")))
+        self.request_stop(str(req.get("reason", "shutdown requested")),
+                          everywhere=bool(req.get("everywhere", False)))
         return {"ok": True}
 
     # ------------------------------------------------------------------ tasks
     async def _signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as sigs:
             async for signum in sigs:
-                self.request_stop(f"signal {signal.Signals(signum).name}")
+                self.request_stop(f"signal {signal.Signals(signum).name}",
+                                  everywhere=self.signal_stop_everywhere)
 
     async def _control_server(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         path = runtime.socket_path(self.mountpoint)
@@ -192,12 +199,14 @@ class Daemon:
             runtime.write_state(self.mountpoint, phase="ready")
             if on_ready is not None:
                 on_ready()
+            if self.pending_stop:
+                self.request_stop(self.pending_stop)
             await pyfuse3.main(min_tasks=1, max_tasks=self.options.max_tasks)
             if not self.stopping:
                 self.stopping = True
-                self.stop_reason = "unmounted"
+                self.stop_reason = "unmounted from outside"
                 for cb in self.on_stop:
-                    cb("unmounted")
+                    cb(self.stop_reason, False)
             nursery.cancel_scope.cancel()
 
 
@@ -209,14 +218,19 @@ def run(
     on_ready: Callable[[], Any] | None = None,
     extra_tasks: tuple = (),
     setup: Callable[[Daemon], Any] | None = None,
+    gate: Callable[[bool], bool] | None = None,
+    signal_stop_everywhere: bool = False,
 ) -> Daemon:
     """Mount ``store`` at ``mountpoint`` and serve until unmounted or signalled.
 
     Blocks; returns the daemon (its ``stop_reason`` says why it ended) after the file
-    system is unmounted.
+    system is unmounted. ``gate(mounted)`` is called once, after this node's mount
+    succeeded (True) or failed (False); in a multi-rank job it waits for every rank, and
+    when it returns False the mount is undone and MountError raised, so no node serves
+    unless all do.
     """
-    prepare_mountpoint(mountpoint)
     daemon = Daemon(ns, store, mountpoint, options)
+    daemon.signal_stop_everywhere = signal_stop_everywhere
     if setup is not None:
         setup(daemon)
     ops = FanStoreOps(ns, store)
@@ -224,15 +238,24 @@ def run(
     fuse_opts |= {"ro", f"fsname={options.fsname}", "subtype=fanstore"}
     if options.allow_other:
         fuse_opts.add("allow_other")
-    runtime.write_state(mountpoint, pid=os.getpid(), mountpoint=os.path.abspath(mountpoint),
-                        phase="mounting")
     try:
-        pyfuse3.init(ops, mountpoint, fuse_opts)
-    except RuntimeError as exc:
-        hint = "" if os.path.exists("/dev/fuse") else " (/dev/fuse is missing)"
-        raise MountError(f"cannot mount {mountpoint}: {exc}{hint}") from exc
+        prepare_mountpoint(mountpoint)
+        runtime.write_state(mountpoint, pid=os.getpid(),
+                            mountpoint=runtime.mount_key(mountpoint), phase="mounting")
+        try:
+            pyfuse3.init(ops, mountpoint, fuse_opts)
+        except RuntimeError as exc:
+            hint = "" if os.path.exists("/dev/fuse") else " (/dev/fuse is missing)"
+            raise MountError(f"cannot mount {mountpoint}: {exc}{hint}") from exc
+    except FanStoreError as exc:
+        runtime.write_state(mountpoint, phase="failed", error=str(exc))
+        if gate is not None:
+            gate(False)
+        raise
     unmounted = False
     try:
+        if gate is not None and not gate(True):
+            raise MountError(f"{mountpoint}: another rank failed to mount; not serving")
         trio.run(daemon.main, on_ready, extra_tasks)
         unmounted = True
     finally:
@@ -246,4 +269,3 @@ def run(
                 log.error("%s: could not unmount: %s", mountpoint, msg)
         runtime.write_state(mountpoint, phase="stopped" if unmounted else "failed")
     return daemon
-

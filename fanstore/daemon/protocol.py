@@ -1,0 +1,139 @@
+"""The peer protocol: fixed struct headers and raw bytes, never pickled objects.
+
+Every message travels on the daemon's private communicator (a ``Dup()`` of the world).
+
+    tag TAG_REQUEST   request  REQ_HEADER (40 bytes)
+        magic "FSRQ", version u16, op u16, part u32, reply_tag u32, offset u64, length u64,
+        request id u64
+    tag <reply_tag>   response RESP_HEADER (24 bytes) followed by ``length`` payload bytes
+        magic "FSRS", version u16, status u16, length u64, request id u64
+    tag TAG_CONTROL   control  CTRL_HEADER (16 bytes) + UTF-8 reason, at most CTRL_MAX bytes
+        magic "FSCT", version u16, kind u16, rank u32, reason length u32
+
+A request asks for ``length`` stored (still compressed) bytes of partition ``part`` at
+``offset``; the response carries exactly those bytes, or a non-zero status and no payload.
+Decoders here validate everything: a malformed message is a ProtocolError, never a crash.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+from fanstore.errors import FanStoreError
+
+VERSION = 1
+TAG_REQUEST = 11
+TAG_CONTROL = 12
+#: Reply tags are drawn from [REPLY_TAG_BASE, tag upper bound).
+REPLY_TAG_BASE = 1000
+
+REQ = struct.Struct("<4sHHIIQQQ")
+RESP = struct.Struct("<4sHHQQ")
+CTRL = struct.Struct("<4sHHII")
+REQ_MAGIC, RESP_MAGIC, CTRL_MAGIC = b"FSRQ", b"FSRS", b"FSCT"
+CTRL_MAX = 512
+#: Largest payload one request may ask for (a file's stored run is read in pieces of this).
+MAX_REQUEST = 1 << 30
+
+
+class Op(IntEnum):
+    READ = 1
+    PING = 2
+
+
+class Status(IntEnum):
+    OK = 0
+    BAD_REQUEST = 1
+    NOT_HERE = 2
+    IO_ERROR = 3
+    STOPPING = 4
+
+
+class Control(IntEnum):
+    SHUTDOWN = 1  # stop and unmount everywhere (e.g. SIGTERM at the time limit)
+    DONE = 2  # the sender has unmounted; it keeps serving until everyone is done
+
+
+class ProtocolError(FanStoreError):
+    """A message that does not follow the protocol."""
+
+
+@dataclass(frozen=True)
+class Request:
+    op: int
+    part: int
+    reply_tag: int
+    offset: int
+    length: int
+    req_id: int
+
+
+@dataclass(frozen=True)
+class Response:
+    status: int
+    length: int
+    req_id: int
+
+
+@dataclass(frozen=True)
+class ControlMsg:
+    kind: int
+    rank: int
+    reason: str
+
+
+def encode_request(r: Request) -> bytes:
+    return REQ.pack(REQ_MAGIC, VERSION, r.op, r.part, r.reply_tag, r.offset, r.length, r.req_id)
+
+
+def decode_request(buf) -> Request:
+    if len(buf) != REQ.size:
+        raise ProtocolError(f"request of {len(buf)} bytes, expected {REQ.size}")
+    magic, version, op, part, reply_tag, offset, length, req_id = REQ.unpack(buf)
+    if magic != REQ_MAGIC or version != VERSION:
+        raise ProtocolError("request with a bad magic or version")
+    if op not in (Op.READ, Op.PING):
+        raise ProtocolError(f"request with unknown op {op}")
+    if reply_tag < REPLY_TAG_BASE:
+        raise ProtocolError(f"request with reserved reply tag {reply_tag}")
+    if length > MAX_REQUEST:
+        raise ProtocolError(f"request for {length} bytes (at most {MAX_REQUEST})")
+    return Request(op, part, reply_tag, offset, length, req_id)
+
+
+def encode_response_header(status: int, length: int, req_id: int) -> bytes:
+    return RESP.pack(RESP_MAGIC, VERSION, status, length, req_id)
+
+
+def decode_response_header(buf) -> Response:
+    if len(buf) < RESP.size:
+        raise ProtocolError(f"response of {len(buf)} bytes is shorter than its header")
+    magic, version, status, length, req_id = RESP.unpack_from(buf)
+    if magic != RESP_MAGIC or version != VERSION:
+        raise ProtocolError("response with a bad magic or version")
+    if status not in Status.__members__.values():
+        raise ProtocolError(f"response with unknown status {status}")
+    if status == Status.OK and length != len(buf) - RESP.size:
+        raise ProtocolError(f"response says {length} bytes but carries {len(buf) - RESP.size}")
+    return Response(status, length, req_id)
+
+
+def encode_control(kind: int, rank: int, reason: str = "") -> bytes:
+    text = reason.encode("utf-8", "replace")[: CTRL_MAX - CTRL.size]
+    return CTRL.pack(CTRL_MAGIC, VERSION, kind, rank, len(text)) + text
+
+
+def decode_control(buf) -> ControlMsg:
+    if len(buf) < CTRL.size:
+        raise ProtocolError("control message shorter than its header")
+    magic, version, kind, rank, n = CTRL.unpack_from(buf)
+    if magic != CTRL_MAGIC or version != VERSION:
+        raise ProtocolError("control message with a bad magic or version")
+    if kind not in (Control.SHUTDOWN, Control.DONE):
+        raise ProtocolError(f"control message of unknown kind {kind}")
+    if CTRL.size + n != len(buf):
+        raise ProtocolError("control message length mismatch")
+    reason = bytes(buf[CTRL.size : CTRL.size + n]).decode("utf-8", "replace")
+    return ControlMsg(kind, rank, reason)
