@@ -304,7 +304,7 @@ def cmd_wait(args) -> int:
     deadline = time.monotonic() + args.timeout
     while True:
         state = runtime.read_state(mnt) or {}
-        current = state.get("updated", 0) >= start - 1 or runtime.pid_alive(state.get("pid"))
+        current = runtime.pid_alive(state.get("pid")) or state.get("updated", 0) >= start
         phase = state.get("phase") if current else None
         if phase == "ready" and runtime.mount_status(mnt) == "live":
             return 0

@@ -1,0 +1,191 @@
+"""Launch real multi-rank FanStore jobs with ``mpiexec`` and always clean them up.
+
+    with MpiJob(store, tmp, ranks=4, extra=["--replicas", "2"]) as job:
+        job.mnt(0)            # rank 0's mount point (ready when the block starts)
+        job.pid(2)            # rank 2's daemon pid
+        job.stats(0)          # `fanstore stats --json` of rank 0
+
+Teardown, however the test ended: SIGTERM to every live daemon (a daemon stops all ranks),
+wait for mpiexec; then SIGKILL whatever is left, lazily unmount what is still mounted and
+remove the local directories.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from helpers import (
+    DAEMON_PIDS,
+    FANSTORE,
+    daemon_pid,
+    is_mounted,
+    lazy_unmount,
+    pid_alive,
+    run_cli,
+    wait_until,
+)
+
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+
+
+def mpi_available() -> tuple[bool, str]:
+    if not os.access(MPIEXEC, os.X_OK) and not shutil.which("mpiexec"):
+        return False, "mpiexec is not installed"
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return False, "mpi4py is not installed"
+    return True, ""
+
+
+class MpiJob:
+    def __init__(self, store, tmp, ranks: int = 4, extra=(), timeout: float = 90,
+                 local: bool = True, wait: bool = True, env: dict | None = None,
+                 keep_local: bool = False) -> None:
+        self.store = Path(store)
+        self.tmp = Path(tmp)
+        self.ranks = ranks
+        self.extra = list(extra)
+        self.timeout = timeout
+        self.local = local
+        self.wait_ready = wait
+        self.env = env
+        self.keep_local = keep_local  # leave the local dirs for the next job (restart tests)
+        self.proc: subprocess.Popen | None = None
+        self.log = self.tmp / "mpiexec.log"
+        self._pids: dict[int, int] = {}
+
+    def mnt(self, rank: int) -> Path:
+        return self.tmp / f"mnt{rank}"
+
+    def local_dir(self, rank: int) -> Path:
+        return self.tmp / f"local{rank}"
+
+    def pid(self, rank: int) -> int | None:
+        pid = daemon_pid(self.mnt(rank))
+        if pid:
+            self._pids[rank] = pid
+            DAEMON_PIDS.add(pid)
+        return pid
+
+    def output(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def stats(self, rank: int) -> dict:
+        proc = run_cli("stats", self.mnt(rank), "--json", check=True)
+        return json.loads(proc.stdout)
+
+    def start(self) -> "MpiJob":
+        for r in range(self.ranks):
+            self.mnt(r).mkdir(parents=True, exist_ok=True)
+        cmd = [MPIEXEC, "-n", str(self.ranks), FANSTORE, "mount", str(self.store),
+               str(self.tmp / "mnt{rank}")]
+        if self.local:
+            cmd += ["--local-dir", str(self.tmp / "local{rank}")]
+        cmd += self.extra
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(self.env or {}))
+        self._logf = open(self.log, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self._logf, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        if self.wait_ready:
+            for r in range(self.ranks):
+                res = run_cli("wait", self.mnt(r), "--timeout", str(self.timeout))
+                if res.returncode != 0:
+                    raise AssertionError(f"rank {r} not ready: {res.stderr}\n{self.output()}")
+                self.pid(r)
+        return self
+
+    def wait_exit(self, timeout: float = 60) -> int | None:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self) -> None:
+        """SIGTERM every live daemon and wait; then force whatever is left."""
+        if self.proc is None:
+            return
+        for r in range(self.ranks):
+            self.pid(r)
+        live = [p for p in self._pids.values() if pid_alive(p)]
+        for p in live:
+            try:
+                os.kill(p, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        if self.wait_exit(30) is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.wait_exit(10)
+        for p in self._pids.values():
+            if pid_alive(p):
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        wait_until(lambda: not any(pid_alive(p) for p in self._pids.values()), 10)
+        for r in range(self.ranks):
+            if is_mounted(self.mnt(r)):
+                lazy_unmount(self.mnt(r))
+            if not self.keep_local:
+                shutil.rmtree(self.local_dir(r), ignore_errors=True)
+        self._logf.close()
+
+    def __enter__(self) -> "MpiJob":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def read_tree_bytes(src: Path, mnt: Path) -> tuple[int, list[str], list[str]]:
+    """Read every regular file of ``src`` through ``mnt``; return (ok, wrong, errors)."""
+    ok, wrong, errors = 0, [], []
+    for dirpath, _dirs, files in os.walk(src):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path):
+                continue
+            rel = os.path.relpath(path, src)
+            try:
+                with open(os.path.join(mnt, rel), "rb") as f:
+                    got = f.read()
+            except OSError as exc:
+                errors.append(f"{rel}: {exc.strerror}")
+                continue
+            with open(path, "rb") as f:
+                if got == f.read():
+                    ok += 1
+                else:
+                    wrong.append(rel)
+    return ok, wrong, errors
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_gone(paths, timeout: float = 30) -> bool:
+    return wait_until(lambda: not any(is_mounted(p) for p in paths), timeout)
+
+
+def now() -> float:
+    return time.monotonic()

@@ -1,0 +1,337 @@
+"""One global namespace across ranks: real ``mpiexec -n 4`` jobs on this machine.
+
+Each rank gets its own mount point and node-local directory; every test tears its job
+down (tests/mpi_helpers.py) even when it fails.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from fanstore.daemon import placement as pl
+from fanstore.daemon import protocol as P
+from fanstore.format.index import read_index
+from helpers import assert_no_traceback, fuse_available, is_mounted, pid_alive, run_cli, wait_until
+from mpi_helpers import (
+    MpiJob,
+    cpu_seconds,
+    mpi_available,
+    read_tree_bytes,
+    wait_gone,
+)
+
+_fuse_ok, _fuse_why = fuse_available()
+_mpi_ok, _mpi_why = mpi_available()
+needs_cluster = [
+    pytest.mark.fuse,
+    pytest.mark.mpi,
+    pytest.mark.skipif(not _fuse_ok, reason=_fuse_why),
+    pytest.mark.skipif(not _mpi_ok, reason=_mpi_why),
+]
+
+
+# --------------------------------------------------------------------------- data
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """~240 files in 12 directories, an empty file and dir, a symlink, multi-chunk files;
+    packed into 8 partitions with 64 KiB chunks."""
+    root = tmp_path_factory.mktemp("mpi")
+    src = root / "src"
+    rng = random.Random(7)
+    for d in range(12):
+        sub = src / f"class{d:02d}"
+        sub.mkdir(parents=True)
+        for i in range(20):
+            n = rng.randint(1, 60_000)
+            kind = i % 3
+            if kind == 0:
+                data = rng.randbytes(n)
+            elif kind == 1:
+                data = (f"row {i} " * (n // 6 + 1)).encode()[:n]
+            else:
+                data = bytes(rng.choice(b"ACGT") for _ in range(n))
+            (sub / f"f{i:03d}.dat").write_bytes(data)
+    (src / "big").mkdir()
+    (src / "big" / "multi.bin").write_bytes(rng.randbytes(300_000))  # 5 chunks of 64 KiB
+    (src / "empty.txt").write_bytes(b"")
+    (src / "emptydir").mkdir()
+    os.symlink("class00/f000.dat", src / "link")
+    store = root / "store"
+    run_cli("pack", src, store, "--partitions", "8", "--chunk-kb", "64", "--no-progress",
+            check=True)
+    return src, store
+
+
+def stored_by_partition(store: Path) -> dict[int, int]:
+    index = read_index(str(store))
+    return {p.number: p.size for p in index.partitions}
+
+
+def remote_stored_bytes(store: Path, local_parts: set[int]) -> int:
+    """Sum of stored (compressed) bytes of every file not held by ``local_parts``."""
+    index = read_index(str(store))
+    total = 0
+    for entry in index.file_entries().tolist():
+        first, count = int(index.e["first"][entry]), int(index.e["count"][entry])
+        if count and int(index.c["part"][first]) not in local_parts:
+            total += int(index.c["stored"][first : first + count].sum())
+    return total
+
+
+# --------------------------------------------------------------------------- pure parts
+
+
+def test_placement_is_round_robin_with_consecutive_replicas():
+    assert pl.owners(5, 4) == [1]
+    assert pl.owners(3, 4, replicas=2) == [3, 0]
+    assert pl.owners(2, 4, replicas=9) == [2, 3, 0, 1]  # clamped to the ranks there are
+    assert pl.owners(7, 4, broadcast=True) == [0, 1, 2, 3]
+    table = pl.placement([False] * 8 + [True], 4, replicas=2)
+    for rank in range(4):
+        mine = pl.local_partitions(table, rank)
+        assert 8 in mine  # the broadcast partition is everywhere
+        assert len(mine) == 5  # 8 partitions x 2 copies / 4 ranks + broadcast
+    # A reader tries the nearest owner round the ring first.
+    assert pl.preference([3, 0], rank=1, n_ranks=4) == [3, 0]
+    assert pl.preference([3, 0], rank=0, n_ranks=4) == [0, 3]
+
+
+def test_protocol_round_trip_and_rejects_garbage():
+    req = P.Request(P.Op.READ, 3, 1234, 64, 4096, 77)
+    assert P.decode_request(P.encode_request(req)) == req
+    hdr = P.encode_response_header(P.Status.OK, 3, 77)
+    assert P.decode_response_header(hdr + b"abc") == P.Response(P.Status.OK, 3, 77)
+    msg = P.decode_control(P.encode_control(P.Control.SHUTDOWN, 2, "time limit"))
+    assert (msg.kind, msg.rank, msg.reason) == (P.Control.SHUTDOWN, 2, "time limit")
+    bad = [b"", b"x" * P.REQ.size, P.encode_request(req)[:-1],
+           P.encode_request(P.Request(9, 0, 1234, 0, 1, 1)),
+           P.encode_request(P.Request(P.Op.READ, 0, 5, 0, 1, 1)),  # reserved reply tag
+           P.encode_request(P.Request(P.Op.READ, 0, 1234, 0, P.MAX_REQUEST + 1, 1))]
+    for raw in bad:
+        with pytest.raises(P.ProtocolError):
+            P.decode_request(raw)
+    with pytest.raises(P.ProtocolError):
+        P.decode_response_header(hdr + b"ab")  # says 3 bytes, carries 2
+    with pytest.raises(P.ProtocolError):
+        P.decode_control(P.encode_control(P.Control.DONE, 1, "x")[:-1])
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+@pytest.fixture(scope="module")
+def job4(dataset, tmp_path_factory):
+    """One healthy 4-rank job shared by the read-only tests of this module."""
+    if not (_fuse_ok and _mpi_ok):
+        pytest.skip(_fuse_why or _mpi_why)
+    _src, store = dataset
+    with MpiJob(store, tmp_path_factory.mktemp("job4"), ranks=4) as job:
+        yield job
+
+
+class TestFourRanks:
+    pytestmark = needs_cluster
+
+    def test_every_file_is_byte_exact_on_every_rank(self, dataset, job4):
+        from helpers import assert_same_tree
+
+        src, _ = dataset
+        for rank in range(4):
+            assert_same_tree(src, job4.mnt(rank))
+
+    def test_each_rank_stages_about_a_quarter(self, dataset, job4):
+        _, store = dataset
+        sizes = stored_by_partition(store)
+        total = sum(sizes.values())
+        for rank in range(4):
+            local = job4.local_dir(rank)
+            staged = sorted(p.name for p in local.iterdir() if p.name.endswith(".fsp"))
+            expected = [f"part-{p:05d}.fsp" for p in range(8) if p % 4 == rank]
+            assert staged == expected
+            held = sum(p.stat().st_size for p in local.iterdir() if p.name.endswith(".fsp"))
+            assert 0.1 * total < held < 0.45 * total, (rank, held, total)
+
+    def test_rank0_reads_remote_files_compressed(self, dataset, job4):
+        """After the whole tree is read on rank 0 (by the byte-exact test or here), its
+        remote bytes are exactly the stored sizes of the files held elsewhere."""
+        src, store = dataset
+        ok, wrong, errors = read_tree_bytes(src, job4.mnt(0))
+        assert not wrong and not errors and ok > 200
+        stats = job4.stats(0)
+        mine = set(stats["local_partitions"])
+        assert mine == {0, 4}
+        assert stats["remote_reads"] > 0 and stats["local_reads"] > 0
+        assert stats["remote_bytes"] == remote_stored_bytes(store, mine)
+        assert stats["errors"] == 0
+        for key in ("opens", "reads", "bytes_returned", "cache_hits", "cache_misses",
+                    "decode_seconds", "remote_latency_ms_p50", "remote_latency_ms_p99"):
+            assert key in stats
+        human = run_cli("stats", job4.mnt(0), check=True).stdout
+        assert "remote_reads" in human and "local_reads" in human
+
+    def test_idle_daemons_use_under_five_percent_of_a_core(self, job4):
+        pids = [job4.pid(r) for r in range(4)]
+        before = [cpu_seconds(p) for p in pids]
+        t0 = time.monotonic()
+        time.sleep(3)
+        elapsed = time.monotonic() - t0
+        for pid, b in zip(pids, before):
+            share = (cpu_seconds(pid) - b) / elapsed
+            assert share < 0.05, f"daemon {pid} used {share:.1%} of a core while idle"
+
+    def test_writes_are_refused_on_every_rank(self, job4):
+        for rank in range(4):
+            with pytest.raises(OSError) as exc:
+                open(job4.mnt(rank) / "new.txt", "wb")
+            assert exc.value.errno == errno.EROFS
+
+
+
+@pytest.mark.fuse
+@pytest.mark.mpi
+@pytest.mark.skipif(not (_fuse_ok and _mpi_ok), reason=_fuse_why or _mpi_why)
+def test_sigterm_to_one_daemon_unmounts_every_rank(dataset, tmp_path):
+    _, store = dataset
+    with MpiJob(store, tmp_path, ranks=4) as job:
+        pids = [job.pid(r) for r in range(4)]
+        os.kill(pids[2], signal.SIGTERM)  # what Slurm sends at the time limit
+        code = job.wait_exit(60)
+        assert code == 0, job.output()
+        assert not any(is_mounted(job.mnt(r)) for r in range(4))
+        assert not any(pid_alive(p) for p in pids)
+        # Local dirs created by FanStore are removed on exit (no --keep-local).
+        assert not any(job.local_dir(r).exists() for r in range(4))
+
+
+@pytest.mark.fuse
+@pytest.mark.mpi
+@pytest.mark.skipif(not (_fuse_ok and _mpi_ok), reason=_fuse_why or _mpi_why)
+def test_replicas_survive_a_killed_daemon(dataset, tmp_path):
+    src, store = dataset
+    with MpiJob(store, tmp_path, ranks=4,
+                extra=["--replicas", "2", "--remote-timeout", "3"]) as job:
+        victim = job.pid(2)
+        os.kill(victim, signal.SIGKILL)
+        assert wait_until(lambda: not pid_alive(victim), 10)
+        for rank in (0, 1, 3):
+            ok, wrong, errors = read_tree_bytes(src, job.mnt(rank))
+            assert (wrong, errors) == ([], []), job.output()
+            assert ok == 242
+        assert 2 in job.stats(0)["dead_ranks"] or 2 in job.stats(1)["dead_ranks"]
+        # Stopping the survivors still works and leaves no mount of theirs behind.
+        os.kill(job.pid(0), signal.SIGTERM)
+        assert wait_gone([job.mnt(r) for r in (0, 1, 3)], 60), job.output()
+        assert wait_until(lambda: not any(pid_alive(job.pid(r)) for r in (0, 1, 3)), 60)
+        # The dead rank's mount point is stale; `fanstore umount` cleans it up.
+        res = run_cli("umount", job.mnt(2))
+        assert res.returncode == 0, res.stderr
+        assert not is_mounted(job.mnt(2))
+
+
+@pytest.mark.fuse
+@pytest.mark.mpi
+@pytest.mark.skipif(not (_fuse_ok and _mpi_ok), reason=_fuse_why or _mpi_why)
+def test_without_replicas_a_dead_ranks_files_give_eio_within_the_timeout(dataset, tmp_path):
+    src, store = dataset
+    timeout = 2.0
+    with MpiJob(store, tmp_path, ranks=4, extra=["--remote-timeout", str(timeout)]) as job:
+        os.kill(job.pid(3), signal.SIGKILL)
+        index = read_index(str(store))
+        dead_parts = {3, 7}
+        slowest = 0.0
+        seen_eio = 0
+        for entry in index.file_entries().tolist():
+            rel = os.fsdecode(index.path(entry))
+            first, count = int(index.e["first"][entry]), int(index.e["count"][entry])
+            path = job.mnt(0) / rel
+            t = time.monotonic()
+            if count and int(index.c["part"][first]) in dead_parts:
+                with pytest.raises(OSError) as exc:
+                    path.read_bytes()
+                assert exc.value.errno == errno.EIO
+                seen_eio += 1
+            else:
+                assert path.read_bytes() == (src / rel).read_bytes()
+            slowest = max(slowest, time.monotonic() - t)
+        assert seen_eio > 10
+        assert slowest < timeout + 5, f"a read took {slowest:.1f} s"
+
+
+@pytest.mark.fuse
+@pytest.mark.mpi
+@pytest.mark.skipif(not (_fuse_ok and _mpi_ok), reason=_fuse_why or _mpi_why)
+def test_umount_one_node_keeps_serving_the_others(dataset, tmp_path):
+    src, store = dataset
+    with MpiJob(store, tmp_path, ranks=4) as job:
+        res = run_cli("umount", job.mnt(1), timeout=60)
+        assert res.returncode == 0, res.stderr
+        assert not is_mounted(job.mnt(1))
+        assert all(is_mounted(job.mnt(r)) for r in (0, 2, 3))
+        # Rank 1 has unmounted but still serves its partitions to the others.
+        ok, wrong, errors = read_tree_bytes(src, job.mnt(0))
+        assert (ok, wrong, errors) == (242, [], [])
+        for rank in (0, 2, 3):
+            assert run_cli("umount", job.mnt(rank), timeout=60).returncode == 0
+        assert job.wait_exit(60) == 0, job.output()
+        assert not any(is_mounted(job.mnt(r)) for r in range(4))
+
+
+@pytest.mark.fuse
+@pytest.mark.mpi
+@pytest.mark.skipif(not (_fuse_ok and _mpi_ok), reason=_fuse_why or _mpi_why)
+def test_restart_reuses_staged_partitions(dataset, tmp_path):
+    src, store = dataset
+    extra = ["--keep-local"]
+    with MpiJob(store, tmp_path, ranks=2, extra=extra, keep_local=True) as job:
+        first = job.stats(0)
+        assert first["staged_partitions"] == 4 and first["staged_bytes"] > 0
+    assert (tmp_path / "local0" / "part-00000.fsp").exists()  # kept
+    with MpiJob(store, tmp_path, ranks=2, extra=extra) as job:
+        again = job.stats(0)
+        assert again["staged_partitions"] == 0 and again["staged_bytes"] == 0
+        assert again["reused_partitions"] == 4
+        ok, wrong, errors = read_tree_bytes(src, job.mnt(1))
+        assert (ok, wrong, errors) == (242, [], [])
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not _mpi_ok, reason=_mpi_why)
+def test_a_bad_store_fails_every_rank_cleanly(tmp_path):
+    (tmp_path / "notastore").mkdir()
+    job = MpiJob(tmp_path / "notastore", tmp_path, ranks=2, wait=False)
+    job.start()
+    try:
+        assert job.wait_exit(60) not in (0, None)
+        out = job.output()
+        assert out.count("not a FanStore store") >= 2, out
+        assert "Traceback" not in out
+        assert not any(is_mounted(job.mnt(r)) for r in range(2))
+    finally:
+        job.stop()
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not _mpi_ok, reason=_mpi_why)
+def test_srun_without_mpi_plugin_is_refused(dataset, tmp_path):
+    """Under srun, a world size different from the task count (e.g. --mpi=none gives every
+    task a 1-rank world) must fail loudly, not serve a fraction of the data."""
+    _, store = dataset
+    (tmp_path / "m").mkdir()
+    env = {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2",
+           "SLURM_JOB_ID": "1"}
+    res = run_cli("mount", store, tmp_path / "m", env=env, timeout=60)
+    assert res.returncode != 0
+    assert "MPI world size is 1 but Slurm started 2 tasks" in res.stderr
+    assert "--mpi=pmi2" in res.stderr
+    assert_no_traceback(res)
+    assert not is_mounted(tmp_path / "m")
+
