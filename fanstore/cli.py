@@ -66,13 +66,17 @@ def cmd_pack(args) -> int:
     from fanstore.pack import CodecPolicy, PackOptions, pack
 
     extra: dict[str, Any] = {}
-    if args.codec == "auto":
-        policy, extra = _auto_policy(args)
-    else:
+
+    def make_policy():
+        if args.codec == "auto":
+            policy, sel = _auto_policy(args)
+            extra.update(sel)
+            return policy
         try:
-            policy = CodecPolicy(parse_spec(args.codec))
+            return CodecPolicy(parse_spec(args.codec))
         except CodecError as exc:
             raise UsageError(f"--codec: {exc}") from None
+
     options = PackOptions(
         partitions=args.partitions,
         jobs=args.jobs,
@@ -83,7 +87,15 @@ def cmd_pack(args) -> int:
         progress=None if not args.no_progress else False,
         extra_meta=extra,
     )
-    summary = pack(args.src, args.dest, policy, options)
+    if _mpi_launcher_world() is not None:
+        # One rank per node: rank 0 plans and writes the index, every rank compresses.
+        from fanstore.daemon.mpipack import pack_mpi
+
+        summary = pack_mpi(args.src, args.dest, make_policy, options)
+        if summary is None:
+            return 0
+    else:
+        summary = pack(args.src, args.dest, make_policy(), options)
     for line in summary.lines():
         print(line)
     return 0
@@ -617,7 +629,8 @@ def main(argv: list[str] | None = None) -> int:
             import traceback
 
             traceback.print_exc()
-        print(f"fanstore: error: {exc}", file=sys.stderr)
+        if not exc.quiet:
+            print(f"fanstore: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("fanstore: interrupted", file=sys.stderr)

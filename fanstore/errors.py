@@ -15,6 +15,8 @@ class FanStoreError(Exception):
 
     exit_code = 1
     errno = _errno.EIO
+    #: Already reported elsewhere (e.g. by rank 0 of a parallel job): exit without a message.
+    quiet = False
 
 
 class UsageError(FanStoreError):

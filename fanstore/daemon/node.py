@@ -113,11 +113,40 @@ class World:
         self._wait(self.comm.Ibcast(n, root=0))
         size = int(n[0])
         buf = bytearray(data) if self.rank == 0 and data is not None else bytearray(size)
-        piece = 1 << 30
         view = memoryview(buf)
-        for start in range(0, size, piece):
-            self._wait(self.comm.Ibcast([view[start : start + piece], self.MPI.BYTE], root=0))
+        for start in range(0, size, _PIECE):
+            self._wait(self.comm.Ibcast([view[start : start + _PIECE], self.MPI.BYTE], root=0))
         return bytes(buf)
+
+
+    def gather_bytes(self, data: bytes) -> list[bytes] | None:
+        """Rank 0 receives every rank's bytes (in rank order); others get None."""
+        if not self.is_mpi:
+            return [data]
+        MPI = self.MPI
+        if self.rank != 0:
+            n = np.array([len(data)], dtype=np.int64)
+            self._wait(self.comm.Isend(n, dest=0, tag=_GATHER_TAG))
+            view = memoryview(data)
+            for start in range(0, len(data), _PIECE):
+                self._wait(self.comm.Isend([view[start : start + _PIECE], MPI.BYTE], dest=0,
+                                           tag=_GATHER_TAG))
+            return None
+        out = [data]
+        for src in range(1, self.size):
+            n = np.zeros(1, dtype=np.int64)
+            self._wait(self.comm.Irecv(n, source=src, tag=_GATHER_TAG))
+            buf = bytearray(int(n[0]))
+            view = memoryview(buf)
+            for start in range(0, len(buf), _PIECE):
+                self._wait(self.comm.Irecv([view[start : start + _PIECE], MPI.BYTE], source=src,
+                                           tag=_GATHER_TAG))
+            out.append(bytes(buf))
+        return out
+
+
+_GATHER_TAG = 21
+_PIECE = 1 << 30
 
 
 def _slurm_tasks() -> int | None:
@@ -219,6 +248,7 @@ def mount_mpi(args) -> int:
         h.setFormatter(logging.Formatter(
             f"%(asctime)s fanstore[rank {world.rank}/{world.size}] %(levelname)s: %(message)s"))
     node = Node(args, world)
+    node.catch_termination()
     try:
         code = node.run(lambda: print(
             f"fanstore: rank {world.rank}: mounted at {node.mountpoint}", file=sys.stderr,
@@ -251,6 +281,21 @@ class Node:
         self.daemon = None
         self.stop_everywhere = False
         self._probe_now = threading.Event()
+
+    # ------------------------------------------------------------------ signals
+    def catch_termination(self) -> None:
+        """Outside the trio loop (start-up, drain), SIGTERM/SIGINT only set a flag that the
+        next phase acts on; trio's own handlers take over while the loop runs and put these
+        back when it ends, so no window leaves the default (fatal) action in place."""
+
+        def handler(signum, _frame):
+            self.terminated = signum
+            self._probe_now.set()
+
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(s, handler)
+
+    terminated: int = 0
 
     # ------------------------------------------------------------------ phases
     def load_index(self):
@@ -337,6 +382,9 @@ class Node:
                 fmount.prepare_mountpoint(self.mountpoint)
                 data_dir = self.stage(index, mine)
                 self.parts = LocalPartitions(data_dir, index, mine)
+                if self.terminated:
+                    raise MountError(f"{self.who}: stopped by signal "
+                                     f"{signal.Signals(self.terminated).name} while starting")
                 ok = True
             except FanStoreError as exc:
                 error = exc
@@ -379,6 +427,8 @@ class Node:
             daemon.on_stop.append(self._on_stop)
             if self._early_stop:
                 daemon.pending_stop = self._early_stop
+            if self.terminated:
+                daemon.pending_stop = f"signal {signal.Signals(self.terminated).name}"
 
         def gate(mounted: bool) -> bool:
             return self.world.all_ok(mounted)
@@ -451,16 +501,13 @@ class Node:
         others = [r for r in range(self.size) if r != self.rank]
         runtime.write_state(self.mountpoint, phase="draining")
         self.transport.send_control(P.Control.DONE, others, "unmounted")
-        interrupted = threading.Event()
-        old = {s: signal.signal(s, lambda *a: interrupted.set())
-               for s in (signal.SIGTERM, signal.SIGINT)}
-        signal.signal(signal.SIGUSR1, lambda *a: self._probe_now.set())
+        from fanstore.daemon.launcher import launcher_alive
+
+        self.terminated = 0
         try:
             last_probe = 0.0  # probe at once: a peer may have died while nobody asked it
             announced = False
-            from fanstore.daemon.launcher import launcher_alive
-
-            while not interrupted.is_set() and launcher_alive():
+            while not self.terminated and launcher_alive():
                 waiting = {r for r in others if r not in self.source.done
                            and r not in self.source.dead}
                 if not waiting:
@@ -475,9 +522,10 @@ class Node:
                     last_probe = time.monotonic()
                 time.sleep(0.05)
         finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-        self.transport.stop()
+            self.transport.stop()
+        if self.terminated:
+            log.info("%s: stopped serving peers (signal %s)", self.who,
+                     signal.Signals(self.terminated).name)
 
     def _cleanup(self) -> None:
         from fanstore.daemon.staging import remove_staged

@@ -190,6 +190,10 @@ class _PartResult:
     error: str | None = None
 
 
+class _WriteError(OSError):
+    """An OSError from writing a partition (reported as such, not as a source read error)."""
+
+
 def _pack_partition(task: _PartTask) -> _PartResult:
     codecs = [get_codec(cfg) for cfg in task.codecs]
     res = _PartResult(task.number)
@@ -234,7 +238,10 @@ def _pack_partition(task: _PartTask) -> _PartResult:
                         use = slot
                         if len(stored) >= n:
                             stored, use = raw, 0
-                        rows["offset"][k] = writer.append(stored)
+                        try:
+                            rows["offset"][k] = writer.append(stored)
+                        except OSError as exc:  # writing the partition, not reading `path`
+                            raise _WriteError(exc.errno, exc.strerror) from exc
                         rows["stored"][k] = len(stored)
                         rows["raw"][k] = n
                         rows["codec"][k] = use
@@ -246,6 +253,8 @@ def _pack_partition(task: _PartTask) -> _PartResult:
                                 _progress.value += n
                         if n < len(buf):
                             break
+            except _WriteError:
+                raise
             except OSError as exc:
                 raise PackError(f"{show(path)}: cannot read: {exc.strerror}") from exc
             except CodecError as exc:
@@ -279,14 +288,32 @@ def _pack_partition(task: _PartTask) -> _PartResult:
 # --------------------------------------------------------------------------- driver
 
 
-def pack(
+@dataclass
+class PackPlan:
+    """Everything decided before compression starts (see :func:`prepare`)."""
+
+    src: str
+    dest: str
+    scan: ScanResult
+    tasks: list[_PartTask]
+    configs: list[dict[str, Any]]
+    n_normal: int
+    tmp: str
+    skipped: list[str]
+    t0: float
+
+
+def prepare(
     src: str,
     dest: str,
     policy: CodecPolicy | None = None,
     options: PackOptions | None = None,
     scan: ScanResult | None = None,
-) -> PackSummary:
-    """Pack ``src`` into a store at ``dest``. Raises FanStoreError subclasses on failure."""
+) -> PackPlan:
+    """Check the arguments, scan the source, plan partitions and codecs, create the temp dir.
+
+    The caller must run the plan's tasks and call :func:`finish`, or remove ``plan.tmp``.
+    """
     options = options or PackOptions()
     policy = policy or CodecPolicy(parse_spec("zstd:3"))
     t0 = time.monotonic()
@@ -299,6 +326,10 @@ def pack(
     if not 4096 <= options.chunk_size <= MAX_CHUNK_SIZE:
         raise UsageError(f"chunk size must be between 4 KiB and {MAX_CHUNK_SIZE >> 20} MiB")
     dest = os.path.abspath(dest)
+    if os.path.islink(dest):
+        # Write where the link points: renaming over the link itself would put the new store
+        # beside the link and leave the old one (and a DEST.fanstore-old-* link) behind.
+        dest = os.path.realpath(dest)
     check_destination(src, dest, options.force)
     parent = os.path.dirname(dest)
     os.makedirs(parent, exist_ok=True)
@@ -360,43 +391,65 @@ def pack(
 
     tmp = f"{dest}{TMP_MARK}{os.getpid()}"
     os.mkdir(tmp)
-    try:
-        tasks = [
-            _PartTask(p, os.path.join(tmp, partition_name(p)), [], configs, options.chunk_size)
-            for p in range(n_parts)
-        ]
-        for i, p in zip(normal + bcast, assign_normal + assign_bcast):
-            e = entries[i]
-            codec = policy.codec_for(os.fsdecode(e.rel), e.size)
-            tasks[p].files.append((i, os.path.join(scan.root, e.rel), e.size, slot(codec)))
-        for t in tasks:
-            t.files.sort(key=lambda f: f[0])  # scan (breadth-first) order: neighbours together
-        results = _run_workers(tasks, options, scan.raw_bytes)
-        errors = [r.error for r in results if r.error]
-        if errors:
-            for msg in errors[:-1]:
-                print(f"fanstore: {msg}", file=sys.stderr)
-            raise PackError(errors[-1] + ("" if len(errors) == 1 else
-                                          f" (and {len(errors) - 1} more, above)"))
-        index_bytes, stored = _build_index(scan, results, configs, options, n_normal, tmp, src)
-        _fsync_dir(tmp)
-        _install(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    kinds = [e.kind for e in entries]
+    tasks = [
+        _PartTask(p, os.path.join(tmp, partition_name(p)), [], configs, options.chunk_size)
+        for p in range(n_parts)
+    ]
+    for i, p in zip(normal + bcast, assign_normal + assign_bcast):
+        e = entries[i]
+        codec = policy.codec_for(os.fsdecode(e.rel), e.size)
+        tasks[p].files.append((i, os.path.join(scan.root, e.rel), e.size, slot(codec)))
+    for t in tasks:
+        t.files.sort(key=lambda f: f[0])  # scan (breadth-first) order: neighbours together
+    return PackPlan(os.path.abspath(src), dest, scan, tasks, configs, n_normal, tmp, skipped, t0)
+
+
+def finish(plan: PackPlan, results: list[_PartResult], options: PackOptions) -> PackSummary:
+    """Check the workers' results, write the index, install the store atomically."""
+    errors = [r.error for r in results if r.error]
+    if errors:
+        for msg in errors[:-1]:
+            print(f"fanstore: {msg}", file=sys.stderr)
+        raise PackError(errors[-1] + ("" if len(errors) == 1 else
+                                      f" (and {len(errors) - 1} more, above)"))
+    results = sorted(results, key=lambda r: r.number)
+    if [r.number for r in results] != list(range(len(plan.tasks))):
+        raise PackError("internal error: partitions missing from the workers' results")
+    index_bytes, stored = _build_index(plan.scan, results, plan.configs, options,
+                                       plan.n_normal, plan.tmp, plan.src)
+    _fsync_dir(plan.tmp)
+    _install(plan.tmp, plan.dest)
+    kinds = [e.kind for e in plan.scan.entries]
     return PackSummary(
-        dest=dest,
+        dest=plan.dest,
         files=kinds.count(KIND_FILE),
         dirs=kinds.count(KIND_DIR) - 1,
         symlinks=kinds.count(KIND_SYMLINK),
-        raw_bytes=scan.raw_bytes,
+        raw_bytes=plan.scan.raw_bytes,
         stored_bytes=stored,
         index_bytes=index_bytes,
-        partitions=n_parts,
-        seconds=time.monotonic() - t0,
-        skipped=skipped,
+        partitions=len(plan.tasks),
+        seconds=time.monotonic() - plan.t0,
+        skipped=plan.skipped,
     )
+
+
+def pack(
+    src: str,
+    dest: str,
+    policy: CodecPolicy | None = None,
+    options: PackOptions | None = None,
+    scan: ScanResult | None = None,
+) -> PackSummary:
+    """Pack ``src`` into a store at ``dest``. Raises FanStoreError subclasses on failure."""
+    options = options or PackOptions()
+    plan = prepare(src, dest, policy, options, scan)
+    try:
+        results = run_tasks(plan.tasks, options, plan.scan.raw_bytes)
+        return finish(plan, results, options)
+    except BaseException:
+        shutil.rmtree(plan.tmp, ignore_errors=True)
+        raise
 
 
 def _canon(cfg: dict[str, Any]) -> str:
@@ -405,7 +458,10 @@ def _canon(cfg: dict[str, Any]) -> str:
     return json.dumps(cfg, sort_keys=True)
 
 
-def _run_workers(tasks: list[_PartTask], options: PackOptions, total: int) -> list[_PartResult]:
+def run_tasks(tasks: list[_PartTask], options: PackOptions, total: int) -> list[_PartResult]:
+    """Compress ``tasks`` with a pool of worker processes (one partition per task)."""
+    if not tasks:
+        return []
     jobs = options.jobs or len(os.sched_getaffinity(0))
     jobs = max(1, min(jobs, len(tasks)))
     show_bar = sys.stderr.isatty() if options.progress is None else options.progress

@@ -1,0 +1,178 @@
+"""End to end on a real Slurm: a controller and two nodes on this machine.
+
+tools/slurm-local.sh starts Slurm for this module and stops it at the end, even when a
+test fails. The jobs are the user-facing templates themselves: slurm/pack.sbatch and
+slurm/train.sbatch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fanstore import runtime
+from helpers import FANSTORE, fuse_available, lazy_unmount, run_cli, wait_until
+
+REPO = Path(__file__).resolve().parent.parent
+SLURM_LOCAL = REPO / "tools" / "slurm-local.sh"
+VENV_BIN = os.path.dirname(sys.executable)
+
+_fuse_ok, _fuse_why = fuse_available()
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.fuse,
+    pytest.mark.mpi,
+    pytest.mark.skipif(os.geteuid() != 0, reason="the local Slurm needs root"),
+    pytest.mark.skipif(not shutil.which("apt-get") and not shutil.which("slurmctld"),
+                       reason="no Debian packages for Slurm here"),
+    pytest.mark.skipif(not _fuse_ok, reason=_fuse_why),
+]
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    res = subprocess.run(["bash", str(SLURM_LOCAL), "start"], capture_output=True, text=True,
+                         timeout=600)
+    try:
+        assert res.returncode == 0, f"local Slurm did not start:\n{res.stdout}\n{res.stderr}"
+        yield
+    finally:
+        subprocess.run(["scancel", "--full", "--user", "root"], capture_output=True, timeout=30)
+        subprocess.run(["bash", str(SLURM_LOCAL), "stop"], capture_output=True, timeout=120)
+
+
+def job_env(tmp: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = VENV_BIN + os.pathsep + env.get("PATH", "")
+    env["FANSTORE"] = FANSTORE
+    env["TMPDIR"] = str(tmp / "nodelocal")  # node-local staging goes under the test dir
+    env["FANSTORE_MOUNT_DIR"] = str(tmp / "mnt" / "{host}")
+    env["PYTHONUNBUFFERED"] = "1"
+    (tmp / "nodelocal").mkdir(exist_ok=True)
+    return env
+
+
+def sbatch(tmp: Path, *args, wait: bool = True, timeout: float = 300):
+    cmd = ["sbatch", "--parsable"] + (["--wait"] if wait else []) + [str(a) for a in args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=job_env(tmp),
+                          timeout=timeout)
+
+
+def job_output(tmp: Path) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in sorted(tmp.glob("fanstore-*.out")))
+
+
+def fanstore_mounts_under(path: Path) -> list[str]:
+    return [m for m in runtime.fuse_mounts() if m.startswith(str(path) + "/")]
+
+
+def staged_files(tmp: Path) -> list[str]:
+    return [str(p) for p in (tmp / "nodelocal").rglob("*") if p.is_file()]
+
+
+def no_daemons_for(tmp: Path) -> bool:
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{name}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"fanstore" in cmd and str(tmp).encode() in cmd and b"mount" in cmd:
+            return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def packed(slurm, tmp_path_factory):
+    """A dataset packed by slurm/pack.sbatch across both nodes (MPI ranks)."""
+    tmp = tmp_path_factory.mktemp("slurm-pack")
+    src = tmp / "src"
+    rng = random.Random(11)
+    for d in range(6):
+        (src / f"d{d}").mkdir(parents=True)
+        for i in range(25):
+            n = rng.randint(100, 40_000)
+            data = rng.randbytes(n) if i % 2 else (b"sample %d " % i) * (n // 9 + 1)
+            (src / f"d{d}" / f"f{i:02d}.bin").write_bytes(data)
+    store = tmp / "store"
+    res = sbatch(tmp, "-N", "2", REPO / "slurm" / "pack.sbatch", src, store, "--partitions", "4")
+    assert res.returncode == 0, job_output(tmp) + res.stderr
+    # The parallel pack gives exactly what a one-node pack gives.
+    run_cli("pack", src, tmp / "local-store", "--partitions", "4", "--no-progress", check=True)
+    assert (store / "fanstore.idx").read_bytes() == (tmp / "local-store" / "fanstore.idx").read_bytes()
+    return src, store
+
+
+def test_train_on_two_nodes_reads_everything_and_cleans_up(packed, tmp_path):
+    src, store = packed
+    out = tmp_path / "out"
+    out.mkdir()
+    res = sbatch(tmp_path, "-N", "2", REPO / "slurm" / "train.sbatch", store, "--",
+                 sys.executable, REPO / "tests" / "slurm_reader.py", "$FANSTORE_MOUNT", src, out)
+    log = job_output(tmp_path)
+    assert res.returncode == 0, log + res.stderr
+    reports = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+    assert sorted(reports) == ["n1", "n2"], log
+    for node, rep in reports.items():
+        assert rep["wrong"] == [] and rep["ok"] == 150, (node, rep)
+        stats = rep["stats"]
+        assert stats["remote_reads"] > 0 and stats["local_reads"] > 0, stats
+        assert stats["ranks"] == 2 and stats["errors"] == 0
+    assert {r["stats"]["rank"] for r in reports.values()} == {0, 1}
+    assert fanstore_mounts_under(tmp_path) == []
+    assert staged_files(tmp_path) == []
+    assert wait_until(lambda: no_daemons_for(tmp_path), 10)
+
+
+def test_the_users_exit_status_is_the_jobs(packed, tmp_path):
+    _, store = packed
+    res = sbatch(tmp_path, "-N", "2", REPO / "slurm" / "train.sbatch", store, "--",
+                 "bash", "-c", "test -d $FANSTORE_MOUNT/d0 && exit 3")
+    assert res.returncode == 3, job_output(tmp_path) + res.stderr
+    assert fanstore_mounts_under(tmp_path) == []
+    assert staged_files(tmp_path) == []
+    assert wait_until(lambda: no_daemons_for(tmp_path), 10)
+
+
+def test_scancel_cleans_up(packed, tmp_path):
+    _, store = packed
+    res = sbatch(tmp_path, "-N", "2", REPO / "slurm" / "train.sbatch", store, "--",
+                 "sleep", "600", wait=False)
+    assert res.returncode == 0, res.stderr
+    job = res.stdout.strip().split(";")[0]
+    try:
+        # Wait until both nodes serve the mount, then cancel the job.
+        assert wait_until(lambda: len(fanstore_mounts_under(tmp_path)) == 2, 120), \
+            job_output(tmp_path)
+        assert wait_until(lambda: "running: sleep" in job_output(tmp_path), 60)
+        subprocess.run(["scancel", job], check=True, timeout=30)
+        gone = wait_until(lambda: subprocess.run(
+            ["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip() == "", 90)
+        assert gone, "the job did not end after scancel"
+        assert wait_until(lambda: fanstore_mounts_under(tmp_path) == [], 30), job_output(tmp_path)
+        assert wait_until(lambda: staged_files(tmp_path) == [], 30), staged_files(tmp_path)
+        assert wait_until(lambda: no_daemons_for(tmp_path), 30)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True, timeout=30)
+        for m in fanstore_mounts_under(tmp_path):
+            lazy_unmount(m)
+
+
+def test_wait_reports_a_missing_store(slurm, tmp_path):
+    res = sbatch(tmp_path, "-N", "2", REPO / "slurm" / "train.sbatch", tmp_path / "nothing",
+                 "--", "true")
+    assert res.returncode != 0
+    log = job_output(tmp_path)
+    assert "no such directory" in log, log
+    assert "Traceback" not in log
+    assert fanstore_mounts_under(tmp_path) == []
+    assert wait_until(lambda: no_daemons_for(tmp_path), 10)
+
