@@ -47,6 +47,8 @@ class Stats:
     chunks_decoded: int = 0
     errors: int = 0
     remote_failovers: int = 0
+    lookahead_started: int = 0  # first chunks decoded on a LOOKUP/OPEN, before any READ
+    lookahead_used: int = 0  # ... that a READ then found ready
     remote_latency: deque = field(default_factory=lambda: deque(maxlen=20000))
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -62,10 +64,10 @@ class Stats:
             "opens": self.opens,
             "reads": self.reads,
             "bytes_returned": self.bytes_returned,
-            "cache_hits": cache.hits if cache else 0,
-            "cache_misses": cache.misses if cache else 0,
-            "cache_bytes": cache.used if cache else 0,
-            "cache_budget": cache.budget if cache else 0,
+            "cache_hits": cache.hits if cache is not None else 0,
+            "cache_misses": cache.misses if cache is not None else 0,
+            "cache_bytes": cache.used if cache is not None else 0,
+            "cache_budget": cache.budget if cache is not None else 0,
             "local_reads": self.local_reads,
             "local_bytes": self.local_bytes,
             "remote_reads": self.remote_reads,
@@ -75,6 +77,8 @@ class Stats:
             "remote_latency_ms_p99": pct(0.99),
             "decode_seconds": round(self.decode_seconds, 6),
             "chunks_decoded": self.chunks_decoded,
+            "lookahead_started": self.lookahead_started,
+            "lookahead_used": self.lookahead_used,
             "errors": self.errors,
         }
         for key, value in self.extra.items():
@@ -85,10 +89,11 @@ class Stats:
 class _Pending:
     """One fetch in flight: the chunks it produces, or the error it hit."""
 
-    __slots__ = ("event", "result", "error")
+    __slots__ = ("event", "result", "error", "ahead")
 
     def __init__(self) -> None:
         self.event = trio.Event()
+        self.ahead = False
         self.result: dict[int, bytes] = {}
         self.error: FanStoreError | None = None
 
@@ -109,6 +114,7 @@ class ChunkStore:
         threads: int = 4,
         remote_threads: int = 16,
         stats: Stats | None = None,
+        lookahead: bool = True,
     ) -> None:
         self.ns = ns
         self.decoder = decoder
@@ -119,6 +125,57 @@ class ChunkStore:
         self._decode_limiter = trio.CapacityLimiter(max(1, threads))
         self._remote_limiter = trio.CapacityLimiter(max(1, remote_threads))
         self._inflight: dict[int, _Pending] = {}
+        # Lookahead: a LOOKUP of a file announces a READ; decoding its first chunk
+        # then overlaps the kernel round trips in between. Bounded in flight, and switched
+        # off for a while when most announced chunks are never read (stat-only workloads).
+        self._nursery: trio.Nursery | None = None
+        self.lookahead = lookahead
+        self._ahead: dict[int, None] = {}  # chunks decoded ahead and not yet read (bounded)
+        self._ahead_inflight = 0
+        self._ahead_max = max(2, threads)
+        self._ahead_window = [0, 0]  # started, used in the current window
+        self._ahead_off_until = 0
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """Give the store a nursery for background work (lookahead); without one it only
+        answers reads."""
+        self._nursery = nursery
+
+    def announce(self, entry: int) -> None:
+        """The kernel looked up a file (its dentry was not cached, so neither are its pages
+        most likely): start decoding its first chunk before the READ arrives."""
+        if self._nursery is None or not self.lookahead:
+            return
+        first, count = self.ns.chunks(entry)
+        if not count or first in self._inflight or self.cache.peek(first):
+            return
+        if self._ahead_inflight >= self._ahead_max:
+            return
+        window = self._ahead_window
+        if self._ahead_off_until:
+            self._ahead_off_until -= 1
+            return
+        if window[0] >= 512:
+            if window[1] < window[0] // 2:
+                log.info("lookahead paused: only %d of %d announced files were read",
+                         window[1], window[0])
+                self._ahead_off_until = 20000
+            window[0] = window[1] = 0
+        window[0] += 1
+        self.stats.lookahead_started += 1
+        self._ahead_inflight += 1
+        self._nursery.start_soon(self._ahead_task, entry, first)
+
+    async def _ahead_task(self, entry: int, chunk: int) -> None:
+        try:
+            await self.get_chunks(entry, chunk, chunk + 1, counted=False)
+            self._ahead[chunk] = None
+            if len(self._ahead) > 4096:
+                self._ahead.pop(next(iter(self._ahead)))
+        except FanStoreError:
+            pass  # the READ that follows (if any) fetches again and reports the error
+        finally:
+            self._ahead_inflight -= 1
 
     async def read(self, entry: int, offset: int, size: int):
         """Bytes [offset, offset+size) of a file (short at EOF). Raises FanStoreError."""
@@ -133,17 +190,28 @@ class ChunkStore:
         self.stats.bytes_returned += len(data)
         return data
 
-    async def get_chunks(self, entry: int, a: int, b: int) -> list[bytes]:
+    async def get_chunks(self, entry: int, a: int, b: int, counted: bool = True) -> list[bytes]:
         """Decoded chunks a..b-1 of one file, each fetched at most once at a time."""
-        out: list[bytes | None] = [self.cache.get(k) for k in range(a, b)]
+        if counted and self._ahead and a in self._ahead:
+            del self._ahead[a]
+            self.stats.lookahead_used += 1
+            self._ahead_window[1] += 1
+        out: list[bytes | None] = [self.cache.get(k, counted) for k in range(a, b)]
         missing = [a + i for i, v in enumerate(out) if v is None]
         if not missing:
             return out  # type: ignore[return-value]
         waits = [(k, self._inflight[k]) for k in missing if k in self._inflight]
+        if counted and waits and waits[0][0] == a and a not in self._ahead:
+            pending = waits[0][1]
+            if getattr(pending, "ahead", False):
+                self.stats.lookahead_used += 1
+                self._ahead_window[1] += 1
+                pending.ahead = False
         mine = [k for k in missing if k not in self._inflight]
         if mine:
             lo, hi = mine[0], mine[-1] + 1
             pending = _Pending()
+            pending.ahead = not counted
             owned = [k for k in range(lo, hi) if k not in self._inflight]
             for k in owned:
                 self._inflight[k] = pending

@@ -133,6 +133,11 @@ def cmd_mount(args) -> int:
         return mount_mpi(args)
     store = args.store
     mountpoint = args.mountpoint
+    from fanstore.fuse.mount import prepare_mountpoint
+
+    # Here, before going to the background: a stale mount's clean-up message and a bad
+    # mount point must reach the user, not the daemon's log.
+    prepare_mountpoint(mountpoint)
     if args.foreground:
         _setup_logging(args, stream=sys.stderr)
         _mount_single(args, store, mountpoint, on_ready=lambda: print(
@@ -147,7 +152,7 @@ def _mount_single(args, store: str, mountpoint: str, on_ready) -> None:
     from fanstore.service import mount_local
 
     options = MountOptions(cache_mb=args.cache_mb, threads=args.threads,
-                           allow_other=args.allow_other)
+                           allow_other=args.allow_other, lookahead=not args.no_lookahead)
     mount_local(store, mountpoint, options, on_ready=on_ready)
 
 
@@ -253,16 +258,9 @@ def cmd_umount(args) -> int:
             raise MountError(f"{mnt}: cannot clean up the stale mount: {msg}")
         print(f"fanstore: {mnt}: cleaned up a stale mount (its daemon had died)", file=sys.stderr)
         return 0
-    if pid and runtime.pid_alive(pid) and not args.lazy:
-        # Ask the daemon to unmount itself: in a multi-rank job it also tells its peers, and
-        # it then keeps serving them ("draining") until every rank is done.
-        try:
-            runtime.control(mnt, {"op": "shutdown", "reason": "fanstore umount"}, timeout=10)
-        except MountError:
-            pass
-        else:
-            if _wait_unmounted(pid, args.timeout, mnt):
-                return 0
+    # Unmount from outside (not lazily unless asked): a busy mount is refused instead of
+    # being detached under its readers. The daemon sees its mount go, exits (or, in a
+    # multi-rank job, keeps serving its peers until every rank is done).
     ok, msg = runtime.fusermount_unmount(mnt, lazy=args.lazy)
     if not ok:
         if runtime.mount_status(mnt) == "none":
@@ -271,8 +269,8 @@ def cmd_umount(args) -> int:
             raise MountError(f"{mnt} is busy (files or directories in use); close them or use "
                              "--lazy")
         raise MountError(f"cannot unmount {mnt}: {msg}")
-    if pid:
-        _wait_unmounted(pid, args.timeout, mnt)
+    if pid and not _wait_unmounted(pid, args.timeout, mnt):
+        raise MountError(f"{mnt}: daemon pid {pid} did not exit within {args.timeout:g} s")
     return 0
 
 
@@ -427,20 +425,22 @@ def cmd_ls(args) -> int:
     ns = Namespace(read_index(args.store))
     entry = ns.resolve(args.path or "")
     entries = list(ns.children(entry)) if ns.is_dir(entry) else [entry]
-    out = sys.stdout
+    # Names are bytes: write them as they are, whatever the terminal's encoding.
+    out = sys.stdout.buffer
     for child in entries:
-        name = os.fsdecode(ns.name(child) if child != entry else ns.path(child))
+        name = ns.name(child) if child != entry else ns.path(child)
         if not args.long:
-            out.write(name + ("/" if ns.is_dir(child) else "") + "\n")
+            out.write(name + (b"/" if ns.is_dir(child) else b"") + b"\n")
             continue
         s = ns.stat(child)
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(s.mtime_ns / 1e9))
-        line = f"{st_mod.filemode(s.mode)} {s.size:>12} {when} {name}"
+        line = f"{st_mod.filemode(s.mode)} {s.size:>12} {when} ".encode() + name
         if s.kind == KIND_SYMLINK:
-            line += " -> " + os.fsdecode(ns.readlink(child))
+            line += b" -> " + ns.readlink(child)
         elif s.kind == KIND_DIR:
-            line += "/"
-        out.write(line + "\n")
+            line += b"/"
+        out.write(line + b"\n")
+    out.flush()
     return 0
 
 
@@ -521,6 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode threads (default: 2 per core, at least 4)")
     s.add_argument("--allow-other", action="store_true",
                    help="let other users read the mount (needs user_allow_other)")
+    s.add_argument("--no-lookahead", action="store_true",
+                   help="do not start decoding a file when it is looked up (it pauses itself "
+                        "anyway when most looked-up files are not read)")
     s.add_argument("--log", help="log file of a background daemon")
     s.add_argument("--local-dir", help="node-local directory to stage partitions into "
                                        "({rank} and {host} are substituted)")

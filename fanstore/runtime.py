@@ -126,20 +126,22 @@ def fuse_mounts() -> dict[str, str]:
 
 
 def mount_status(mountpoint: str) -> str:
-    """``"none"``, ``"live"`` (a FUSE mount that answers) or ``"stale"`` (its daemon is gone)."""
+    """``"none"``, ``"live"`` (a FUSE mount that answers) or ``"stale"`` (its daemon is gone).
+
+    Probes with ``statvfs``: the kernel answers ``stat`` from its attribute cache even after
+    the daemon died, but always asks the daemon for ``statfs`` (ENOTCONN when it is gone).
+    """
     mounts = fuse_mounts()
     listed = mount_key(mountpoint) in mounts or os.path.abspath(mountpoint) in mounts
-    try:
-        os.stat(mountpoint)
-    except OSError as exc:
-        if exc.errno == errno.ENOTCONN:
-            return "stale"
-        if exc.errno == errno.ENOENT and not listed:
-            return "none"
-        if listed:
-            return "stale"
+    if not listed:
         return "none"
-    return "live" if listed else "none"
+    try:
+        os.statvfs(mountpoint)
+    except OSError as exc:
+        if exc.errno in (errno.ENOTCONN, errno.ECONNABORTED, errno.EIO, errno.ENOENT):
+            return "stale"
+        raise
+    return "live"
 
 
 def fusermount_unmount(mountpoint: str, lazy: bool = False) -> tuple[bool, str]:

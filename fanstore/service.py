@@ -24,7 +24,7 @@ def mount_local(store_path: str, mountpoint: str, options, on_ready=None):
     decoder = Decoder(index)
     parts = LocalPartitions(store_path, index)
     store = ChunkStore(ns, decoder, parts, cache_bytes=options.cache_mb << 20,
-                       threads=options.decode_threads())
+                       threads=options.decode_threads(), lookahead=options.lookahead)
     log.info("serving %s (%d entries, %d partitions) at %s", store_path, index.n_entries,
              len(index.partitions), mountpoint)
     try:

@@ -194,13 +194,15 @@ class ChunkCache:
         self.hits = 0
         self.misses = 0
 
-    def get(self, key: int) -> bytes | None:
+    def get(self, key: int, count: bool = True) -> bytes | None:
         v = self._d.get(key)
         if v is None:
-            self.misses += 1
+            if count:
+                self.misses += 1
             return None
         self._d.move_to_end(key)
-        self.hits += 1
+        if count:
+            self.hits += 1
         return v
 
     def peek(self, key: int) -> bool:

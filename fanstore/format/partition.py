@@ -78,6 +78,8 @@ class PartitionWriter:
     def abort(self) -> None:
         try:
             self._f.close()
+        except OSError:
+            pass  # flushing the buffer fails again after ENOSPC/EIO: the file goes anyway
         finally:
             try:
                 os.unlink(self.path)

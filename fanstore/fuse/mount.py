@@ -34,6 +34,7 @@ class MountOptions:
     threads: int = 0  # decode threads; 0 = 2 per core, at least 4
     allow_other: bool = False
     max_tasks: int = 64
+    lookahead: bool = True
     fsname: str = "fanstore"
     extra_handlers: dict[str, Handler] = field(default_factory=dict)
 
@@ -194,6 +195,8 @@ class Daemon:
             await nursery.start(self._control_server)
             for task in extra_tasks:
                 nursery.start_soon(task, self)
+            if hasattr(self.store, "start"):
+                self.store.start(nursery)
             # The kernel queues requests from the moment of the mount; they are served once
             # the session loop below runs, so the mount is ready now.
             runtime.write_state(self.mountpoint, phase="ready")

@@ -81,6 +81,8 @@ class FanStoreOps(pyfuse3.Operations):
         entry = self.ns.lookup(parent, name)
         if entry is None:
             raise FUSEError(errno.ENOENT)
+        if self.ns.kind(entry) == KIND_FILE:
+            self.store.announce(entry)
         return self._attr(entry)
 
     async def getattr(self, inode, ctx=None):
@@ -140,6 +142,7 @@ class FanStoreOps(pyfuse3.Operations):
         if kind != KIND_FILE:
             raise FUSEError(errno.EINVAL)
         self.stats.opens += 1
+        # No lookahead here: a warm OPEN is served from the page cache and reads nothing.
         # keep_cache: the page cache stays valid across opens, since the data never changes.
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)
 
@@ -156,8 +159,8 @@ class FanStoreOps(pyfuse3.Operations):
     async def release(self, fh):
         return None
 
-    async def flush(self, fh):
-        return None
+    # flush is left to pyfuse3's default (ENOSYS): the kernel then stops sending FLUSH on
+    # every close, one request per file fewer (there is nothing to flush on a read-only FS).
 
     async def getxattr(self, inode, name, ctx):
         self._entry(inode)

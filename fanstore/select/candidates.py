@@ -1,0 +1,122 @@
+"""The candidate grid: which codec configurations the selector measures.
+
+Every codec of :mod:`compressors` appears, at levels that span its speed/ratio range. Byte
+filters (shuffle, bitshuffle) need the element size, which comes from the data
+(:attr:`KindSample.typesize`: ``.npy`` headers, else extensions that name a type, else 1).
+A single codec for the whole set uses the element size that covers the most bytes; with
+``--per-kind`` each kind also gets blosc2 filters at its own element size and, for kinds of
+many small files, a zstd dictionary trained on that kind alone.
+
+The order of the list is "simplest first": exact ties in ratio and speed go to the earlier.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from compressors import Codec, CodecError, ZstdCodec, parse_spec, train_dictionary
+from fanstore.select.sample import Sample, dict_eligible
+
+log = logging.getLogger(__name__)
+
+#: Fixed part of the grid. lz4hc decodes as fast at any level, so only the high levels (more
+#: ratio for the same decode) are worth measuring; zlib is the reference everyone knows.
+BASE_SPECS = ("none", "lz4", "snappy", "lz4hc:9", "lz4hc:12", "zstd:1", "zstd:3", "zstd:9",
+              "zstd:19", "zlib:6")
+BLOSC_CODECS = ("blosclz", "lz4", "zstd")
+BLOSC_CLEVEL = 5
+DICT_LEVEL = 3
+DICT_MAX = 112640  # zstd's default dictionary size
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A codec to measure. ``kinds`` is None for a whole-set candidate, else the only kinds
+    it is measured on (a per-kind extra). ``overhead`` is stored once per store whatever the
+    data (a dictionary in the codec table): it is charged to the stored size."""
+
+    label: str
+    codec: Codec
+    kinds: frozenset[str] | None = None
+    overhead: int = 0
+
+
+def blosc_specs(typesize: int) -> list[str]:
+    specs = []
+    for name in BLOSC_CODECS:
+        specs.append(f"blosc2:{name}:{BLOSC_CLEVEL}:noshuffle:1")
+        if typesize > 1:
+            specs.append(f"blosc2:{name}:{BLOSC_CLEVEL}:shuffle:{typesize}")
+        specs.append(f"blosc2:{name}:{BLOSC_CLEVEL}:bitshuffle:{typesize}")
+    return specs
+
+
+def dominant_typesize(sample: Sample) -> int:
+    """The element size (>1) covering the most bytes of the source, else 1."""
+    weights: dict[int, int] = {}
+    for ks in sample.kinds.values():
+        if ks.typesize > 1:
+            weights[ks.typesize] = weights.get(ks.typesize, 0) + ks.raw_bytes
+    return max(sorted(weights), key=lambda t: weights[t]) if weights else 1
+
+
+def _build(specs: list[str]) -> list[Codec]:
+    out = []
+    for spec in specs:
+        try:
+            out.append(parse_spec(spec))
+        except CodecError as exc:  # an optional library missing on this install
+            log.warning("codec %s not measured: %s", spec, exc)
+    return out
+
+
+def _dictionary(samples: list[bytes]) -> bytes | None:
+    total = sum(len(s) for s in samples)
+    if len(samples) < 8 or total < 8192:
+        return None
+    size = max(4096, min(DICT_MAX, total // 10))
+    try:
+        return train_dictionary(samples, size)
+    except CodecError as exc:
+        log.info("no zstd dictionary: %s", exc)
+        return None
+
+
+def whole_set_candidates(sample: Sample) -> list[Candidate]:
+    """Candidates applied to every kind (the single-codec choice)."""
+    specs = list(BASE_SPECS) + blosc_specs(dominant_typesize(sample))
+    out = [Candidate(c.spec, c) for c in _build(specs)]
+    train = [u for k, ks in sorted(sample.kinds.items()) if dict_eligible(k, ks.files)
+             for u in ks.train]
+    data = _dictionary(train)
+    if data is not None:
+        codec = ZstdCodec(DICT_LEVEL, dict_data=data)
+        out.append(Candidate(codec.spec, codec, overhead=len(data)))
+    return out
+
+
+def per_kind_candidates(sample: Sample, base: list[Candidate]) -> list[Candidate]:
+    """Extras measured only on their own kind: filters at the kind's element size, and a
+    dictionary trained on the kind alone (when more than one kind shares the global one)."""
+    have = {c.label for c in base}
+    out: list[Candidate] = []
+    extra_specs: dict[str, list[str]] = {}
+    for kind, ks in sorted(sample.kinds.items()):
+        if ks.units:
+            for spec in blosc_specs(ks.typesize):
+                if spec not in have:
+                    extra_specs.setdefault(spec, []).append(kind)
+    for spec, kinds in extra_specs.items():
+        for codec in _build([spec]):
+            out.append(Candidate(codec.spec, codec, frozenset(kinds)))
+    eligible = [k for k, ks in sorted(sample.kinds.items())
+                if dict_eligible(k, ks.files) and ks.train]
+    if len(eligible) > 1:
+        for kind in eligible:
+            data = _dictionary(sample.kinds[kind].train)
+            if data is not None:
+                codec = ZstdCodec(DICT_LEVEL, dict_data=data)
+                out.append(Candidate(f"{codec.spec}[{kind}]", codec, frozenset([kind]),
+                                     overhead=len(data)))
+    return out

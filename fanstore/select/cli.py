@@ -1,0 +1,31 @@
+"""``fanstore select SRC``: print the report (table or JSON), draw the plot, set the status.
+
+Exit status 3 (:class:`BudgetNotMetError`) when no codec meets the budget; the report is
+printed first, so ``--json`` output is complete either way.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from fanstore.select.report import plot, require_matplotlib, table
+from fanstore.select.selector import run_selection, selection_options
+
+
+def run_select_command(args) -> int:
+    if getattr(args, "plot", None):
+        require_matplotlib()  # fail before the long measurement, not after
+    options = selection_options(args)
+    result = run_selection(args.src, options)
+    if getattr(args, "json", False):
+        json.dump(result.to_json(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(table(result))
+    sys.stdout.flush()
+    if getattr(args, "plot", None):
+        plot(result, args.plot)
+        print(f"fanstore: plot written to {args.plot}", file=sys.stderr)
+    result.check_met()
+    return 0

@@ -1,0 +1,223 @@
+"""Pure codec choice under a decompression budget: the formulas of ``docs/selection.md``.
+
+Nothing here measures or reads anything: every function takes per-byte costs (seconds of one
+core per raw byte) and stored fractions, so the choice is testable with synthetic numbers.
+
+Notation (all rates in bytes per second of *raw*, i.e. decoded, data):
+
+* ``s``  stored bytes per raw byte (``1 / ratio``);
+* ``c``  single-core CPU seconds per raw byte on the read path: decode (raw chunks: a copy)
+  plus the XXH3 checksum every read verifies;
+* ``S``  node-local storage read bandwidth, ``n`` cores, ``R`` the required rate.
+
+``sync``:      ``X = min(n / (c + s/S), S/s)``  (read then decode, ``n`` readers in parallel)
+``prefetch``:  ``X = min(n / c, S/s)``          (decode and I/O overlap compute)
+
+A candidate meets the budget when ``X >= R``. Both constraints are linear in the per-kind
+costs, which is what makes the per-kind choice a small multiple-choice knapsack.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+MODES = ("sync", "prefetch")
+#: Ratios within this relative distance of the best are a tie; the faster candidate wins.
+RATIO_TIE = 0.01
+#: Budget slack for floating-point equality (the default budget is met exactly by ``none``).
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One candidate on one kind (or on the whole mix), per raw byte.
+
+    Attributes: ``stored`` stored bytes per raw byte (1/ratio, at most 1 since the store keeps
+    chunks raw when compression does not shrink them); ``cpu`` single-core seconds per raw
+    byte on the read path (decode + checksum).
+    """
+
+    stored: float
+    cpu: float
+
+    @property
+    def ratio(self) -> float:
+        return 1.0 / self.stored if self.stored > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What the node must sustain.
+
+    Attributes: ``mode`` sync or prefetch; ``required`` raw bytes/s per node; ``cores`` cores
+    decoding; ``storage`` node-local read bandwidth in bytes/s (``inf``: not a limit).
+    """
+
+    mode: str
+    required: float
+    cores: int
+    storage: float
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not self.required > 0 or self.cores < 1 or not self.storage > 0:
+            raise ValueError(f"bad budget {self!r}")
+
+    @property
+    def time_allowance(self) -> float:
+        """Core-seconds per raw byte the read path may spend: ``n / R``."""
+        return self.cores / self.required
+
+    def work(self, cost: Cost) -> float:
+        """Core-seconds per raw byte charged against :attr:`time_allowance`."""
+        if self.mode == "sync":
+            return cost.cpu + cost.stored / self.storage
+        return cost.cpu
+
+
+def node_rate(cost: Cost, budget: Budget) -> float:
+    """Raw bytes/s one node sustains with this cost under the budget's mode, cores, storage."""
+    work = budget.work(cost)
+    cpu_bound = math.inf if work <= 0 else budget.cores / work
+    io_bound = math.inf if cost.stored <= 0 else budget.storage / cost.stored
+    return min(cpu_bound, io_bound)
+
+
+def meets(cost: Cost, budget: Budget) -> bool:
+    return node_rate(cost, budget) >= budget.required * (1 - _EPS)
+
+
+def mix(costs: Sequence[Cost], weights: Sequence[float]) -> Cost:
+    """The cost of a dataset whose kinds (raw bytes ``weights``) have the given costs."""
+    total = float(sum(weights))
+    if total <= 0:
+        return Cost(1.0, 0.0)
+    return Cost(sum(w * c.stored for c, w in zip(costs, weights)) / total,
+                sum(w * c.cpu for c, w in zip(costs, weights)) / total)
+
+
+def choose(costs: Mapping[str, Cost], budget: Budget, order: Sequence[str] | None = None,
+           tie: float = RATIO_TIE) -> tuple[str, bool]:
+    """Pick one candidate: ``(label, met)``.
+
+    Among the candidates meeting the budget, the highest ratio; candidates whose ratio is
+    within ``tie`` of it are a tie and the one with the highest node rate wins; exact ties
+    fall to the earlier label in ``order`` (simplest first). If none meets the budget, the
+    fastest (highest node rate) with ``met=False``.
+    """
+    if not costs:
+        raise ValueError("no candidates")
+    order = list(order) if order is not None else list(costs)
+    pos = {label: i for i, label in enumerate(order)}
+    labels = sorted(costs, key=lambda lb: pos.get(lb, len(pos)))
+    rate = {lb: node_rate(costs[lb], budget) for lb in labels}
+    ok = [lb for lb in labels if meets(costs[lb], budget)]
+    if not ok:
+        return max(labels, key=lambda lb: (rate[lb], -pos.get(lb, len(pos)))), False
+    best = min(costs[lb].stored for lb in ok)
+    ties = [lb for lb in ok if costs[lb].stored <= best * (1 + tie)]
+    return max(ties, key=lambda lb: (rate[lb], -costs[lb].stored, -pos.get(lb, len(pos)))), True
+
+
+@dataclass
+class MixChoice:
+    """A per-kind assignment: ``assign`` kind -> label, its mixed ``cost`` and ``met``."""
+
+    assign: dict[str, str]
+    cost: Cost
+    met: bool
+
+
+def choose_per_kind(
+    table: Mapping[str, Mapping[str, Cost]],
+    weights: Mapping[str, float],
+    budget: Budget,
+    single: str | None = None,
+    order: Sequence[str] | None = None,
+    tie: float = RATIO_TIE,
+    grid: int = 4000,
+) -> MixChoice:
+    """Choose a candidate per kind: the smallest stored size whose mix meets the budget.
+
+    ``table[kind][label]`` is the cost of a candidate on a kind, ``weights[kind]`` the kind's
+    raw bytes. The budget is linear in the per-kind costs (``sum w_k a_k <= n/R`` with ``a``
+    the :meth:`Budget.work` per byte), so this is a multiple-choice knapsack, solved exactly
+    by dynamic programming over a grid of ``grid`` steps of the time allowance (each kind's
+    work is rounded *up*, so a chosen mix always meets the real budget). The result is never
+    worse than ``single`` (a label present for every kind), the best one-codec choice. Near
+    ties (within ``tie`` of a kind's stored size) then go to the faster candidate per kind.
+    If nothing meets the budget: the fastest candidate of every kind, ``met=False``.
+    """
+    kinds = [k for k in table if weights.get(k, 0) > 0 and table[k]]
+    total = float(sum(weights[k] for k in kinds))
+    if not kinds:
+        raise ValueError("no kinds with data")
+    order = list(order) if order is not None else []
+    pos = {label: i for i, label in enumerate(order)}
+    frac = {k: weights[k] / total for k in kinds}
+
+    def rank(label: str) -> int:
+        return pos.get(label, len(pos))
+
+    def mixed(assign: Mapping[str, str]) -> Cost:
+        return mix([table[k][assign[k]] for k in kinds], [weights[k] for k in kinds])
+
+    allowance = budget.time_allowance
+
+    def steps_of(k: str, cost: Cost) -> int:
+        return max(0, math.ceil(frac[k] * budget.work(cost) / allowance * grid - 1e-9))
+
+    best: dict[str, str] | None = None
+    # dp[g]: least stored (fraction of the mix) whose rounded work is at most g grid steps.
+    dp = np.zeros(grid + 1)
+    picks: list[tuple[list[str], np.ndarray]] = []
+    for k in kinds:
+        labels = sorted(table[k], key=rank)
+        new = np.full(grid + 1, np.inf)
+        pick = np.full(grid + 1, -1)
+        for i, label in enumerate(labels):
+            steps = steps_of(k, table[k][label])
+            if steps > grid:
+                continue
+            cand = np.full(grid + 1, np.inf)
+            cand[steps:] = dp[: grid + 1 - steps] + frac[k] * table[k][label].stored
+            better = cand < new - 1e-15
+            new[better] = cand[better]
+            pick[better] = i
+        dp = new
+        picks.append((labels, pick))
+    if np.isfinite(dp[grid]):
+        assign: dict[str, str] = {}
+        g = grid
+        for k, (labels, pick) in zip(reversed(kinds), reversed(picks)):
+            label = labels[int(pick[g])]
+            assign[k] = label
+            g -= steps_of(k, table[k][label])
+        if meets(mixed(assign), budget):  # always, up to floating point at the boundary
+            best = assign
+    if single is not None and all(single in table[k] for k in kinds):
+        one = {k: single for k in kinds}
+        if meets(mixed(one), budget) and (best is None or mixed(one).stored < mixed(best).stored):
+            best = one
+    if best is None or not meets(mixed(best), budget):
+        fastest = {k: min(table[k], key=lambda lb, k=k: (budget.work(table[k][lb]),
+                                                         table[k][lb].stored, rank(lb)))
+                   for k in kinds}
+        return MixChoice(fastest, mixed(fastest), False)
+    # Near ties per kind go to the faster candidate (heaviest kinds first).
+    for k in sorted(kinds, key=lambda k: -weights[k]):
+        here = table[k][best[k]]
+        for label in sorted(table[k], key=lambda lb, k=k: (budget.work(table[k][lb]), rank(lb))):
+            cost = table[k][label]
+            if budget.work(cost) >= budget.work(here) or cost.stored > here.stored * (1 + tie):
+                continue
+            trial = dict(best, **{k: label})
+            if meets(mixed(trial), budget):
+                best = trial
+                break
+    return MixChoice(best, mixed(best), True)

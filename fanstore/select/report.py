@@ -1,0 +1,280 @@
+"""Reports of a selection: the terminal table, the JSON document, the plot.
+
+The JSON document (:func:`to_json`) is also what ``pack --codec auto`` stores in the index
+metadata under ``"selection"``, so it stays small: no sample data, and dictionaries appear
+only as their id and size (the store's codec table holds the dictionary itself).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from fanstore.errors import FanStoreError
+
+if TYPE_CHECKING:
+    from fanstore.select.selector import CandidateResult, SelectionResult
+
+MB = 1e6
+JSON_VERSION = 1
+
+
+def _num(x: float, digits: int = 1) -> float | None:
+    """JSON-safe rounded number (None for inf/nan)."""
+    if x is None or not math.isfinite(x):
+        return None
+    return round(float(x), digits)
+
+
+def _rate(x: float) -> str:
+    if not math.isfinite(x):
+        return "unbounded"
+    return f"{x / MB:,.0f} MB/s"
+
+
+def _files(x: float) -> str:
+    return f"{x:,.0f} files/s" if math.isfinite(x) else "unbounded"
+
+
+def _compact_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    out = dict(cfg)
+    if "dict" in out:
+        out.pop("dict")
+        out["dict"] = "(stored in the store's codec table)"
+    return out
+
+
+def _cand_json(res: "SelectionResult", c: "CandidateResult") -> dict[str, Any]:
+    read = 1.0 / c.cost.cpu if c.cost.cpu > 0 else math.inf
+    dec = 1.0 / c.decode_s if c.decode_s > 0 else math.inf
+    out: dict[str, Any] = {
+        "codec": c.label,
+        "ratio": _num(c.cost.ratio, 4),
+        "decode_mb_per_s": _num(dec / MB),
+        "files_per_s": _num(res.files_rate(dec)),
+        "read_mb_per_s": _num(read / MB),
+        "encode_mb_per_s": _num(c.encode_mb_per_s),
+        "raw_fraction": _num(c.raw_fraction, 4),
+        "measured_mb": _num(c.measured_bytes / MB, 2),
+    }
+    if c.kinds is None:
+        out.update(node_mb_per_s=_num(c.node_rate / MB),
+                   node_files_per_s=_num(res.files_rate(c.node_rate)),
+                   meets_budget=bool(c.meets), chosen=bool(c.chosen))
+    else:
+        out["kinds"] = list(c.kinds)
+    return out
+
+
+def to_json(res: "SelectionResult") -> dict[str, Any]:
+    b = res.budget
+    opts = res.options
+    chosen = res.candidate(res.chosen)
+    doc: dict[str, Any] = {
+        "version": JSON_VERSION,
+        "source": res.source,
+        "mode": res.mode,
+        "budget": {
+            "from": res.budget_from,
+            "mb_per_sec": opts.mb_per_sec,
+            "files_per_sec": opts.files_per_sec,
+            "required_mb_per_s": _num(b.required / MB),
+            "required_files_per_s": _num(res.files_rate(b.required)),
+            "cores": b.cores,
+            "storage_mb_per_s": _num(b.storage / MB),
+            "storage_from": res.storage_from,
+        },
+        "sample": {
+            "seed": opts.seed,
+            "target_mb": opts.sample_mb,
+            "mb": _num(res.sample_bytes / MB, 2),
+            "units": res.sample_units,
+            "chunk_size": opts.chunk_size,
+            "source_files": res.files,
+            "source_mb": _num(res.raw_bytes / MB, 2),
+            "mean_file_bytes": _num(res.raw_bytes / res.files if res.files else 0.0, 0),
+        },
+        "checksum_mb_per_s": _num(res.checksum_mb_per_s),
+        "candidates": [_cand_json(res, c) for c in res.candidates if c.kinds is None],
+        "chosen": res.chosen,
+        "met": res.budget_met,
+        "predicted": {
+            "ratio": _num(chosen.cost.ratio, 4),
+            "node_mb_per_s": _num(chosen.node_rate / MB),
+            "node_files_per_s": _num(res.files_rate(chosen.node_rate)),
+            "read_mb_per_s_one_core": _num(1 / chosen.cost.cpu / MB) if chosen.cost.cpu else None,
+        },
+        "kinds": {
+            k: {"files": kr.files, "mb": _num(kr.raw_bytes / MB, 3),
+                "sample_mb": _num(kr.sample_bytes / MB, 3), "typesize": kr.typesize,
+                "typesize_from": kr.typesize_from, "chosen": kr.chosen,
+                "ratio": _num(kr.costs[kr.chosen].ratio, 4) if kr.chosen else None,
+                "decode_mb_per_s": _num(1 / kr.decode_s[kr.chosen] / MB)
+                if kr.chosen and kr.decode_s[kr.chosen] > 0 else None}
+            for k, kr in sorted(res.kinds.items())
+        },
+        "seconds": _num(res.seconds, 2),
+    }
+    labels = {res.chosen}
+    extras = [c for c in res.candidates if c.kinds is not None]
+    if extras:
+        doc["kind_candidates"] = [_cand_json(res, c) for c in extras]
+    if res.per_kind is not None and res.per_kind_cost is not None:
+        doc["per_kind"] = dict(sorted(res.per_kind.items()))
+        rate = res.per_kind_rate or 0.0
+        doc["per_kind_predicted"] = {
+            "ratio": _num(res.per_kind_cost.ratio, 4),
+            "node_mb_per_s": _num(rate / MB),
+            "node_files_per_s": _num(res.files_rate(rate)),
+            "gain_over_single": _num(res.per_kind_gain or 1.0, 4),
+            "met": bool(res.per_kind_met),
+        }
+        labels |= set(res.per_kind.values())
+    doc["configs"] = {lb: _compact_config(res.candidate(lb).codec.get_config())
+                      for lb in sorted(labels)}
+    return doc
+
+
+def summary_line(res: "SelectionResult") -> str:
+    b = res.budget
+    need = f"{_rate(b.required)}" + (" (default: as fast as storing raw)"
+                                      if res.budget_from == "default" else "")
+    verdict = "met" if res.budget_met else "NOT met"
+    if res.per_kind is not None and res.per_kind_cost is not None:
+        rate = res.per_kind_rate or 0.0
+        n = len(set(res.per_kind.values()))
+        return (f"per kind ({n} codec{'s' if n != 1 else ''} over {len(res.per_kind)} kinds): "
+                f"ratio {res.per_kind_cost.ratio:.2f}x ({(res.per_kind_gain or 1) - 1:+.1%} "
+                f"over {res.chosen} alone), {_rate(rate)} per node on {b.cores} cores, "
+                f"{res.mode}; budget {need}: {verdict}")
+    c = res.candidate(res.chosen)
+    return (f"{c.label}: ratio {c.cost.ratio:.2f}x, {_rate(c.node_rate)} "
+            f"({_files(res.files_rate(c.node_rate))}) per node on {b.cores} cores, {res.mode}; "
+            f"budget {need}: {verdict}")
+
+
+def not_met_message(res: "SelectionResult") -> str:
+    b = res.budget
+    c = res.candidate(res.chosen)
+    text = (f"no codec meets the budget: {res.mode} mode needs {_rate(b.required)} "
+            f"({_files(res.files_rate(b.required))}) per node on {b.cores} cores; the fastest "
+            f"candidate, {c.label}, reaches {_rate(c.node_rate)} (ratio {c.cost.ratio:.2f}x)")
+    if res.per_kind is not None and res.per_kind_cost is not None:
+        text += f", the fastest per-kind mix {_rate(res.per_kind_rate or 0.0)}"
+    if c.cost.stored > 0 and b.storage / c.cost.stored < b.required:
+        text += f" and storage reads at {_rate(b.storage)} cap it"
+    return text
+
+
+def table(res: "SelectionResult") -> str:
+    b = res.budget
+    opts = res.options
+    lines = []
+    mean = res.raw_bytes / res.files if res.files else 0
+    lines.append(f"source    {res.source}: {res.files:,} files, {res.raw_bytes / MB:,.1f} MB "
+                 f"(mean {mean / 1e3:,.1f} kB per file)")
+    whole = res.sample_bytes >= res.raw_bytes
+    lines.append(f"sample    {res.sample_bytes / MB:,.1f} MB in {res.sample_units:,} units "
+                 f"from {len(res.kinds)} kinds (seed {opts.seed}"
+                 f"{', the whole source' if whole else ''}; chunk {opts.chunk_size >> 10} KiB)")
+    how = {"mb_per_sec": "--mb-per-sec", "files_per_sec": "--files-per-sec",
+           "default": "default: the rate of storing the data raw"}[res.budget_from]
+    lines.append(f"budget    {res.mode}: {_rate(b.required)} = "
+                 f"{_files(res.files_rate(b.required))} per node on {b.cores} cores ({how})")
+    lines.append(f"storage   {_rate(b.storage)} ({res.storage_from})")
+    lines.append(f"checksum  xxh3-64 at {res.checksum_mb_per_s:,.0f} MB/s on one core, "
+                 "charged to every candidate")
+    lines.append("")
+    head = (f"{'codec':<30} {'ratio':>7} {'enc MB/s':>9} {'dec MB/s':>9} {'files/s':>9} "
+            f"{'node MB/s':>10} {'node files/s':>12}  budget")
+    lines.append(head)
+    lines.append(f"{'':<30} {'':>7} {'1 core':>9} {'1 core':>9} {'1 core':>9} "
+                 f"{'model':>10} {'model':>12}")
+    whole_cands = sorted((c for c in res.candidates if c.kinds is None),
+                         key=lambda c: (-c.cost.ratio, -c.node_rate))
+    for c in whole_cands:
+        dec = 1 / c.decode_s if c.decode_s > 0 else math.inf
+        mark = "ok" if c.meets else "--"
+        if c.chosen:
+            mark += "  <- chosen"
+        lines.append(f"{c.label:<30} {c.cost.ratio:>7.3f} {_fmt(c.encode_mb_per_s):>9} "
+                     f"{_fmt(dec / MB):>9} {_fmt(res.files_rate(dec)):>9} "
+                     f"{_fmt(c.node_rate / MB):>10} {_fmt(res.files_rate(c.node_rate)):>12}"
+                     f"  {mark}")
+    lines.append("")
+    if res.per_kind is not None:
+        lines.append(f"{'kind':<16} {'files':>8} {'MB':>9} {'typesize':>14}  "
+                     f"{'codec':<34} {'ratio':>7} {'dec MB/s':>9}")
+        for k, kr in sorted(res.kinds.items(), key=lambda kv: -kv[1].raw_bytes):
+            label = kr.chosen or "?"
+            cost = kr.costs.get(label)
+            dec = kr.decode_s.get(label, 0.0)
+            lines.append(f"{k:<16} {kr.files:>8,} {kr.raw_bytes / MB:>9,.1f} "
+                         f"{f'{kr.typesize} ({kr.typesize_from})':>14}  {label:<34} "
+                         f"{cost.ratio if cost else math.nan:>7.3f} "
+                         f"{_fmt(1 / dec / MB) if dec > 0 else 'inf':>9}")
+        lines.append("")
+    lines.append("chosen: " + summary_line(res))
+    if not res.budget_met:
+        lines.append(not_met_message(res))
+    return "\n".join(lines)
+
+
+def _fmt(x: float) -> str:
+    if not math.isfinite(x):
+        return "inf"
+    return f"{x:,.0f}" if x >= 10 else f"{x:.2f}"
+
+
+# --------------------------------------------------------------------------- plot
+
+
+def require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise FanStoreError("--plot needs matplotlib, which is not installed: "
+                            "pip install 'fanstore[plot]'") from None
+
+
+def plot(res: "SelectionResult", path: str) -> None:
+    """Ratio against the model's node decode rate, the budget line, the choice marked."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    b = res.budget
+    cands = [c for c in res.candidates if c.kinds is None]
+    fig, ax = plt.subplots(figsize=(9, 6))
+    for ok, color, name in ((True, "tab:green", "meets the budget"),
+                            (False, "tab:gray", "too slow")):
+        xs = [c.node_rate / MB for c in cands if c.meets == ok]
+        ys = [c.cost.ratio for c in cands if c.meets == ok]
+        if xs:
+            ax.scatter(xs, ys, color=color, label=name, zorder=3)
+    for c in cands:
+        ax.annotate(c.label, (c.node_rate / MB, c.cost.ratio), fontsize=7,
+                    xytext=(4, 3), textcoords="offset points")
+    chosen = res.candidate(res.chosen)
+    ax.scatter([chosen.node_rate / MB], [chosen.cost.ratio], marker="*", s=300,
+               color="tab:red", label=f"chosen: {chosen.label}", zorder=4)
+    if res.per_kind is not None and res.per_kind_cost is not None:
+        ax.scatter([(res.per_kind_rate or 0) / MB], [res.per_kind_cost.ratio], marker="P", s=160,
+                   color="tab:purple", label="per-kind mix", zorder=4)
+    ax.axvline(b.required / MB, color="tab:red", linestyle="--",
+               label=f"budget {b.required / MB:,.0f} MB/s")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"predicted read rate per node, MB/s (model: {res.mode}, {b.cores} cores, "
+                  f"storage {b.storage / MB:,.0f} MB/s)")
+    ax.set_ylabel("compression ratio")
+    ax.set_title(f"codec selection for {res.source}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+__all__ = ["to_json", "summary_line", "not_met_message", "table", "plot", "require_matplotlib"]
