@@ -1,0 +1,185 @@
+"""Shared fixtures: the special source tree and its store, real mounts that always clean up.
+
+Fixtures (see each docstring):
+
+- ``special_tree`` (session): the hard-case tree of :func:`helpers.make_special_tree`.
+- ``special_pack`` / ``special_store`` (session): that tree packed once with
+  ``SPECIAL_PACK_ARGS``.
+- ``small_tree`` / ``small_store`` (session): a few small files, for quick tests.
+- ``mounted`` (function) and ``module_mounted`` (module): mount factories,
+  ``mnt = mounted(store, *extra_args)``; teardown always unmounts and kills the daemon.
+
+Tests marked ``@pytest.mark.fuse`` are skipped when /dev/fuse, fusermount3 or pyfuse3 is
+missing. At session end a safety net lazily unmounts any FUSE mount left under the pytest
+temporary directories and kills any FanStore daemon the tests started.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from helpers import (  # noqa: E402
+    DAEMON_PIDS,
+    SPECIAL_PACK_ARGS,
+    cleanup_mount,
+    fuse_available,
+    kill_pid,
+    lazy_unmount,
+    make_small_tree,
+    make_special_tree,
+    mount_store,
+    pid_alive,
+    run_cli,
+)
+
+_FUSE_OK, _FUSE_WHY = fuse_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _FUSE_OK:
+        return
+    skip = pytest.mark.skip(reason=f"FUSE unavailable: {_FUSE_WHY}")
+    for item in items:
+        if "fuse" in item.keywords:
+            item.add_marker(skip)
+
+
+# --------------------------------------------------------------------------- trees and stores
+
+
+@pytest.fixture(scope="session")
+def special_tree(tmp_path_factory) -> dict:
+    """The special source tree (built once per session); see ``make_special_tree``.
+
+    Read-only for tests: never modify it (other tests compare against it).
+    """
+    return make_special_tree(tmp_path_factory.mktemp("special") / "src")
+
+
+@pytest.fixture(scope="session")
+def special_pack(special_tree, tmp_path_factory):
+    """(store path, completed ``fanstore pack`` process): ``special_tree`` packed once per
+    session with ``SPECIAL_PACK_ARGS``. Read-only."""
+    dest = tmp_path_factory.mktemp("special-store") / "store"
+    proc = run_cli("pack", special_tree["root"], dest, *SPECIAL_PACK_ARGS, check=True,
+                   timeout=300)
+    return dest, proc
+
+
+@pytest.fixture(scope="session")
+def special_store(special_pack) -> Path:
+    """Path of the packed special tree (see ``special_pack``). Read-only: copy it before
+    damaging it."""
+    return special_pack[0]
+
+
+@pytest.fixture(scope="session")
+def small_tree(tmp_path_factory) -> tuple[Path, dict[str, bytes]]:
+    """(root, {relpath: bytes}) of a tiny tree with a symlink ``link -> sub/c.txt``."""
+    root = tmp_path_factory.mktemp("small") / "src"
+    return root, make_small_tree(root)
+
+
+@pytest.fixture(scope="session")
+def small_store(small_tree, tmp_path_factory) -> Path:
+    """``small_tree`` packed with 4 KiB chunks into 2 partitions. Read-only: copy it
+    (``shutil.copytree``) before damaging it."""
+    dest = tmp_path_factory.mktemp("small-store") / "store"
+    run_cli("pack", small_tree[0], dest, "--partitions", "2", "--chunk-kb", "4", "--jobs", "1",
+            "--no-progress", check=True)
+    return dest
+
+
+# --------------------------------------------------------------------------- mounts
+
+
+class _Mounter:
+    """Mount factory; every mount it made is cleaned up by ``close``."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.mounts: list[tuple[Path, int | None]] = []
+
+    def __call__(self, store, *extra, mnt=None) -> Path:
+        """Mount ``store`` at ``mnt`` (default: a fresh directory) with ``fanstore mount
+        STORE MNT *extra`` (background mode); return the mount point once it is ready."""
+        if mnt is None:
+            mnt = self.tmp / f"mnt{len(self.mounts)}"
+        mnt = Path(mnt)
+        self.mounts.append((mnt, None))
+        pid = mount_store(store, mnt, *extra)
+        self.mounts[-1] = (mnt, pid)
+        return mnt
+
+    def close(self) -> None:
+        for mnt, pid in reversed(self.mounts):
+            cleanup_mount(mnt, pid)
+        self.mounts.clear()
+
+
+@pytest.fixture
+def mounted(tmp_path):
+    """Factory: ``mnt = mounted(store, *extra_args, mnt=None)``. Function scope; teardown
+    runs ``fanstore umount``, then ``fusermount3 -u -z`` and kills the daemon if needed."""
+    m = _Mounter(tmp_path)
+    try:
+        yield m
+    finally:
+        m.close()
+
+
+@pytest.fixture(scope="module")
+def module_mounted(tmp_path_factory):
+    """Like ``mounted`` but the mounts live until the end of the module."""
+    m = _Mounter(tmp_path_factory.mktemp("mnt"))
+    try:
+        yield m
+    finally:
+        m.close()
+
+
+# --------------------------------------------------------------------------- safety net
+
+
+def _daemon_pids_under(base: str) -> list[int]:
+    """FanStore processes whose command line names a path under ``base``."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if not any(a.endswith(b"fanstore") for a in argv[:2]):
+            continue
+        if b"mount" in argv and any(a.startswith(base.encode() + b"/") for a in argv):
+            found.append(int(name))
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fanstore_safety_net(tmp_path_factory):
+    """At session end: lazily unmount every FUSE mount under the pytest temp root and kill
+    every daemon the tests started (or whose command line names a path under it)."""
+    yield
+    from fanstore import runtime
+
+    # Only this session's own temp root: other sessions may run concurrently.
+    base = str(tmp_path_factory.getbasetemp().resolve())
+    for mnt in list(runtime.fuse_mounts()):
+        if mnt.startswith(base + "/"):
+            lazy_unmount(mnt)
+    for pid in set(DAEMON_PIDS) | set(_daemon_pids_under(base)):
+        if pid_alive(pid):
+            kill_pid(pid, timeout=2)
+    for mnt in list(runtime.fuse_mounts()):  # a killed daemon may leave a stale mount
+        if mnt.startswith(base + "/"):
+            lazy_unmount(mnt)

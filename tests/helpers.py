@@ -1,0 +1,560 @@
+"""Shared test helpers: run the real CLI, build the special source tree, compare trees, mount.
+
+Everything here is plain functions (no pytest fixtures; those live in ``conftest.py``), so any
+test file, including the MPI and Slurm ones, can import it::
+
+    from helpers import FANSTORE, run_cli, assert_no_traceback, make_special_tree
+
+The mount helpers (:func:`mount_store`, :func:`cleanup_mount`) start a background daemon with
+``fanstore mount`` and tear it down however the test ended; every daemon pid they see is kept
+in :data:`DAEMON_PIDS` for the session-end safety net in ``conftest.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# --------------------------------------------------------------------------- the CLI
+
+
+def _find_fanstore() -> str:
+    here = os.path.join(os.path.dirname(sys.executable), "fanstore")
+    if os.access(here, os.X_OK):
+        return here
+    found = shutil.which("fanstore")
+    if found:
+        return found
+    raise RuntimeError("cannot find the fanstore command (install the package in the venv)")
+
+
+#: Absolute path of the ``fanstore`` command of the interpreter running the tests.
+FANSTORE: str = _find_fanstore()
+
+MiB = 1 << 20
+
+
+def run_cli(*args, check: bool = False, timeout: float = 120, text: bool = True,
+            input=None, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
+    """Run ``fanstore *args`` and return the completed process (stdout/stderr captured).
+
+    ``args`` may be str, bytes or path-like. In text mode (the default) output is decoded
+    as UTF-8 with ``surrogateescape`` so odd file names never break the decoding; pass
+    ``text=False`` for byte-exact stdout (``fanstore cat``). ``check=True`` raises
+    ``AssertionError`` with both streams if the exit status is not 0. Extra keyword
+    arguments go to :func:`subprocess.run`.
+    """
+    cmd = [FANSTORE] + [a if isinstance(a, bytes) else os.fspath(a) for a in args]
+    full_env = dict(os.environ, **(env or {}))
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    if text:
+        kwargs.update(encoding="utf-8", errors="surrogateescape")
+    proc = subprocess.run(cmd, capture_output=True, timeout=timeout, input=input,
+                          env=full_env, **kwargs)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(map(str, cmd))} exited {proc.returncode}\n"
+            f"--- stdout\n{_show(proc.stdout)}\n--- stderr\n{_show(proc.stderr)}"
+        )
+    return proc
+
+
+def _show(out) -> str:
+    if isinstance(out, bytes):
+        return out[:4000].decode(errors="replace")
+    return (out or "")[:4000]
+
+
+def assert_no_traceback(proc: subprocess.CompletedProcess) -> None:
+    """Fail if the process printed a Python traceback or an internal-error line."""
+    for name in ("stdout", "stderr"):
+        out = getattr(proc, name) or ""
+        if isinstance(out, bytes):
+            out = out.decode(errors="replace")
+        assert "Traceback (most recent call last)" not in out, f"traceback on {name}:\n{out}"
+        assert "internal error" not in out, f"internal error on {name}:\n{out}"
+
+
+def assert_cli_error(proc: subprocess.CompletedProcess, code: int | None = None,
+                     contains: str | None = None) -> str:
+    """Check a failed command: non-zero (or exactly ``code``) status, no traceback, and one
+    ``fanstore: error: ...`` line on stderr that contains ``contains``. Returns that line."""
+    assert proc.returncode != 0, f"expected a failure, got 0; stdout: {_show(proc.stdout)}"
+    if code is not None:
+        assert proc.returncode == code, (
+            f"exit {proc.returncode}, expected {code}; stderr: {_show(proc.stderr)}")
+    assert_no_traceback(proc)
+    lines = [ln for ln in (proc.stderr or "").splitlines() if ln.startswith("fanstore: error:")]
+    assert len(lines) == 1, f"expected one error line on stderr, got:\n{_show(proc.stderr)}"
+    if contains is not None:
+        assert contains in lines[0], f"{contains!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+# --------------------------------------------------------------------------- the special tree
+
+#: Options the session's ``special_store`` fixture is packed with (tests that re-pack the
+#: special tree, e.g. for determinism, use the same ones).
+SPECIAL_PACK_ARGS = ("--partitions", "4", "--jobs", "2", "--codec", "zstd:3", "--no-progress")
+
+#: Size of the big file: above 40 MB and not a multiple of the default 1 MiB chunk.
+BIG_SIZE = 41 * MiB + 12345
+#: Entries of the big directory.
+BIG_DIR_ENTRIES = 3000
+#: Levels below ``deep/``.
+DEEP_LEVELS = 40
+#: Base of the deterministic modification times given to every entry (ns precision).
+MTIME_BASE_NS = 1_600_000_000_123_456_789
+
+
+def _big_bytes(size: int, seed: int = 40) -> bytes:
+    """Half compressible text, half random, in 256 KiB stripes (so both stored-raw and
+    compressed chunks occur, and chunk boundaries fall inside stripes)."""
+    rng = random.Random(seed)
+    stripe = 256 << 10
+    text = b"".join(b"line %08d of a very compressible stripe\n" % i for i in range(8000))
+    out = bytearray()
+    n = 0
+    while len(out) < size:
+        if n % 2:
+            out += rng.randbytes(stripe)
+        else:
+            out += text[(n * 977) % 1000 :][:stripe]
+        n += 1
+    return bytes(out[:size])
+
+
+def make_special_tree(root) -> dict:
+    """Create the hard-case source tree under ``root`` (which must not exist or be empty).
+
+    Contents: empty files and directories, unicode names and 255-byte names (ASCII and
+    multi-byte UTF-8), a non-UTF-8 name, a name with spaces, a directory of exactly
+    ``BIG_DIR_ENTRIES`` files, a path ``DEEP_LEVELS`` directories deep, relative symlinks
+    (to a file, to a directory, up a level, to a symlink, and one dangling inside the tree),
+    executable / read-only / private / sticky modes, files around the 1 MiB chunk size, and
+    a ``BIG_SIZE`` (> 40 MB) file. Every entry gets a distinct nanosecond mtime. The content
+    is deterministic (fixed seeds).
+
+    Returns a dict of notable paths (``str``, absolute) and counts: ``root``, ``big``,
+    ``big_dir``, ``deep_file``, ``empty_file``, ``empty_dir``, ``exec``, ``readonly``,
+    ``long_ascii``, ``long_utf8``, ``unicode``, ``non_utf8`` (bytes path), ``symlinks``
+    (list), ``dangling``, ``chunk_files`` (list), ``small_files`` (list of a few regular
+    files), ``files``, ``dirs`` (not counting the root), ``symlinks_count``, ``raw_bytes``.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(1234)
+    info: dict = {"root": str(root)}
+
+    def write(rel: str, data: bytes, mode: int = 0o644) -> str:
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+        os.chmod(p, mode)
+        return str(p)
+
+    # Plain text files and modes.
+    info["small_files"] = [
+        write("text/hello.txt", b"hello, world\n"),
+        write("text/lorem.txt", b"lorem ipsum dolor sit amet\n" * 500),
+        write("text/random.bin", rng.randbytes(70_000)),
+    ]
+    info["exec"] = write("modes/run.sh", b"#!/bin/sh\necho hi\n", 0o755)
+    info["readonly"] = write("modes/readonly.txt", b"do not touch\n", 0o444)
+    write("modes/private.txt", b"secret\n", 0o600)
+    write("modes/group.txt", b"group\n", 0o640)
+    write("modes/ro_dir/inside.txt", b"inside a read-only directory\n")
+    os.chmod(root / "modes/ro_dir", 0o555)
+    (root / "modes/sticky").mkdir()
+    os.chmod(root / "modes/sticky", 0o1777)
+
+    # Empty things.
+    info["empty_file"] = write("empty/empty.txt", b"")
+    write("empty/also-empty", b"")
+    (root / "empty/empty_dir").mkdir()
+    info["empty_dir"] = str(root / "empty/empty_dir")
+    (root / "empty/nested/a/b/c").mkdir(parents=True)
+
+    # Names.
+    info["unicode"] = write("names/ünïcødé-文件.txt", "unicode content ✓\n".encode())
+    write("names/emoji-😀/данные.txt", b"cyrillic\n")
+    write("names/name with spaces.txt", b"spaces\n")
+    long_ascii = "L" * 251 + ".txt"
+    long_utf8 = "é" * 127 + "x"  # 254 + 1 = 255 bytes
+    assert len(long_ascii.encode()) == 255 and len(long_utf8.encode()) == 255
+    info["long_ascii"] = write("names/" + long_ascii, b"long ascii name\n")
+    info["long_utf8"] = write("names/" + long_utf8, b"long utf-8 name\n")
+    odd = os.fsencode(root / "names") + b"/latin1-\xe9.txt"
+    with open(odd, "wb") as f:
+        f.write(b"latin-1 name\n")
+    info["non_utf8"] = odd
+
+    # A big directory.
+    big_dir = root / "big_dir"
+    big_dir.mkdir()
+    for i in range(BIG_DIR_ENTRIES):
+        (big_dir / f"f{i:05d}.dat").write_bytes(b"%d\n" % i * (i % 7))
+    info["big_dir"] = str(big_dir)
+
+    # A deep path.
+    deep = root / "deep"
+    for level in range(1, DEEP_LEVELS + 1):
+        deep = deep / f"l{level:02d}"
+    deep.mkdir(parents=True)
+    info["deep_file"] = write(str((deep / "bottom.txt").relative_to(root)), b"the bottom\n")
+
+    # Chunk boundaries (default chunk size 1 MiB).
+    info["chunk_files"] = [
+        write("chunks/one_less.bin", rng.randbytes(MiB - 1)),
+        write("chunks/exact.bin", bytes(MiB)),
+        write("chunks/one_more.bin", rng.randbytes(MiB + 1)),
+        write("chunks/two_exact.bin", rng.randbytes(2 * MiB)),
+    ]
+
+    # Symlinks (all relative and inside the tree: absolute ones are rewritten by pack).
+    links = {
+        "links/to_file": "../text/hello.txt",
+        "links/to_dir": "../text",
+        "links/to_link": "to_file",
+        "links/to_deep": "../deep/l01/l02",
+        "links/dangling": "no-such-file",
+        "top_link": "text/lorem.txt",
+    }
+    (root / "links").mkdir()
+    for rel, target in links.items():
+        os.symlink(target, root / rel)
+    info["symlinks"] = [str(root / rel) for rel in links]
+    info["dangling"] = str(root / "links/dangling")
+
+    # The big file.
+    info["big"] = write("large/big.bin", _big_bytes(BIG_SIZE))
+
+    # Deterministic, distinct nanosecond mtimes, children before parents.
+    all_paths = [os.fsencode(root)]
+    for dirpath, dirnames, filenames in os.walk(os.fsencode(root)):
+        for name in filenames + dirnames:
+            all_paths.append(os.path.join(dirpath, name))
+    files = dirs = links_n = raw = 0
+    for k, p in enumerate(sorted(all_paths, key=lambda x: (-x.count(b"/"), x))):
+        t = MTIME_BASE_NS + k * 1_000_000_007
+        os.utime(p, ns=(t, t), follow_symlinks=False)
+        st = os.lstat(p)
+        if stat.S_ISLNK(st.st_mode):
+            links_n += 1
+        elif stat.S_ISDIR(st.st_mode):
+            dirs += 1
+        else:
+            files += 1
+            raw += st.st_size
+    info.update(files=files, dirs=dirs - 1, symlinks_count=links_n, raw_bytes=raw)
+    return info
+
+
+def make_small_tree(root) -> dict[str, bytes]:
+    """A handful of small files under ``root``: nested, empty, multi-chunk with
+    ``--chunk-kb 4``, compressible and not, plus ``emptydir/`` and ``link -> sub/c.txt``.
+    Deterministic. Returns {relative path: content} of the regular files."""
+    files = {
+        "a.txt": b"alpha\n" * 100,
+        "b.bin": bytes(range(256)) * 40,  # 10 KiB: three 4 KiB chunks
+        "empty": b"",
+        "sub/c.txt": b"gamma\n",
+        "sub/deeper/d.txt": b"delta " * 2000,
+        "sub/deeper/e.bin": random.Random(5).randbytes(9000),
+    }
+    root = Path(root)
+    for rel, data in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+    (root / "emptydir").mkdir()
+    os.symlink("sub/c.txt", root / "link")
+    return files
+
+
+# --------------------------------------------------------------------------- comparisons
+
+
+def _same_bytes(a: bytes, b: bytes, block: int = MiB) -> bool:
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while True:
+            x = fa.read(block)
+            y = fb.read(block)
+            if x != y:
+                return False
+            if not x:
+                return True
+
+
+def assert_same_tree(src, mnt, check_mtime: bool = True) -> int:
+    """Assert that ``mnt`` shows exactly the tree at ``src``; return the entries compared.
+
+    Walks both without following symlinks (``lstat``/``scandir`` on bytes paths, so any
+    name works) and compares, entry by entry: the set of names in each directory (nothing
+    missing, nothing extra), the file type, the permission bits (07777), for regular files
+    the size and every byte, for symlinks the target, and (``check_mtime``) ``st_mtime_ns``
+    of files and symlinks.
+    """
+    src_b, mnt_b = os.fsencode(src), os.fsencode(mnt)
+    todo = [b""]
+    compared = 0
+    while todo:
+        rel = todo.pop()
+        a_dir = os.path.join(src_b, rel) if rel else src_b
+        b_dir = os.path.join(mnt_b, rel) if rel else mnt_b
+        a_names = sorted(os.listdir(a_dir))
+        b_names = sorted(os.listdir(b_dir))
+        missing = set(a_names) - set(b_names)
+        extra = set(b_names) - set(a_names)
+        assert not missing and not extra, (
+            f"{rel!r}: missing {sorted(missing)[:10]} extra {sorted(extra)[:10]}")
+        assert len(b_names) == len(set(b_names)), f"{rel!r}: duplicate names in the mount"
+        for name in a_names:
+            r = os.path.join(rel, name) if rel else name
+            a, b = os.path.join(src_b, r), os.path.join(mnt_b, r)
+            sa, sb = os.lstat(a), os.lstat(b)
+            assert stat.S_IFMT(sa.st_mode) == stat.S_IFMT(sb.st_mode), f"{r!r}: type differs"
+            assert stat.S_IMODE(sa.st_mode) == stat.S_IMODE(sb.st_mode), (
+                f"{r!r}: mode {oct(sa.st_mode)} != {oct(sb.st_mode)}")
+            if stat.S_ISDIR(sa.st_mode):
+                todo.append(r)
+            elif stat.S_ISLNK(sa.st_mode):
+                assert os.readlink(a) == os.readlink(b), f"{r!r}: symlink target differs"
+            else:
+                assert sa.st_size == sb.st_size, f"{r!r}: size {sa.st_size} != {sb.st_size}"
+                assert _same_bytes(a, b), f"{r!r}: content differs"
+            if check_mtime and not stat.S_ISDIR(sa.st_mode):
+                assert sa.st_mtime_ns == sb.st_mtime_ns, f"{r!r}: mtime differs"
+            compared += 1
+    return compared
+
+
+def flip_bytes(path, offset: int, n: int = 8) -> bytes:
+    """XOR ``n`` bytes of ``path`` at ``offset`` with 0xFF in place; return the old bytes."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        old = f.read(n)
+        assert len(old) == n, f"{path}: cannot flip {n} bytes at {offset}"
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in old))
+    return old
+
+
+def stored_extent(store, rel, chunk: int = 0) -> tuple[str, int, int]:
+    """(partition file, offset, stored length) of chunk ``chunk`` of file ``rel`` of a store."""
+    from fanstore.format.index import read_index
+
+    index = read_index(os.fspath(store))
+    entry = index.resolve(rel)
+    assert entry is not None, f"{rel} is not in {store}"
+    first, count = int(index.e["first"][entry]), int(index.e["count"][entry])
+    assert 0 <= chunk < count, f"{rel} has {count} chunks"
+    k = first + chunk
+    part = index.partitions[int(index.c["part"][k])].name
+    return (os.path.join(os.fspath(store), part), int(index.c["offset"][k]),
+            int(index.c["stored"][k]))
+
+
+def damage_file(store, rel, chunk: int = 0) -> None:
+    """Flip up to 8 bytes in the middle of the stored bytes of one chunk of ``rel``."""
+    part, offset, length = stored_extent(store, rel, chunk)
+    n = min(8, length)
+    flip_bytes(part, offset + (length - n) // 2, n)
+
+
+def copy_store(store, dest) -> Path:
+    """A private copy of a store (to damage or patch); returns ``dest``."""
+    shutil.copytree(store, dest)
+    return Path(dest)
+
+
+def set_index_version(store, version: int) -> None:
+    """Patch the format version field of ``STORE/fanstore.idx`` (bytes 8-9, outside the
+    checksummed body, so only the version check can refuse it)."""
+    path = os.path.join(os.fspath(store), "fanstore.idx")
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write(version.to_bytes(2, "little"))
+
+
+# --------------------------------------------------------------------------- mounts
+
+#: Every daemon pid seen by :func:`mount_store`; the session safety net kills leftovers.
+DAEMON_PIDS: set[int] = set()
+
+
+def fuse_available() -> tuple[bool, str]:
+    """(usable, reason): /dev/fuse, fusermount3 and pyfuse3 are all present."""
+    if not os.path.exists("/dev/fuse"):
+        return False, "/dev/fuse is missing"
+    if not shutil.which("fusermount3"):
+        return False, "fusermount3 is not installed"
+    try:
+        import pyfuse3  # noqa: F401
+        import trio  # noqa: F401
+    except ImportError as exc:
+        return False, f"pyfuse3/trio missing ({exc.name})"
+    return True, ""
+
+
+def is_mounted(mnt) -> bool:
+    """True if ``mnt`` is listed as a FUSE mount (live or stale)."""
+    from fanstore import runtime
+
+    key = runtime.mount_key(os.fspath(mnt))
+    mounts = runtime.fuse_mounts()
+    return key in mounts or os.path.abspath(mnt) in mounts
+
+
+def daemon_pid(mnt) -> int | None:
+    """The pid the daemon serving ``mnt`` wrote into its runtime state, if any."""
+    from fanstore import runtime
+
+    state = runtime.read_state(os.fspath(mnt)) or {}
+    return state.get("pid")
+
+
+def pid_alive(pid: int | None) -> bool:
+    from fanstore import runtime
+
+    return runtime.pid_alive(pid)
+
+
+def wait_until(pred, timeout: float = 10.0, interval: float = 0.05) -> bool:
+    """Poll ``pred()`` until it is true or ``timeout`` seconds pass; return its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+def mount_store(store, mnt, *extra, timeout: float = 60) -> int:
+    """``fanstore mount STORE MNT *extra`` in background mode; return the daemon pid.
+
+    Creates ``mnt`` if needed. Raises ``AssertionError`` (with the daemon log) if the mount
+    fails. The caller must arrange :func:`cleanup_mount` (the ``mounted`` fixture does).
+    """
+    if not os.path.lexists(mnt):  # (a stale mount point exists but cannot be stat'ed)
+        os.makedirs(mnt)
+    proc = run_cli("mount", store, mnt, *extra, timeout=timeout)
+    pid = daemon_pid(mnt)
+    if pid:
+        DAEMON_PIDS.add(pid)
+    if proc.returncode != 0:
+        raise AssertionError(f"fanstore mount {store} {mnt} failed ({proc.returncode}):\n"
+                             f"{proc.stderr}\n--- daemon log\n{daemon_log(mnt)}")
+    assert is_mounted(mnt), f"{mnt} is not mounted after fanstore mount returned 0"
+    assert pid and pid_alive(pid), f"no live daemon pid in the runtime state of {mnt}"
+    return pid
+
+
+def daemon_log(mnt, limit: int = 4000) -> str:
+    from fanstore import runtime
+
+    try:
+        with open(runtime.log_path(os.fspath(mnt)), errors="replace") as f:
+            return f.read()[-limit:]
+    except OSError:
+        return "(no daemon log)"
+
+
+def kill_pid(pid: int | None, timeout: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL after ``timeout`` s, a process that is still alive."""
+    if not pid_alive(pid):
+        return
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        if wait_until(lambda: not pid_alive(pid), wait):
+            return
+
+
+def lazy_unmount(mnt) -> None:
+    subprocess.run(["fusermount3", "-u", "-z", os.fspath(mnt)], capture_output=True,
+                   timeout=30)
+
+
+def cleanup_mount(mnt, pid: int | None = None) -> list[str]:
+    """Tear down whatever is left of a mount at ``mnt``; never raises.
+
+    In order: ``fanstore umount``; if still mounted, ``fusermount3 -u -z``; then kill the
+    daemon (``pid`` or the one in the runtime state) if it is still alive, and lazily
+    unmount again if the kill left a stale mount. Each step runs even if an earlier one
+    failed. Returns notes on what was needed beyond the first step (for debugging).
+    """
+    notes: list[str] = []
+
+    def step(what: str, func, *args, **kwargs) -> None:
+        try:
+            func(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - teardown must go on
+            notes.append(f"{what} failed: {exc!r}")
+
+    try:
+        pid = pid or daemon_pid(mnt)
+    except Exception:  # noqa: BLE001
+        pid = None
+    if is_mounted(mnt) or pid_alive(pid):
+        step("fanstore umount", run_cli, "umount", mnt, "--timeout", "10", timeout=30)
+    if is_mounted(mnt):
+        notes.append("fusermount3 -u -z")
+        step("fusermount3 -u -z", lazy_unmount, mnt)
+    if pid_alive(pid):
+        notes.append(f"kill {pid}")
+        step("kill", kill_pid, pid)
+    if is_mounted(mnt):  # the kill may have left a stale mount behind
+        step("fusermount3 -u -z", lazy_unmount, mnt)
+    return notes
+
+
+def os_error(func, *args, **kwargs) -> int | None:
+    """Call ``func``; return the errno of the OSError it raised, or None if it succeeded."""
+    try:
+        func(*args, **kwargs)
+    except OSError as exc:
+        return exc.errno
+    return None
+
+
+__all__ = [
+    "BIG_DIR_ENTRIES",
+    "BIG_SIZE",
+    "DAEMON_PIDS",
+    "DEEP_LEVELS",
+    "FANSTORE",
+    "MiB",
+    "SPECIAL_PACK_ARGS",
+    "assert_cli_error",
+    "assert_no_traceback",
+    "assert_same_tree",
+    "cleanup_mount",
+    "copy_store",
+    "damage_file",
+    "daemon_log",
+    "daemon_pid",
+    "flip_bytes",
+    "fuse_available",
+    "is_mounted",
+    "kill_pid",
+    "lazy_unmount",
+    "make_small_tree",
+    "make_special_tree",
+    "mount_store",
+    "os_error",
+    "pid_alive",
+    "run_cli",
+    "set_index_version",
+    "stored_extent",
+    "wait_until",
+]

@@ -1,0 +1,582 @@
+"""Format v1: index and partition round trips, byte layout, version checks, truncation,
+hostile indexes, and the golden store in ``tests/fixtures/format``."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import shutil
+import stat
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+import zstandard
+
+from fanstore import FORMAT_VERSION
+from fanstore.errors import FormatError, NotAStoreError, VersionTooNewError, VersionTooOldError
+from fanstore.format.index import (
+    CHUNK_COLUMNS,
+    ENTRY_COLUMNS,
+    INDEX_HEADER_SIZE,
+    INDEX_MAGIC,
+    INDEX_NAME,
+    KIND_DIR,
+    KIND_FILE,
+    KIND_SYMLINK,
+    IndexBuilder,
+    encode_index,
+    read_index,
+    read_index_bytes,
+    target_stays_inside,
+)
+from fanstore.format.partition import (
+    PARTITION_HEADER_SIZE,
+    PARTITION_MAGIC,
+    PartitionWriter,
+    encode_partition_header,
+    file_checksum,
+    partition_name,
+    read_partition_header,
+)
+from fanstore.namespace import Namespace
+from fanstore.store import LocalPartitions, LocalStore
+
+GOLDEN = Path(__file__).parent / "fixtures" / "format"
+REGENERATE = "python tests/fixtures/format/regenerate.py"
+
+
+# --------------------------------------------------------------------------- a tiny index
+
+
+def _tiny_parts() -> dict:
+    """Inputs of ``encode_index`` for this namespace (chunk size 4096):
+
+        /            dir   (entry 0)
+        a/           dir   (1)
+        f            file  (2)  5000 bytes: chunks 0, 1 in partition 0
+        l -> f       link  (3)
+        a/g          file  (4)  10 bytes: chunk 2 in partition 1
+    """
+    b = IndexBuilder(5, 3)
+    e = b.e
+    rows = [  # parent, kind, mode, size, mtime
+        (0, KIND_DIR, 0o755, 0, 10),
+        (0, KIND_DIR, 0o750, 0, 11),
+        (0, KIND_FILE, 0o644, 5000, 12),
+        (0, KIND_SYMLINK, 0o777, 1, 13),
+        (1, KIND_FILE, 0o600, 10, 14),
+    ]
+    for i, (parent, kind, mode, size, mtime) in enumerate(rows):
+        e["parent"][i], e["kind"][i], e["mode"][i] = parent, kind, mode
+        e["size"][i], e["mtime_ns"][i] = size, mtime
+    for i, name in ((1, b"a"), (2, b"f"), (3, b"l"), (4, b"g")):
+        b.set_name(i, name)
+    e["first"][0], e["count"][0] = 1, 3
+    e["first"][1], e["count"][1] = 4, 1
+    e["first"][2], e["count"][2], e["checksum"][2] = 0, 2, 111
+    b.set_target(3, b"f")
+    e["first"][4], e["count"][4], e["checksum"][4] = 2, 1, 222
+    c = b.c
+    for k, (part, off, stored, raw) in enumerate(
+        [(0, 64, 100, 4096), (0, 164, 50, 904), (1, 64, 10, 10)]
+    ):
+        c["part"][k], c["offset"][k], c["stored"][k], c["raw"][k] = part, off, stored, raw
+        c["checksum"][k] = 1000 + k
+    c["codec"][:] = [1, 1, 0]
+    meta = {
+        "chunk_size": 4096,
+        "codecs": [{"id": "none"}, {"id": "zstd", "level": 3}],
+        "partitions": [
+            {"size": 214, "checksum": "00", "files": 1, "raw_bytes": 5000},
+            {"size": 74, "checksum": "11", "files": 1, "raw_bytes": 10},
+        ],
+        "counts": {"files": 2, "dirs": 1, "symlinks": 1, "raw_bytes": 5010},
+    }
+    return {"meta": meta, "e": b.e, "c": b.c, "lookup": b.build_lookup(),
+            "names": bytes(b.names), "targets": bytes(b.targets)}
+
+
+def _encode(parts: dict) -> bytes:
+    return encode_index(parts["meta"], parts["e"], parts["c"], parts["lookup"],
+                        parts["names"], parts["targets"])
+
+
+def _reencode_body(data: bytes, body: bytes) -> bytes:
+    """Index bytes with ``body`` as its (valid-checksum) body and the header of ``data``."""
+    stored = zstandard.ZstdCompressor(level=3, write_content_size=True).compress(body)
+    head = bytearray(data[:INDEX_HEADER_SIZE])
+    struct.pack_into("<QQQ", head, 16, len(body), len(stored), xxhash.xxh3_64_intdigest(stored))
+    return bytes(head) + stored
+
+
+def _body(data: bytes) -> bytes:
+    return zstandard.ZstdDecompressor().decompress(data[INDEX_HEADER_SIZE:])
+
+
+def test_index_round_trip_by_hand():
+    parts = _tiny_parts()
+    index = read_index_bytes(_encode(parts))
+    assert index.n_entries == 5 and index.n_chunks == 3 and index.chunk_size == 4096
+    for name, dtype in ENTRY_COLUMNS:
+        assert index.e[name].dtype == np.dtype(dtype)
+        assert np.array_equal(index.e[name], parts["e"][name]), name
+    for name, dtype in CHUNK_COLUMNS:
+        assert np.array_equal(index.c[name], parts["c"][name]), name
+    assert index.codecs == parts["meta"]["codecs"]
+    assert [(p.number, p.size, p.checksum, p.files) for p in index.partitions] == [
+        (0, 214, "00", 1), (1, 74, "11", 1)]
+    assert index.meta["format_version"] == FORMAT_VERSION
+    assert index.meta["counts"] == parts["meta"]["counts"]
+    assert [index.path(i) for i in range(5)] == [b"", b"a", b"f", b"l", b"a/g"]
+    assert index.target(3) == b"f"
+    assert index.resolve("a/g") == 4 and index.resolve(b"./a//g") == 4
+    assert index.resolve("") == 0
+    assert index.resolve("a/nope") is None and index.resolve("f/x") is None
+    assert index.lookup(0, b"g") is None  # g lives in a/, not in the root
+    assert index.stored_bytes_of(2) == 150
+
+
+def test_encode_index_is_deterministic():
+    assert _encode(_tiny_parts()) == _encode(_tiny_parts())
+
+
+def test_index_header_layout_matches_the_spec():
+    """docs/format.md: magic, u16 version, u16 flags, u32 header size, u64 body_raw,
+    u64 body_stored, u64 XXH3-64 of the stored body, zero padding to 64 bytes."""
+    data = _encode(_tiny_parts())
+    assert data[:8] == INDEX_MAGIC == b"FANSTIDX"
+    version, flags, hsize, raw, stored, digest = struct.unpack_from("<HHIQQQ", data, 8)
+    assert (version, flags, hsize) == (FORMAT_VERSION, 0, 64)
+    assert stored == len(data) - 64
+    assert digest == xxhash.xxh3_64_intdigest(data[64:])
+    assert raw == len(_body(data))
+    assert data[40:64] == bytes(24)
+    body = _body(data)
+    (meta_len,) = struct.unpack_from("<I", body)
+    meta = json.loads(body[4 : 4 + meta_len])
+    for name, (off, length) in meta["columns"].items():
+        assert off % 8 == 0 and off >= 4 + meta_len and off + length <= len(body), name
+    off, length = meta["columns"]["names"]
+    assert body[off : off + length] == b"afl" + b"g"
+
+
+def test_partition_header_layout_and_round_trip():
+    head = encode_partition_header(7)
+    assert len(head) == PARTITION_HEADER_SIZE == 64
+    assert head[:8] == PARTITION_MAGIC == b"FANSTPRT"
+    assert struct.unpack_from("<HHII", head, 8) == (FORMAT_VERSION, 0, 64, 7)
+    assert head[20:] == bytes(44)
+    assert read_partition_header(head) == 7
+    assert partition_name(3) == "part-00003.fsp"
+
+
+def test_partition_writer_offsets_and_checksum(tmp_path):
+    path = tmp_path / partition_name(2)
+    w = PartitionWriter(str(path), 2)
+    assert w.append(b"abc") == 64
+    assert w.append(b"defgh") == 67
+    digest = w.close()
+    data = path.read_bytes()
+    assert data[64:] == b"abcdefgh" and len(data) == w.size == 72
+    assert read_partition_header(data) == 2
+    assert digest == xxhash.xxh3_128_hexdigest(data) == file_checksum(str(path))
+
+
+def test_partition_writer_abort_removes_the_file(tmp_path):
+    path = tmp_path / partition_name(0)
+    w = PartitionWriter(str(path), 0)
+    w.append(b"x" * 100)
+    w.abort()
+    assert not path.exists()
+
+
+# --------------------------------------------------------------------------- version checks
+
+
+def _with_version(data: bytes, version: int) -> bytes:
+    return data[:8] + struct.pack("<H", version) + data[10:]
+
+
+def test_newer_index_version_is_refused_with_exit_code_33():
+    data = _with_version(_encode(_tiny_parts()), FORMAT_VERSION + 1)
+    with pytest.raises(VersionTooNewError) as info:
+        read_index_bytes(data, where="x/fanstore.idx")
+    msg = str(info.value)
+    assert info.value.exit_code == 33
+    assert f"v{FORMAT_VERSION + 1}" in msg and "newer" in msg and "upgrade" in msg
+    assert msg.startswith("x/fanstore.idx: ") and "\n" not in msg
+
+
+def test_older_index_version_is_refused_with_exit_code_32():
+    data = _with_version(_encode(_tiny_parts()), 0)
+    with pytest.raises(VersionTooOldError) as info:
+        read_index_bytes(data)
+    assert info.value.exit_code == 32 and "no longer supported" in str(info.value)
+
+
+def test_newer_partition_version_is_refused():
+    head = bytearray(encode_partition_header(0))
+    struct.pack_into("<H", head, 8, FORMAT_VERSION + 1)
+    with pytest.raises(VersionTooNewError) as info:
+        read_partition_header(bytes(head), "p")
+    assert info.value.exit_code == 33 and "newer" in str(info.value)
+
+
+@pytest.mark.parametrize("patch, match", [
+    ((0, b"FANSTIDY"), None),
+    ((12, struct.pack("<I", 32)), "header size"),
+    ((16, struct.pack("<Q", 1 << 40)), "absurd size"),
+])
+def test_bad_index_header_fields(patch, match):
+    data = bytearray(_encode(_tiny_parts()))
+    off, value = patch
+    data[off : off + len(value)] = value
+    with pytest.raises(FormatError, match=match) as info:
+        read_index_bytes(bytes(data))
+    if match is None:
+        assert isinstance(info.value, NotAStoreError) and "bad magic" in str(info.value)
+
+
+@pytest.mark.parametrize("patch, match", [
+    ((0, b"FANSTPRX"), "bad magic"),
+    ((12, struct.pack("<I", 65)), "unsupported partition header"),
+    ((8, struct.pack("<H", 0)), "unsupported partition header"),
+])
+def test_bad_partition_header_fields(patch, match):
+    head = bytearray(encode_partition_header(0))
+    off, value = patch
+    head[off : off + len(value)] = value
+    with pytest.raises(FormatError, match=match):
+        read_partition_header(bytes(head))
+
+
+# --------------------------------------------------------------------------- truncation
+
+
+def test_truncated_index_is_refused_at_every_length():
+    data = _encode(_tiny_parts())
+    for n in sorted({0, 1, 8, 63, 64, 65, 100, len(data) // 2, len(data) - 1}):
+        with pytest.raises(FormatError) as info:
+            read_index_bytes(data[:n])
+        assert "truncated" in str(info.value), n
+        assert "\n" not in str(info.value)
+
+
+def test_extended_or_flipped_index_is_refused():
+    data = _encode(_tiny_parts())
+    with pytest.raises(FormatError, match="truncated or extended"):
+        read_index_bytes(data + b"\0")
+    for pos in (64, 70, len(data) // 2, len(data) - 1):
+        bad = bytearray(data)
+        bad[pos] ^= 0x01
+        with pytest.raises(FormatError, match="checksum mismatch"):
+            read_index_bytes(bytes(bad))
+
+
+def test_body_size_lie_is_refused():
+    data = bytearray(_encode(_tiny_parts()))
+    raw = struct.unpack_from("<Q", data, 16)[0]
+    struct.pack_into("<Q", data, 16, raw + 8)
+    with pytest.raises(FormatError, match="size does not match"):
+        read_index_bytes(bytes(data))
+
+
+def test_read_index_of_missing_or_empty_paths(tmp_path):
+    with pytest.raises(NotAStoreError, match="no such directory"):
+        read_index(str(tmp_path / "nope"))
+    with pytest.raises(NotAStoreError, match=f"no {INDEX_NAME}"):
+        read_index(str(tmp_path))
+
+
+def _copy_store(src: Path, dest: Path) -> Path:
+    shutil.copytree(src, dest)
+    return dest
+
+
+def test_truncated_or_extended_partition_is_refused(small_store, tmp_path):
+    store = _copy_store(small_store, tmp_path / "s")
+    index = read_index(str(store))
+    part = store / partition_name(0)
+    size = part.stat().st_size
+    os.truncate(part, size - 1)
+    with pytest.raises(FormatError, match=r"partition is truncated \(\d+ bytes, the index says"):
+        LocalPartitions(str(store), index)
+    os.truncate(part, size + 1)
+    with pytest.raises(FormatError, match="partition is too long"):
+        LocalPartitions(str(store), index)
+    os.truncate(part, 10)
+    with pytest.raises(FormatError, match="truncated"):
+        LocalStore(str(store))
+    os.unlink(part)
+    with pytest.raises(FormatError, match="part-00000.fsp is missing"):
+        LocalStore(str(store))
+    # The other partition alone still opens.
+    LocalPartitions(str(store), index, [1]).close()
+
+
+def test_partition_with_a_foreign_number_is_refused(small_store, tmp_path):
+    store = _copy_store(small_store, tmp_path / "s")
+    part = store / partition_name(1)
+    data = bytearray(part.read_bytes())
+    struct.pack_into("<I", data, 16, 0)
+    part.write_bytes(bytes(data))
+    with pytest.raises(FormatError, match="header says partition 0, expected 1"):
+        LocalStore(str(store))
+
+
+# --------------------------------------------------------------------------- hostile indexes
+
+
+def _set(col: str, i: int, value):
+    table, name = col.split(".")
+
+    def mutate(p):
+        p[table][name][i] = value
+    return mutate
+
+
+def _rename(entry: int, new: bytes):
+    def mutate(p):
+        # Same length, so offsets stay valid: patch the name blob in place.
+        off = int(p["e"]["name_off"][entry])
+        names = bytearray(p["names"])
+        names[off : off + len(new)] = new
+        p["e"]["name_len"][entry] = len(new)
+        p["names"] = bytes(names)
+    return mutate
+
+
+def _target(new: bytes):
+    def mutate(p):
+        p["targets"] = new
+        p["e"]["count"][3] = len(new)
+        p["e"]["size"][3] = len(new)
+    return mutate
+
+
+def _meta(key: str, value):
+    def mutate(p):
+        p["meta"][key] = value
+    return mutate
+
+
+HOSTILE = {
+    "chunk past its partition": (_set("c.offset", 1, 200), "outside its partition"),
+    "chunk inside the header": (_set("c.offset", 2, 10), "outside its partition"),
+    "chunk in a missing partition": (_set("c.part", 2, 5), "outside the partition table"),
+    "decompression bomb": (_set("c.raw", 1, 1 << 30), "absurd raw size"),
+    "raw chunk of size 0": (_set("c.raw", 2, 0), "absurd raw size"),
+    "unknown codec": (_set("c.codec", 0, 9), "outside the codec table"),
+    "file size lie": (_set("e.size", 2, 5001), "differs from the sum"),
+    "short middle chunk": (lambda p: (_set("c.raw", 0, 4000)(p), _set("c.raw", 1, 1000)(p)),
+                           "not chunk_size long"),
+    "bad kind": (_set("e.kind", 2, 7), "unknown entry kind"),
+    "mode beyond 07777": (_set("e.mode", 2, 0o17777), "beyond 07777"),
+    "child run too long": (_set("e.count", 0, 4), "child counts"),
+    "wrong parent": (_set("e.parent", 4, 0), "parent"),
+    "name with a slash": (_rename(1, b"/"), "contains '/'"),
+    "name with NUL": (_rename(2, b"\0"), "contains '/' or NUL"),
+    "name '.'": (_rename(1, b"."), "named '.' or '..'"),
+    "empty name": (_set("e.name_len", 2, 0), "empty or over-long"),
+    "name past the blob": (_set("e.name_off", 2, 1000), "outside the name table"),
+    "escaping symlink": (_target(b"../../etc/passwd"), "points outside the store"),
+    "absolute symlink": (_target(b"/etc/passwd"), "points outside the store"),
+    "symlink target past the blob": (_set("e.first", 3, 100), "outside the target table"),
+    "directory with data": (_set("e.checksum", 1, 5), "carries file data"),
+    "chunk size zero": (_meta("chunk_size", 0), "bad chunk size"),
+    "chunk size huge": (_meta("chunk_size", 1 << 40), "bad chunk size"),
+    "codec table malformed": (_meta("codecs", [{"level": 3}]), "codec table"),
+    "partition table malformed": (_meta("partitions", [{"size": "x"}]), "partition 0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_index_is_refused(case):
+    mutate, match = HOSTILE[case]
+    parts = copy.deepcopy(_tiny_parts())
+    mutate(parts)
+    with pytest.raises(FormatError, match=match):
+        read_index_bytes(_encode(parts))
+
+
+def test_overlapping_chunks_are_refused():
+    parts = _tiny_parts()
+    # a/g's chunk moved onto f's first chunk in partition 0 (stored length fits inside).
+    parts["c"]["part"][2] = 0
+    parts["c"]["offset"][2] = 100
+    with pytest.raises(FormatError, match="overlap"):
+        read_index_bytes(_encode(parts))
+
+
+def test_bad_lookup_table_is_refused():
+    parts = _tiny_parts()
+    lk_hash, lk_entry = parts["lookup"]
+    parts["lookup"] = (lk_hash[:-1], lk_entry[:-1])
+    with pytest.raises(FormatError, match="lookup table has the wrong length"):
+        read_index_bytes(_encode(parts))
+    parts["lookup"] = (lk_hash[::-1].copy(), lk_entry[::-1].copy())
+    with pytest.raises(FormatError, match="not sorted"):
+        read_index_bytes(_encode(parts))
+
+
+def test_random_body_damage_never_escapes_as_another_error():
+    """A body whose bytes were changed but whose checksum was recomputed (a buggy or hostile
+    writer) is either refused with FormatError or yields an index that validates."""
+    data = _encode(_tiny_parts())
+    body = _body(data)
+    rng = random.Random(0)
+    refused = 0
+    for _ in range(400):
+        bad = bytearray(body)
+        for _ in range(rng.randint(1, 4)):
+            bad[rng.randrange(len(bad))] = rng.randrange(256)
+        try:
+            index = read_index_bytes(_reencode_body(data, bytes(bad)))
+        except FormatError:
+            refused += 1
+            continue
+        # Accepted: it must still be safe to walk the namespace.
+        ns = Namespace(index)
+        for entry in range(index.n_entries):
+            ns.stat(entry)
+            if ns.is_dir(entry):
+                list(ns.children(entry))
+    assert refused > 100  # most damage is detected
+
+
+def test_target_stays_inside():
+    assert target_stays_inside(b"a/l", b"../f")
+    assert target_stays_inside(b"a/b/l", b"../../f")
+    assert target_stays_inside(b"l", b"a/../b")
+    assert not target_stays_inside(b"l", b"..")
+    assert not target_stays_inside(b"a/l", b"../../f")
+    assert not target_stays_inside(b"a/l", b"/etc/passwd")
+    assert not target_stays_inside(b"l", b"a/../../x")
+
+
+# --------------------------------------------------------------------------- pack round trip
+
+
+def test_index_of_the_special_store_describes_the_source(special_tree, special_store):
+    """Every source entry is in the index with its kind, permission bits, size, mtime (ns)
+    and symlink target, in breadth-first order with children sorted; nothing extra."""
+    index = read_index(str(special_store))
+    ns = Namespace(index)
+    root = os.fsencode(special_tree["root"])
+    seen = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root)
+        rel_dir = b"" if rel_dir == b"." else rel_dir
+        d = ns.resolve(rel_dir)
+        names = sorted(dirnames + filenames)
+        assert [ns.name(c) for c in ns.children(d)] == names, rel_dir
+        for name in names:
+            rel = os.path.join(rel_dir, name) if rel_dir else name
+            st = os.lstat(os.path.join(root, rel))
+            entry = ns.resolve(rel)
+            s = ns.stat(entry)
+            assert s.mode == st.st_mode, rel
+            assert s.mtime_ns == st.st_mtime_ns, rel
+            if stat.S_ISLNK(st.st_mode):
+                assert ns.readlink(entry) == os.readlink(os.path.join(root, rel))
+                assert s.size == st.st_size
+            elif stat.S_ISREG(st.st_mode):
+                assert s.size == st.st_size, rel
+            seen += 1
+    assert seen == index.n_entries - 1
+    assert index.meta["counts"] == {
+        "files": special_tree["files"], "dirs": special_tree["dirs"],
+        "symlinks": special_tree["symlinks_count"], "raw_bytes": special_tree["raw_bytes"],
+        "stored_bytes": sum(p.size for p in index.partitions)}
+    # Breadth-first: depth never decreases along the entry table.
+    depth = np.zeros(index.n_entries, dtype=np.int64)
+    parent = index.e["parent"]
+    for i in range(1, index.n_entries):
+        depth[i] = depth[int(parent[i])] + 1
+    assert np.all(np.diff(depth) >= 0)
+
+
+def test_partition_table_checksums_match_the_files(small_store):
+    index = read_index(str(small_store))
+    for p in index.partitions:
+        path = small_store / p.name
+        assert path.stat().st_size == p.size
+        assert file_checksum(str(path)) == p.checksum
+
+
+# --------------------------------------------------------------------------- golden store
+
+
+def _regen_module():
+    spec = importlib.util.spec_from_file_location("fanstore_format_regen",
+                                                  GOLDEN / "regenerate.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_golden_store_reads():
+    """The committed v1 store still reads, byte for byte (compatibility with old stores)."""
+    store = GOLDEN / "v1"
+    if not (store / INDEX_NAME).exists():
+        pytest.fail(f"missing golden store {store}; regenerate with: {REGENERATE}")
+    manifest = json.loads((GOLDEN / "manifest.json").read_text())
+    with LocalStore(str(store)) as s:
+        ns = s.ns
+        assert ns.n_entries == len(manifest) + 1
+        for rel, rec in manifest.items():
+            entry = ns.resolve(rel)
+            st = ns.stat(entry)
+            assert stat.S_IMODE(st.mode) == rec["mode"] and st.mtime_ns == rec["mtime_ns"], rel
+            if rec["kind"] == "file":
+                data = s.read_file(rel)
+                assert len(data) == rec["size"] == st.size, rel
+                assert hashlib.sha256(data).hexdigest() == rec["sha256"], rel
+            elif rec["kind"] == "symlink":
+                assert os.fsdecode(ns.readlink(entry)) == rec["target"]
+            else:
+                assert ns.is_dir(entry)
+        # The fixture exercises both a compressed and a stored-raw chunk, and a 2-chunk file.
+        assert set(s.index.c["codec"].tolist()) == {0, 1}
+        assert ns.chunks(ns.resolve("two_chunks.bin"))[1] == 2
+
+
+def test_golden_store_is_reproduced_by_the_packer(tmp_path):
+    """Packing the golden tree again gives identical partitions and the same index (up to
+    the recorded source path and tool version). If this fails after an intended writer
+    change, regenerate the fixture; test_golden_store_reads must keep passing."""
+    regen = _regen_module()
+    src, dest = tmp_path / "src", tmp_path / "store"
+    regen.build_tree(src)
+    assert regen.manifest_of(src) == json.loads((GOLDEN / "manifest.json").read_text())
+    regen.pack_tree(src, dest)
+    golden = GOLDEN / "v1"
+    names = sorted(os.listdir(golden))
+    assert sorted(os.listdir(dest)) == names
+    for name in names:
+        if name != INDEX_NAME:
+            assert (dest / name).read_bytes() == (golden / name).read_bytes(), (
+                f"{name} differs from the golden fixture; regenerate with: {REGENERATE}")
+    a, b = read_index(str(golden)), read_index(str(dest))
+
+    def meta(index):
+        m = copy.deepcopy(index.meta)
+        m.pop("created_by", None)
+        m["pack"].pop("source", None)
+        m["pack"].pop("tool", None)
+        m.pop("columns", None)
+        return m
+
+    assert meta(a) == meta(b)
+    for name, _ in ENTRY_COLUMNS:
+        assert np.array_equal(a.e[name], b.e[name]), name
+    for name, _ in CHUNK_COLUMNS:
+        assert np.array_equal(a.c[name], b.c[name]), name
+    assert a.names == b.names and a.targets == b.targets
