@@ -215,8 +215,6 @@ def table(res: "SelectionResult") -> str:
                          f"{_fmt(1 / dec / MB) if dec > 0 else 'inf':>9}")
         lines.append("")
     lines.append("chosen: " + summary_line(res))
-    if not res.budget_met:
-        lines.append(not_met_message(res))
     return "\n".join(lines)
 
 

@@ -45,7 +45,7 @@ _MIN_UNITS = 8
 _MIN_SHARE = 0.01
 
 
-@dataclass
+@dataclass(slots=True)
 class SourceFile:
     rel: str
     path: bytes

@@ -1,0 +1,489 @@
+"""The codec selector: pure policy formulas, sampling, known answers on generated data, CLI.
+
+Timing-dependent answers use budgets far from any boundary (the machine is a noisy 2-core
+VM): either so loose every candidate meets them or so tight none can.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+from compressors import get_codec
+from fanstore.errors import BudgetNotMetError
+from fanstore.format.index import KIND_FILE, read_index
+from fanstore.kinds import file_kind
+from fanstore.select import SelectionOptions, policy_from_selection, run_selection
+from fanstore.select.bench import measure, measure_storage
+from fanstore.select.policy import Budget, Cost, choose, choose_per_kind, meets, mix, node_rate
+from fanstore.select.sample import draw_sample, list_source, npy_itemsize
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FANSTORE = os.path.join(ROOT, ".venv", "bin", "fanstore")
+MB = 1e6
+
+# A budget every candidate meets (1 MB/s, prefetch, fast storage) and one none can.
+LOOSE = dict(mode="prefetch", mb_per_sec=1.0, cores=2, storage_mb_per_sec=100000.0)
+LOOSE_ARGS = ["--mode", "prefetch", "--mb-per-sec", "1", "--cores", "2",
+              "--storage-mb-per-sec", "100000"]
+
+
+# --------------------------------------------------------------------------- data
+
+
+def _npy(arr: np.ndarray) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    return buf.getvalue()
+
+
+def smooth_floats(rng: np.random.Generator, n: int) -> np.ndarray:
+    arr = np.cumsum(rng.standard_normal(n).astype(np.float32) * 0.01, dtype=np.float32)
+    return (arr.view(np.uint32) & np.uint32(0xFFFFF000)).view(np.float32)
+
+
+def write_files(root, files: dict[str, bytes]) -> str:
+    for rel, data in files.items():
+        path = os.path.join(root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+    return str(root)
+
+
+def random_set(root, n=24, size=40_000, seed=1) -> str:
+    rng = np.random.default_rng(seed)
+    return write_files(root, {f"r/{i:03d}.bin": rng.bytes(size) for i in range(n)})
+
+
+def zeros_set(root, n=16, size=100_000, seed=2) -> str:
+    rng = np.random.default_rng(seed)
+    files = {}
+    for i in range(n):
+        buf = bytearray(size)
+        for pos in range(0, size, 16384):  # a few random bytes between long zero runs
+            buf[pos:pos + 8] = rng.bytes(8)
+        files[f"z/{i:03d}.dat"] = bytes(buf)
+    return write_files(root, files)
+
+
+def npy_set(root, n=16, elems=20_000, seed=3) -> str:
+    rng = np.random.default_rng(seed)
+    return write_files(root, {f"a/{i:03d}.npy": _npy(smooth_floats(rng, elems))
+                              for i in range(n)})
+
+
+def json_records(rng: np.random.Generator, n: int) -> bytes:
+    return "".join(json.dumps({"id": int(rng.integers(0, 1 << 30)),
+                               "label": int(rng.integers(0, 1000)),
+                               "score": round(float(rng.random()), 6),
+                               "tags": [f"t{int(x)}" for x in rng.integers(0, 50, 3)]}) + "\n"
+                   for _ in range(n)).encode()
+
+
+def mixed_set(root, seed=4) -> str:
+    """Three kinds with three different right answers: random, float arrays, small JSON."""
+    rng = np.random.default_rng(seed)
+    files = {f"bin/{i:03d}.bin": rng.bytes(40_000) for i in range(12)}
+    files.update({f"npy/{i:03d}.npy": _npy(smooth_floats(rng, 12_000)) for i in range(12)})
+    files.update({f"json/{i:03d}.json": json_records(rng, 30) for i in range(60)})
+    return write_files(root, files)
+
+
+def select(src: str, **kw) -> object:
+    opts = dict(LOOSE, sample_mb=8.0, encode_seconds=1.0, progress=False)
+    opts.update(kw)
+    return run_selection(src, SelectionOptions(**opts))
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([FANSTORE, *args], capture_output=True, text=True, timeout=timeout)
+
+
+# --------------------------------------------------------------------------- pure policy
+
+S = 1000 * MB  # storage in the synthetic budgets
+
+
+def test_node_rate_sync_formula():
+    b = Budget("sync", 100 * MB, cores=4, storage=S)
+    cost = Cost(stored=0.5, cpu=1 / (500 * MB))
+    # per reader: 1 / (cpu + stored/S) = 1 / (2 ns + 0.5 ns) = 400 MB/s; 4 readers: 1600;
+    # storage cap S/stored = 2000 MB/s.
+    assert node_rate(cost, b) == pytest.approx(1600 * MB)
+    # One core: 400 MB/s; a tiny storage caps it at S/stored.
+    assert node_rate(cost, Budget("sync", 1.0, 1, S)) == pytest.approx(400 * MB)
+    assert node_rate(cost, Budget("sync", 1.0, 64, S)) == pytest.approx(2000 * MB)
+
+
+def test_node_rate_prefetch_formula():
+    cost = Cost(stored=0.5, cpu=1 / (500 * MB))
+    # Decode overlaps I/O: 4 cores x 500 MB/s = 2000, storage cap 2000 MB/s.
+    assert node_rate(cost, Budget("prefetch", 1.0, 4, S)) == pytest.approx(2000 * MB)
+    assert node_rate(cost, Budget("prefetch", 1.0, 2, S)) == pytest.approx(1000 * MB)
+    assert node_rate(cost, Budget("prefetch", 1.0, 2, 100 * MB)) == pytest.approx(200 * MB)
+    # Sync is never faster than prefetch for the same numbers.
+    for cores in (1, 2, 8):
+        assert (node_rate(cost, Budget("sync", 1.0, cores, S))
+                <= node_rate(cost, Budget("prefetch", 1.0, cores, S)))
+
+
+def test_meets_at_the_boundary():
+    cost = Cost(stored=1.0, cpu=1 / (250 * MB))
+    assert meets(cost, Budget("prefetch", 1000 * MB, 4, 10 * S))
+    assert not meets(cost, Budget("prefetch", 1001 * MB, 4, 10 * S))
+
+
+def test_choose_best_ratio_that_meets():
+    costs = {
+        "fast": Cost(0.8, 1 / (4000 * MB)),
+        "mid": Cost(0.5, 1 / (1000 * MB)),
+        "slow": Cost(0.4, 1 / (100 * MB)),
+    }
+    assert choose(costs, Budget("prefetch", 50 * MB, 1, 10 * S)) == ("slow", True)
+    assert choose(costs, Budget("prefetch", 500 * MB, 1, 10 * S)) == ("mid", True)
+    assert choose(costs, Budget("prefetch", 3000 * MB, 1, 10 * S)) == ("fast", True)
+    # More cores make the slow codec affordable.
+    assert choose(costs, Budget("prefetch", 500 * MB, 8, 10 * S)) == ("slow", True)
+
+
+def test_choose_ties_go_to_the_faster():
+    costs = {"a": Cost(0.500, 1 / (300 * MB)), "b": Cost(0.504, 1 / (900 * MB)),
+             "c": Cost(0.520, 1 / (5000 * MB))}
+    # a and b are within 1% in ratio: b is faster. c is 4% worse: not a tie.
+    assert choose(costs, Budget("prefetch", 10 * MB, 1, 10 * S)) == ("b", True)
+    # Exact ties fall to the earlier label in the order (simplest first).
+    same = {"none": Cost(1.0, 1e-10), "lz4": Cost(1.0, 1e-10)}
+    assert choose(same, Budget("prefetch", 1.0, 1, S), order=["none", "lz4"])[0] == "none"
+
+
+def test_choose_none_meets_picks_the_fastest():
+    costs = {"x": Cost(0.5, 1 / (100 * MB)), "y": Cost(0.9, 1 / (900 * MB))}
+    assert choose(costs, Budget("prefetch", 10_000 * MB, 1, 100 * S)) == ("y", False)
+    # Sync charges the storage read: a slow disk favours the smaller stored size.
+    costs = {"big": Cost(1.0, 1 / (10_000 * MB)), "small": Cost(0.2, 1 / (2000 * MB))}
+    label, met = choose(costs, Budget("sync", 10_000 * MB, 1, 100 * MB))
+    assert (label, met) == ("small", False)
+
+
+def test_per_kind_beats_single_and_meets():
+    table = {
+        "floats": {"zstd": Cost(0.7, 1 / (800 * MB)), "shuffle": Cost(0.4, 1 / (1500 * MB)),
+                   "none": Cost(1.0, 1 / (10_000 * MB))},
+        "text": {"zstd": Cost(0.25, 1 / (800 * MB)), "shuffle": Cost(0.6, 1 / (1500 * MB)),
+                 "none": Cost(1.0, 1 / (10_000 * MB))},
+        "random": {"zstd": Cost(1.0, 1 / (10_000 * MB)), "shuffle": Cost(1.0, 1 / (10_000 * MB)),
+                   "none": Cost(1.0, 1 / (10_000 * MB))},
+    }
+    weights = {"floats": 50.0, "text": 20.0, "random": 30.0}
+    b = Budget("prefetch", 10 * MB, 1, 10 * S)  # loose
+    single, met = choose({lb: mix([table[k][lb] for k in weights], list(weights.values()))
+                          for lb in ("none", "zstd", "shuffle")}, b, ["none", "zstd", "shuffle"])
+    assert met
+    mc = choose_per_kind(table, weights, b, single=single, order=["none", "zstd", "shuffle"])
+    assert mc.met
+    assert mc.assign["floats"] == "shuffle" and mc.assign["text"] == "zstd"
+    assert mc.assign["random"] == "none"  # exact tie on this kind: the simplest
+    single_cost = mix([table[k][single] for k in weights], list(weights.values()))
+    assert mc.cost.stored < single_cost.stored
+    assert meets(mc.cost, b)
+
+
+def test_per_kind_spends_the_budget_where_it_buys_most():
+    # Tight budget: only one kind can afford the slow codec. It should be the one where it
+    # saves the most bytes per core-second.
+    table = {
+        "a": {"fast": Cost(0.9, 1 / (2000 * MB)), "slow": Cost(0.3, 1 / (200 * MB))},
+        "b": {"fast": Cost(0.9, 1 / (2000 * MB)), "slow": Cost(0.8, 1 / (200 * MB))},
+    }
+    weights = {"a": 1.0, "b": 1.0}
+    # allowance: cores/R; fast+fast costs 1/2000 per byte, slow on one kind (1/200+1/2000)/2
+    b = Budget("prefetch", 350 * MB, 1, 100 * S)
+    mc = choose_per_kind(table, weights, b, order=["fast", "slow"])
+    assert mc.met and mc.assign == {"a": "slow", "b": "fast"}
+    assert meets(mc.cost, b)
+    # Impossible: the fastest of every kind, not met.
+    mc = choose_per_kind(table, weights, Budget("prefetch", 10_000 * MB, 1, 100 * S),
+                         order=["fast", "slow"])
+    assert not mc.met and mc.assign == {"a": "fast", "b": "fast"}
+
+
+def test_per_kind_dp_matches_brute_force():
+    rng = np.random.default_rng(7)
+    import itertools
+
+    for trial in range(20):
+        kinds = [f"k{i}" for i in range(3)]
+        labels = [f"c{j}" for j in range(4)]
+        table = {k: {lb: Cost(float(rng.uniform(0.2, 1.0)), float(rng.uniform(1e-10, 5e-9)))
+                     for lb in labels} for k in kinds}
+        weights = {k: float(rng.uniform(1, 10)) for k in kinds}
+        b = Budget(["sync", "prefetch"][trial % 2], float(rng.uniform(200, 3000)) * MB, 2,
+                   float(rng.uniform(500, 5000)) * MB)
+        best = math.inf
+        for combo in itertools.product(labels, repeat=len(kinds)):
+            c = mix([table[k][lb] for k, lb in zip(kinds, combo)], list(weights.values()))
+            if meets(c, b):
+                best = min(best, c.stored)
+        mc = choose_per_kind(table, weights, b, order=labels, tie=0.0)
+        if math.isinf(best):
+            assert not mc.met
+        else:
+            assert mc.met and meets(mc.cost, b)
+            assert mc.cost.stored <= best * 1.01  # the grid costs at most a little
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def test_npy_itemsize():
+    assert npy_itemsize(_npy(np.zeros(3, np.float32))) == 4
+    assert npy_itemsize(_npy(np.zeros(3, np.float64))) == 8
+    assert npy_itemsize(_npy(np.zeros(3, np.uint8))) == 1
+    assert npy_itemsize(b"not an npy file at all") is None
+
+
+def test_sample_is_seeded_stratified_and_chunks_large_files(tmp_path):
+    rng = np.random.default_rng(5)
+    files = {f"s/{i:03d}.txt": rng.bytes(3000) for i in range(200)}  # 600 kB of small files
+    files["big/huge.f32"] = smooth_floats(rng, 1_000_000).tobytes()  # 4 MB, 64 KiB chunks
+    src = write_files(tmp_path, files)
+    listing = list_source(src)
+    chunk = 64 << 10
+    a = draw_sample(listing, 1_000_000, chunk, seed=11)
+    b = draw_sample(listing, 1_000_000, chunk, seed=11)
+    c = draw_sample(listing, 1_000_000, chunk, seed=12)
+    assert [u for k in sorted(a.kinds) for u in a.kinds[k].units] == \
+        [u for k in sorted(b.kinds) for u in b.kinds[k].units]
+    assert [u for k in sorted(a.kinds) for u in a.kinds[k].units] != \
+        [u for k in sorted(c.kinds) for u in c.kinds[k].units]
+    big = a.kinds[file_kind("huge.f32", 4_000_000)]
+    small = a.kinds[file_kind("x.txt", 3000)]
+    assert big.units and all(len(u) <= chunk for u in big.units)
+    assert big.sample_bytes < 4_000_000  # chunks of it, not the whole file
+    assert big.typesize == 4 and big.typesize_from == "extension"
+    # Both strata are present, roughly in proportion to their bytes (with the floor).
+    assert small.units and 0.5 < a.sample_bytes / 1_000_000 < 1.6
+    assert a.files == 201 and a.raw_bytes == 600_000 + 4_000_000
+    # Small data: the whole source is the sample.
+    whole = draw_sample(listing, 100_000_000, chunk, seed=0)
+    assert whole.sample_bytes == whole.raw_bytes
+
+
+def test_measure_models_raw_chunks():
+    rng = np.random.default_rng(6)
+    units = [rng.bytes(10_000) for _ in range(5)] + [bytes(10_000)] * 5
+    m = measure(get_codec({"id": "zstd", "level": 3}), units, encode_budget=1.0)
+    assert m.units == 10 and m.raw_units == 5 and m.raw_unit_bytes == 50_000
+    assert 50_000 < m.stored_bytes < 51_000  # random kept raw, zeros shrink to a few bytes
+
+
+def test_measure_storage(tmp_path):
+    rate, how = measure_storage(str(tmp_path), size=8 << 20)
+    assert rate > 1e6 and str(tmp_path) in how
+    assert not [p for p in os.listdir(tmp_path)]  # the test file is gone
+
+
+# --------------------------------------------------------------------------- known answers
+
+
+def test_random_bytes_pick_none(tmp_path):
+    res = select(random_set(tmp_path))
+    assert res.met
+    assert res.chosen == "none"
+    # Every chunk kept raw, as pack does; a dictionary is charged to the stored size, so
+    # one that memorised the random files buys nothing.
+    assert all(c.cost.ratio == 1.0 for c in res.candidates if "+dict" not in c.label)
+    assert all(c.cost.ratio < 1.001 for c in res.candidates)
+    assert len([c for c in res.candidates if c.kinds is None]) >= 12
+
+
+def test_zero_runs_pick_a_high_ratio_codec(tmp_path):
+    res = select(zeros_set(tmp_path))
+    chosen = res.candidate(res.chosen)
+    best = max(c.cost.ratio for c in res.candidates)
+    assert res.met and res.chosen != "none"
+    assert chosen.cost.ratio > 50
+    assert chosen.cost.ratio >= best / 1.0101  # the best, or within the 1% tie
+
+
+def test_smooth_float_arrays_pick_a_shuffle_filter(tmp_path):
+    res = select(npy_set(tmp_path))
+    assert res.met
+    assert ":shuffle:4" in res.chosen or ":bitshuffle:4" in res.chosen, res.chosen
+    kind = next(iter(res.kinds.values()))
+    assert kind.typesize == 4 and kind.typesize_from == "npy header"
+
+
+def test_default_budget_is_storing_raw(tmp_path):
+    res = select(npy_set(tmp_path), mb_per_sec=None, mode="sync", cores=1,
+                 storage_mb_per_sec=500.0)
+    assert res.budget_from == "default" and res.met
+    assert res.budget.required == pytest.approx(res.candidate("none").node_rate)
+    assert res.candidate(res.chosen).node_rate >= res.budget.required * (1 - 1e-9)
+
+
+def test_files_per_sec_budget_uses_mean_file_size(tmp_path):
+    src = npy_set(tmp_path)
+    res = select(src, mb_per_sec=None, files_per_sec=10.0)
+    assert res.budget_from == "files_per_sec"
+    assert res.budget.required == pytest.approx(10.0 * res.raw_bytes / res.files)
+
+
+def test_impossible_budget_reports_and_raises(tmp_path):
+    res = select(npy_set(tmp_path, n=4), mb_per_sec=1e9, cores=1)
+    assert not res.met
+    fastest = max((c for c in res.candidates if c.kinds is None), key=lambda c: c.node_rate)
+    assert res.chosen == fastest.label
+    with pytest.raises(BudgetNotMetError) as err:
+        res.check_met()
+    assert err.value.exit_code == 3 and "no codec meets the budget" in str(err.value)
+    with pytest.raises(BudgetNotMetError):
+        policy_from_selection(res)
+
+
+def test_per_kind_choice(tmp_path):
+    res = select(mixed_set(tmp_path), per_kind=True)
+    pk = res.per_kind
+    assert res.budget_met and pk is not None
+    by_ext = {k.split("/")[0]: lb for k, lb in pk.items()}
+    assert by_ext["bin"] == "none"
+    assert ":shuffle:4" in by_ext["npy"] or ":bitshuffle:4" in by_ext["npy"]
+    assert by_ext["json"] != "none" and by_ext["json"] != by_ext["npy"]
+    json_kind = next(k for k in pk if k.startswith("json/"))
+    assert res.kinds[json_kind].costs[pk[json_kind]].ratio > 2
+    assert res.per_kind_gain is not None and res.per_kind_gain >= 1.0
+    # Small JSON files got dictionary candidates.
+    assert any("+dict" in c.label for c in res.candidates)
+    policy = policy_from_selection(res)
+    npy_kind = next(k for k in pk if k.startswith("npy/"))
+    assert policy.codec_for("npy/000.npy", res.kinds[npy_kind].raw_bytes // 12).spec == pk[npy_kind]
+    doc = res.to_json()
+    assert doc["per_kind"] == pk and json.loads(json.dumps(doc)) == doc
+
+
+def test_json_report_schema(tmp_path):
+    doc = select(npy_set(tmp_path, n=6)).to_json()
+    for key in ("mode", "budget", "candidates", "chosen"):
+        assert key in doc
+    assert doc["mode"] == "prefetch" and doc["budget"]["cores"] == 2
+    assert doc["budget"]["required_mb_per_s"] == pytest.approx(1.0)
+    assert len(doc["candidates"]) >= 12
+    for c in doc["candidates"]:
+        assert {"codec", "ratio", "decode_mb_per_s", "files_per_s", "meets_budget"} <= set(c)
+        assert isinstance(c["meets_budget"], bool) and c["ratio"] >= 1.0
+    assert sum(c["chosen"] for c in doc["candidates"]) == 1
+    assert doc["chosen"] in {c["codec"] for c in doc["candidates"]}
+    assert json.loads(json.dumps(doc)) == doc
+    assert "dict\":\"" not in json.dumps(doc)  # no dictionary bytes
+
+
+def test_plot_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    from fanstore.select.report import plot
+
+    res = select(random_set(tmp_path / "d", n=4))
+    plot(res, str(tmp_path / "sel.png"))
+    with open(tmp_path / "sel.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# --------------------------------------------------------------------------- the real CLI
+
+
+def test_selection_options_from_the_cli_parsers():
+    from fanstore.cli import build_parser
+    from fanstore.select import selection_options
+
+    args = build_parser().parse_args(
+        ["select", "SRC", "--mode", "prefetch", "--files-per-sec", "10", "--cores", "3",
+         "--sample-mb", "5", "--seed", "7", "--per-kind", "--storage-mb-per-sec", "100"])
+    o = selection_options(args)
+    assert (o.mode, o.files_per_sec, o.mb_per_sec, o.cores, o.sample_mb, o.seed, o.per_kind,
+            o.storage_mb_per_sec, o.chunk_size) == ("prefetch", 10.0, None, 3, 5.0, 7, True,
+                                                    100.0, 1 << 20)
+    args = build_parser().parse_args(["pack", "SRC", "DEST", "--codec", "auto", "--chunk-kb",
+                                      "64", "--mb-per-sec", "800", "--no-progress"])
+    o = selection_options(args)
+    assert (o.mode, o.mb_per_sec, o.chunk_size, o.progress) == ("sync", 800.0, 65536, False)
+    assert o.n_cores >= 1 and o.cores is None
+
+
+def test_cli_impossible_budget_exits_3(tmp_path):
+    src = npy_set(tmp_path / "d", n=4)
+    args = ["select", src, "--mode", "sync", "--mb-per-sec", "1000000000", "--cores", "1",
+            "--storage-mb-per-sec", "1000", "--sample-mb", "1"]
+    proc = run_cli(*args)
+    assert proc.returncode == 3, proc.stderr
+    assert "no codec meets the budget" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "<- chosen" in proc.stdout  # the table is printed before the error
+    proc = run_cli(*args, "--json")
+    assert proc.returncode == 3
+    doc = json.loads(proc.stdout)
+    assert doc["met"] is False and doc["chosen"]
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_usage_errors(tmp_path):
+    proc = run_cli("select", str(tmp_path / "missing"), "--mb-per-sec", "1")
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = run_cli("select", str(tmp_path), "--mb-per-sec", "1", "--files-per-sec", "1")
+    assert proc.returncode == 2
+
+
+def test_pack_auto_records_the_choice(tmp_path):
+    src = npy_set(tmp_path / "d", n=8)
+    dest = str(tmp_path / "store")
+    proc = run_cli("pack", src, dest, "--codec", "auto", *LOOSE_ARGS, "--sample-mb", "4",
+                   "--partitions", "1", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    assert "codec selection:" in proc.stderr
+    info = json.loads(run_cli("info", dest, "--json").stdout)
+    sel = info["selection"]
+    assert sel["mode"] == "prefetch" and sel["met"] is True
+    assert ":shuffle:4" in sel["chosen"] or ":bitshuffle:4" in sel["chosen"]
+    assert sel["chosen"] in info["codec_chunks"]  # the chunks really use it
+
+
+def test_pack_auto_per_kind_applies_the_policy(tmp_path):
+    src = mixed_set(tmp_path / "d")
+    dest = str(tmp_path / "store")
+    proc = run_cli("pack", src, dest, "--codec", "auto", "--per-kind", *LOOSE_ARGS,
+                   "--sample-mb", "4", "--partitions", "2", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    index = read_index(dest)
+    sel = index.meta["selection"]
+    per_kind = sel["per_kind"]
+    assert len(set(per_kind.values())) >= 3  # none, a shuffle filter, a zstd for the JSON
+    slots_seen: dict[str, set[str]] = {}
+    for entry in range(index.n_entries):
+        if int(index.e["kind"][entry]) != KIND_FILE:
+            continue
+        rel = os.fsdecode(index.path(entry))
+        kind = file_kind(rel, int(index.e["size"][entry]))
+        want = sel["configs"][per_kind[kind]]
+        first, count = int(index.e["first"][entry]), int(index.e["count"][entry])
+        for slot in index.c["codec"][first:first + count].tolist():
+            cfg = index.codecs[slot]
+            slots_seen.setdefault(kind, set()).add(cfg["id"])
+            if cfg["id"] == "none":
+                continue  # kept raw: compression did not shrink this chunk
+            assert cfg["id"] == want["id"]
+            assert {k: v for k, v in cfg.items() if k != "dict"} == \
+                {k: v for k, v in want.items() if k != "dict"}
+    npy_kind = next(k for k in per_kind if k.startswith("npy/"))
+    assert slots_seen[npy_kind] == {"blosc2"}
+    assert slots_seen[next(k for k in per_kind if k.startswith("bin/"))] == {"none"}
+    json_kind = next(k for k in per_kind if k.startswith("json/"))
+    assert slots_seen[json_kind] - {"none"}  # compressed with the chosen codec
+    if "+dict" in per_kind[json_kind]:
+        assert any("dict" in cfg for cfg in index.codecs)  # the dictionary travels along
