@@ -1,0 +1,373 @@
+#!/usr/bin/env python3
+"""Turn the rows of peers_run.sh's peers.sh runs into the `peers` section of docs/benchmarks.md.
+
+Every ratio compares rows of ONE run (the machine is shared; absolute numbers drift between
+runs): FanStore vs the raw directory and vs squashfuse_ll with the same codec, measured in the
+same peers.sh invocation. Build times come from the run that built the artifact (peers.sh
+reuses images with SKIP_BUILD=1), which the table says.
+
+    peers_table.py --work /tmp/fsbench --run /tmp/fsbench/fanstore-run1.jsonl \
+        [--run .../fanstore-run2.jsonl] [--label TEXT] (--docs docs/benchmarks.md | --stdout)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+SECTION = "peers"
+
+# The issue's targets for FanStore (docs/benchmarks.md repeats them next to the numbers).
+COLD_VS_SQFUSE = 1.25
+WARM_VS_SQFUSE = 1.25
+WARM_VS_RAW_AIM = 0.8
+PACK_VS_MKSQUASHFS = 1.0
+RATIO_MIN = 2.0
+
+CODEC_TAG = {"zstd3": "zstd:3", "lz4": "lz4"}
+
+
+def load(path: str) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                rows.append(json.loads(line))
+    return rows
+
+
+class Run:
+    def __init__(self, idx: int, path: str) -> None:
+        self.idx = idx
+        self.path = path
+        self.rows = load(path)
+        self.builds = {r["artifact"]: r for r in self.rows if r.get("kind") == "build"}
+        self.meas = [r for r in self.rows if "op" in r]
+        seen: list[str] = []
+        for r in self.meas:
+            b = r.get("backend")
+            if b and b not in seen:
+                seen.append(b)
+        self.backends = seen
+
+    def pick(self, **kw) -> list[dict]:
+        return [r for r in self.meas if all(str(r.get(k)) == str(v) for k, v in kw.items())]
+
+    def vals(self, key: str, **kw) -> list[float]:
+        """Values of ``key`` over the matching rows; passes with read errors do not count."""
+        return [r[key] for r in self.pick(**kw)
+                if r.get(key) is not None and not r.get("errors") and not r.get("rc")]
+
+    def errors(self, **kw) -> int:
+        return sum(int(r.get("errors") or 0) for r in self.pick(**kw))
+
+    def med(self, key: str, **kw) -> float | None:
+        return common.med(self.vals(key, **kw))
+
+
+def is_fanstore(backend: str) -> bool:
+    return backend.startswith("fanstore")
+
+
+def tag_of(backend: str) -> str | None:
+    """zstd3 / lz4 for FanStore and squashfs backends."""
+    if is_fanstore(backend):
+        return backend.split("-", 1)[1] if "-" in backend else None
+    if backend.startswith("sqfs-"):
+        return backend.split("-")[1]
+    return None
+
+
+def peer_of(backend: str) -> str | None:
+    tag = tag_of(backend)
+    return f"sqfs-{tag}-squashfuse_ll" if tag else None
+
+
+def build_of(runs: list[Run], artifact: str) -> tuple[dict | None, int | None]:
+    """The build record of an artifact, from the latest run that has it, and that run's number."""
+    for run in reversed(runs):
+        if artifact in run.builds:
+            return run.builds[artifact], run.idx
+    return None, None
+
+
+def artifact_of(backend: str) -> str | None:
+    if is_fanstore(backend):
+        return backend
+    tag = tag_of(backend)
+    if backend.startswith("sqfs-") and tag:
+        return f"data-{tag}.sqfs"
+    return None
+
+
+def section(runs: list[Run], work: str, label: str, total_seconds: int | None) -> str:
+    out: list[str] = []
+    w = out.append
+    summary = {}
+    try:
+        with open(os.path.join(work, "lists", "summary.json")) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        pass
+    total_bytes = summary.get("total_bytes")
+
+    w("## FanStore next to its peers (`tools/bench/peers_run.sh` → `../shared/bench/peers.sh`)")
+    w("")
+    if label:
+        w(f"> **{label}**")
+        w("")
+    w(f"Generated {common.now_utc()} from {len(runs)} peers.sh run(s)"
+      + (f", {total_seconds / 60:.0f} min in all" if total_seconds else "")
+      + ". FanStore is the harness's custom backend, measured by the same reader "
+      "(`fsread.py`), in the same run as the raw directory and squashfuse_ll with the same "
+      "codec; every ratio below compares rows of one run. The peers' reference numbers "
+      "quoted in the issue (`../shared/bench/peers-results.md`) come from another run and "
+      "another day: compare ratios, not absolute numbers. Raw rows: "
+      "`tools/bench/results/peers-run*.jsonl`. Rerun: `tools/bench/peers_run.sh` (as root; "
+      "see its header for the knobs).")
+    w("")
+    for run in runs:
+        w(f"- run {run.idx}: {', '.join(run.backends)}")
+    w("")
+    w("### Machine")
+    w("")
+    w(common.machine_table(work))
+    w("")
+    if summary:
+        w("### Dataset (`../shared/bench/gen_dataset.py`)")
+        w("")
+        w(f"{summary.get('n_small', 0):,} small files ({summary.get('small_bytes', 0):,} bytes, "
+          "sizes uniform 50–150 kB, 100 class dirs; kinds: "
+          + ", ".join(f"{k} {v['files']:,}" for k, v in summary.get("small_by_ext", {}).items())
+          + f") and {summary.get('n_large', 0)} large file(s) of {summary.get('large_mib')} MiB; "
+          f"{total_bytes or 0:,} bytes in all, seed {summary.get('seed')}. MB = 10^6 bytes. "
+          "Ratio = total raw bytes / artifact bytes.")
+        w("")
+
+    # ------------------------------------------------------------ targets
+    w("### The issue's targets")
+    w("")
+    w("FanStore / peer, both from the same run (readers = reader processes). Cold = fresh "
+      "mount + dropped page cache; warm = the same pass again.")
+    w("")
+    w("| target | FanStore | compared with | readers | measured | goal | status |")
+    w("| --- | --- | --- | ---: | ---: | ---: | --- |")
+    for run in runs:
+        for b in run.backends:
+            if not is_fanstore(b):
+                continue
+            peer = peer_of(b)
+            have_peer = peer in run.backends
+            for wk in (1, 4):
+                q = dict(list="small.txt", op="read", workers=wk)
+                fc = run.med("files_per_s", backend=b, phase="cold", **q)
+                fw = run.med("files_per_s", backend=b, phase="warm", **q)
+                if have_peer:
+                    pc = run.med("files_per_s", backend=peer, phase="cold", **q)
+                    pw = run.med("files_per_s", backend=peer, phase="warm", **q)
+                    _target_row(w, "cold small-file reads", b, f"{peer} (run {run.idx})", wk,
+                                fc, pc, COLD_VS_SQFUSE, "≥")
+                    _target_row(w, "warm small-file reads", b, f"{peer} (run {run.idx})", wk,
+                                fw, pw, WARM_VS_SQFUSE, "≥")
+                if "raw" in run.backends:
+                    rw = run.med("files_per_s", backend="raw", phase="warm", **q)
+                    _target_row(w, "warm small-file reads (aim)", b, f"raw (run {run.idx})",
+                                wk, fw, rw, WARM_VS_RAW_AIM, "≥")
+            fb, fr = build_of(runs, artifact_of(b) or "")
+            sb, sr = build_of(runs, artifact_of(peer) or "") if peer else (None, None)
+            if fb and sb and fb.get("ok") and sb.get("ok"):
+                _target_row(w, "pack time", b, f"mksquashfs {CODEC_TAG.get(tag_of(b), '')} "
+                            f"(run {sr})", "", fb["seconds"], sb["seconds"], PACK_VS_MKSQUASHFS,
+                            "≤", fmt="{:.2f}x time")
+            if fb and fb.get("ok") and total_bytes and fb.get("bytes"):
+                r = total_bytes / fb["bytes"]
+                goal = tag_of(b) == "zstd3"
+                w(f"| compression ratio | {b} | – | | {r:.2f} | "
+                  f"{'≥ ' + str(RATIO_MIN) if goal else '(≥ 2.0 is for zstd:3)'} | "
+                  f"{common.check(r >= RATIO_MIN) if goal else '–'} |")
+    w("")
+
+    # ------------------------------------------------------------ builds
+    w("### Build (pack) cost and size")
+    w("")
+    w("Build = wall time of the command (see the commands below) from the plain directory, "
+      "page cache dropped first; built once and reused by later runs (the `built in` column).")
+    w("")
+    w("| artifact | used by | built in | build s | size MB | ratio | mount s (median) |")
+    w("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    arts: list[tuple[str, list[str]]] = []
+    for run in runs:
+        for b in run.backends:
+            a = artifact_of(b)
+            if not a:
+                continue
+            for name, users in arts:
+                if name == a:
+                    if b not in users:
+                        users.append(b)
+                    break
+            else:
+                arts.append((a, [b]))
+    for a, users in arts:
+        rec, ridx = build_of(runs, a)
+        mounts = [m for run in runs for u in users for m in run.vals("seconds", op="mount", backend=u)]
+        if not rec:
+            w(f"| {a} | {', '.join(users)} | – | – | – | – | {common.num(common.med(mounts), 2)} |")
+            continue
+        ok = rec.get("ok")
+        w(f"| {a} | {', '.join(users)} | run {ridx} | "
+          f"{common.num(rec.get('seconds'), 1) if ok else 'FAILED'} | "
+          f"{common.num(rec.get('bytes', 0) / 1e6)} | "
+          f"{(total_bytes / rec['bytes']) if ok and total_bytes and rec.get('bytes') else 0:.2f} | "
+          f"{common.num(common.med(mounts), 2)} |")
+    w("")
+
+    # ------------------------------------------------------------ small files
+    w("### Small-file reads (every small file once, shuffled)")
+    w("")
+    w("Cells: median (min–max) over the cold passes (different shuffles) and the warm passes. "
+      "`vs raw` and `vs sqfuse_ll` = median files/s over that backend's median in the same run "
+      "with the same readers (`vs sqfuse_ll`: squashfuse_ll with the same codec). CPU = whole "
+      "machine, includes the FUSE daemon.")
+    w("")
+    w("| run | backend | readers | cold files/s | cold MB/s | warm files/s | warm MB/s | "
+      "cold p50 / p99 ms | cold CPU % | cold vs raw | warm vs raw | cold vs sqfuse_ll | "
+      "warm vs sqfuse_ll |")
+    w("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for run in runs:
+        for wk in (1, 4):
+            q = dict(list="small.txt", op="read", workers=wk)
+            raw_c = run.med("files_per_s", backend="raw", phase="cold", **q)
+            raw_w = run.med("files_per_s", backend="raw", phase="warm", **q)
+            for b in run.backends:
+                rows = run.pick(backend=b, **q)
+                if not rows:
+                    continue
+                cf = run.vals("files_per_s", backend=b, phase="cold", **q)
+                wf = run.vals("files_per_s", backend=b, phase="warm", **q)
+                peer = peer_of(b) if is_fanstore(b) else None
+                pc = run.med("files_per_s", backend=peer, phase="cold", **q) if peer else None
+                pw = run.med("files_per_s", backend=peer, phase="warm", **q) if peer else None
+                flags = ""
+                if any(r.get("truncated") for r in rows):
+                    flags += " ⚠ cut at time limit"
+                errs = sum(r.get("errors") or 0 for r in rows)
+                if errs:
+                    flags += f" ⚠ {errs} errors"
+                name = f"**{b}**" if is_fanstore(b) else b
+                w(f"| {run.idx} | {name}{flags} | {wk} | {common.spread(cf)} | "
+                  f"{common.spread(run.vals('MB_per_s', backend=b, phase='cold', **q))} | "
+                  f"{common.spread(wf)} | "
+                  f"{common.spread(run.vals('MB_per_s', backend=b, phase='warm', **q))} | "
+                  f"{common.num(run.med('lat_ms_p50', backend=b, phase='cold', **q), 2)} / "
+                  f"{common.num(run.med('lat_ms_p99', backend=b, phase='cold', **q), 1)} | "
+                  f"{common.num(run.med('cpu_busy_pct', backend=b, phase='cold', **q))} | "
+                  f"{common.ratio(common.med(cf), raw_c)} | {common.ratio(common.med(wf), raw_w)} | "
+                  f"{common.ratio(common.med(cf), pc) if peer else ''} | "
+                  f"{common.ratio(common.med(wf), pw) if peer else ''} |")
+    w("")
+
+    # ------------------------------------------------------------ metadata + large
+    w("### Metadata and large files")
+    w("")
+    w("`walk` = `os.walk` of the tree; `stat` = `os.stat` of every small file, shuffled, 1 "
+      "process (cold follows the cold walk on the same mount, as peers.sh does); large = the "
+      "large files read one after another in 1 MiB `readinto`, 1 reader.")
+    w("")
+    w("| run | backend | walk cold s | walk warm s | stat cold /s | stat warm /s | large cold MB/s "
+      "| large warm MB/s | spot check |")
+    w("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for run in runs:
+        for b in run.backends:
+            ver = run.pick(backend=b, op="verify")
+            if not ver:
+                check = "–"
+            elif all(v.get("ok") for v in ver):
+                check = f"ok ({ver[0].get('checked')} files)"
+            else:
+                first = (ver[0].get("first_bad") or ["?"])[0]
+                check = (f"**FAILED** ({ver[0].get('bad')} of {ver[0].get('checked')}; "
+                         f"{first[:160]})")
+            errs = run.errors(backend=b)
+            if errs:
+                check += f"; ⚠ {errs} read errors in the passes (those passes are left out)"
+            mount_err = [r for r in run.pick(backend=b, op="mount") if r.get("error")]
+            if mount_err:
+                check += f"; ⚠ {mount_err[0]['error']} ({len(mount_err)}x)"
+            lq = dict(backend=b, list="large.txt", op="read")
+            w(f"| {run.idx} | {b} | {common.num(run.med('seconds', backend=b, op='walk', phase='cold'), 3)} | "
+              f"{common.num(run.med('seconds', backend=b, op='walk', phase='warm'), 3)} | "
+              f"{common.num(run.med('files_per_s', backend=b, op='stat', phase='cold'))} | "
+              f"{common.num(run.med('files_per_s', backend=b, op='stat', phase='warm'))} | "
+              f"{common.num(run.med('MB_per_s', phase='cold', **lq))} | "
+              f"{common.num(run.med('MB_per_s', phase='warm', **lq))} | {check} |")
+    w("")
+
+    # ------------------------------------------------------------ commands
+    w("### Exact commands")
+    w("")
+    w("```")
+    for run in runs:
+        cmds = run.path[:-len(".jsonl")] + ".commands.txt"
+        w(f"# ===== run {run.idx}: BACKENDS=\"{' '.join(run.backends)}\"")
+        try:
+            with open(cmds) as f:
+                for line in f:
+                    w(line.rstrip("\n").replace(common.REPO + "/", ""))
+        except OSError:
+            w("# (command log missing)")
+    w("```")
+    return "\n".join(out)
+
+
+def _target_row(w, what, b, other, wk, mine, theirs, goal, op, fmt="{:.2f}x"):
+    if mine is None or not theirs:
+        w(f"| {what} | {b} | {other} | {wk} | – | {op} {goal} | – |")
+        return
+    r = mine / theirs
+    ok = r >= goal if op == "≥" else r <= goal
+    w(f"| {what} | {b} | {other} | {wk} | {fmt.format(r)} ({common.num(mine, 1 if mine < 100 else 0)} vs "
+      f"{common.num(theirs, 1 if theirs < 100 else 0)}) | {op} {goal} | {common.check(ok)} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", required=True, help="peers.sh WORKDIR (for lists/summary.json)")
+    ap.add_argument("--run", action="append", required=True, help="a run's .jsonl, in order")
+    ap.add_argument("--label", default="")
+    ap.add_argument("--total-seconds", type=int)
+    ap.add_argument("--docs", default=common.DOCS)
+    ap.add_argument("--stdout", action="store_true", help="print the section, touch nothing")
+    a = ap.parse_args(argv)
+    runs = [Run(i + 1, p) for i, p in enumerate(a.run)]
+    label = a.label
+    if not label:
+        try:
+            with open(os.path.join(a.work, "lists", "summary.json")) as f:
+                n_small = json.load(f).get("n_small", 0)
+        except (OSError, ValueError):
+            n_small = 0
+        reps = max([int(r.get("rep", 0)) for run in runs for r in run.pick(phase="cold",
+                                                                       list="small.txt")] or [0])
+        if n_small < 20000 or reps < 3:
+            label = (f"SMOKE RUN ({n_small:,} small files, {reps} cold pass(es) per cell, on a "
+                     "machine shared with other jobs): it shows the harness works end to end; "
+                     "the numbers are not results. Run `tools/bench/peers_run.sh` with its "
+                     "defaults on a quiet machine for real numbers.")
+    text = section(runs, a.work, label, a.total_seconds)
+    if a.stdout:
+        print(text)
+    else:
+        common.replace_section(SECTION, text, a.docs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

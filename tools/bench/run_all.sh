@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# run_all.sh - every FanStore benchmark, in order; what `make bench` runs (as root).
+#
+#   1. tools/bench/mount_bench.py --preset full   FanStore mount vs the raw directory (~10-15 min)
+#   2. tools/bench/peers_run.sh                   FanStore next to squashfs / squashfuse_ll in
+#                                                 the shared peer harness (~25-30 min)
+# Each rewrites its own section of docs/benchmarks.md and its rows in tools/bench/results/.
+# Run it on an otherwise quiet machine: the numbers are only as good as the machine is idle.
+#
+# Environment: MOUNT_BENCH_ARGS (default "--preset full"), MOUNT_BENCH_WORK
+# [/tmp/fanstore-bench], PEERS_WORK [/tmp/fsbench]; peers_run.sh's own knobs pass through.
+# ONLY="mount_bench" or ONLY="peers" runs one of them.
+set -euo pipefail
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(cd "$HERE/../.." && pwd)
+PY=$REPO/.venv/bin/python
+ONLY=${ONLY:-mount_bench peers}
+
+[ "$(id -u)" = 0 ] || { echo "run_all.sh: run as root (mounts, drop_caches)" >&2; exit 1; }
+[ -x "$PY" ] || { echo "run_all.sh: no $PY; run 'make setup' first" >&2; exit 1; }
+
+echo "[$(date +%T)] run_all: load average $(cut -d' ' -f1-3 /proc/loadavg) (results are noisy if the machine is busy)" >&2
+status=0
+for step in $ONLY; do
+    case $step in
+    mount_bench)
+        echo "[$(date +%T)] run_all: mount_bench" >&2
+        # shellcheck disable=SC2086
+        "$PY" "$HERE/mount_bench.py" ${MOUNT_BENCH_ARGS:---preset full} \
+            --work "${MOUNT_BENCH_WORK:-/tmp/fanstore-bench}" || status=$?
+        ;;
+    peers)
+        echo "[$(date +%T)] run_all: peers_run" >&2
+        bash "$HERE/peers_run.sh" "${PEERS_WORK:-/tmp/fsbench}" || status=$?
+        ;;
+    *) echo "run_all.sh: unknown step $step" >&2; exit 2 ;;
+    esac
+done
+left=$(grep -F -e " ${MOUNT_BENCH_WORK:-/tmp/fanstore-bench}/mnt/" -e " ${PEERS_WORK:-/tmp/fsbench}/mnt/" /proc/mounts || true)
+if [ -n "$left" ]; then
+    echo "run_all.sh: WARNING: still mounted:" >&2
+    echo "$left" >&2
+    status=1
+fi
+echo "[$(date +%T)] run_all: done (status $status); see docs/benchmarks.md" >&2
+exit "$status"
