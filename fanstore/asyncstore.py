@@ -26,7 +26,7 @@ from typing import Any
 
 import trio
 
-from fanstore.errors import FanStoreError
+from fanstore.errors import CorruptDataError, FanStoreError
 from fanstore.store import ChunkCache, Decoder, assemble, chunk_span
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ class Stats:
     chunks_decoded: int = 0
     errors: int = 0
     remote_failovers: int = 0
+    refetched: int = 0  # local chunks that failed their checksum, read again from a replica
     lookahead_started: int = 0  # first chunks decoded on a LOOKUP/OPEN, before any READ
     lookahead_used: int = 0  # ... that a READ then found ready
     remote_latency: deque = field(default_factory=lambda: deque(maxlen=20000))
@@ -73,6 +74,7 @@ class Stats:
             "remote_reads": self.remote_reads,
             "remote_bytes": self.remote_bytes,
             "remote_failovers": self.remote_failovers,
+            "refetched_from_replica": self.refetched,
             "remote_latency_ms_p50": pct(0.50),
             "remote_latency_ms_p99": pct(0.99),
             "decode_seconds": round(self.decode_seconds, 6),
@@ -243,7 +245,8 @@ class ChunkStore:
         part, off, length = self.decoder.run_extent(a, b - a)
         source = self.source
         stats = self.stats
-        if source.is_local(part):
+        remote = not source.is_local(part)
+        if not remote:
 
             def work():
                 blob = source.fetch(part, off, length)
@@ -251,10 +254,19 @@ class ChunkStore:
                 out = self.decoder.decode_run(a, b - a, blob, entry)
                 return out, time.perf_counter() - t
 
-            decoded, secs = await trio.to_thread.run_sync(work, limiter=self._decode_limiter)
             stats.local_reads += 1
             stats.local_bytes += length
-        else:
+            try:
+                decoded, secs = await trio.to_thread.run_sync(work,
+                                                              limiter=self._decode_limiter)
+            except CorruptDataError as exc:
+                # Bit rot in the local copy: a peer holding a replica has good bytes.
+                if not getattr(source, "has_replica_elsewhere", lambda p: False)(part):
+                    raise
+                log.warning("%s; fetching it from a replica", exc)
+                stats.refetched += 1
+                remote = True
+        if remote:
             t0 = time.perf_counter()
             blob = await trio.to_thread.run_sync(
                 source.fetch_remote, part, off, length, entry, limiter=self._remote_limiter

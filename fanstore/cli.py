@@ -458,7 +458,8 @@ def cmd_verify(args) -> int:
     from fanstore.verify import verify_store
 
     report = verify_store(args.store, jobs=args.jobs,
-                          progress=None if not args.no_progress else False)
+                          progress=None if not args.no_progress else False,
+                          data_dir=args.local_dir, only_present=bool(args.local_dir))
     for line in report.damaged_lines():
         print(line)
     print(report.summary(), file=sys.stderr)
@@ -558,6 +559,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("verify", parents=[common], help="check every file of a store")
     s.add_argument("store", metavar="STORE")
     s.add_argument("--jobs", type=_nonneg_int, default=0, help="threads (default: all cores)")
+    s.add_argument("--local-dir", metavar="DIR",
+                   help="check the partitions staged in DIR (a node's share) instead of "
+                        "STORE's; partitions not staged there are skipped")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(func=cmd_verify)
 

@@ -33,12 +33,14 @@ class VerifyReport:
 
     def summary(self) -> str:
         mb = self.bytes_checked / 1e6
+        skipped = (f" ({len(self.skipped_partitions)} partitions not present, skipped)"
+                   if self.skipped_partitions else "")
         rate = mb / self.seconds if self.seconds > 0 else 0.0
         head = (f"verified {self.checked:,} files ({mb:,.1f} MB) in {self.seconds:.1f} s "
                 f"({rate:,.0f} MB/s): ")
         if self.damaged:
-            return head + f"{len(self.damaged)} damaged"
-        return head + "all intact"
+            return head + f"{len(self.damaged)} damaged" + skipped
+        return head + "all intact" + skipped
 
 
 def verify_store(path: str, jobs: int = 0, progress: bool | None = None,

@@ -186,6 +186,9 @@ class RoutedSource:
     def is_local(self, part: int) -> bool:
         return self.parts.has(part)
 
+    def has_replica_elsewhere(self, part: int) -> bool:
+        return any(r != self.rank and r not in self.dead for r in self.table[part])
+
     def fetch(self, part: int, offset: int, length: int) -> bytes:
         return self.parts.fetch(part, offset, length)
 
