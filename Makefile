@@ -5,6 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+TORCH_VERSION ?= 2.13.0
 
 .PHONY: setup system-deps demo test test-slow bench slurm-e2e clean
 
@@ -18,6 +19,14 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[all]'
+	@# PyTorch (optional; its tests skip without it): only a build the machine already has
+	@# locally, never a multi-GB CUDA download from the index.
+	@if $(PY) -c 'import torch' 2>/dev/null; then :; \
+	elif $(PY) -m pip install --dry-run -q --no-index --no-deps \
+	        'torch==$(TORCH_VERSION)' >/dev/null 2>&1; then \
+	    echo "setup: installing the local CPU build of torch $(TORCH_VERSION)"; \
+	    $(PY) -m pip install -q 'torch==$(TORCH_VERSION)'; \
+	else echo "setup: no local build of torch: the PyTorch tests will be skipped"; fi
 	@touch $(STAMP)
 
 ## demo: pack a generated sample dataset, mount it, read it back, select a codec, unmount

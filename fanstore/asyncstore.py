@@ -137,17 +137,22 @@ class ChunkStore:
         self._ahead_max = max(2, threads)
         self._ahead_window = [0, 0]  # started, used in the current window
         self._ahead_off_until = 0
+        self.prefetcher = None  # fanstore.prefetch.Prefetcher in prefetch mode
 
     def start(self, nursery: trio.Nursery) -> None:
-        """Give the store a nursery for background work (lookahead); without one it only
-        answers reads."""
+        """Give the store a nursery for background work (lookahead, the prefetcher);
+        without one it only answers reads."""
         self._nursery = nursery
+        if self.prefetcher is not None:
+            nursery.start_soon(self.prefetcher.run)
 
     def announce(self, entry: int) -> None:
         """The kernel looked up a file (its dentry was not cached, so neither are its pages
         most likely): start decoding its first chunk before the READ arrives."""
         if self._nursery is None or not self.lookahead:
             return
+        if self.prefetcher is not None and self.prefetcher.order:
+            return  # the prefetcher knows better what comes next
         first, count = self.ns.chunks(entry)
         if not count or first in self._inflight or self.cache.peek(first):
             return
@@ -186,14 +191,28 @@ class ChunkStore:
         lo, hi, end = chunk_span(offset, size, file_size, self.chunk_size)
         if hi == lo:
             return b""
-        first, _ = self.ns.chunks(entry)
+        first, count = self.ns.chunks(entry)
+        if self.prefetcher is not None and lo == 0:
+            ready = self.prefetcher.take(entry)
+            if ready is not None:
+                for k, data in zip(range(first, first + count), ready):
+                    self.cache.put(k, data)
+                if hi == 1 and not self.cache.peek(first):  # too big for the LRU: serve it
+                    data = assemble(ready[:1], 0, offset, end, self.chunk_size)
+                    self.stats.bytes_returned += len(data)
+                    return data
         chunks = await self.get_chunks(entry, first + lo, first + hi)
         data = assemble(chunks, lo, offset, end, self.chunk_size)
         self.stats.bytes_returned += len(data)
         return data
 
-    async def get_chunks(self, entry: int, a: int, b: int, counted: bool = True) -> list[bytes]:
-        """Decoded chunks a..b-1 of one file, each fetched at most once at a time."""
+    async def get_chunks(self, entry: int, a: int, b: int, counted: bool = True,
+                         keep: bool = True) -> list[bytes]:
+        """Decoded chunks a..b-1 of one file, each fetched at most once at a time.
+
+        ``counted``: a reader's request (cache hits/misses and lookahead use are counted);
+        ``keep``: put what was fetched into the LRU (the prefetcher keeps its own buffer).
+        """
         if counted and self._ahead and a in self._ahead:
             del self._ahead[a]
             self.stats.lookahead_used += 1
@@ -226,8 +245,9 @@ class ChunkStore:
                 raise
             else:
                 pending.result = dict(zip(range(lo, hi), decoded))
-                for k, data in pending.result.items():
-                    self.cache.put(k, data)
+                if keep:
+                    for k, data in pending.result.items():
+                        self.cache.put(k, data)
             finally:
                 for k in owned:
                     del self._inflight[k]
@@ -239,7 +259,42 @@ class ChunkStore:
             if pending.error is not None:
                 raise type(pending.error)(str(pending.error))
             out[k - a] = pending.result[k]
+            if keep and not self.cache.peek(k):
+                self.cache.put(k, pending.result[k])
         return out  # type: ignore[return-value]
+
+    async def fetch_for_api(self, entry: int) -> tuple[str, bytes]:
+        """A whole file for the Python API: ``("raw", bytes)`` when its decoded chunks are at
+        hand (prefetch buffer, LRU), else ``("stored", bytes)``: the still-compressed run,
+        fetched locally or from a peer, for the caller to decode and verify."""
+        self.stats.reads += 1
+        first, count = self.ns.chunks(entry)
+        if count == 0:
+            return "raw", b""
+        chunks = self.prefetcher.take(entry) if self.prefetcher is not None else None
+        if chunks is None:
+            cached = [self.cache.get(k) for k in range(first, first + count)]
+            if all(c is not None for c in cached):
+                chunks = cached
+        if chunks is not None:
+            data = chunks[0] if count == 1 else b"".join(chunks)
+            self.stats.bytes_returned += len(data)
+            return "raw", data
+        part, off, length = self.decoder.run_extent(first, count)
+        if self.source.is_local(part):
+            blob = await trio.to_thread.run_sync(self.source.fetch, part, off, length,
+                                                 limiter=self._decode_limiter)
+            self.stats.local_reads += 1
+            self.stats.local_bytes += length
+        else:
+            t0 = time.perf_counter()
+            blob = await trio.to_thread.run_sync(self.source.fetch_remote, part, off, length,
+                                                 entry, limiter=self._remote_limiter)
+            self.stats.remote_latency.append(time.perf_counter() - t0)
+            self.stats.remote_reads += 1
+            self.stats.remote_bytes += len(blob)
+        self.stats.bytes_returned += int(self.ns.size(entry))
+        return "stored", bytes(blob)
 
     async def _load(self, entry: int, a: int, b: int) -> list[bytes]:
         part, off, length = self.decoder.run_extent(a, b - a)

@@ -152,7 +152,8 @@ def _mount_single(args, store: str, mountpoint: str, on_ready) -> None:
     from fanstore.service import mount_local
 
     options = MountOptions(cache_mb=args.cache_mb, threads=args.threads,
-                           allow_other=args.allow_other, lookahead=not args.no_lookahead)
+                           allow_other=args.allow_other, lookahead=not args.no_lookahead,
+                           mode=args.mode, prefetch_mb=args.prefetch_mb)
     mount_local(store, mountpoint, options, on_ready=on_ready)
 
 
@@ -328,6 +329,25 @@ def cmd_wait(args) -> int:
             raise MountError(f"{mnt}: not ready after {args.timeout:g} s (phase: "
                              f"{phase or 'not started'})")
         time.sleep(0.1)
+
+
+def cmd_prefetch(args) -> int:
+    from fanstore import runtime
+
+    if args.list == "-":
+        lines = sys.stdin.buffer.read().splitlines()
+    else:
+        try:
+            with open(args.list, "rb") as f:
+                lines = f.read().splitlines()
+        except OSError as exc:
+            raise UsageError(f"{args.list}: cannot read: {exc.strerror}") from None
+    paths = [os.fsdecode(line) for line in lines if line.strip()]
+    reply = runtime.control(args.mountpoint, {"op": "prefetch", "paths": paths}, timeout=120)
+    print(f"prefetch order of {reply['files']:,} files sent"
+          + (f" ({reply['unknown']:,} paths not in the store were left out)"
+             if reply.get("unknown") else ""))
+    return 0
 
 
 def cmd_stats(args) -> int:
@@ -522,6 +542,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode threads (default: 2 per core, at least 4)")
     s.add_argument("--allow-other", action="store_true",
                    help="let other users read the mount (needs user_allow_other)")
+    s.add_argument("--mode", choices=("sync", "prefetch"), default="sync",
+                   help="sync: decode on the read path; prefetch: fetch and decode ahead in "
+                        "the order given with 'fanstore prefetch' or the Python API (or, "
+                        "without one, ahead within directories)")
+    s.add_argument("--prefetch-mb", type=_positive_int, default=1024,
+                   help="memory for files decoded ahead in prefetch mode (default 1024)")
     s.add_argument("--no-lookahead", action="store_true",
                    help="do not start decoding a file when it is looked up (it pauses itself "
                         "anyway when most looked-up files are not read)")
@@ -550,6 +576,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=_positive_float, default=300.0,
                    help="seconds (default 300)")
     s.set_defaults(func=cmd_wait)
+
+    s = sub.add_parser("prefetch", parents=[common],
+                       help="give a prefetch-mode mount the access order of the next epoch",
+                       description="Send the order in which files will be read (one path "
+                                   "per line, relative to the mount root) to the daemon of "
+                                   "a mount in prefetch mode.")
+    s.add_argument("mountpoint", metavar="MOUNTPOINT")
+    s.add_argument("--list", required=True, metavar="FILE",
+                   help="file with one path per line ('-' for standard input)")
+    s.set_defaults(func=cmd_prefetch)
 
     s = sub.add_parser("stats", parents=[common], help="this node's counters for a mount")
     s.add_argument("mountpoint", metavar="MOUNTPOINT")

@@ -25,12 +25,23 @@ def mount_local(store_path: str, mountpoint: str, options, on_ready=None):
     parts = LocalPartitions(store_path, index)
     store = ChunkStore(ns, decoder, parts, cache_bytes=options.cache_mb << 20,
                        threads=options.decode_threads(), lookahead=options.lookahead)
+    attach_prefetcher(store, options)
+    options.store_path = os.path.abspath(store_path)
     log.info("serving %s (%d entries, %d partitions) at %s", store_path, index.n_entries,
              len(index.partitions), mountpoint)
     try:
         return fmount.run(ns, store, mountpoint, options, on_ready=on_ready)
     finally:
         parts.close()
+
+
+def attach_prefetcher(store, options) -> None:
+    """In prefetch mode, give the chunk store a prefetcher with the --prefetch-mb budget."""
+    if options.mode == "prefetch":
+        from fanstore.prefetch import Prefetcher
+
+        store.prefetcher = Prefetcher(store, budget=options.prefetch_mb << 20,
+                                      inflight=options.decode_threads())
 
 
 def check_fuse_available() -> None:

@@ -411,7 +411,12 @@ class Node:
             source = self.source
             stats.extra["dead_ranks"] = lambda: sorted(source.dead)
             options = fmount.MountOptions(cache_mb=args.cache_mb, threads=args.threads,
-                                          allow_other=args.allow_other)
+                                          allow_other=args.allow_other, mode=args.mode,
+                                          prefetch_mb=args.prefetch_mb,
+                                          store_path=os.path.abspath(args.store))
+            from fanstore.service import attach_prefetcher
+
+            attach_prefetcher(store, options)
             options.extra_handlers["shutdown"] = self._control_shutdown
             code = self._serve(ns, store, options, on_ready)
         except FanStoreError:

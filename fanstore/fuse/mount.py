@@ -20,7 +20,8 @@ import pyfuse3
 import trio
 
 from fanstore import runtime
-from fanstore.errors import FanStoreError, MountError
+from fanstore.errors import FanStoreError, MountError, NotFoundError
+from fanstore.format.index import KIND_FILE
 from fanstore.fuse.ops import FanStoreOps
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,9 @@ class MountOptions:
     allow_other: bool = False
     max_tasks: int = 64
     lookahead: bool = True
+    mode: str = "sync"  # or "prefetch" (fanstore/prefetch.py)
+    prefetch_mb: int = 1024
+    store_path: str = ""
     fsname: str = "fanstore"
     extra_handlers: dict[str, Handler] = field(default_factory=dict)
 
@@ -76,8 +80,11 @@ class Daemon:
         self.options = options
         self.handlers: dict[str, Handler] = {
             "ping": lambda req: {"ok": True, "pid": os.getpid()},
+            "info": self._info_request,
             "stats": lambda req: self.store.stats.to_json(self.store.cache),
             "shutdown": self._shutdown_request,
+            "prefetch": self._prefetch_request,
+            "fetch": self._fetch_request,
         }
         self.handlers.update(options.extra_handlers)
         self.stopping = False
@@ -112,6 +119,51 @@ class Daemon:
             trio.from_thread.run_sync(self.request_stop, reason, trio_token=self._token)
         except trio.RunFinishedError:
             pass
+
+    def _info_request(self, req: dict[str, Any]) -> dict[str, Any]:
+        return {"ok": True, "pid": os.getpid(), "store": self.options.store_path,
+                "mode": self.options.mode, "mountpoint": runtime.mount_key(self.mountpoint)}
+
+    def _resolve(self, path: str) -> int:
+        entry = self.ns.index.resolve(os.fsencode(path))
+        if entry is None:
+            raise NotFoundError(f"{path}: no such file in the store")
+        return entry
+
+    def _prefetch_request(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Set the access order of the next epoch: ``paths`` (relative to the mount root)
+        or ``list`` (a file with one path per line, read by the daemon)."""
+        prefetcher = self.store.prefetcher
+        if prefetcher is None:
+            raise MountError("this mount is in sync mode; mount it with --mode prefetch")
+        paths = req.get("paths")
+        if paths is None and req.get("list"):
+            try:
+                with open(req["list"], "rb") as f:
+                    paths = [os.fsdecode(line.rstrip(b"\n")) for line in f if line.strip()]
+            except OSError as exc:
+                raise MountError(f"{req['list']}: cannot read: {exc.strerror}") from None
+        if not isinstance(paths, list):
+            raise MountError("prefetch needs 'paths' (a list) or 'list' (a file of paths)")
+        entries, unknown = [], 0
+        for p in paths:
+            entry = self.ns.index.resolve(os.fsencode(str(p)))
+            if entry is None:
+                unknown += 1
+            else:
+                entries.append(entry)
+        prefetcher.set_order(entries)
+        return {"ok": True, "files": len(prefetcher.order), "unknown": unknown}
+
+    async def _fetch_request(self, req: dict[str, Any]):
+        """A whole file for the Python API: raw bytes, or stored bytes the caller decodes."""
+        entry = req.get("entry")
+        if not isinstance(entry, int) or not 0 <= entry < self.ns.n_entries:
+            entry = self._resolve(str(req.get("path", "")))
+        if self.ns.kind(entry) != KIND_FILE:
+            raise MountError(f"{self.ns.show(entry)}: not a regular file")
+        kind, payload = await self.store.fetch_for_api(entry)
+        return {"ok": True, "kind": kind, "entry": entry}, payload
 
     def _shutdown_request(self, req: dict[str, Any]) -> dict[str, Any]:
         self.request_stop(str(req.get("reason", "shutdown requested")),
@@ -149,20 +201,29 @@ class Daemon:
                 pass
 
     async def _serve_client(self, conn) -> None:
+        """One client connection: JSON requests, one per line; each reply is one JSON line,
+        followed by ``size`` raw bytes when the reply carries data (``fetch``)."""
         stream = trio.SocketStream(conn)
         try:
             buf = bytearray()
-            with trio.move_on_after(30):
-                while True:
-                    while b"\n" not in buf:
-                        data = await stream.receive_some(65536)
-                        if not data:
-                            return
-                        buf += data
-                    line, _, rest = bytes(buf).partition(b"\n")
-                    buf = bytearray(rest)
-                    reply = await self._dispatch(line)
-                    await stream.send_all(json.dumps(reply).encode() + b"\n")
+            while True:
+                while b"\n" not in buf:
+                    data = await stream.receive_some(65536)
+                    if not data:
+                        return
+                    buf += data
+                    if len(buf) > (256 << 20):
+                        return  # no request is that long
+                line, _, rest = bytes(buf).partition(b"\n")
+                buf = bytearray(rest)
+                reply = await self._dispatch(line)
+                payload = b""
+                if isinstance(reply, tuple):
+                    reply, payload = reply
+                    reply["size"] = len(payload)
+                await stream.send_all(json.dumps(reply).encode() + b"\n")
+                if payload:
+                    await stream.send_all(payload)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
         finally:
@@ -179,7 +240,7 @@ class Daemon:
                 out = await out
             return out
         except FanStoreError as exc:
-            return {"error": str(exc)}
+            return {"error": str(exc), "errno": exc.errno}
         except ValueError:
             return {"error": "malformed request"}
 
