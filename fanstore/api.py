@@ -226,7 +226,7 @@ class StoreReader(_Reader):
         self._after_fork()
         return self._store.read(self._file(path), offset, size)
 
-    def prefetch(self, paths) -> None:
+    def prefetch(self, paths, client: str | None = None) -> None:
         """Nothing to do for a store read in-process (the page cache reads ahead)."""
 
     def close(self) -> None:
@@ -310,9 +310,15 @@ class MountReader(_Reader):
         first, count = self.ns.chunks(entry)
         return b"".join(self.decoder.decode_run(first, count, payload, entry))
 
-    def prefetch(self, paths) -> dict:
-        """Hand the daemon the order in which ``paths`` will be read (prefetch mode)."""
-        reply, _ = self._request({"op": "prefetch", "paths": [_show(p) for p in paths]})
+    def prefetch(self, paths, client: str | None = None) -> dict:
+        """Hand the daemon the order in which ``paths`` will be read (prefetch mode).
+
+        Each training process has its own order; ``client`` names it (default: this
+        process), so processes sharing the node's mount do not replace each other's.
+        """
+        name = client or f"{socket.gethostname()}:{os.getpid()}"
+        reply, _ = self._request({"op": "prefetch", "paths": [_show(p) for p in paths],
+                                  "client": name})
         return reply
 
     def stats(self) -> dict:

@@ -343,7 +343,8 @@ def cmd_prefetch(args) -> int:
         except OSError as exc:
             raise UsageError(f"{args.list}: cannot read: {exc.strerror}") from None
     paths = [os.fsdecode(line) for line in lines if line.strip()]
-    reply = runtime.control(args.mountpoint, {"op": "prefetch", "paths": paths}, timeout=120)
+    reply = runtime.control(args.mountpoint, {"op": "prefetch", "paths": paths,
+                                              "client": args.client}, timeout=120)
     print(f"prefetch order of {reply['files']:,} files sent"
           + (f" ({reply['unknown']:,} paths not in the store were left out)"
              if reply.get("unknown") else ""))
@@ -585,6 +586,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("mountpoint", metavar="MOUNTPOINT")
     s.add_argument("--list", required=True, metavar="FILE",
                    help="file with one path per line ('-' for standard input)")
+    s.add_argument("--client", default="cli",
+                   help="name of the reader this order is for: each reader has one order, "
+                        "a new one replaces it (default 'cli')")
     s.set_defaults(func=cmd_prefetch)
 
     s = sub.add_parser("stats", parents=[common], help="this node's counters for a mount")

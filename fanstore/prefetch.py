@@ -1,18 +1,20 @@
-"""Prefetch mode: fetch and decode files ahead of the reader, in the order it will read them.
+"""Prefetch mode: fetch and decode files ahead of the readers, in the order they will read.
 
 Training reads files in an order known before the epoch starts (the sampler's
-permutation). Given that order (``set_order``), the prefetcher keeps fetching (locally or
-from peers) and decoding the files the reader will want next, several at a time and out of
-order, into a buffer of at most ``budget`` bytes. A READ of a buffered file is served from
-memory (a *hit*); a READ that finds its file still being fetched waits for that fetch (a
-*late* hit); a READ of a file of the order that was not started yet is a *miss*.
+permutation). Each training process on the node (one per GPU, say) hands the daemon its
+order for the epoch (``set_order(entries, client)``); the prefetcher keeps fetching
+(locally or from peers) and decoding the files those readers will want next, several at a
+time and out of order, into a buffer of at most ``budget`` bytes shared by all of them,
+taking from the clients' orders in turn. A READ of a buffered file is served from memory
+(a *hit*); a READ that finds its file still being fetched waits for that fetch (*late*); a
+READ of a file an order still expects but that was not started yet is a *miss*.
 
-The reader's position is the furthest order index read so far. Files more than ``lag``
-places behind it that were never read are dropped when the buffer is full or a new order
-arrives, and counted as ``prefetch_bytes_evicted_unused``. Several DataLoader workers read
-an order slightly out of sequence; the lag keeps their files.
+Each client's position is the furthest index of its order read so far. Files more than
+``lag`` places behind it that were never read are dropped when the buffer is full or the
+client sends a new order, and counted as ``prefetch_bytes_evicted_unused``. (DataLoader
+workers read an order slightly out of sequence; the lag keeps their files.)
 
-Without an order, prefetch mode reads ahead within directories: the first READ of a file
+Without any order, prefetch mode reads ahead within directories: the first READ of a file
 schedules the files after it in the same directory (name order).
 
 Everything here runs on the trio loop; fetching and decoding go through
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 
 import trio
 
@@ -31,10 +34,23 @@ from fanstore.format.index import KIND_FILE
 
 log = logging.getLogger(__name__)
 
+NO_ORDER = ""  # the client of directory read-ahead
+
+
+@dataclass
+class _Stream:
+    """One client's order for the epoch."""
+
+    order: list[int]
+    positions: dict[int, deque] = field(default_factory=dict)  # entry -> unread indices
+    next_i: int = 0  # next index to consider starting
+    consumed: int = 0  # 1 + the furthest index read
+    generation: int = 0
+
 
 class Prefetcher:
     def __init__(self, store, budget: int, inflight: int = 8, lag: int = 256,
-                 directory_ahead: int = 16) -> None:
+                 directory_ahead: int = 16, max_clients: int = 64) -> None:
         self.store = store
         self.ns = store.ns
         self.stats = store.stats
@@ -42,85 +58,91 @@ class Prefetcher:
         self.inflight_max = max(1, inflight)
         self.lag = lag
         self.directory_ahead = directory_ahead
-        # entry -> (order index, decoded chunks); insertion order = completion order
-        self.buffer: OrderedDict[int, tuple[int, list[bytes]]] = OrderedDict()
+        self.max_clients = max_clients
+        self.streams: OrderedDict[str, _Stream] = OrderedDict()
+        # entry -> (client, order index, decoded chunks); insertion order = completion order
+        self.buffer: OrderedDict[int, tuple[str, int, list[bytes]]] = OrderedDict()
         self.used = 0  # bytes in the buffer
         self.reserved = 0  # bytes of fetches in flight
-        self.inflight: dict[int, int] = {}  # entry -> order index
-        self.order: list[int] = []
-        self.positions: dict[int, deque[int]] = {}
-        self.next_i = 0
-        self.consumed = 0
-        self.generation = 0
+        self.inflight: dict[int, tuple[str, int]] = {}
+        self._generation = 0
+        self._turn = 0
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         s = self.stats.extra
-        s.setdefault("prefetch_hits", 0)
-        s.setdefault("prefetch_late", 0)
-        s.setdefault("prefetch_misses", 0)
-        s.setdefault("prefetch_files", 0)
-        s.setdefault("prefetch_bytes_evicted_unused", 0)
+        for key in ("prefetch_hits", "prefetch_late", "prefetch_misses", "prefetch_files",
+                    "prefetch_bytes_evicted_unused"):
+            s.setdefault(key, 0)
         s["prefetch_buffer_bytes"] = lambda: self.used
         s["prefetch_budget"] = budget
-        s["prefetch_order_length"] = lambda: len(self.order)
-        s["prefetch_position"] = lambda: self.consumed
+        s["prefetch_clients"] = lambda: len(self.streams)
+        s["prefetch_order_length"] = lambda: sum(len(x.order) for x in self.streams.values())
+        s["prefetch_position"] = lambda: sum(x.consumed for x in self.streams.values())
+
+    @property
+    def order(self) -> bool:
+        """True while some client has an order (lookahead then stands aside)."""
+        return any(x.order for x in self.streams.values())
 
     def _count(self, key: str, n: int = 1) -> None:
         self.stats.extra[key] += n
 
-    # ------------------------------------------------------------------ the order
-    def set_order(self, entries: list[int]) -> None:
-        """Replace the access order (a new epoch). Unread buffered files are dropped."""
-        self.generation += 1
-        self._evict(lambda idx: True)
-        self.order = [e for e in entries if self.ns.kind(e) == KIND_FILE]
-        self.positions = {}
-        for i, e in enumerate(self.order):
-            self.positions.setdefault(e, deque()).append(i)
-        self.next_i = 0
-        self.consumed = 0
-        log.info("prefetch order of %d files", len(self.order))
+    # ------------------------------------------------------------------ orders
+    def set_order(self, entries: list[int], client: str = "default") -> int:
+        """Replace ``client``'s access order (a new epoch); its unread files are dropped."""
+        self._generation += 1
+        self._evict(lambda c, idx: c == client)
+        order = [e for e in entries if self.ns.kind(e) == KIND_FILE]
+        stream = _Stream(order, generation=self._generation)
+        for i, e in enumerate(order):
+            stream.positions.setdefault(e, deque()).append(i)
+        self.streams.pop(client, None)
+        self.streams[client] = stream
+        while len(self.streams) > self.max_clients:  # forget the oldest client
+            old, _ = self.streams.popitem(last=False)
+            self._evict(lambda c, idx, old=old: c == old)
+        log.info("prefetch order of %d files from %s", len(order), client or "a reader")
         self._wake.set()
+        return len(order)
 
     # ------------------------------------------------------------------ reads
     def take(self, entry: int) -> list[bytes] | None:
         """A READ (or an API fetch) of ``entry``: its decoded chunks if buffered, else None.
 
-        Also moves the reader's position forward.
+        Also moves forward the position of every client whose order expects the file.
         """
-        pos = self.positions.get(entry)
-        in_order = bool(pos)  # a read of a file the order still expects
-        if pos:
-            idx = pos.popleft()
-            if idx + 1 > self.consumed:
-                self.consumed = idx + 1
-                self._wake.set()
+        expected = False
+        for stream in self.streams.values():
+            pos = stream.positions.get(entry)
+            if pos:
+                expected = True
+                idx = pos.popleft()
+                if idx + 1 > stream.consumed:
+                    stream.consumed = idx + 1
+                    self._wake.set()
         got = self.buffer.pop(entry, None)
         if got is not None:
-            _idx, chunks = got
-            self.used -= sum(len(c) for c in chunks)
+            self.used -= sum(len(c) for c in got[2])
             self._count("prefetch_hits")
             self._wake.set()
-            return chunks
+            return got[2]
         if entry in self.inflight:
             self._count("prefetch_late")
-        elif in_order:
+        elif expected:
             self._count("prefetch_misses")
         if not self.order:
             self._ahead_in_directory(entry)
         return None
 
     def _ahead_in_directory(self, entry: int) -> None:
-        parent = self.ns.parent(entry)
-        children = self.ns.children(parent)
-        start = entry - children.start + 1
+        children = self.ns.children(self.ns.parent(entry))
         added = 0
-        for e in children[start:]:
+        for e in children[entry - children.start + 1:]:
             if added >= self.directory_ahead:
                 break
             if self.ns.kind(e) != KIND_FILE or e in self.buffer or e in self.inflight:
                 continue
-            if not self._start(e, -1):
+            if not self._start(e, NO_ORDER, -1, 0):
                 break
             added += 1
 
@@ -135,39 +157,58 @@ class Prefetcher:
                 self._schedule()
 
     def _schedule(self) -> None:
-        while self.next_i < len(self.order) and len(self.inflight) < self.inflight_max:
-            entry = self.order[self.next_i]
-            if self.next_i < self.consumed or entry in self.buffer or entry in self.inflight:
-                self.next_i += 1
-                continue
+        """Start fetches, taking the next file of each client's order in turn."""
+        while len(self.inflight) < self.inflight_max:
+            clients = [c for c, s in self.streams.items() if s.next_i < len(s.order)]
+            if not clients:
+                return
+            started = False
+            for k in range(len(clients)):
+                client = clients[(self._turn + k) % len(clients)]
+                if self._advance(client, self.streams[client]):
+                    self._turn = (self._turn + k + 1) % max(1, len(clients))
+                    started = True
+                    break
+            if not started:
+                return  # every order is waiting for room in the buffer
+
+    def _advance(self, client: str, s: _Stream) -> bool:
+        """Start the next file of one order; False if the buffer has no room for it."""
+        while s.next_i < len(s.order):
+            i = s.next_i
+            entry = s.order[i]
             size = self.ns.size(entry)
-            if size > self.budget:
-                self.next_i += 1  # bigger than the whole buffer: leave it to the reads
+            if (i < s.consumed or entry in self.buffer or entry in self.inflight
+                    or size > self.budget or size == 0):
+                s.next_i += 1  # read already, on its way, or too big for the buffer
                 continue
             if self.used + self.reserved + size > self.budget:
-                # Make room from files the reader has passed by and never read.
-                self._evict(lambda idx: idx < self.consumed - self.lag)
+                # Make room from files readers have passed by and never read.
+                self._evict(lambda c, idx: c in self.streams and
+                            idx < self.streams[c].consumed - self.lag)
                 if self.used + self.reserved + size > self.budget:
-                    return  # full: wait for reads to consume
-            self._start(entry, self.next_i)
-            self.next_i += 1
+                    return False
+            s.next_i += 1
+            return self._start(entry, client, i, s.generation)
+        return False
 
-    def _start(self, entry: int, idx: int) -> bool:
+    def _start(self, entry: int, client: str, idx: int, generation: int) -> bool:
         size = self.ns.size(entry)
         if self._nursery is None or size == 0:
             return False
         if self.used + self.reserved + size > self.budget:
-            if idx < 0:
-                self._evict(lambda i: i < 0, oldest_only=True)
+            if client == NO_ORDER:  # directory read-ahead recycles its own oldest files
+                self._evict(lambda c, i: c == NO_ORDER, oldest_only=True)
             if self.used + self.reserved + size > self.budget:
                 return False
-        self.inflight[entry] = idx
+        self.inflight[entry] = (client, idx)
         self.reserved += size
         self._count("prefetch_files")
-        self._nursery.start_soon(self._fetch, entry, idx, size, self.generation)
+        self._nursery.start_soon(self._fetch, entry, client, idx, size, generation)
         return True
 
-    async def _fetch(self, entry: int, idx: int, size: int, generation: int) -> None:
+    async def _fetch(self, entry: int, client: str, idx: int, size: int,
+                     generation: int) -> None:
         first, count = self.ns.chunks(entry)
         try:
             chunks = await self.store.get_chunks(entry, first, first + count, counted=False,
@@ -178,17 +219,21 @@ class Prefetcher:
             self.inflight.pop(entry, None)
             self.reserved -= size
         self._wake.set()
-        if chunks is None or generation != self.generation or entry in self.buffer:
+        if chunks is None or entry in self.buffer:
             return
-        if idx >= 0 and idx not in self.positions.get(entry, ()):
-            return  # the reader got there first (it waited for this very fetch)
-        self.buffer[entry] = (idx, chunks)
+        if client != NO_ORDER:
+            stream = self.streams.get(client)
+            if stream is None or stream.generation != generation:
+                return  # that order was replaced meanwhile
+            if idx not in stream.positions.get(entry, ()):
+                return  # the reader got there first (it waited for this very fetch)
+        self.buffer[entry] = (client, idx, chunks)
         self.used += sum(len(c) for c in chunks)
 
     def _evict(self, pred, oldest_only: bool = False) -> None:
         for entry in list(self.buffer):
-            idx, chunks = self.buffer[entry]
-            if pred(idx):
+            client, idx, chunks = self.buffer[entry]
+            if pred(client, idx):
                 del self.buffer[entry]
                 n = sum(len(c) for c in chunks)
                 self.used -= n

@@ -132,7 +132,8 @@ class Daemon:
 
     def _prefetch_request(self, req: dict[str, Any]) -> dict[str, Any]:
         """Set the access order of the next epoch: ``paths`` (relative to the mount root)
-        or ``list`` (a file with one path per line, read by the daemon)."""
+        or ``list`` (a file with one path per line, read by the daemon). ``client`` names
+        the reader (one order per training process; a new order replaces that client's)."""
         prefetcher = self.store.prefetcher
         if prefetcher is None:
             raise MountError("this mount is in sync mode; mount it with --mode prefetch")
@@ -152,8 +153,9 @@ class Daemon:
                 unknown += 1
             else:
                 entries.append(entry)
-        prefetcher.set_order(entries)
-        return {"ok": True, "files": len(prefetcher.order), "unknown": unknown}
+        client = str(req.get("client") or "default")
+        n = prefetcher.set_order(entries, client)
+        return {"ok": True, "files": n, "unknown": unknown}
 
     async def _fetch_request(self, req: dict[str, Any]):
         """A whole file for the Python API: raw bytes, or stored bytes the caller decodes."""
