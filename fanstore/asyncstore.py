@@ -48,8 +48,6 @@ class Stats:
     errors: int = 0
     remote_failovers: int = 0
     refetched: int = 0  # local chunks that failed their checksum, read again from a replica
-    lookahead_started: int = 0  # first chunks decoded on a LOOKUP/OPEN, before any READ
-    lookahead_used: int = 0  # ... that a READ then found ready
     remote_latency: deque = field(default_factory=lambda: deque(maxlen=20000))
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -79,8 +77,6 @@ class Stats:
             "remote_latency_ms_p99": pct(0.99),
             "decode_seconds": round(self.decode_seconds, 6),
             "chunks_decoded": self.chunks_decoded,
-            "lookahead_started": self.lookahead_started,
-            "lookahead_used": self.lookahead_used,
             "errors": self.errors,
         }
         for key, value in self.extra.items():
@@ -91,11 +87,10 @@ class Stats:
 class _Pending:
     """One fetch in flight: the chunks it produces, or the error it hit."""
 
-    __slots__ = ("event", "result", "error", "ahead")
+    __slots__ = ("event", "result", "error")
 
     def __init__(self) -> None:
         self.event = trio.Event()
-        self.ahead = False
         self.result: dict[int, bytes] = {}
         self.error: FanStoreError | None = None
 
@@ -116,7 +111,6 @@ class ChunkStore:
         threads: int = 4,
         remote_threads: int = 16,
         stats: Stats | None = None,
-        lookahead: bool = True,
     ) -> None:
         self.ns = ns
         self.decoder = decoder
@@ -127,62 +121,15 @@ class ChunkStore:
         self._decode_limiter = trio.CapacityLimiter(max(1, threads))
         self._remote_limiter = trio.CapacityLimiter(max(1, remote_threads))
         self._inflight: dict[int, _Pending] = {}
-        # Lookahead: a LOOKUP of a file announces a READ; decoding its first chunk
-        # then overlaps the kernel round trips in between. Bounded in flight, and switched
-        # off for a while when most announced chunks are never read (stat-only workloads).
         self._nursery: trio.Nursery | None = None
-        self.lookahead = lookahead
-        self._ahead: dict[int, None] = {}  # chunks decoded ahead and not yet read (bounded)
-        self._ahead_inflight = 0
-        self._ahead_max = max(2, threads)
-        self._ahead_window = [0, 0]  # started, used in the current window
-        self._ahead_off_until = 0
         self.prefetcher = None  # fanstore.prefetch.Prefetcher in prefetch mode
 
     def start(self, nursery: trio.Nursery) -> None:
-        """Give the store a nursery for background work (lookahead, the prefetcher);
-        without one it only answers reads."""
+        """Give the store a nursery for background work (the prefetcher); without one it
+        only answers reads."""
         self._nursery = nursery
         if self.prefetcher is not None:
             nursery.start_soon(self.prefetcher.run)
-
-    def announce(self, entry: int) -> None:
-        """The kernel looked up a file (its dentry was not cached, so neither are its pages
-        most likely): start decoding its first chunk before the READ arrives."""
-        if self._nursery is None or not self.lookahead:
-            return
-        if self.prefetcher is not None and self.prefetcher.order:
-            return  # the prefetcher knows better what comes next
-        first, count = self.ns.chunks(entry)
-        if not count or first in self._inflight or self.cache.peek(first):
-            return
-        if self._ahead_inflight >= self._ahead_max:
-            return
-        window = self._ahead_window
-        if self._ahead_off_until:
-            self._ahead_off_until -= 1
-            return
-        if window[0] >= 512:
-            if window[1] < window[0] // 2:
-                log.info("lookahead paused: only %d of %d announced files were read",
-                         window[1], window[0])
-                self._ahead_off_until = 20000
-            window[0] = window[1] = 0
-        window[0] += 1
-        self.stats.lookahead_started += 1
-        self._ahead_inflight += 1
-        self._nursery.start_soon(self._ahead_task, entry, first)
-
-    async def _ahead_task(self, entry: int, chunk: int) -> None:
-        try:
-            await self.get_chunks(entry, chunk, chunk + 1, counted=False)
-            self._ahead[chunk] = None
-            if len(self._ahead) > 4096:
-                self._ahead.pop(next(iter(self._ahead)))
-        except FanStoreError:
-            pass  # the READ that follows (if any) fetches again and reports the error
-        finally:
-            self._ahead_inflight -= 1
 
     async def read(self, entry: int, offset: int, size: int):
         """Bytes [offset, offset+size) of a file (short at EOF). Raises FanStoreError."""
@@ -210,29 +157,18 @@ class ChunkStore:
                          keep: bool = True) -> list[bytes]:
         """Decoded chunks a..b-1 of one file, each fetched at most once at a time.
 
-        ``counted``: a reader's request (cache hits/misses and lookahead use are counted);
+        ``counted``: a reader's request (cache hits and misses are counted);
         ``keep``: put what was fetched into the LRU (the prefetcher keeps its own buffer).
         """
-        if counted and self._ahead and a in self._ahead:
-            del self._ahead[a]
-            self.stats.lookahead_used += 1
-            self._ahead_window[1] += 1
         out: list[bytes | None] = [self.cache.get(k, counted) for k in range(a, b)]
         missing = [a + i for i, v in enumerate(out) if v is None]
         if not missing:
             return out  # type: ignore[return-value]
         waits = [(k, self._inflight[k]) for k in missing if k in self._inflight]
-        if counted and waits and waits[0][0] == a and a not in self._ahead:
-            pending = waits[0][1]
-            if getattr(pending, "ahead", False):
-                self.stats.lookahead_used += 1
-                self._ahead_window[1] += 1
-                pending.ahead = False
         mine = [k for k in missing if k not in self._inflight]
         if mine:
             lo, hi = mine[0], mine[-1] + 1
             pending = _Pending()
-            pending.ahead = not counted
             owned = [k for k in range(lo, hi) if k not in self._inflight]
             for k in owned:
                 self._inflight[k] = pending

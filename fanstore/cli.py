@@ -152,8 +152,8 @@ def _mount_single(args, store: str, mountpoint: str, on_ready) -> None:
     from fanstore.service import mount_local
 
     options = MountOptions(cache_mb=args.cache_mb, threads=args.threads,
-                           allow_other=args.allow_other, lookahead=not args.no_lookahead,
-                           mode=args.mode, prefetch_mb=args.prefetch_mb)
+                           allow_other=args.allow_other, mode=args.mode,
+                           prefetch_mb=args.prefetch_mb)
     mount_local(store, mountpoint, options, on_ready=on_ready)
 
 
@@ -549,9 +549,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "without one, ahead within directories)")
     s.add_argument("--prefetch-mb", type=_positive_int, default=1024,
                    help="memory for files decoded ahead in prefetch mode (default 1024)")
-    s.add_argument("--no-lookahead", action="store_true",
-                   help="do not start decoding a file when it is looked up (it pauses itself "
-                        "anyway when most looked-up files are not read)")
     s.add_argument("--log", help="log file of a background daemon")
     s.add_argument("--local-dir", help="node-local directory to stage partitions into "
                                        "({rank} and {host} are substituted)")

@@ -81,7 +81,7 @@ class Prefetcher:
 
     @property
     def order(self) -> bool:
-        """True while some client has an order (lookahead then stands aside)."""
+        """True while some client has an order."""
         return any(x.order for x in self.streams.values())
 
     def _count(self, key: str, n: int = 1) -> None:

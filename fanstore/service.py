@@ -24,7 +24,7 @@ def mount_local(store_path: str, mountpoint: str, options, on_ready=None):
     decoder = Decoder(index)
     parts = LocalPartitions(store_path, index)
     store = ChunkStore(ns, decoder, parts, cache_bytes=options.cache_mb << 20,
-                       threads=options.decode_threads(), lookahead=options.lookahead)
+                       threads=options.decode_threads())
     attach_prefetcher(store, options)
     options.store_path = os.path.abspath(store_path)
     log.info("serving %s (%d entries, %d partitions) at %s", store_path, index.n_entries,

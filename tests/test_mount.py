@@ -334,8 +334,8 @@ def test_eight_concurrent_reader_processes(mounted, special_store, special_tree,
 
 def test_stats_counters_move_when_reading(mounted, special_store, special_tree):
     """O_DIRECT preads reach the daemon one for one: the counters move by exact amounts.
-    (No lookahead: it would decode the first chunk at LOOKUP, before the first read.)"""
-    m = mounted(special_store, "--no-lookahead")
+    (The file is two chunks, above --push-kb: nothing is pushed at OPEN.)"""
+    m = mounted(special_store)
 
     def stats():
         return json.loads(run_cli("stats", m, "--json", check=True).stdout)

@@ -405,8 +405,7 @@ class Node:
             self.source = RoutedSource(self.parts, self.transport, table, self.rank, self.size,
                                        args.remote_timeout, stats, ns)
             store = ChunkStore(ns, Decoder(index), self.source, cache_bytes=args.cache_mb << 20,
-                               threads=_threads(args), stats=stats,
-                               lookahead=not args.no_lookahead)
+                               threads=_threads(args), stats=stats)
             stats.extra.update(self._static_stats(index, mine, replicas))
             source = self.source
             stats.extra["dead_ranks"] = lambda: sorted(source.dead)

@@ -35,7 +35,6 @@ class MountOptions:
     threads: int = 0  # decode threads; 0 = 2 per core, at least 4
     allow_other: bool = False
     max_tasks: int = 64
-    lookahead: bool = True
     mode: str = "sync"  # or "prefetch" (fanstore/prefetch.py)
     prefetch_mb: int = 1024
     store_path: str = ""

@@ -81,8 +81,6 @@ class FanStoreOps(pyfuse3.Operations):
         entry = self.ns.lookup(parent, name)
         if entry is None:
             raise FUSEError(errno.ENOENT)
-        if self.ns.kind(entry) == KIND_FILE:
-            self.store.announce(entry)
         return self._attr(entry)
 
     async def getattr(self, inode, ctx=None):
@@ -142,7 +140,6 @@ class FanStoreOps(pyfuse3.Operations):
         if kind != KIND_FILE:
             raise FUSEError(errno.EINVAL)
         self.stats.opens += 1
-        # No lookahead here: a warm OPEN is served from the page cache and reads nothing.
         # keep_cache: the page cache stays valid across opens, since the data never changes.
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)
 
