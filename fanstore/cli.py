@@ -28,34 +28,26 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _number(kind, minimum, strict: bool):
+    """An argparse type: ``kind`` (int or float) at least (or above) ``minimum``."""
+    what = "a whole number" if kind is int else "a number"
+    bound = f"more than {minimum}" if strict else f"at least {minimum}"
+
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < minimum or (strict and value == minimum) or value != value:
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+
+    return convert
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
+_positive_int = _number(int, 1, strict=False)
+_nonneg_int = _number(int, 0, strict=False)
+_positive_float = _number(float, 0.0, strict=True)
 
 
 # --------------------------------------------------------------------------- pack
