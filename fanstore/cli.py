@@ -31,7 +31,10 @@ class _Parser(argparse.ArgumentParser):
 def _number(kind, minimum, strict: bool):
     """An argparse type: ``kind`` (int or float) at least (or above) ``minimum``."""
     what = "a whole number" if kind is int else "a number"
-    bound = f"more than {minimum}" if strict else f"at least {minimum}"
+    if strict:
+        bound = f"be more than {minimum}" if minimum else "be positive"
+    else:
+        bound = f"be at least {minimum}" if minimum else "not be negative"
 
     def convert(text: str):
         try:
@@ -39,7 +42,7 @@ def _number(kind, minimum, strict: bool):
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
         if value < minimum or (strict and value == minimum) or value != value:
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+            raise argparse.ArgumentTypeError(f"must {bound}, got {text}")
         return value
 
     return convert
