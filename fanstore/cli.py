@@ -411,8 +411,9 @@ def _store_info(index) -> dict[str, Any]:
             except Exception:  # noqa: BLE001 - a codec this install lacks
                 spec = cfg.get("id", "?")
             codec_chunks[spec] = int(per_codec[slot])
-    memory = sum(a.nbytes for a in index.e.values()) + sum(a.nbytes for a in index.c.values())
-    memory += index.lk_hash.nbytes + index.lk_entry.nbytes + len(index.names) + len(index.targets)
+    from fanstore.namespace import metadata_bytes
+
+    memory = metadata_bytes(index)
     n = max(1, index.n_entries)
     return {
         "format_version": index.meta.get("format_version"),

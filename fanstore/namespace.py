@@ -19,6 +19,16 @@ _TYPE_BITS = {KIND_FILE: stat_mod.S_IFREG, KIND_DIR: stat_mod.S_IFDIR,
               KIND_SYMLINK: stat_mod.S_IFLNK}
 
 
+def metadata_bytes(index: Index) -> int:
+    """Bytes a node holds for the namespace: the index's arrays and name tables, plus the
+    arrays the Namespace derives from them (what ``fanstore stats``/``info`` report)."""
+    total = sum(a.nbytes for a in index.e.values()) + sum(a.nbytes for a in index.c.values())
+    total += index.lk_hash.nbytes + index.lk_entry.nbytes + len(index.names)
+    total += len(index.targets)
+    total += index.n_entries * 8  # Namespace._nlink_dirs (int64 per entry)
+    return total
+
+
 @dataclass(frozen=True)
 class Stat:
     entry: int

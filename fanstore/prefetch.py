@@ -23,6 +23,7 @@ Everything here runs on the trio loop; fetching and decoding go through
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ class _Stream:
     next_i: int = 0  # next index to consider starting
     consumed: int = 0  # 1 + the furthest index read
     generation: int = 0
+    buffered: list = field(default_factory=list)  # heap of (index, entry) in the buffer
 
 
 class Prefetcher:
@@ -183,9 +185,7 @@ class Prefetcher:
                 s.next_i += 1  # read already, on its way, or too big for the buffer
                 continue
             if self.used + self.reserved + size > self.budget:
-                # Make room from files readers have passed by and never read.
-                self._evict(lambda c, idx: c in self.streams and
-                            idx < self.streams[c].consumed - self.lag)
+                self._evict_passed()  # make room from files readers passed and never read
                 if self.used + self.reserved + size > self.budget:
                     return False
             s.next_i += 1
@@ -227,8 +227,27 @@ class Prefetcher:
                 return  # that order was replaced meanwhile
             if idx not in stream.positions.get(entry, ()):
                 return  # the reader got there first (it waited for this very fetch)
+            heapq.heappush(stream.buffered, (idx, entry))
         self.buffer[entry] = (client, idx, chunks)
         self.used += sum(len(c) for c in chunks)
+
+    def _evict_passed(self) -> None:
+        """Drop buffered files that their reader has passed by more than ``lag`` places.
+
+        Each client keeps a heap of its buffered (index, entry): only the files that are
+        actually evictable are looked at, so a full buffer costs nothing per read.
+        """
+        for stream in self.streams.values():
+            limit = stream.consumed - self.lag
+            heap = stream.buffered
+            while heap and heap[0][0] < limit:
+                idx, entry = heapq.heappop(heap)
+                got = self.buffer.get(entry)
+                if got is not None and got[1] == idx:
+                    del self.buffer[entry]
+                    n = sum(len(c) for c in got[2])
+                    self.used -= n
+                    self._count("prefetch_bytes_evicted_unused", n)
 
     def _evict(self, pred, oldest_only: bool = False) -> None:
         for entry in list(self.buffer):

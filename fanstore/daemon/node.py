@@ -104,7 +104,7 @@ class World:
         self._wait(self.comm.Iallreduce(mine, out, op=self.MPI.MIN))
         return bool(out[0])
 
-    def bcast_bytes(self, data: bytes | None) -> bytes:
+    def bcast_bytes(self, data: bytes | None) -> bytes | bytearray:
         """Broadcast bytes from rank 0 (in pieces, so sizes above 2 GiB work)."""
         if not self.is_mpi:
             assert data is not None
@@ -116,7 +116,7 @@ class World:
         view = memoryview(buf)
         for start in range(0, size, _PIECE):
             self._wait(self.comm.Ibcast([view[start : start + _PIECE], self.MPI.BYTE], root=0))
-        return bytes(buf)
+        return buf  # no second copy: the index is parsed straight from this buffer
 
 
     def gather_bytes(self, data: bytes) -> list[bytes] | None:
@@ -323,8 +323,8 @@ class Node:
                 data = b"\0ERROR\0" + error.encode("utf-8", "replace")
         t0 = time.monotonic()
         data = self.world.bcast_bytes(data)
-        if data.startswith(b"\0ERROR\0"):
-            raise FormatError(data[len(b"\0ERROR\0"):].decode("utf-8", "replace"))
+        if bytes(data[:7]) == b"\0ERROR\0":
+            raise FormatError(bytes(data[7:]).decode("utf-8", "replace"))
         index = read_index_bytes(data, where=os.path.join(self.args.store, INDEX_NAME))
         self.bcast_seconds = time.monotonic() - t0
         return index
@@ -565,9 +565,9 @@ class Node:
             self.skip_finalize = True
 
     def _static_stats(self, index, mine, replicas) -> dict[str, Any]:
-        memory = sum(a.nbytes for a in index.e.values()) + sum(a.nbytes for a in index.c.values())
-        memory += index.lk_hash.nbytes + index.lk_entry.nbytes + len(index.names)
-        memory += len(index.targets)
+        from fanstore.namespace import metadata_bytes
+
+        memory = metadata_bytes(index)
         out = {
             "rank": self.rank,
             "ranks": self.size,

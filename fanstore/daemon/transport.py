@@ -37,27 +37,37 @@ class RemoteTimeout(RemoteError):
 
 
 class Backoff:
-    """Sleep between polls: short right after activity, growing to ``longest`` when idle."""
+    """Sleep between polls: short while busy, growing to ``longest`` when idle.
 
-    __slots__ = ("shortest", "longest", "current")
+    For ``hot`` seconds after the last activity the sleep stays at ``shortest`` (a stream
+    of requests is answered without delay); then it grows by half each time, so an idle
+    daemon wakes only every ``longest`` seconds (measured: ~1.6% of a core at 2 ms).
+    """
 
-    def __init__(self, shortest: float = 20e-6, longest: float = 2e-3) -> None:
+    __slots__ = ("shortest", "longest", "current", "hot", "last")
+
+    def __init__(self, shortest: float = 20e-6, longest: float = 2e-3, hot: float = 0.0) -> None:
         self.shortest = shortest
         self.longest = longest
         self.current = shortest
+        self.hot = hot
+        self.last = time.monotonic()
 
     def reset(self) -> None:
         self.current = self.shortest
+        if self.hot:
+            self.last = time.monotonic()
 
     def sleep(self) -> None:
         time.sleep(self.current)
-        self.current = min(self.longest, self.current * 1.5)
+        if not self.hot or time.monotonic() - self.last > self.hot:
+            self.current = min(self.longest, self.current * 1.5)
 
 
 def wait_request(req, deadline: float | None, backoff: Backoff | None = None,
                  status=None) -> bool:
     """Poll an MPI request until it completes (True) or ``deadline`` passes (False)."""
-    backoff = backoff or Backoff(longest=1e-3)
+    backoff = backoff or Backoff(longest=250e-6)
     while True:
         done = req.Test(status) if status is not None else req.Test()
         if done:
@@ -121,7 +131,7 @@ class MpiTransport:
         r_req = comm.Irecv([req_buf, MPI.BYTE], source=MPI.ANY_SOURCE, tag=P.TAG_REQUEST)
         r_ctl = comm.Irecv([ctl_buf, MPI.BYTE], source=MPI.ANY_SOURCE, tag=P.TAG_CONTROL)
         pending: list[tuple[object, object]] = []
-        backoff = Backoff(20e-6, self.idle_sleep)
+        backoff = Backoff(50e-6, self.idle_sleep, hot=0.02)
         try:
             while not self._stop.is_set():
                 active = False
