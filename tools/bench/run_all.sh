@@ -4,18 +4,29 @@
 #   1. tools/bench/mount_bench.py --preset full   FanStore mount vs the raw directory (~10-15 min)
 #   2. tools/bench/peers_run.sh                   FanStore next to squashfs / squashfuse_ll in
 #                                                 the shared peer harness (~25-30 min)
+#   3. tools/bench/mpi_bench.py --preset full     MPI jobs: local vs remote reads, aggregate
+#                                                 files/s with 1/2/4 ranks, stage-in vs cp,
+#                                                 metadata at scale + 512-node projection
+#                                                 (~12-15 min)
+#   4. tools/bench/prefetch_bench.py --preset full  raw / FUSE sync / FUSE prefetch / Python
+#                                                 API, read passes and DataLoader stalls
+#                                                 (~10-15 min)
 # Each rewrites its own section of docs/benchmarks.md and its rows in tools/bench/results/.
 # Run it on an otherwise quiet machine: the numbers are only as good as the machine is idle.
 #
 # Environment: MOUNT_BENCH_ARGS (default "--preset full"), MOUNT_BENCH_WORK
-# [/tmp/fanstore-bench], PEERS_WORK [/tmp/fsbench]; peers_run.sh's own knobs pass through.
-# ONLY="mount_bench" or ONLY="peers" runs one of them.
+# [/tmp/fanstore-bench], PEERS_WORK [/tmp/fsbench]; peers_run.sh's own knobs pass through;
+# MPI_BENCH_ARGS (default "--preset full"), MPI_BENCH_WORK [/tmp/fanstore-mpibench];
+# PREFETCH_BENCH_ARGS (default "--preset full"), PREFETCH_BENCH_WORK
+# [/tmp/fanstore-prefetchbench].
+# ONLY="mount_bench", "peers", "mpi_bench" or "prefetch_bench" (or several, space separated)
+# runs only those.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 PY=$REPO/.venv/bin/python
-ONLY=${ONLY:-mount_bench peers}
+ONLY=${ONLY:-mount_bench peers mpi_bench prefetch_bench}
 
 [ "$(id -u)" = 0 ] || { echo "run_all.sh: run as root (mounts, drop_caches)" >&2; exit 1; }
 [ -x "$PY" ] || { echo "run_all.sh: no $PY; run 'make setup' first" >&2; exit 1; }
@@ -34,10 +45,24 @@ for step in $ONLY; do
         echo "[$(date +%T)] run_all: peers_run" >&2
         bash "$HERE/peers_run.sh" "${PEERS_WORK:-/tmp/fsbench}" || status=$?
         ;;
+    mpi_bench)
+        echo "[$(date +%T)] run_all: mpi_bench" >&2
+        # shellcheck disable=SC2086
+        "$PY" "$HERE/mpi_bench.py" ${MPI_BENCH_ARGS:---preset full} \
+            --work "${MPI_BENCH_WORK:-/tmp/fanstore-mpibench}" || status=$?
+        ;;
+    prefetch_bench)
+        echo "[$(date +%T)] run_all: prefetch_bench" >&2
+        # shellcheck disable=SC2086
+        "$PY" "$HERE/prefetch_bench.py" ${PREFETCH_BENCH_ARGS:---preset full} \
+            --work "${PREFETCH_BENCH_WORK:-/tmp/fanstore-prefetchbench}" || status=$?
+        ;;
     *) echo "run_all.sh: unknown step $step" >&2; exit 2 ;;
     esac
 done
-left=$(grep -F -e " ${MOUNT_BENCH_WORK:-/tmp/fanstore-bench}/mnt/" -e " ${PEERS_WORK:-/tmp/fsbench}/mnt/" /proc/mounts || true)
+left=$(grep -F -e " ${MOUNT_BENCH_WORK:-/tmp/fanstore-bench}/mnt/" -e " ${PEERS_WORK:-/tmp/fsbench}/mnt/" \
+    -e " ${MPI_BENCH_WORK:-/tmp/fanstore-mpibench}/" -e " ${PREFETCH_BENCH_WORK:-/tmp/fanstore-prefetchbench}/" \
+    /proc/mounts || true)
 if [ -n "$left" ]; then
     echo "run_all.sh: WARNING: still mounted:" >&2
     echo "$left" >&2
