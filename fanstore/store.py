@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 from collections import OrderedDict
 from typing import Protocol
@@ -58,13 +59,18 @@ class LocalPartitions:
         name = partition_name(n)
         path = os.path.join(self.directory, name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            # O_NONBLOCK: opening a FIFO in a partition's place must not block the reader
+            # (it is refused below); regular files ignore the flag.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             raise FormatError(f"{self.directory}: partition {name} is missing") from None
         except OSError as exc:
             raise FormatError(f"{path}: cannot open partition: {exc.strerror}") from exc
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise FormatError(f"{path}: partition is not a regular file")
+            size = st.st_size
             expected = index.partitions[n].size
             if size != expected:
                 raise FormatError(

@@ -55,6 +55,8 @@ def verify_store(path: str, jobs: int = 0, progress: bool | None = None,
     ns = Namespace(index)
     decoder = Decoder(index)
     data_dir = data_dir or path
+    if not os.path.isdir(data_dir):  # a mistyped --local-dir must not verify "all intact"
+        raise FormatError(f"{data_dir}: no such directory")
     report = VerifyReport()
     files = index.file_entries()
     first = index.e["first"]

@@ -558,3 +558,364 @@ __all__ = [
     "stored_extent",
     "wait_until",
 ]
+
+
+# --------------------------------------------------------------------------- faults and load
+# (used by tests/test_faults.py and tests/test_load.py)
+
+import contextlib  # noqa: E402
+import errno as _errno  # noqa: E402
+import json as _json  # noqa: E402
+import threading  # noqa: E402
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@contextlib.contextmanager
+def tmpfs(path, size: str):
+    """A tmpfs of ``size`` (``mount -o size=``, e.g. ``"1m"``) mounted at ``path`` (created)
+    for the block; always unmounted afterwards. Skips the test when it cannot be mounted
+    (not root, no mount permission)."""
+    import pytest
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def vm_rss_kb(pid: int | None) -> int | None:
+    """Resident set size of ``pid`` in KiB (``VmRSS`` of /proc/PID/status), None if gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, TypeError):
+        return None
+    return None
+
+
+class RssSampler:
+    """Samples the RSS of some pids every ``interval`` s in a thread; ``peak[pid]`` (KiB)."""
+
+    def __init__(self, pids, interval: float = 0.05) -> None:
+        self.pids = [p for p in pids if p]
+        self.interval = interval
+        self.peak: dict[int, int] = {p: 0 for p in self.pids}
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for p in self.pids:
+                kb = vm_rss_kb(p)
+                if kb is not None:
+                    self.peak[p] = max(self.peak[p], kb)
+            self.samples += 1
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> "RssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def make_load_tree(root, n_files: int = 120, seed: int = 21, big: int = 6) -> dict[str, int]:
+    """A deterministic tree for load and fault tests: ``n_files`` files in 6 directories,
+    mostly small (0 B to 64 KiB), some medium (up to 900 KiB), ``big`` files of 1.5 to
+    5 MiB; a third random bytes, a third text, a third half-and-half. Returns
+    {relative path: size}."""
+    rng = random.Random(seed)
+    root = Path(root)
+    sizes: dict[str, int] = {}
+    text = b"".join(b"sample %06d label %d pixels %s\n" % (i, i % 10, b"x" * (i % 37))
+                    for i in range(40_000))
+    for i in range(n_files):
+        rel = f"class{i % 6}/item{i:04d}.bin"
+        if i < big:
+            n = rng.randint(3 * MiB // 2, 5 * MiB)
+        elif i % 5 == 0:
+            n = rng.randint(100_000, 900_000)
+        elif i % 17 == 0:
+            n = rng.choice([0, 1, 4095, 4096, 4097])
+        else:
+            n = rng.randint(1, 64 << 10)
+        kind = i % 3
+        if kind == 0:
+            data = rng.randbytes(n)
+        elif kind == 1:
+            start = rng.randrange(len(text) - n) if n < len(text) else 0
+            data = (text[start:] * (n // len(text) + 2))[:n]
+        else:
+            data = (rng.randbytes(n // 2) + text * (n // len(text) + 1))[:n]
+        assert len(data) == n
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+        sizes[rel] = n
+    return sizes
+
+
+def files_by_partition(store) -> dict[int, list[str]]:
+    """{partition number: [relative paths of the files stored there]} (empty files left
+    out: they own no chunks and read on every node)."""
+    from fanstore.format.index import read_index
+
+    index = read_index(os.fspath(store))
+    out: dict[int, list[str]] = {p.number: [] for p in index.partitions}
+    for entry in index.file_entries().tolist():
+        first, count = int(index.e["first"][entry]), int(index.e["count"][entry])
+        if count:
+            out[int(index.c["part"][first])].append(os.fsdecode(index.path(entry)))
+    return out
+
+
+# The random reader run by ``start_readers`` in its own process. It reads random files of
+# a mount, whole or in random ranges (crossing chunks, at and past EOF, zero-length), most
+# with O_DIRECT (each read reaches the daemon as asked) and the rest through the page cache
+# (dropped again with POSIX_FADV_DONTNEED), and compares every byte with the source.
+
+
+def reader_main(spec_json: str) -> None:
+    spec = _json.loads(spec_json)
+    rng = random.Random(spec["seed"])
+    files = spec["files"]  # [[rel, size], ...]
+    mounts = spec["mounts"]
+    src = spec["src"]
+    chunk = spec.get("chunk", MiB)
+    may_fail = set(spec.get("may_fail", []))
+    marker = spec.get("marker")
+    direct_share = spec.get("direct", 0.8)
+    deadline = time.monotonic() + spec["seconds"]
+    stop_file = spec.get("stop_file")
+    out = {"reads": 0, "ops": 0, "bytes_checked": 0, "wrong": [], "errors": {},
+           "error_samples": [], "expected_eio": 0, "eio_files": [], "zero_length": 0,
+           "past_eof": 0, "max_latency": 0.0, "after_marker_ok": 0, "after_marker_ok_files": 0,
+           "after_marker_errors": 0, "short_reads": 0, "short_samples": []}
+    eio_files: set[str] = set()
+    ok_after: set[str] = set()
+    after = False
+    while time.monotonic() < deadline:
+        if stop_file and os.path.exists(stop_file):
+            break
+        if marker and not after and os.path.exists(marker):
+            after = True
+        rel, size = files[rng.randrange(len(files))]
+        mnt = mounts[rng.randrange(len(mounts))]
+        direct = rng.random() < direct_share
+        whole = rng.random() < 0.25
+        if not whole:
+            off = rng.choice([0, rng.randrange(size + 1), max(0, size - 1), size,
+                              size + rng.randrange(1, 3 * chunk),
+                              max(0, (rng.randrange(size // chunk + 1)) * chunk - 1)])
+            n = rng.choice([0, 1, 7, 4096, 65536, chunk - 1, chunk + 1, 3 * chunk + 5,
+                            rng.randrange(1, 4 * chunk)])
+        t0 = time.monotonic()
+        got_error = None
+        partial = b""  # what a short read returned before an error
+        try:
+            fd = os.open(os.path.join(mnt, rel), os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        except OSError as exc:
+            got_error = exc
+        else:
+            try:
+                if whole:
+                    parts = []
+                    while True:
+                        block = os.read(fd, MiB)
+                        if not block:
+                            break
+                        parts.append(block)
+                    got, off, n = b"".join(parts), 0, size + 1
+                else:
+                    got = os.pread(fd, n, off)
+                    # A short read before EOF is legal (POSIX): when a daemon goes away in
+                    # the middle of a request the kernel returns what it had. Read on, as any
+                    # careful reader does: the next read reports the error.
+                    if 0 < len(got) < min(n, max(0, size - off)):
+                        out["short_reads"] += 1
+                        if len(out["short_samples"]) < 5:
+                            out["short_samples"].append([rel, size, off, n, len(got), direct])
+                        partial = got
+                        while len(got) < min(n, max(0, size - off)):
+                            more = os.pread(fd, n - len(got), off + len(got))
+                            if not more:
+                                break
+                            got += more
+                if not direct:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError as exc:
+                got_error = exc
+            finally:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        out["max_latency"] = max(out["max_latency"], time.monotonic() - t0)
+        out["ops"] += 1
+        if got_error is not None:
+            if partial:  # the bytes a short read gave before the error must still be right
+                with open(os.path.join(src, rel), "rb") as f:
+                    if os.pread(f.fileno(), len(partial), off) != partial:
+                        out["wrong"].append([rel, off, len(partial), "short read"])
+            name = _errno.errorcode.get(got_error.errno, str(got_error.errno))
+            if got_error.errno == _errno.EIO and rel in may_fail:
+                out["expected_eio"] += 1
+                eio_files.add(rel)
+            else:
+                out["errors"][name] = out["errors"].get(name, 0) + 1
+                if len(out["error_samples"]) < 5:
+                    out["error_samples"].append(f"{rel}: {name}")
+                if after:
+                    out["after_marker_errors"] += 1
+            if spec.get("stop_on_error") and not (got_error.errno == _errno.EIO
+                                                  and rel in may_fail):
+                break
+            continue
+        with open(os.path.join(src, rel), "rb") as f:
+            want = os.pread(f.fileno(), n, off)
+        out["reads"] += 1
+        out["bytes_checked"] += len(want)
+        if n == 0:
+            out["zero_length"] += 1
+        if off + n > size:
+            out["past_eof"] += 1
+        if got != want:
+            if len(out["wrong"]) < 10:
+                out["wrong"].append([rel, off, n, len(got), len(want)])
+        elif after:
+            out["after_marker_ok"] += 1
+            ok_after.add(rel)
+    out["eio_files"] = sorted(eio_files)
+    out["after_marker_ok_files"] = len(ok_after)
+    print(_json.dumps(out))
+
+
+def start_readers(n: int, mounts_for, src, sizes: dict[str, int], seconds: float,
+                  seed: int = 0, **spec) -> list[subprocess.Popen]:
+    """Start ``n`` reader processes (see ``reader_main``); reader ``i`` reads the mounts
+    ``mounts_for(i)`` (a list). ``spec`` adds ``chunk``, ``may_fail`` (paths for which EIO
+    is expected), ``marker`` (a path: reads after it exists are counted apart), ``direct``
+    (share of O_DIRECT opens), ``stop_file``, ``stop_on_error``."""
+    files = sorted([rel, size] for rel, size in sizes.items())
+    procs = []
+    for i in range(n):
+        body = dict(spec, files=files, mounts=[os.fspath(m) for m in mounts_for(i)],
+                    src=os.fspath(src), seconds=seconds, seed=seed * 1000 + i)
+        body["may_fail"] = sorted(body.get("may_fail", []))
+        if body.get("marker"):
+            body["marker"] = os.fspath(body["marker"])
+        if body.get("stop_file"):
+            body["stop_file"] = os.fspath(body["stop_file"])
+        code = (f"import sys; sys.path.insert(0, {TESTS_DIR!r}); "
+                "from helpers import reader_main; reader_main(sys.argv[1])")
+        procs.append(subprocess.Popen([sys.executable, "-c", code, _json.dumps(body)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    return procs
+
+
+def abort_fuse_connection(mnt) -> bool:
+    """Abort the kernel FUSE connection of the mount at ``mnt`` (found in mountinfo, never
+    by touching the mount point, which may hang): pending requests fail with ENOTCONN, so
+    processes stuck on a wedged daemon wake up. Returns True if a connection was aborted."""
+    target = os.path.abspath(os.fspath(mnt))
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if fields[4] == target and " - fuse" in line:
+                    minor = fields[2].split(":")[1]
+                    with open(f"/sys/fs/fuse/connections/{minor}/abort", "w") as a:
+                        a.write("1")
+                    return True
+    except OSError:
+        pass
+    return False
+
+
+def collect_readers(procs: list[subprocess.Popen], timeout: float, mounts=()) -> list[dict]:
+    """Wait for every reader (at most ``timeout`` s in all) and return their summaries.
+
+    A reader still running then is reported as hung: it is killed, and if it does not die
+    (a process waiting on a wedged FUSE daemon cannot), the FUSE connections of ``mounts``
+    are aborted so that it does, and the test fails instead of hanging."""
+    deadline = time.monotonic() + timeout
+    results, problems = [], []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            try:
+                p.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                for m in mounts:
+                    abort_fuse_connection(m)
+                try:
+                    p.communicate(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+            problems.append(f"reader {p.pid} hung (killed after {timeout:g} s)")
+            continue
+        if p.returncode != 0:
+            problems.append(f"reader {p.pid} exited {p.returncode}: {err[-2000:]}")
+            continue
+        results.append(_json.loads(out))
+    assert not problems, "\n".join(problems)
+    return results
+
+
+def summarize_readers(results: list[dict]) -> dict:
+    """Totals over reader summaries (errors merged by errno name)."""
+    total = {"readers": len(results), "reads": 0, "ops": 0, "bytes_checked": 0, "wrong": [],
+             "errors": {}, "expected_eio": 0, "eio_files": set(), "zero_length": 0,
+             "past_eof": 0, "max_latency": 0.0, "after_marker_ok": 0,
+             "after_marker_errors": 0, "error_samples": [], "short_reads": 0,
+             "short_samples": []}
+    for r in results:
+        for key in ("reads", "ops", "bytes_checked", "expected_eio", "zero_length", "past_eof",
+                    "after_marker_ok", "after_marker_errors", "short_reads"):
+            total[key] += r[key]
+        total["wrong"] += r["wrong"]
+        total["error_samples"] += r["error_samples"]
+        total["short_samples"] += r["short_samples"]
+        total["eio_files"] |= set(r["eio_files"])
+        total["max_latency"] = max(total["max_latency"], r["max_latency"])
+        for name, k in r["errors"].items():
+            total["errors"][name] = total["errors"].get(name, 0) + k
+    return total
+
+
+def stats_json(mnt) -> dict:
+    """``fanstore stats MNT --json`` as a dict."""
+    return _json.loads(run_cli("stats", mnt, "--json", check=True).stdout)
+
+
+__all__ += [
+    "RssSampler",
+    "abort_fuse_connection",
+    "TESTS_DIR",
+    "collect_readers",
+    "files_by_partition",
+    "make_load_tree",
+    "reader_main",
+    "start_readers",
+    "stats_json",
+    "summarize_readers",
+    "tmpfs",
+    "vm_rss_kb",
+]

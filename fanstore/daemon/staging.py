@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -81,13 +82,21 @@ def _valid_copy(path: str, size: int, checksum: str) -> bool:
     try:
         with open(_ok_path(path)) as f:
             rec = json.load(f)
-        if (rec.get("size"), rec.get("mtime_ns"), rec.get("checksum")) == (
-                size, st.st_mtime_ns, checksum):
+        if isinstance(rec, dict) and (rec.get("size"), rec.get("mtime_ns"),
+                                      rec.get("checksum")) == (size, st.st_mtime_ns, checksum):
             return True
     except (OSError, ValueError):
-        pass
-    if file_checksum(path) == checksum:
-        _record_ok(path, checksum)
+        pass  # no record, or a damaged one: hash the copy
+    try:
+        intact = file_checksum(path) == checksum
+    except OSError as exc:  # an unreadable copy is copied again
+        log.warning("%s: cannot read the staged copy (%s); copying it again", path, exc.strerror)
+        return False
+    if intact:
+        try:
+            _record_ok(path, checksum)
+        except OSError as exc:  # the record only saves a re-hash next time
+            log.warning("%s: cannot write its .ok record: %s", path, exc.strerror)
         return True
     log.warning("%s: staged copy is damaged; copying it again", path)
     return False
@@ -100,7 +109,13 @@ def _copy(src: str, dst: str, size: int, checksum: str, who: str) -> int:
     buf = bytearray(BLOCK)
     view = memoryview(buf)
     try:
-        with open(src, "rb", buffering=0) as fin, open(tmp, "wb", buffering=0) as fout:
+        # O_NONBLOCK: a FIFO in a partition's place is refused instead of blocking the node.
+        fd = os.open(src, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise StageError(f"{who}: partition {src} on the shared store is not a regular "
+                             "file")
+        with open(fd, "rb", buffering=0) as fin, open(tmp, "wb", buffering=0) as fout:
             try:
                 os.posix_fadvise(fin.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
             except (AttributeError, OSError):
@@ -132,8 +147,13 @@ def _copy(src: str, dst: str, size: int, checksum: str, who: str) -> int:
         what = f"{done:,} bytes, expected {size:,}" if done != size else "checksum mismatch"
         raise StageError(f"{who}: partition {src} on the shared store is damaged ({what}); "
                          "repack or restore it")
-    os.replace(tmp, dst)
-    _record_ok(dst, checksum)
+    try:
+        os.replace(tmp, dst)
+        _record_ok(dst, checksum)
+    except OSError as exc:  # e.g. ENOSPC for the record on a disk the copy just filled
+        _unlink(tmp)
+        raise StageError(f"{who}: cannot stage {os.path.basename(dst)} into "
+                         f"{os.path.dirname(dst)}: {exc.strerror}") from None
     return done
 
 
@@ -149,8 +169,13 @@ def stage_partitions(store_dir: str, local_dir: str, index: Index, numbers: list
     """Make ``local_dir`` hold valid copies of partitions ``numbers``; return what was done."""
     t0 = time.monotonic()
     report = StageReport(partitions=sorted(numbers))
-    os.makedirs(local_dir, exist_ok=True)
-    for name in os.listdir(local_dir):  # leftovers of an interrupted copy
+    try:
+        os.makedirs(local_dir, exist_ok=True)
+        names = os.listdir(local_dir)
+    except OSError as exc:  # a file in the way, a read-only or missing mount, ...
+        raise StageError(f"{who}: cannot use local storage {local_dir}: {exc.strerror}") \
+            from None
+    for name in names:  # leftovers of an interrupted copy
         if name.startswith(".") and name.endswith(".partial"):
             _unlink(os.path.join(local_dir, name))
     todo = []

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+import stat
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +57,13 @@ KIND_SYMLINK = 2
 MAX_CHUNK_SIZE = 64 << 20
 #: A decompressed index larger than this is refused (guards against a bomb in the header).
 MAX_INDEX_BODY = 64 << 30
+#: ... and so is one that claims to expand more than this many times its stored size (plus
+#: a small allowance): real index bodies compress 3-7x (mostly incompressible hashes), while
+#: a 32 KB zstd frame of RLE blocks can claim (and make a reader allocate) 1 GiB.
+MAX_INDEX_RATIO = 128
+INDEX_RATIO_SLACK = 1 << 20
+#: Counts, sizes and offsets are at most 2**62, so sums of them never overflow an int64.
+_MAX_META_INT = 1 << 62
 MAX_NAME = 255
 MAX_TARGET = 4095
 
@@ -306,11 +314,18 @@ def encode_index(
 def write_index(path: str, data: bytes) -> None:
     """Write index bytes to ``path`` atomically (temp file, fsync, rename)."""
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def _align(n: int) -> int:
@@ -320,12 +335,19 @@ def _align(n: int) -> int:
 # --------------------------------------------------------------------------- reading
 
 
-def read_index(store_dir: str) -> Index:
-    """Load and validate ``<store_dir>/fanstore.idx`` (partition sizes are not checked here)."""
+def read_index_file(store_dir: str) -> tuple[str, bytes]:
+    """Return (path, bytes) of ``<store_dir>/fanstore.idx`` without parsing them.
+
+    The index is opened O_NONBLOCK and must be a regular file: a FIFO in its place is
+    refused instead of blocking the reader (and, in an MPI job, every rank waiting on it).
+    """
     path = os.path.join(store_dir, INDEX_NAME)
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise FormatError(f"{path}: the index is not a regular file")
+            return path, f.read()
     except FileNotFoundError:
         if not os.path.isdir(store_dir):
             raise NotAStoreError(f"{store_dir}: no such directory") from None
@@ -334,6 +356,11 @@ def read_index(store_dir: str) -> Index:
         ) from None
     except OSError as exc:
         raise FormatError(f"{path}: cannot read index: {exc.strerror}") from exc
+
+
+def read_index(store_dir: str) -> Index:
+    """Load and validate ``<store_dir>/fanstore.idx`` (partition sizes are not checked here)."""
+    path, data = read_index_file(store_dir)
     return read_index_bytes(data, where=path)
 
 
@@ -353,8 +380,9 @@ def parse_index_header(data: bytes, where: str = "index") -> tuple[int, int, int
         raise VersionTooOldError(f"{where}: store format v{version} is no longer supported")
     if hsize != INDEX_HEADER_SIZE:
         raise FormatError(f"{where}: bad index header size {hsize}")
-    if body_raw > MAX_INDEX_BODY:
-        raise FormatError(f"{where}: index claims an absurd size ({body_raw} bytes)")
+    if body_raw > MAX_INDEX_BODY or body_raw > INDEX_RATIO_SLACK + MAX_INDEX_RATIO * body_stored:
+        raise FormatError(f"{where}: index claims an absurd size ({body_raw} bytes from "
+                          f"{body_stored} stored)")
     return body_raw, body_stored, body_sum
 
 
@@ -419,12 +447,19 @@ def _parse_body(body: bytes, where: str) -> Index:
         arr = np.frombuffer(body, dtype=dtype, count=length // itemsize, offset=off)
         return arr
 
-    try:
-        n_entries = int(meta["n_entries"])
-        n_chunks = int(meta["n_chunks"])
-        int(meta["chunk_size"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise FormatError(f"{where}: index metadata lacks {exc}") from exc
+    for key in ("n_entries", "n_chunks", "chunk_size"):
+        if key not in meta:
+            raise FormatError(f"{where}: index metadata lacks {key!r}")
+        if not _meta_int(meta[key]):
+            raise FormatError(f"{where}: index metadata {key!r} is not a valid count")
+    n_entries = meta["n_entries"]
+    n_chunks = meta["n_chunks"]
+    counts = meta.get("counts", {})
+    if not isinstance(counts, dict) or not all(_meta_int(v) for v in counts.values()):
+        raise FormatError(f"{where}: index counts are malformed")
+    for key, kind in (("pack", dict), ("selection", dict), ("created_by", str)):
+        if meta.get(key) is not None and not isinstance(meta[key], kind):
+            raise FormatError(f"{where}: index metadata {key!r} is malformed")
     e = {name: column(_ENTRY_PREFIX + name, dt) for name, dt in ENTRY_COLUMNS}
     c = {name: column(_CHUNK_PREFIX + name, dt) for name, dt in CHUNK_COLUMNS}
     for name, arr in e.items():
@@ -443,19 +478,25 @@ def _parse_body(body: bytes, where: str) -> Index:
         raise FormatError(f"{where}: index partition table is malformed")
     partitions = []
     for number, p in enumerate(parts_raw):
-        try:
-            partitions.append(
-                PartitionInfo(
-                    number=number,
-                    size=int(p["size"]),
-                    checksum=str(p["checksum"]),
-                    files=int(p.get("files", 0)),
-                    raw_bytes=int(p.get("raw_bytes", 0)),
-                    broadcast=bool(p.get("broadcast", False)),
-                )
+        if not (
+            isinstance(p, dict)
+            and _meta_int(p.get("size"))
+            and isinstance(p.get("checksum"), str)
+            and _meta_int(p.get("files", 0))
+            and _meta_int(p.get("raw_bytes", 0))
+            and isinstance(p.get("broadcast", False), bool)
+        ):
+            raise FormatError(f"{where}: partition {number} entry is malformed")
+        partitions.append(
+            PartitionInfo(
+                number=number,
+                size=p["size"],
+                checksum=p["checksum"],
+                files=p.get("files", 0),
+                raw_bytes=p.get("raw_bytes", 0),
+                broadcast=p.get("broadcast", False),
             )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise FormatError(f"{where}: partition {number} entry is malformed") from exc
+        )
     return Index(
         meta=meta,
         e=e,
@@ -467,6 +508,11 @@ def _parse_body(body: bytes, where: str) -> Index:
         codecs=codecs,
         partitions=partitions,
     )
+
+
+def _meta_int(value: Any) -> bool:
+    """A JSON count: an integer (not a bool, float or string) in [0, 2**62]."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_META_INT
 
 
 # --------------------------------------------------------------------------- validation
@@ -517,8 +563,11 @@ def validate_index(
         if np.any(parent[1:].astype(np.int64) >= np.arange(1, n)):
             raise bad("an entry precedes its parent")
 
-    # -- names
+    # -- names (bounds are checked on the unsigned values first: a u64 offset above 2**63
+    # would turn negative as an int64 and slip past the checks below)
     names = np.frombuffer(index.names, dtype=np.uint8)
+    if np.any(e["name_off"][1:] > len(names)):
+        raise bad("a name lies outside the name table")
     name_off = e["name_off"][1:].astype(np.int64)
     name_len = e["name_len"][1:].astype(np.int64)
     if np.any(name_len == 0) or np.any(name_len > MAX_NAME):
@@ -548,6 +597,8 @@ def validate_index(
     # -- symlinks
     links = np.nonzero(kind == KIND_SYMLINK)[0]
     if len(links):
+        if np.any(first[links] > len(index.targets)):
+            raise bad("a symlink target lies outside the target table or is empty")
         t_end = first[links].astype(np.int64) + count[links].astype(np.int64)
         if np.any(t_end > len(index.targets)) or np.any(count[links] == 0):
             raise bad("a symlink target lies outside the target table or is empty")
@@ -584,6 +635,8 @@ def validate_index(
     ):
         raise bad("file chunk runs overlap or leave gaps")
     if m:
+        if np.any(c["offset"] > np.uint64(_MAX_META_INT)):
+            raise bad("a chunk lies outside its partition")
         raw = c["raw"].astype(np.int64)
         stored = c["stored"].astype(np.int64)
         part = c["part"].astype(np.int64)

@@ -566,7 +566,13 @@ def _build_index(scan: ScanResult, results: list[_PartResult], configs, options:
     }
     meta.update(options.extra_meta)
     data = encode_index(meta, b.e, b.c, b.build_lookup(), bytes(b.names), bytes(b.targets))
-    write_index(os.path.join(tmp, INDEX_NAME), data)
+    path = os.path.join(tmp, INDEX_NAME)
+    try:
+        write_index(path, data)
+    except OSError as exc:  # name the file: a bare "No space left on device" says nothing
+        if exc.errno == errno.ENOSPC:
+            raise PackError(f"no space left on device while writing {path}") from None
+        raise PackError(f"cannot write {path}: {exc.strerror}") from None
     return len(data), stored
 
 
