@@ -113,8 +113,10 @@ def _auto_policy(args):
 
 
 def cmd_mount(args) -> int:
+    from fanstore import runtime
     from fanstore.service import check_fuse_available
 
+    runtime.limit_malloc_arenas()  # before any thread: the daemons inherit it
     check_fuse_available()
     mpi_world = _mpi_launcher_world()
     if mpi_world is not None:
@@ -376,7 +378,8 @@ def cmd_info(args) -> int:
     if args.json:
         print(json.dumps(info, indent=2, sort_keys=True))
         return 0
-    c = info["counts"]
+    c = {key: info["counts"].get(key, 0)
+         for key in ("files", "dirs", "symlinks", "raw_bytes", "stored_bytes")}
     print(f"store          {os.path.abspath(args.store)}")
     print(f"format         v{info['format_version']} ({info['created_by']})")
     print(f"entries        {c['files']:,} files, {c['dirs']:,} dirs, {c['symlinks']:,} symlinks")

@@ -23,6 +23,30 @@ from typing import Any
 from fanstore.errors import MountError
 
 
+#: glibc's mallopt() parameter number for M_ARENA_MAX (malloc.h).
+_M_ARENA_MAX = -8
+
+
+def limit_malloc_arenas(arenas: int = 2) -> bool:
+    """Bound glibc's malloc arenas for a daemon; call before any thread starts.
+
+    glibc gives each allocating thread its own arena (up to 8 per core) and keeps freed
+    memory in it, so a daemon with a few dozen decode and fetch threads grew from 53 MB to
+    300 MB under load while holding a 16 MB cache (docs/reliability.md). Two arenas keep it
+    flat at no measurable cost. ``MALLOC_ARENA_MAX`` in the environment wins; other C
+    libraries are left alone. Returns whether the limit was set.
+    """
+    if "MALLOC_ARENA_MAX" in os.environ:
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(_M_ARENA_MAX, int(arenas)))
+    except (OSError, AttributeError):  # not glibc
+        return False
+
+
 def runtime_root() -> str:
     return os.environ.get("FANSTORE_RUNTIME_DIR") or f"/tmp/fanstore-{os.getuid()}"
 

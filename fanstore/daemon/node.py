@@ -302,25 +302,15 @@ class Node:
 
     # ------------------------------------------------------------------ phases
     def load_index(self):
-        from fanstore.format.index import INDEX_NAME, read_index_bytes
+        from fanstore.format.index import INDEX_NAME, read_index_bytes, read_index_file
 
-        data, error = None, ""
+        data = None
         if self.rank == 0:
-            path = os.path.join(self.args.store, INDEX_NAME)
             try:
-                with open(path, "rb") as f:
-                    data = f.read()
+                path, data = read_index_file(self.args.store)
                 read_index_bytes(data, where=path)  # validate before sending it to everyone
-            except FileNotFoundError:
-                error = (f"{self.args.store}: not a FanStore store (no {INDEX_NAME})"
-                         if os.path.isdir(self.args.store) else
-                         f"{self.args.store}: no such directory")
-            except OSError as exc:
-                error = f"{path}: {exc.strerror}"
-            except FanStoreError as exc:
-                error = str(exc)
-            if error:
-                data = b"\0ERROR\0" + error.encode("utf-8", "replace")
+            except FanStoreError as exc:  # every rank must learn of it, not just rank 0
+                data = b"\0ERROR\0" + str(exc).encode("utf-8", "replace")
         t0 = time.monotonic()
         data = self.world.bcast_bytes(data)
         if bytes(data[:7]) == b"\0ERROR\0":
