@@ -118,7 +118,20 @@ def decode_results(data: bytes) -> list[_PartResult]:
 def pack_mpi(src: str, dest: str, policy_factory: Callable[[], Any], options: PackOptions,
              world: World | None = None) -> PackSummary | None:
     """Pack with every rank of the job; returns the summary on rank 0, None elsewhere."""
-    world = world or World.from_mpi()
+    if world is not None:
+        return _pack_ranks(src, dest, policy_factory, options, world)
+    world = World.from_mpi()
+    try:
+        summary = _pack_ranks(src, dest, policy_factory, options, world)
+    except FanStoreError:  # reported to every rank through the same collectives
+        world.finalize()
+        raise
+    world.finalize()
+    return summary
+
+
+def _pack_ranks(src: str, dest: str, policy_factory: Callable[[], Any], options: PackOptions,
+                world: World) -> PackSummary | None:
     rank, size = world.rank, world.size
     plan = None
     error = ""

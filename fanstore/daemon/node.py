@@ -45,6 +45,29 @@ HYDRA_MARKERS = ("HYDI_CONTROL_FD", "HYDRA_CONTROL_FD")
 # --------------------------------------------------------------------------- world
 
 
+def choose_netmod(library_version: str, environ) -> str | None:
+    """The MPICH netmod to force, if any, for the MPI library described by ``library_version``.
+
+    The MPICH wheel from PyPI (5.0.2, ``ch4:ucx ofi``) defaults to UCX, whose large
+    addresses are exchanged through PMI in segments at MPI_Init; under ``srun --mpi=pmi2``
+    some of those PMI messages carry stale heap bytes, so a launch intermittently fails
+    ("mpi/pmi2: invalid client request" in slurmd's log) or, worse, a rank gets a wrong
+    address and its peers never reach it. Measured with a reproducer whose heap holds freed
+    data, 2 nodes x 1 rank: UCX 14 of 30 launches failed, OFI 0 of 60. So for that wheel
+    FanStore selects OFI; a site MPI, or an explicit ``MPIR_CVAR_CH4_NETMOD``, is left alone.
+    """
+    if "MPIR_CVAR_CH4_NETMOD" in environ:
+        return None
+    if "pypi.org/p/mpich" in library_version and "ucx" in library_version \
+            and "ofi" in library_version:
+        return "ofi"
+    return None
+
+
+#: How long a stopping job's daemon waits for its peers to say they are done (see Node).
+DRAIN_GRACE = 2.0
+
+
 class World:
     """This process's place in the job: rank, size, and collective helpers that never spin."""
 
@@ -66,11 +89,17 @@ class World:
             raise MountError("running under an MPI launcher but mpi4py is not installed: pip "
                              "install 'fanstore[mpi]' (on clusters, build it against the site "
                              "MPI)") from None
-        mpi4py.rc.thread_level = "multiple"
+        mpi4py.rc.initialize = False  # MPI_Init below, once the netmod is chosen
         mpi4py.rc.finalize = False  # we finalize ourselves, and only when every peer is alive
         from mpi4py import MPI
 
-        provided = MPI.Query_thread()
+        if not MPI.Is_initialized():
+            netmod = choose_netmod(MPI.Get_library_version(), os.environ)
+            if netmod:
+                os.environ["MPIR_CVAR_CH4_NETMOD"] = netmod
+            provided = MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        else:
+            provided = MPI.Query_thread()
         world = MPI.COMM_WORLD
         if provided < MPI.THREAD_MULTIPLE:
             names = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED",
@@ -118,6 +147,15 @@ class World:
             self._wait(self.comm.Ibcast([view[start : start + _PIECE], self.MPI.BYTE], root=0))
         return buf  # no second copy: the index is parsed straight from this buffer
 
+
+    def finalize(self) -> None:
+        """End MPI once every rank got here: a polled barrier first, so that no rank leaves
+        while a peer's last message to it is still in flight (with MPICH's OFI netmod a send
+        completes only once the receiver acknowledges it), then MPI_Finalize."""
+        if not self.is_mpi or self.MPI.Is_finalized():
+            return
+        self._wait(self.comm.Ibarrier())
+        self.MPI.Finalize()
 
     def gather_bytes(self, data: bytes) -> list[bytes] | None:
         """Rank 0 receives every rank's bytes (in rank order); others get None."""
@@ -335,6 +373,7 @@ class Node:
         """Server thread: a peer asks everyone to stop, or says it is done."""
         if msg.kind == P.Control.SHUTDOWN:
             log.info("rank %d asks every rank to stop: %s", msg.rank, msg.reason)
+            self.job_stopping = True
             if self.daemon is not None:
                 self.daemon.request_stop_threadsafe(f"rank {msg.rank}: {msg.reason}")
             else:
@@ -343,6 +382,11 @@ class Node:
             self.source.done.add(msg.rank)
 
     _early_stop: str | None = None
+    #: every rank is stopping (a signal or a peer's SHUTDOWN), so no peer will read from us
+    #: after its unmount: the drain then waits only DRAIN_GRACE for the peers' DONE (under
+    #: scancel Slurm sends SIGKILL KillWait seconds after SIGTERM, often 5 s or less).
+    job_stopping = False
+    drain_incomplete: list[int] = []
     _probe_all = False
     skip_finalize = False
 
@@ -414,7 +458,7 @@ class Node:
             raise
         self._drain()
         self._cleanup()
-        self._finish_mpi(clean=not self.source.dead)
+        self._finish_mpi(clean=not self.source.dead and not self.drain_incomplete)
         return code
 
     def _serve(self, ns, store, options, on_ready) -> int:
@@ -444,6 +488,8 @@ class Node:
         return {"ok": True}
 
     def _on_stop(self, reason: str, everywhere: bool = False) -> None:
+        if everywhere:
+            self.job_stopping = True
         if everywhere and self.transport is not None:
             # Tell every peer in a thread: the trio loop must not wait on MPI.
             others = [r for r in range(self.size) if r != self.rank]
@@ -502,6 +548,7 @@ class Node:
         from fanstore.daemon.launcher import launcher_alive
 
         self.terminated = 0
+        grace_end = time.monotonic() + DRAIN_GRACE
         try:
             last_probe = 0.0  # probe at once: a peer may have died while nobody asked it
             announced = False
@@ -509,6 +556,12 @@ class Node:
                 waiting = {r for r in others if r not in self.source.done
                            and r not in self.source.dead}
                 if not waiting:
+                    break
+                if self.job_stopping and time.monotonic() > grace_end:
+                    # Exit without MPI_Finalize: it could wait on them past SIGKILL.
+                    self.drain_incomplete = sorted(waiting)
+                    log.info("%s: the job is stopping; not waiting longer for ranks %s",
+                             self.who, self.drain_incomplete)
                     break
                 if not announced:
                     log.info("%s: unmounted; serving peers until ranks %s are done", self.who,
@@ -551,7 +604,7 @@ class Node:
                 pass
             MPI.Finalize()
         elif not clean:
-            log.warning("%s: exiting without MPI_Finalize (a peer is gone)", self.who)
+            log.warning("%s: exiting without MPI_Finalize (a peer is gone or did not finish)", self.who)
             self.skip_finalize = True
 
     def _static_stats(self, index, mine, replicas) -> dict[str, Any]:

@@ -1,0 +1,28 @@
+"""One launch for test_slurm_e2e: FanStore's MPI start-up under srun, with a dirty heap.
+
+Freed heap memory full of ';', newlines and random bytes is what a daemon has after its
+imports; with the PyPI MPICH's default UCX netmod, MPI_Init under ``srun --mpi=pmi2``
+then intermittently sends stale bytes in its PMI messages (see
+fanstore.daemon.node.choose_netmod). The launch must start, exchange a message and exit 0.
+"""
+
+import os
+import random
+import sys
+
+junk = [os.urandom(random.randint(64, 8192)) + b";\n=cmd" for _ in range(20000)]
+del junk
+
+from fanstore.daemon.node import World  # noqa: E402
+
+world = World.from_mpi()
+buf = bytearray(1 << 20)
+if world.rank == 0:
+    buf[:] = b"\x07" * len(buf)
+    world.comm.Send([buf, world.MPI.BYTE], dest=1)
+elif world.rank == 1:
+    world.comm.Recv([buf, world.MPI.BYTE], source=0)
+    if buf != b"\x07" * len(buf):
+        sys.exit("wrong bytes")
+world.comm.Barrier()
+world.MPI.Finalize()
