@@ -42,6 +42,7 @@ from fanstore.format.index import (
 from fanstore.format.partition import PartitionWriter, partition_name
 from fanstore.pack.plan import CodecPolicy, in_dir, plan_partitions
 from fanstore.pack.scan import ScanResult, scan_tree, show
+from fanstore.runtime import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -97,16 +98,6 @@ def _mb(n: int) -> str:
 # --------------------------------------------------------------------------- destination
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _clean_stale_siblings(dest: str) -> None:
     parent, base = os.path.split(dest)
     try:
@@ -121,7 +112,7 @@ def _clean_stale_siblings(dest: str) -> None:
                     pid = int(name[len(prefix) :].split("-")[0])
                 except ValueError:
                     continue
-                if not _pid_alive(pid):
+                if not pid_alive(pid):
                     path = os.path.join(parent, name)
                     print(f"fanstore: removing leftover of an interrupted pack: {path}",
                           file=sys.stderr)
