@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -211,3 +212,36 @@ def check(ok: bool | None) -> str:
 
 def python() -> str:
     return sys.executable
+
+
+def _raise_interrupt(signum, _frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def guarded_run(bench, log, still_mounted, doing: str = "unmounting and cleaning up") -> bool:
+    """Run ``bench.run()`` so that Ctrl-C, SIGTERM or SIGHUP (even when started in the
+    background) or a crash still end in ``bench.cleanup()``, and the cleanup itself survives
+    a second Ctrl-C; warn about anything ``still_mounted()`` reports afterwards. Returns
+    whether the run completed (an exception other than an interrupt is re-raised)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGHUP, _raise_interrupt)
+    os.makedirs(bench.work, exist_ok=True)
+    ok = False
+    try:
+        bench.run()
+        ok = True
+    except KeyboardInterrupt:
+        log(f"interrupted: {doing}")
+    except Exception:
+        log(f"failed: {doing}")
+        raise
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        bench.cleanup()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        left = still_mounted()
+        if left:
+            log(f"WARNING: still mounted: {left}")
+    return ok

@@ -55,10 +55,6 @@ PRESETS = {
 }
 
 
-def _on_signal(signum, _frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -775,29 +771,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("mount_bench: run as root (drop_caches and FUSE mounts)", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started in background
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGHUP, _on_signal)
     bench = Bench(a)
-    os.makedirs(bench.work, exist_ok=True)
-    ok = False
-    try:
-        bench.run()
-        ok = True
-    except KeyboardInterrupt:
-        log("interrupted: unmounting and cleaning up")
-    except Exception:
-        log("failed: unmounting and cleaning up")
-        raise
-    finally:
-        # Cleanup must survive a second Ctrl-C.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        bench.cleanup()
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        left = [m for m in bench.mounted if is_mounted(m)]
-        if left:
-            log(f"WARNING: still mounted: {left}")
+    ok = common.guarded_run(bench, log, lambda: [m for m in bench.mounted if is_mounted(m)])
     if not ok:
         log(f"partial rows kept in {bench.jsonl_tmp}; docs not touched")
         return 130

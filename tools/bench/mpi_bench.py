@@ -59,7 +59,6 @@ import common  # noqa: E402
 from mount_bench import (  # noqa: E402
     _find_fanstore,
     _kill_group,
-    _on_signal,
     is_mounted,
     log,
     pid_alive,
@@ -1348,29 +1347,11 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("mpi_bench: run as root (drop_caches and FUSE mounts)", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGHUP, _on_signal)
     bench = Bench(a)
-    os.makedirs(bench.work, exist_ok=True)
-    ok = False
-    try:
-        bench.run()
-        ok = True
-    except KeyboardInterrupt:
-        log("interrupted: stopping jobs and cleaning up")
-    except Exception:
-        log("failed: stopping jobs and cleaning up")
-        raise
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        bench.cleanup()
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        left = [ln.split()[1] for ln in open("/proc/self/mounts")
-                if len(ln.split()) > 1 and ln.split()[1].startswith(bench.work + "/")]
-        if left:
-            log(f"WARNING: still mounted: {left}")
+    ok = common.guarded_run(bench, log, lambda: [
+        ln.split()[1] for ln in open("/proc/self/mounts")
+        if len(ln.split()) > 1 and ln.split()[1].startswith(bench.work + "/")],
+        doing="stopping jobs and cleaning up")
     if not ok:
         log(f"partial rows kept in {bench.jsonl_tmp}; docs not touched")
         return 130

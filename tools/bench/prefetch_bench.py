@@ -52,7 +52,6 @@ import queue as _queue
 import random
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -60,7 +59,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 import reader  # noqa: E402
-from mount_bench import _find_fanstore, _kill_group, _on_signal, is_mounted, log, pid_alive  # noqa: E402
+from mount_bench import _find_fanstore, _kill_group, is_mounted, log, pid_alive  # noqa: E402
 from mpi_bench import control, ensure_dataset, pack_store, state_pid  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -986,28 +985,9 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("prefetch_bench: run as root (drop_caches and FUSE mounts)", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGHUP, _on_signal)
     bench = Bench(a)
-    os.makedirs(bench.work, exist_ok=True)
-    ok = False
-    try:
-        bench.run()
-        ok = True
-    except KeyboardInterrupt:
-        log("interrupted: unmounting and cleaning up")
-    except Exception:
-        log("failed: unmounting and cleaning up")
-        raise
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        bench.cleanup()
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        left = [k for k in ("sync", "prefetch") if is_mounted(bench.mnt(k))]
-        if left:
-            log(f"WARNING: still mounted: {left}")
+    ok = common.guarded_run(
+        bench, log, lambda: [k for k in ("sync", "prefetch") if is_mounted(bench.mnt(k))])
     if not ok:
         log(f"partial rows kept in {bench.jsonl_tmp}; docs not touched")
         return 130
