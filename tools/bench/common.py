@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shutil
@@ -245,3 +246,47 @@ def guarded_run(bench, log, still_mounted, doing: str = "unmounting and cleaning
         if left:
             log(f"WARNING: still mounted: {left}")
     return ok
+
+
+def publish(ok: bool, bench, a, log, section_name: str, render, script: str,
+            raw_argv: list[str]) -> int:
+    """After ``guarded_run``: on success write ``render(bench, label, command)`` into the
+    docs section ``section_name`` and the run's rows to ``a.results`` (or print the section
+    with ``--no-docs``); after an interruption keep the partial rows and touch nothing.
+    Returns the script's exit status."""
+    if not ok:
+        log(f"partial rows kept in {bench.jsonl_tmp}; docs not touched")
+        return 130
+    shown = [".venv/bin/python", script] + raw_argv
+    if not a.no_docs:
+        os.makedirs(os.path.dirname(a.results), exist_ok=True)
+        shutil.copyfile(bench.jsonl_tmp, a.results)
+        replace_section(section_name, render(bench, a.label, shown), a.docs)
+        log(f"wrote {a.docs} (section {section_name}) and {a.results}")
+    else:
+        print(render(bench, a.label, shown))
+    log(f"done in {bench.total_seconds / 60:.1f} min")
+    return 0
+
+
+class RowLog:
+    """Mixin for a benchmark run: ``emit`` tags a row with ``self.run_id`` and appends it to
+    ``self.rows`` and to ``self.jsonl_tmp`` at once, so an interrupted run keeps its rows."""
+
+    def emit(self, row: dict) -> dict:
+        row = dict(row, run_id=self.run_id)
+        self.rows.append(row)
+        with open(self.jsonl_tmp, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        return row
+
+
+def pick_rows(rows: list[dict], **kw) -> list[dict]:
+    """The rows whose fields equal every ``kw``."""
+    return [r for r in rows if all(r.get(k) == v for k, v in kw.items())]
+
+
+def row_vals(rows: list[dict], key: str, **kw) -> list[float]:
+    """``key`` of the matching rows that have it and recorded no errors."""
+    return [r.get(key) for r in pick_rows(rows, **kw)
+            if r.get(key) is not None and not r.get("errors")]

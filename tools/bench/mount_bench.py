@@ -27,6 +27,7 @@ errors and on Ctrl-C / SIGTERM. Run as root (drop_caches, FUSE).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -62,7 +63,7 @@ def log(msg: str) -> None:
 # ------------------------------------------------------------------------------ the run
 
 
-class Bench:
+class Bench(common.RowLog):
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
         self.work = os.path.abspath(a.work)
@@ -86,13 +87,6 @@ class Bench:
     def cmd(self, text: str) -> None:
         if text not in self.commands:
             self.commands.append(text)
-
-    def emit(self, row: dict) -> dict:
-        row = dict(row, run_id=self.run_id)
-        self.rows.append(row)
-        with open(self.jsonl_tmp, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        return row
 
     def root_of(self, backend: str) -> str:
         return self.data if backend == "raw" else os.path.join(self.mnt_root, backend)
@@ -506,11 +500,8 @@ def section(bench: Bench, label: str | None, argv: list[str]) -> str:
     a = bench.a
     backends = bench.backends
 
-    def pick(**kw) -> list[dict]:
-        return [r for r in rows if all(r.get(k) == v for k, v in kw.items())]
-
-    def vals(key: str, **kw) -> list[float]:
-        return [r.get(key) for r in pick(**kw) if r.get(key) is not None and not r.get("errors")]
+    pick = functools.partial(common.pick_rows, rows)
+    vals = functools.partial(common.row_vals, rows)
 
     out: list[str] = []
     w = out.append
@@ -773,19 +764,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     bench = Bench(a)
     ok = common.guarded_run(bench, log, lambda: [m for m in bench.mounted if is_mounted(m)])
-    if not ok:
-        log(f"partial rows kept in {bench.jsonl_tmp}; docs not touched")
-        return 130
-    if not a.no_docs:
-        os.makedirs(os.path.dirname(a.results), exist_ok=True)
-        shutil.copyfile(bench.jsonl_tmp, a.results)
-        shown = [".venv/bin/python", "tools/bench/mount_bench.py"] + raw_argv
-        common.replace_section(SECTION, section(bench, a.label, shown), a.docs)
-        log(f"wrote {a.docs} (section {SECTION}) and {a.results}")
-    else:
-        print(section(bench, a.label, [".venv/bin/python", "tools/bench/mount_bench.py"] + raw_argv))
-    log(f"done in {bench.total_seconds / 60:.1f} min")
-    return 0
+    return common.publish(ok, bench, a, log, SECTION, section, "tools/bench/mount_bench.py",
+                          raw_argv)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ removal of its own local directories. Run as root (drop_caches, FUSE).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -337,7 +338,7 @@ def partitions_of(store: str, ranks: int) -> dict[int, list[str]]:
                 for p in pl.local_partitions(table, r)] for r in range(ranks)}
 
 
-class Bench:
+class Bench(common.RowLog):
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
         self.work = os.path.abspath(a.work)
@@ -358,13 +359,6 @@ class Bench:
         text = text.replace(self.work, "WORK")
         if text not in self.commands:
             self.commands.append(text)
-
-    def emit(self, row: dict) -> dict:
-        row = dict(row, run_id=self.run_id)
-        self.rows.append(row)
-        with open(self.jsonl_tmp, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        return row
 
     def write_list(self, name: str, items: list[str]) -> str:
         os.makedirs(self.lists, exist_ok=True)
@@ -893,11 +887,8 @@ def section(bench: Bench, label: str | None, argv: list[str]) -> str:
     rows = bench.rows
     a = bench.a
 
-    def pick(**kw) -> list[dict]:
-        return [r for r in rows if all(r.get(k) == v for k, v in kw.items())]
-
-    def vals(key: str, **kw) -> list[float]:
-        return [r.get(key) for r in pick(**kw) if r.get(key) is not None and not r.get("errors")]
+    pick = functools.partial(common.pick_rows, rows)
+    vals = functools.partial(common.row_vals, rows)
 
     out: list[str] = []
     w = out.append
@@ -1352,19 +1343,8 @@ def main(argv: list[str] | None = None) -> int:
         ln.split()[1] for ln in open("/proc/self/mounts")
         if len(ln.split()) > 1 and ln.split()[1].startswith(bench.work + "/")],
         doing="stopping jobs and cleaning up")
-    if not ok:
-        log(f"partial rows kept in {bench.jsonl_tmp}; docs not touched")
-        return 130
-    shown = [".venv/bin/python", "tools/bench/mpi_bench.py"] + raw_argv
-    if not a.no_docs:
-        os.makedirs(os.path.dirname(a.results), exist_ok=True)
-        shutil.copyfile(bench.jsonl_tmp, a.results)
-        common.replace_section(SECTION, section(bench, a.label, shown), a.docs)
-        log(f"wrote {a.docs} (section {SECTION}) and {a.results}")
-    else:
-        print(section(bench, a.label, shown))
-    log(f"done in {bench.total_seconds / 60:.1f} min")
-    return 0
+    return common.publish(ok, bench, a, log, SECTION, section, "tools/bench/mpi_bench.py",
+                          raw_argv)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ root (drop_caches, FUSE).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -333,7 +334,7 @@ def loader_main(argv: list[str]) -> int:
 # ------------------------------------------------------------------------------ the run
 
 
-class Bench:
+class Bench(common.RowLog):
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
         self.work = os.path.abspath(a.work)
@@ -355,13 +356,6 @@ class Bench:
         text = text.replace(self.work, "WORK")
         if text not in self.commands:
             self.commands.append(text)
-
-    def emit(self, row: dict) -> dict:
-        row = dict(row, run_id=self.run_id)
-        self.rows.append(row)
-        with open(self.jsonl_tmp, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        return row
 
     # -------------------------------------------------------------- mounts
     def mnt(self, kind: str) -> str:
@@ -656,11 +650,8 @@ def section(bench: Bench, label: str | None, argv: list[str]) -> str:
     rows = bench.rows
     a = bench.a
 
-    def pick(**kw) -> list[dict]:
-        return [r for r in rows if all(r.get(k) == v for k, v in kw.items())]
-
-    def vals(key: str, **kw) -> list[float]:
-        return [r.get(key) for r in pick(**kw) if r.get(key) is not None and not r.get("errors")]
+    pick = functools.partial(common.pick_rows, rows)
+    vals = functools.partial(common.row_vals, rows)
 
     def dsum(rs: list[dict], key: str) -> list[float]:
         return [(r.get("daemon") or {}).get(key) for r in rs if (r.get("daemon") or {}).get(key)
@@ -988,19 +979,8 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(a)
     ok = common.guarded_run(
         bench, log, lambda: [k for k in ("sync", "prefetch") if is_mounted(bench.mnt(k))])
-    if not ok:
-        log(f"partial rows kept in {bench.jsonl_tmp}; docs not touched")
-        return 130
-    shown = [".venv/bin/python", "tools/bench/prefetch_bench.py"] + raw_argv
-    if not a.no_docs:
-        os.makedirs(os.path.dirname(a.results), exist_ok=True)
-        shutil.copyfile(bench.jsonl_tmp, a.results)
-        common.replace_section(SECTION, section(bench, a.label, shown), a.docs)
-        log(f"wrote {a.docs} (section {SECTION}) and {a.results}")
-    else:
-        print(section(bench, a.label, shown))
-    log(f"done in {bench.total_seconds / 60:.1f} min")
-    return 0
+    return common.publish(ok, bench, a, log, SECTION, section, "tools/bench/prefetch_bench.py",
+                          raw_argv)
 
 
 if __name__ == "__main__":
