@@ -1,12 +1,12 @@
 """FanStore: a compressed burst-buffer object store for deep-learning training.
 
-Constants only here; see docs/architecture.md for the layers.
+Constants and the one entry point of the Python API here; see docs/architecture.md for
+the layers.
 """
 
-__version__ = "0.1.0"
+from fanstore.version import FORMAT_VERSION, __version__
 
-#: Version of the on-disk format written by this release (docs/format.md).
-FORMAT_VERSION = 1
+__all__ = ["FORMAT_VERSION", "__version__", "open_store"]
 
 
 def open_store(path_or_mount, **kwargs):

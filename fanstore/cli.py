@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from fanstore import __version__
+from fanstore.version import __version__
 from fanstore.errors import FanStoreError, MountError, UsageError
 
 log = logging.getLogger("fanstore")
@@ -81,8 +81,11 @@ def cmd_pack(args) -> int:
         broadcast=args.broadcast or [],
         progress=None if not args.no_progress else False,
         extra_meta=extra,
+        notify=lambda text: print(f"fanstore: {text}", file=sys.stderr, flush=True),
     )
-    if _mpi_launcher_world() is not None:
+    from fanstore.daemon.world import launcher_world_size
+
+    if launcher_world_size() is not None:
         # One rank per node: rank 0 plans and writes the index, every rank compresses.
         from fanstore.daemon.mpipack import pack_mpi
 
@@ -113,145 +116,49 @@ def _auto_policy(args):
 
 
 def cmd_mount(args) -> int:
-    from fanstore import runtime
-    from fanstore.service import check_fuse_available
+    from fanstore import launch
+    from fanstore.daemon.node import NodeOptions
+    from fanstore.frontend import MountOptions
 
-    runtime.limit_malloc_arenas()  # before any thread: the daemons inherit it
-    check_fuse_available()
-    mpi_world = _mpi_launcher_world()
-    if mpi_world is not None:
-        from fanstore.daemon.node import mount_mpi
-
-        return mount_mpi(args)
-    if args.local_dir or args.replicas != 1:
-        # Single rank: staging still works (copy every partition to --local-dir).
-        from fanstore.daemon.node import mount_mpi
-
-        return mount_mpi(args)
-    store = args.store
-    mountpoint = args.mountpoint
-    from fanstore.fuse.mount import prepare_mountpoint
-
-    # Here, before going to the background: a stale mount's clean-up message and a bad
-    # mount point must reach the user, not the daemon's log.
-    prepare_mountpoint(mountpoint)
-    if args.foreground:
-        _setup_logging(args, stream=sys.stderr)
-        _mount_single(args, store, mountpoint, on_ready=lambda: print(
-            f"fanstore: mounted {store} at {mountpoint} (foreground; Ctrl-C unmounts)",
-            file=sys.stderr, flush=True))
-        return 0
-    return _daemonize(args, lambda on_ready: _mount_single(args, store, mountpoint, on_ready))
-
-
-def _mount_single(args, store: str, mountpoint: str, on_ready) -> None:
-    from fanstore.fuse.mount import MountOptions
-    from fanstore.service import mount_local
-
-    options = MountOptions(cache_mb=args.cache_mb, threads=args.threads,
+    options = NodeOptions(
+        store=args.store, mountpoint=args.mountpoint,
+        mount=MountOptions(frontend=args.frontend, cache_mb=args.cache_mb,
+                           threads=args.threads, workers=args.workers,
                            allow_other=args.allow_other, mode=args.mode,
-                           prefetch_mb=args.prefetch_mb)
-    mount_local(store, mountpoint, options, on_ready=on_ready)
+                           prefetch_mb=args.prefetch_mb),
+        local_dir=args.local_dir, replicas=args.replicas, remote_timeout=args.remote_timeout,
+        keep_local=args.keep_local, stage_jobs=args.stage_jobs)
 
+    def notify(text: str) -> None:
+        print(f"fanstore: {text}", file=sys.stderr, flush=True)
 
-def _mpi_launcher_world() -> int | None:
-    """World size if we run under an MPI launcher with more than one rank, else None."""
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"):
-        value = os.environ.get(var)
-        if value and value.isdigit() and int(value) > 1:
-            return int(value)
-    if os.environ.get("SLURM_STEP_ID") is not None:
-        ntasks = os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS")
-        if ntasks and ntasks.isdigit() and int(ntasks) > 1:
-            return int(ntasks)
-    return None
-
-
-def _daemonize(args, body) -> int:
-    """Run ``body(on_ready)`` in a background child; return once it reports ready or fails."""
-    from fanstore import runtime
-
-    runtime.runtime_dir(args.mountpoint, create=True)
-    log_file = args.log or runtime.log_path(args.mountpoint)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the daemon
-        os.close(r)
-        code = 0
-        try:
-            os.setsid()
-            fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            null = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(null, 0)
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            os.close(fd)
-            os.close(null)
-            sys.stdout = open(1, "w", buffering=1, closefd=False)
-            sys.stderr = open(2, "w", buffering=1, closefd=False)
-            _setup_logging(args, stream=sys.stderr)
-
-            def on_ready() -> None:
-                os.write(w, b"ready\n")
-
-            body(on_ready)
-        except FanStoreError as exc:
-            log.error("%s", exc)
-            _pipe_write(w, f"error: {exc}")
-            code = exc.exit_code
-        except BaseException as exc:  # noqa: BLE001 - the daemon must report, not vanish
-            log.exception("daemon failed")
-            _pipe_write(w, f"error: internal error ({type(exc).__name__}: {exc}); see {log_file}")
-            code = 70
-        finally:
-            try:
-                os.close(w)
-            except OSError:
-                pass
-        os._exit(code)
-    os.close(w)
-    data = b""
-    while True:
-        chunk = os.read(r, 4096)
-        if not chunk:
-            break
-        data += chunk
-        if data.startswith(b"ready\n"):
-            break
-    os.close(r)
-    if data.startswith(b"ready\n"):
-        return 0
-    _, status = os.waitpid(pid, 0)
-    text = data.decode(errors="replace").strip()
-    if text.startswith("error: "):
-        err = MountError(text[len("error: "):])
-        err.exit_code = os.waitstatus_to_exitcode(status) or 1
-        raise err
-    raise MountError(f"the daemon exited before the mount was ready; see {log_file}")
-
-
-def _pipe_write(fd: int, text: str) -> None:
-    try:
-        os.write(fd, text.encode(errors="replace")[:4000])
-    except OSError:
-        pass
+    outcome = launch.mount(options, foreground=args.foreground, debug=args.debug,
+                           log_file=args.log, notify=notify)
+    if outcome.error is not None:
+        print(f"fanstore: error: {outcome.error}", file=sys.stderr, flush=True)
+    if outcome.hard_exit:  # an MPI rank that must not finalize, a hydra shim, a daemon
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(outcome.code)
+    return outcome.code
 
 
 def cmd_umount(args) -> int:
-    from fanstore import runtime
+    from fanstore import control, mounttable, runtime
+    from fanstore.process import pid_alive
 
     mnt = args.mountpoint
-    status = runtime.mount_status(mnt)
+    status = mounttable.mount_status(mnt)
     state = runtime.read_state(mnt) or {}
     pid = state.get("pid")
     if status == "none":
-        if runtime.pid_alive(pid) and state.get("phase") not in ("stopped", "failed"):
-            runtime.control(mnt, {"op": "shutdown", "reason": "fanstore umount"})
+        if pid_alive(pid) and state.get("phase") not in ("stopped", "failed"):
+            control.control(mnt, {"op": "shutdown", "reason": "fanstore umount"})
             _wait_pid(pid, args.timeout, mnt)
             return 0
         raise MountError(f"{mnt} is not mounted")
     if status == "stale":
-        ok, msg = runtime.fusermount_unmount(mnt, lazy=True)
+        ok, msg = mounttable.fusermount_unmount(mnt, lazy=True)
         if not ok:
             raise MountError(f"{mnt}: cannot clean up the stale mount: {msg}")
         print(f"fanstore: {mnt}: cleaned up a stale mount (its daemon had died)", file=sys.stderr)
@@ -259,9 +166,9 @@ def cmd_umount(args) -> int:
     # Unmount from outside (not lazily unless asked): a busy mount is refused instead of
     # being detached under its readers. The daemon sees its mount go, exits (or, in a
     # multi-rank job, keeps serving its peers until every rank is done).
-    ok, msg = runtime.fusermount_unmount(mnt, lazy=args.lazy)
+    ok, msg = mounttable.fusermount_unmount(mnt, lazy=args.lazy)
     if not ok:
-        if runtime.mount_status(mnt) == "none":
+        if mounttable.mount_status(mnt) == "none":
             return 0
         if "busy" in msg.lower():
             raise MountError(f"{mnt} is busy (files or directories in use); close them or use "
@@ -274,23 +181,24 @@ def cmd_umount(args) -> int:
 
 def _wait_unmounted(pid: int, timeout: float, mnt: str) -> bool:
     """Wait until the mount is gone and its daemon has exited or is only serving peers."""
-    from fanstore import runtime
+    from fanstore import mounttable, runtime
+    from fanstore.process import pid_alive
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if runtime.mount_status(mnt) == "none":
+        if mounttable.mount_status(mnt) == "none":
             state = runtime.read_state(mnt) or {}
-            if not runtime.pid_alive(pid) or state.get("phase") in ("draining", "stopped"):
+            if not pid_alive(pid) or state.get("phase") in ("draining", "stopped"):
                 return True
         time.sleep(0.05)
     return False
 
 
 def _wait_pid(pid: int | None, timeout: float, mnt: str, must: bool = True) -> bool:
-    from fanstore import runtime
+    from fanstore.process import pid_alive
 
     deadline = time.monotonic() + timeout
-    while runtime.pid_alive(pid):
+    while pid_alive(pid):
         if time.monotonic() > deadline:
             if must:
                 raise MountError(f"{mnt}: daemon pid {pid} did not exit within {timeout:g} s")
@@ -305,21 +213,22 @@ def cmd_wait(args) -> int:
     A state left by an earlier daemon counts only once it is newer than this wait: the
     daemon being waited for may not have started yet.
     """
-    from fanstore import runtime
+    from fanstore import mounttable, runtime
+    from fanstore.process import pid_alive
 
     mnt = args.mountpoint
     start = time.time()
     deadline = time.monotonic() + args.timeout
     while True:
         state = runtime.read_state(mnt) or {}
-        current = runtime.pid_alive(state.get("pid")) or state.get("updated", 0) >= start
+        current = pid_alive(state.get("pid")) or state.get("updated", 0) >= start
         phase = state.get("phase") if current else None
-        if phase == "ready" and runtime.mount_status(mnt) == "live":
+        if phase == "ready" and mounttable.mount_status(mnt) == "live":
             return 0
         if phase in ("failed", "stopped"):
             why = f": {state['error']}" if state.get("error") else f" (phase: {phase})"
             raise MountError(f"{mnt}: the daemon stopped before the mount was ready{why}")
-        if phase and not runtime.pid_alive(state.get("pid")):
+        if phase and not pid_alive(state.get("pid")):
             raise MountError(f"{mnt}: the daemon died before the mount was ready (phase: "
                              f"{phase})")
         if time.monotonic() > deadline:
@@ -329,7 +238,7 @@ def cmd_wait(args) -> int:
 
 
 def cmd_prefetch(args) -> int:
-    from fanstore import runtime
+    from fanstore import control
 
     if args.list == "-":
         lines = sys.stdin.buffer.read().splitlines()
@@ -340,7 +249,7 @@ def cmd_prefetch(args) -> int:
         except OSError as exc:
             raise UsageError(f"{args.list}: cannot read: {exc.strerror}") from None
     paths = [os.fsdecode(line) for line in lines if line.strip()]
-    reply = runtime.control(args.mountpoint, {"op": "prefetch", "paths": paths,
+    reply = control.control(args.mountpoint, {"op": "prefetch", "paths": paths,
                                               "client": args.client}, timeout=120)
     print(f"prefetch order of {reply['files']:,} files sent"
           + (f" ({reply['unknown']:,} paths not in the store were left out)"
@@ -349,9 +258,9 @@ def cmd_prefetch(args) -> int:
 
 
 def cmd_stats(args) -> int:
-    from fanstore import runtime
+    from fanstore import control
 
-    reply = runtime.control(args.mountpoint, {"op": "stats"})
+    reply = control.control(args.mountpoint, {"op": "stats"})
     if args.json:
         print(json.dumps(reply, indent=2, sort_keys=True))
         return 0
@@ -538,6 +447,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground")
     s.add_argument("--cache-mb", type=_nonneg_int, default=256,
                    help="decoded-chunk cache budget in MB (default 256)")
+    s.add_argument("--frontend", choices=("pyfuse3", "kernel"), default="pyfuse3",
+                   help="how FUSE is served: pyfuse3 (one process, libfuse) or kernel (the "
+                        "kernel's FUSE protocol spoken directly by --workers processes)")
+    s.add_argument("--workers", type=_nonneg_int, default=0,
+                   help="FUSE worker processes of the kernel frontend (default: the cores)")
     s.add_argument("--threads", type=_nonneg_int, default=0,
                    help="decode threads (default: 2 per core, at least 4)")
     s.add_argument("--allow-other", action="store_true",
@@ -644,16 +558,6 @@ def _add_select_budget_args(s, for_pack: bool) -> None:
                    help="choose a codec per file kind (extension and size band)")
     g.add_argument("--storage-mb-per-sec", type=_positive_float, default=None,
                    help="node-local read bandwidth in MB/s for the sync model (default: measured)")
-
-
-def _setup_logging(args, stream=None) -> None:
-    level = logging.DEBUG if getattr(args, "debug", False) else logging.INFO
-    handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(logging.Formatter(
-        "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,6 +66,24 @@ class NotADirectoryError_(FanStoreError):
     errno = _errno.ENOTDIR
 
 
+class SymlinkLoopError(FanStoreError):
+    """A path crosses more symlinks than a lookup follows (a loop)."""
+
+    errno = _errno.ELOOP
+
+
+class ReadOnlyError(FanStoreError):
+    """A write to the read-only file system."""
+
+    errno = _errno.EROFS
+
+
+class InvalidRequestError(FanStoreError):
+    """An operation that does not apply to this entry (readlink of a file, ...)."""
+
+    errno = _errno.EINVAL
+
+
 class PackError(FanStoreError):
     """The source tree cannot be packed as asked (unreadable files, escaping symlinks, ...)."""
 

@@ -170,16 +170,16 @@ def _fanstore_safety_net(tmp_path_factory):
     """At session end: lazily unmount every FUSE mount under the pytest temp root and kill
     every daemon the tests started (or whose command line names a path under it)."""
     yield
-    from fanstore import runtime
+    from fanstore import mounttable
 
     # Only this session's own temp root: other sessions may run concurrently.
     base = str(tmp_path_factory.getbasetemp().resolve())
-    for mnt in list(runtime.fuse_mounts()):
+    for mnt in list(mounttable.fuse_mounts()):
         if mnt.startswith(base + "/"):
             lazy_unmount(mnt)
     for pid in set(DAEMON_PIDS) | set(_daemon_pids_under(base)):
         if pid_alive(pid):
             kill_pid(pid, timeout=2)
-    for mnt in list(runtime.fuse_mounts()):  # a killed daemon may leave a stale mount
+    for mnt in list(mounttable.fuse_mounts()):  # a killed daemon may leave a stale mount
         if mnt.startswith(base + "/"):
             lazy_unmount(mnt)

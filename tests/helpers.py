@@ -406,10 +406,10 @@ def fuse_available() -> tuple[bool, str]:
 
 def is_mounted(mnt) -> bool:
     """True if ``mnt`` is listed as a FUSE mount (live or stale)."""
-    from fanstore import runtime
+    from fanstore import mounttable, runtime
 
     key = runtime.mount_key(os.fspath(mnt))
-    mounts = runtime.fuse_mounts()
+    mounts = mounttable.fuse_mounts()
     return key in mounts or os.path.abspath(mnt) in mounts
 
 
@@ -422,9 +422,9 @@ def daemon_pid(mnt) -> int | None:
 
 
 def pid_alive(pid: int | None) -> bool:
-    from fanstore import runtime
+    from fanstore import process
 
-    return runtime.pid_alive(pid)
+    return process.pid_alive(pid)
 
 
 def wait_until(pred, timeout: float = 10.0, interval: float = 0.05) -> bool:

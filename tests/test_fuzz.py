@@ -60,7 +60,8 @@ from fanstore.format.partition import (
     encode_partition_header,
     read_partition_header,
 )
-from fanstore.store import LocalPartitions, LocalStore
+from fanstore.read import LocalPartitions
+from fanstore.store import LocalStore
 from fanstore.verify import verify_store
 from helpers import run_cli
 
@@ -191,10 +192,10 @@ def watch_partition_reads(sizes: dict[int, int]):
     bad: list[tuple] = []
     orig_fetch, orig_into = LocalPartitions.fetch, LocalPartitions.read_into
 
-    def fetch(self, part, offset, length):
+    def fetch(self, part, offset, length, entry=None):
         if not (PARTITION_HEADER_SIZE <= offset and offset + length <= sizes.get(part, -1)):
             bad.append(("fetch", part, offset, length))
-        return orig_fetch(self, part, offset, length)
+        return orig_fetch(self, part, offset, length, entry)
 
     def read_into(self, part, offset, view):
         if not (PARTITION_HEADER_SIZE <= offset and offset + len(view) <= sizes.get(part, -1)):

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from fanstore import runtime
+from fanstore import mounttable, process, runtime
 from helpers import (
     MiB,
     RssSampler,
@@ -121,7 +121,7 @@ def test_32_readers_on_one_mount_long(load_data, mounted):
 #: memory in them: an MPI daemon (16 remote-fetch threads, the decode threads, the server
 #: thread) grew far beyond what it holds (measured: 53 MB -> 300 MB after 120 s of load with
 #: a 16 MB cache, still rising; 53 -> 106 MB, flat, with two arenas). `fanstore mount` now
-#: bounds its arenas itself (runtime.limit_malloc_arenas), so these runs use the default
+#: bounds its arenas itself (process.limit_malloc_arenas), so these runs use the default
 #: environment and the RSS bound below holds only with that fix.
 
 
@@ -188,7 +188,7 @@ def test_unmount_while_readers_are_active(load_data, mounted, how):
           f"{total['short_reads']} short reads (their bytes right), 0 wrong")
     assert wait_until(lambda: not pid_alive(pid), 20), "the daemon did not exit"
     assert not is_mounted(m)
-    assert runtime.mount_status(str(m)) == "none"
+    assert mounttable.mount_status(str(m)) == "none"
     assert (runtime.read_state(str(m)) or {}).get("phase") == "stopped"
     m2 = mounted(store, mnt=m)
     rel = sorted(sizes)[0]
@@ -199,6 +199,6 @@ def test_mount_limits_malloc_arenas_unless_the_environment_does(monkeypatch):
     """The limit is set through glibc (this process is glibc) and an explicit
     MALLOC_ARENA_MAX is respected rather than overridden."""
     monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
-    assert runtime.limit_malloc_arenas(8) is True
+    assert process.limit_malloc_arenas(8) is True
     monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
-    assert runtime.limit_malloc_arenas(2) is False
+    assert process.limit_malloc_arenas(2) is False

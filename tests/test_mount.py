@@ -540,14 +540,14 @@ def test_umount_of_a_busy_mount_refuses_without_lazy(mounted, small_store, small
 
 
 def test_sigterm_unmounts_cleanly(mounted, small_store):
-    from fanstore import runtime
+    from fanstore import mounttable, runtime
 
     m = mounted(small_store)
     pid = daemon_pid(m)
     os.kill(pid, signal.SIGTERM)
     assert wait_until(lambda: not pid_alive(pid), 15), "daemon still alive after SIGTERM"
     assert not is_mounted(m)
-    assert runtime.mount_status(str(m)) == "none"
+    assert mounttable.mount_status(str(m)) == "none"
     assert (runtime.read_state(str(m)) or {}).get("phase") == "stopped"
     assert "signal SIGTERM" in open(runtime.log_path(str(m))).read()
 

@@ -40,7 +40,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from fanstore import FORMAT_VERSION, __version__
+from fanstore.version import FORMAT_VERSION, __version__
 from fanstore.errors import FormatError, NotAStoreError, VersionTooNewError, VersionTooOldError
 from fanstore.format.partition import PARTITION_HEADER_SIZE, partition_name
 

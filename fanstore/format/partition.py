@@ -12,7 +12,7 @@ import struct
 
 import xxhash
 
-from fanstore import FORMAT_VERSION
+from fanstore.version import FORMAT_VERSION
 from fanstore.errors import FormatError, VersionTooNewError
 
 PARTITION_MAGIC = b"FANSTPRT"

@@ -20,13 +20,13 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import xxhash
 
 from compressors import CodecError, get_codec, parse_spec
-from fanstore import __version__
+from fanstore.version import __version__
 from fanstore.errors import PackError, StoreExistsError, UsageError
 from fanstore.format.index import (
     INDEX_NAME,
@@ -42,7 +42,7 @@ from fanstore.format.index import (
 from fanstore.format.partition import PartitionWriter, partition_name
 from fanstore.pack.plan import CodecPolicy, in_dir, plan_partitions
 from fanstore.pack.scan import ScanResult, scan_tree, show
-from fanstore.runtime import pid_alive
+from fanstore.process import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,8 @@ class PackOptions:
     broadcast: list[str] = field(default_factory=list)
     progress: bool | None = None  # None: on a terminal only
     extra_meta: dict[str, Any] = field(default_factory=dict)
+    #: shows one line to the user (the CLI prints it; the default logs a warning)
+    notify: Callable[[str], None] = field(default=lambda text: log.warning("%s", text))
 
 
 @dataclass
@@ -98,7 +100,7 @@ def _mb(n: int) -> str:
 # --------------------------------------------------------------------------- destination
 
 
-def _clean_stale_siblings(dest: str) -> None:
+def _clean_stale_siblings(dest: str, notify: Callable[[str], None]) -> None:
     parent, base = os.path.split(dest)
     try:
         names = os.listdir(parent)
@@ -114,8 +116,7 @@ def _clean_stale_siblings(dest: str) -> None:
                     continue
                 if not pid_alive(pid):
                     path = os.path.join(parent, name)
-                    print(f"fanstore: removing leftover of an interrupted pack: {path}",
-                          file=sys.stderr)
+                    notify(f"removing leftover of an interrupted pack: {path}")
                     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -324,7 +325,7 @@ def prepare(
     check_destination(src, dest, options.force)
     parent = os.path.dirname(dest)
     os.makedirs(parent, exist_ok=True)
-    _clean_stale_siblings(dest)
+    _clean_stale_siblings(dest, options.notify)
 
     if scan is None:
         scan = scan_tree(src)
@@ -332,7 +333,7 @@ def prepare(
     if scan.problems:
         if not options.skip_unreadable:
             for p in scan.problems:
-                print(f"fanstore: cannot pack {p}", file=sys.stderr)
+                options.notify(f"cannot pack {p}")
             n = len(scan.problems)
             raise PackError(
                 f"{n} entr{'y' if n == 1 else 'ies'} cannot be packed (listed above); fix "
@@ -340,7 +341,7 @@ def prepare(
             )
         skipped = list(scan.problems)
         for p in skipped:
-            print(f"fanstore: skipping {p}", file=sys.stderr)
+            options.notify(f"skipping {p}")
 
     entries = scan.entries
     files = scan.files
@@ -400,7 +401,7 @@ def finish(plan: PackPlan, results: list[_PartResult], options: PackOptions) -> 
     errors = [r.error for r in results if r.error]
     if errors:
         for msg in errors[:-1]:
-            print(f"fanstore: {msg}", file=sys.stderr)
+            options.notify(msg)
         raise PackError(errors[-1] + ("" if len(errors) == 1 else
                                       f" (and {len(errors) - 1} more, above)"))
     results = sorted(results, key=lambda r: r.number)
