@@ -26,19 +26,22 @@ def _unescape(field: str) -> str:
     return "".join(out)
 
 
-def fuse_mounts() -> dict[str, str]:
-    """Mount point -> fs type for every FUSE mount visible to this process."""
+def mounts() -> dict[str, str]:
+    """Mount point -> fs type for every mount visible to this process."""
     out = {}
     try:
         with open("/proc/self/mountinfo") as f:
             for line in f:
                 left, _, right = line.partition(" - ")
-                fstype = right.split(" ", 1)[0]
-                if fstype.startswith("fuse"):
-                    out[_unescape(left.split(" ")[4])] = fstype
+                out[_unescape(left.split(" ")[4])] = right.split(" ", 1)[0]
     except OSError:
         pass
     return out
+
+
+def fuse_mounts() -> dict[str, str]:
+    """Mount point -> fs type for every FUSE mount visible to this process."""
+    return {m: t for m, t in mounts().items() if t.startswith("fuse")}
 
 
 def mount_status(mountpoint: str) -> str:
