@@ -477,6 +477,8 @@ class Dispatcher:
                         continue  # ENOENT: the request was aborted before we could read it
                     raise
                 if n < IN_HEADER_SIZE:
+                    if n == 0:
+                        return  # end of file: only a socket or pipe standing in for the device
                     self.handle(n)
                     continue
                 length, op, unique, nodeid, _uid, _gid, _pid, extlen, _pad = unpack_in(buf)

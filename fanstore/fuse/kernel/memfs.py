@@ -310,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     def ready(s: KernelSession) -> None:
         pids = " ".join(str(p) for p in s.worker_pids.values())
         print(f"READY {os.getpid()} {pids}", flush=True)
-        print(f"CONN {s.conn.describe()}", file=sys.stderr, flush=True)
+        print(f"CONN {s.conn.describe()}; kernel flags {s.conn.kernel_flags:#x}",
+              file=sys.stderr, flush=True)
 
     try:
         session.mount()
