@@ -10,7 +10,7 @@ Command line (what the tests and tools/bench/kernel_engine_bench.py run)::
     python -m fanstore.fuse.kernel.memfs MOUNTPOINT (--spec FILE.json | --generate N,SIZE,DIRS)
         [--workers K] [--counters PATH] [--fusermount] [--rw] [--no-clone]
         [--opendir enosys|cache] [--xattr enosys|empty] [--flags +NAME,-NAME,...]
-        [--delay PATH=SECONDS] [--allow-other]
+        [--max-pages N] [--read-ahead-kb KB] [--allow-other]
 
 prints ``READY <supervisor pid> <worker pid>...`` on stdout once mounted and serving, and
 exits 0 when the mount ends (signal or outside unmount), 1 with one line on error.
@@ -283,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--xattr", default="enosys", choices=["enosys", "empty"])
     ap.add_argument("--flags", default="")
     ap.add_argument("--max-pages", type=int, default=256)
+    ap.add_argument("--read-ahead-kb", type=int, default=-1,
+                    help="-1: max_pages pages (default); 0: leave the kernel's 128 KiB")
     ap.add_argument("--allow-other", action="store_true")
     ap.add_argument("--log-level", default="WARNING")
     args = ap.parse_args(argv)
@@ -303,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         args.mountpoint,
         MountOptions(fsname="memfs", subtype="memfs", read_only=not args.rw,
                      allow_other=args.allow_other, use_fusermount=args.fusermount or None),
-        InitOptions(flags=flags, max_pages=args.max_pages),
+        InitOptions(flags=flags, max_pages=args.max_pages,
+                    read_ahead_kb=None if args.read_ahead_kb == 0 else args.read_ahead_kb),
         EngineOptions(opendir=args.opendir, xattr=args.xattr),
         counters_path=args.counters, clone_fd=not args.no_clone)
 

@@ -231,6 +231,22 @@ def _unescape(field: bytes) -> str:
     return out.decode(errors="surrogateescape")
 
 
+def mount_device(mountpoint: str) -> str | None:
+    """``"major:minor"`` of the mount at ``mountpoint`` from /proc/self/mountinfo (no stat:
+    it would send a request to the file system), or None. The last mount there wins."""
+    target = os.path.abspath(mountpoint)
+    found = None
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 4 and _unescape(parts[4]) == target:
+                    found = parts[2].decode()
+    except OSError:
+        return None
+    return found
+
+
 def mount_state(mountpoint: str) -> str:
     """"stale" (ENOTCONN/ECONNABORTED: the daemon is gone), "live", or "none"."""
     try:
