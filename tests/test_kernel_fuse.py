@@ -117,7 +117,7 @@ def test_dir_listing_direntplus_records_carry_the_entry():
 
 
 def test_dir_listing_edge_cases():
-    names, lst = _listing(10)
+    _names, lst = _listing(10)
     assert len(lst.plus(10, 4096)) == 0 and len(lst.plus(999, 4096)) == 0
     assert len(lst.plus(0, 100)) == 0  # not even one record fits: nothing, never a partial one
     with pytest.raises(ValueError):
@@ -142,7 +142,7 @@ def test_dir_listing_of_10000_entries_is_vectorised():
 
 
 def test_fit_records_trims_to_whole_records():
-    names, lst = _listing(50)
+    _names, lst = _listing(50)
     full = bytes(lst.plus(0, 10**6))
     for size in (0, 100, 1000, 5000):
         cut = P.fit_records(full, size, True)
@@ -183,6 +183,8 @@ class _Handler:
             return 12.5
         if name == b"bigerr":
             raise FuseErrno(100000)
+        if name == b"wide":
+            return np.arange(4, dtype=np.uint64)  # 32 bytes in 4 items
         raise FuseErrno(errno.ENOENT)
 
     def getattr(self, nodeid):
@@ -234,7 +236,7 @@ def _dispatch(d: Dispatcher, raw: bytes) -> None:
 def _reply(sock) -> tuple[int, int, bytes] | None:
     try:
         msg = sock.recv(1 << 20)
-    except (socket.timeout, BlockingIOError):
+    except (TimeoutError, BlockingIOError):
         return None
     length, err, unique = P.OUT_HEADER.unpack_from(msg)
     assert length == len(msg)
@@ -292,7 +294,7 @@ def test_dispatch_xattr_and_opendir_options():
         d = Dispatcher(a.fileno(), _Handler(), bufsize=1 << 16,
                        options=EngineOptions(opendir="cache", xattr="empty"))
         _dispatch(d, _req(P.Op.OPENDIR, 1, P.OPEN_IN.pack(0, 0)))
-        fh, flags, _ = P.OPEN_OUT.unpack(_reply(b)[2])
+        _fh, flags, _ = P.OPEN_OUT.unpack(_reply(b)[2])
         assert flags == P.FOPEN_CACHE_DIR | P.FOPEN_KEEP_CACHE
         _dispatch(d, _req(P.Op.GETXATTR, 2, P.GETXATTR_IN.pack(100, 0) + b"user.x\0"))
         assert _reply(b)[0] == -errno.ENODATA
@@ -355,8 +357,47 @@ def test_dispatch_trims_oversized_replies(fake_dev):
     _dispatch(d, _req(P.Op.READDIRPLUS, 3, _read_body(0, 4096)))
     payload = _reply(s)[2]
     assert 0 < len(payload) <= 4096
-    assert [r[1] for r in P.iter_dirents(payload, True)][0] == 1
+    assert next(P.iter_dirents(payload, True))[1] == 1
     assert d.row[C.OVERSIZED] == 2
+
+
+def test_dispatch_payload_length_is_counted_in_bytes():
+    """Numpy arrays and multi-byte memoryviews are sent whole, with their byte length in the
+    header (a wrong length would make the kernel reject the reply and leave the caller
+    waiting); a non-contiguous buffer is answered EIO."""
+    attrs = P.make_attrs(np.array([2]), np.array([5]), np.array([stat.S_IFREG | 0o644]))
+    entry = P.EntryTable(attrs).entries  # structured array: len() == 1, nbytes == 128
+    words = memoryview(bytearray(range(64))).cast("Q")  # len() == 8, nbytes == 64
+
+    class H:
+        def lookup(self, parent, name):
+            return {b"entry": entry, b"words": words,
+                    b"strided": np.arange(64, dtype=np.uint8)[::2],
+                    b"big": np.zeros(10, dtype=np.uint64),
+                    b"rows": memoryview(np.zeros((4, 8), dtype=np.uint8))}[name]
+
+        def read(self, nodeid, offset, size):
+            return np.arange(100, dtype=np.uint32)  # 400 bytes, more than asked
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    b.settimeout(0.5)
+    try:
+        d = Dispatcher(a.fileno(), H(), bufsize=1 << 16)
+        _dispatch(d, _req(P.Op.LOOKUP, 1, b"entry\0", unique=1))
+        assert _reply(b) == (0, 1, entry.tobytes())
+        _dispatch(d, _req(P.Op.LOOKUP, 1, b"words\0", unique=2))
+        assert _reply(b) == (0, 2, bytes(range(64)))
+        _dispatch(d, _req(P.Op.LOOKUP, 1, b"big\0", unique=3))
+        assert _reply(b) == (0, 3, bytes(80))
+        _dispatch(d, _req(P.Op.LOOKUP, 1, b"rows\0", unique=6))
+        assert _reply(b) == (0, 6, bytes(32))
+        _dispatch(d, _req(P.Op.LOOKUP, 1, b"strided\0", unique=4))
+        assert _reply(b) == (-errno.EIO, 4, b"")
+        _dispatch(d, _req(P.Op.READ, 2, _read_body(0, 10), unique=5))
+        assert _reply(b) == (0, 5, np.arange(100, dtype=np.uint32).tobytes()[:10])
+    finally:
+        a.close()
+        b.close()
 
 
 def test_dispatch_fuzz_random_bytes(fake_dev):
@@ -401,17 +442,19 @@ def test_run_loop_over_a_socket():
                 _req(P.Op.FORGET, 2, P.FORGET_IN.pack(1), unique=3),
                 _req(P.Op.LOOKUP, 1, b"boom\0", unique=4), b"short",
                 _req(P.Op.READ, 2, _read_body(0, 100), unique=5),
-                _req(P.Op.MKDIR, 1, bytes(8) + b"d\0", unique=6)]
+                _req(P.Op.MKDIR, 1, bytes(8) + b"d\0", unique=6),
+                _req(P.Op.LOOKUP, 1, b"wide\0", unique=7)]
         for r in reqs:
             b.send(r)
         b.settimeout(5)
-        got = [_reply(b) for _ in range(5)]
+        got = [_reply(b) for _ in range(6)]
         b.shutdown(socket.SHUT_WR)
         t.join(5)
         assert not t.is_alive()
         assert [(g[0], g[1]) for g in got] == [(0, 1), (-errno.ENOTTY, 2), (-errno.EIO, 4),
-                                               (0, 5), (-errno.EROFS, 6)]
+                                               (0, 5), (-errno.EROFS, 6), (0, 7)]
         assert got[3][2] == b"hello"
+        assert got[5][2] == np.arange(4, dtype=np.uint64).tobytes()
         assert d.row[C.MALFORMED] == 1 and d.row[C.HANDLER_ERROR] == 1
     finally:
         a.close()
@@ -464,13 +507,14 @@ class MemMount:
         self.err_path = tmp / f"{name}.stderr"
         if user is not None:
             os.chown(self.mnt, user, user)
-        self.err = open(self.err_path, "w+")
+        self.err = open(self.err_path, "w+")  # noqa: SIM115 - open for the mount's life
         cmd = [sys.executable, "-m", "fanstore.fuse.kernel.memfs", str(self.mnt),
                "--spec", str(self.spec_path), "--counters", str(self.counters_path),
                "--log-level", "INFO", *args]
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=self.err, text=True,
-            preexec_fn=(lambda: (os.setgid(user), os.setuid(user))) if user else None)
+            preexec_fn=(  # noqa: PLW1509 - the only way to start it as another user
+                (lambda: (os.setgid(user), os.setuid(user))) if user else None))
         self.pids: set[int] = {self.proc.pid}
         line = self._ready_line(60)
         parts = line.split()
@@ -516,10 +560,8 @@ class MemMount:
 
     def close(self) -> None:
         """Stop the server and everything it started; unmount. Never raises."""
-        try:
-            self.pids.update(_children(self.sup) if hasattr(self, "sup") else [])
-        except Exception:  # noqa: BLE001
-            pass
+        if hasattr(self, "sup"):
+            self.pids.update(_children(self.sup))  # (never raises)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -537,8 +579,9 @@ class MemMount:
             pass
         for _ in range(2):
             if is_mounted(str(self.mnt)):
-                subprocess.run(["umount", "-l", str(self.mnt)], capture_output=True)
-                subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], capture_output=True)
+                subprocess.run(["umount", "-l", str(self.mnt)], capture_output=True, check=False)
+                subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], capture_output=True,
+                               check=False)
         self.err.close()
         if self.proc.stdout:
             self.proc.stdout.close()
@@ -677,10 +720,10 @@ def test_tree_listing_stat_symlinks_statvfs(memmount):
     with pytest.raises(FileNotFoundError):
         os.stat(root / "dangling")
     ls = subprocess.run(["ls", "-l", str(root / "sub")], capture_output=True, text=True,
-                        timeout=30)
+                        timeout=30, check=False)
     assert ls.returncode == 0 and "300000" in ls.stdout and "up -> ../a.txt" in ls.stdout
     found = subprocess.run(["find", str(root), "-type", "f", "-not", "-path", "*/bigdir/*"],
-                           capture_output=True, text=True, timeout=60)
+                           capture_output=True, text=True, timeout=60, check=False)
     assert found.returncode == 0
     assert sorted(os.path.relpath(p, root) for p in found.stdout.split()) == sorted(FILES)
     sv = os.statvfs(root)
@@ -688,7 +731,7 @@ def test_tree_listing_stat_symlinks_statvfs(memmount):
     total = sum(FILES.values())
     assert sv.f_blocks == (total + 4095) // 4096
     assert subprocess.run(["stat", str(root / "zero")], capture_output=True,
-                          timeout=30).returncode == 0
+                          timeout=30, check=False).returncode == 0
     assert (root / "zero").read_bytes() == b""
     assert os.listdir(root / "empty") == []
 
@@ -750,7 +793,7 @@ def test_big_directory_small_getdents_buffers_and_seek(memmount):
         rdp = m.snap().get("readdirplus", 0)
         assert rdp > 10_000 // 25  # small buffers really made small requests
         # seek back to a cookie in the middle: the listing resumes right after it
-        cookie = dict((n, off) for off, n in got)[want[5000]]
+        cookie = {n: off for off, n in got}[want[5000]]
         os.lseek(fd, cookie, os.SEEK_SET)
         rest = []
         while True:
@@ -1055,7 +1098,7 @@ def test_crash_loop_stops_the_mount_with_a_message(tmp_path):
         if p.poll() is None:
             p.kill()
         if is_mounted(str(mnt)):
-            subprocess.run(["umount", "-l", str(mnt)])
+            subprocess.run(["umount", "-l", str(mnt)], check=False)
     assert "MOUNTERROR" in out and "workers died within 30 s" in out, (out, err)
     assert "handler_factory failed" in err
     assert not is_mounted(str(mnt))
@@ -1066,10 +1109,11 @@ def test_crash_loop_stops_the_mount_with_a_message(tmp_path):
 @pytest.mark.skipif(not ROOT, reason="needs root to switch to an unprivileged user")
 def test_unprivileged_mount_through_fusermount(memmount):
     nobody = 65534
-    as_nobody = lambda: (os.setgid(nobody), os.setuid(nobody))  # noqa: E731
+    as_nobody = lambda: (os.setgid(nobody), os.setuid(nobody))
     try:
         ok = subprocess.run([sys.executable, "-c", "import fanstore.fuse.kernel.memfs"],
-                            capture_output=True, preexec_fn=as_nobody).returncode == 0
+                            capture_output=True, preexec_fn=as_nobody,
+                            check=False).returncode == 0
     except PermissionError:
         ok = False
     if not ok:
@@ -1081,7 +1125,7 @@ def test_unprivileged_mount_through_fusermount(memmount):
     # root may not enter another user's mount without allow_other: read as nobody
     r = subprocess.run([sys.executable, "-c", READER, str(m.mnt), json.dumps(["sub/b.bin"]),
                         "raw"], capture_output=True, text=True, timeout=60,
-                       preexec_fn=as_nobody)
+                       preexec_fn=as_nobody, check=False)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["sub/b.bin"] == hashlib.sha256(
         _expected("sub/b.bin")).hexdigest()
@@ -1139,7 +1183,7 @@ def test_session_in_a_thread_notify_store_and_inval(tmp_path):
         s.stop()
         t.join(30)
         if t.is_alive():
-            subprocess.run(["umount", "-l", str(mnt)])
+            subprocess.run(["umount", "-l", str(mnt)], check=False)
         s.close()
     assert not t.is_alive() and s.exit_reason == "stopped"
     assert not is_mounted(str(mnt))

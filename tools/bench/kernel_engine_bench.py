@@ -9,10 +9,13 @@ fadvise(DONTNEED) on each file). Reader modes: ``default`` is Python's ``open(p,
 
 Reported per pass: files/s (wall, noisy on a shared machine), and CPU-time costs, which are
 steadier: daemon CPU per request and per file (the workers' on-CPU time from
-/proc/PID/schedstat, which includes their kernel time on /dev/fuse), and reader CPU per file (includes the kernel's
-FUSE client path). Also: READDIRPLUS of a 10,000-entry directory (daemon CPU per request
-and per entry, and the numpy packing cost of the listing), the warm relisting cost with
-zero-message opendir vs FOPEN_CACHE_DIR answers, and clone fd vs one shared fd.
+/proc/PID/schedstat, which includes their kernel time on /dev/fuse), and reader CPU per file
+(includes the kernel's FUSE client path). Also: one client pinging the daemon (IOCTL,
+negative LOOKUP) next to a pipe ping-pong (the context-switch floor); READDIRPLUS of a
+10,000-entry directory (daemon CPU per request and per entry, and the numpy packing cost
+of the listing); the warm relisting cost with zero-message opendir vs FOPEN_CACHE_DIR
+answers; clone fd vs one shared fd. Configurations are interleaved in each of --repeat
+rounds and the summary gives medians (min-max).
 
     .venv/bin/python tools/bench/kernel_engine_bench.py [--files 20000 --size 100000]
         [--readers 4] [--workers 1,2] [--modes default,raw] [--workdir DIR] [--no-raw]
@@ -37,10 +40,9 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-from fanstore.fuse.kernel import memfs  # noqa: E402
-from fanstore.fuse.kernel.counters import RequestCounters, diff  # noqa: E402
-from fanstore.fuse.kernel.mount import is_mounted  # noqa: E402
-
+from fanstore.fuse.kernel import memfs
+from fanstore.fuse.kernel.counters import RequestCounters, diff
+from fanstore.fuse.kernel.mount import is_mounted
 
 READER = r"""
 import os, sys, time, json
@@ -129,7 +131,7 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         if is_mounted(self.mnt):
-            subprocess.run(["umount", "-l", self.mnt])
+            subprocess.run(["umount", "-l", self.mnt], check=False)
 
 
 def read_pass(paths: list[str], readers: int, mode: str, size: int, work: str) -> dict:
@@ -258,6 +260,87 @@ def readdir_bench(args, work: str) -> list[dict]:
     return rows
 
 
+PINGPONG = r"""
+import errno, fcntl, json, os, sys, termios, time
+mnt, what, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+buf = bytearray(64)
+if what == "ioctl":
+    fd = os.open(os.path.join(mnt, "a.txt"), os.O_RDONLY)
+    def one():
+        try:
+            fcntl.ioctl(fd, termios.TCGETS, buf)
+        except OSError:
+            pass
+else:
+    p = os.path.join(mnt, "no-such-file")
+    def one():
+        try:
+            os.stat(p)
+        except FileNotFoundError:
+            pass
+for _ in range(200):
+    one()
+sys.stdout.write("ready\n"); sys.stdout.flush(); sys.stdin.readline()
+c0 = time.process_time(); t0 = time.monotonic()
+for _ in range(n):
+    one()
+print(json.dumps({"cpu": time.process_time() - c0, "wall": time.monotonic() - t0}))
+"""
+
+PIPE_PINGPONG = r"""
+import json, os, time, sys
+n = int(sys.argv[1])
+r1, w1 = os.pipe(); r2, w2 = os.pipe()
+pid = os.fork()
+if pid == 0:
+    for _ in range(n):
+        os.read(r1, 1); os.write(w2, b"y")
+    os._exit(0)
+def sched(p):
+    return int(open(f"/proc/{p}/schedstat").read().split()[0]) / 1e9
+c0 = time.process_time(); s0 = sched(pid); t0 = time.monotonic()
+for _ in range(n):
+    os.write(w1, b"x"); os.read(r2, 1)
+wall = time.monotonic() - t0; cpu = time.process_time() - c0; srv = sched(pid) - s0
+os.waitpid(pid, 0)
+print(json.dumps({"cpu": cpu, "server": srv, "wall": wall}))
+"""
+
+
+def pingpong_bench(work: str, n: int = 20_000) -> list[dict]:
+    """One client, one request at a time: the engine's cost per request without contention,
+    next to a pipe ping-pong between two processes (the context-switch floor)."""
+    rows = []
+    out = json.loads(subprocess.run([sys.executable, "-c", PIPE_PINGPONG, str(n)],
+                                    capture_output=True, text=True, check=True).stdout)
+    rows.append({"what": "pipe ping-pong", "client_us": out["cpu"] / n * 1e6,
+                 "server_us": out["server"] / n * 1e6, "rtt_us": out["wall"] / n * 1e6})
+    for w in (1, 2):
+        mnt = os.path.join(work, "mnt")
+        srv = Server(mnt, work, None, {"files": {"a.txt": 10}}, w, [])
+        try:
+            for what in ("ioctl", "lookup-enoent"):
+                p = subprocess.Popen([sys.executable, "-c", PINGPONG, mnt, what, str(n)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                assert p.stdout.readline().strip() == "ready"
+                c0, s0 = srv.cpu(), srv.snap()
+                p.stdin.write("go\n")
+                p.stdin.flush()
+                out = json.loads(p.communicate(timeout=600)[0])
+                c1, s1 = srv.cpu(), srv.snap()
+                nreq = sum(diff(s1, s0).values())
+                rows.append({"what": f"{what} ping-pong, workers={w}",
+                             "client_us": out["cpu"] / n * 1e6,
+                             "server_us": (c1 - c0) / max(1, nreq) * 1e6,
+                             "rtt_us": out["wall"] / n * 1e6, "requests": nreq})
+        finally:
+            srv.stop()
+    for r in rows:
+        print(f"  {r['what']:30} client {r['client_us']:5.1f} us  server {r['server_us']:5.1f} "
+              f"us/request  round trip {r['rtt_us']:5.1f} us", flush=True)
+    return rows
+
+
 def fmt(r: dict) -> str:
     s = (f"  {r['fs']:4} w={r['workers']} {r['mode']:7} {r['pass_']:4} {r.get('extra', ''):10} "
          f"{r['files_s']:9.0f} files/s  reader {r['reader_us_per_file']:6.1f} us/file")
@@ -268,6 +351,43 @@ def fmt(r: dict) -> str:
     return s
 
 
+def _med(values: list[float]) -> str:
+    v = sorted(x for x in values if x is not None)
+    if not v:
+        return "-"
+    mid = v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+    if len(v) == 1:
+        return f"{mid:,.0f}" if mid >= 100 else f"{mid:.1f}"
+    f = (lambda x: f"{x:,.0f}") if mid >= 100 else (lambda x: f"{x:.1f}")
+    return f"{f(mid)} ({f(v[0])}-{f(v[-1])})"
+
+
+def summary(rows: list[dict]) -> str:
+    keyed: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if "fs" in r:
+            keyed.setdefault((r["fs"], r["workers"], r["mode"], r["extra"], r["pass_"]),
+                             []).append(r)
+    lines = [("| fs | workers | reader open() | pass | files/s | reader CPU us/file | "
+              "daemon CPU us/file | daemon CPU us/request | requests/file |"),
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (fs, w, mode, extra, which), rs in keyed.items():
+        name = fs if not extra else f"{fs} {extra}"
+        mode_s = "rb, buffering=0" if mode == "raw" else "rb (default)"
+        if fs == "fuse":
+            per_file = _med([r["requests"] / r["files"] for r in rs])
+            lines.append(f"| {name} | {w} | {mode_s} | {which} | "
+                         f"{_med([r['files_s'] for r in rs])} | "
+                         f"{_med([r['reader_us_per_file'] for r in rs])} | "
+                         f"{_med([r['daemon_us_per_file'] for r in rs])} | "
+                         f"{_med([r['us_per_req'] for r in rs])} | {per_file} |")
+        else:
+            lines.append(f"| raw ext4 dir | - | {mode_s} | {which} | "
+                         f"{_med([r['files_s'] for r in rs])} | "
+                         f"{_med([r['reader_us_per_file'] for r in rs])} | - | - | - |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--files", type=int, default=20_000)
@@ -276,9 +396,11 @@ def main() -> int:
     ap.add_argument("--readers", type=int, default=4)
     ap.add_argument("--workers", default="1,2")
     ap.add_argument("--modes", default="default,raw")
+    ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--no-raw", action="store_true")
     ap.add_argument("--no-readdir", action="store_true")
+    ap.add_argument("--no-pingpong", action="store_true")
     ap.add_argument("--no-clone-compare", action="store_true")
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -287,24 +409,32 @@ def main() -> int:
     work = args.workdir or tempfile.mkdtemp(prefix="kfbench-")
     os.makedirs(work, exist_ok=True)
     rows: list[dict] = []
+    extra_rows: list[dict] = []
     print(f"{args.files} files x {args.size} B in {args.dirs} dirs, {args.readers} readers, "
-          f"{os.cpu_count()} CPUs; work dir {work}", flush=True)
+          f"{os.cpu_count()} CPUs, {args.repeat} rounds; work dir {work}", flush=True)
     try:
-        for mode in args.modes.split(","):
-            for w in (int(x) for x in args.workers.split(",")):
-                rows += fuse_passes(args, work, w, mode, [])
-            if not args.no_raw:
-                rows += raw_passes(args, work, mode)
-        if not args.no_clone_compare:
-            rows += fuse_passes(args, work, 2, "default", ["--no-clone"])
+        for rnd in range(args.repeat):
+            print(f"round {rnd + 1}", flush=True)
+            for mode in args.modes.split(","):
+                for w in (int(x) for x in args.workers.split(",")):
+                    rows += fuse_passes(args, work, w, mode, [])
+                if not args.no_raw:
+                    rows += raw_passes(args, work, mode)
+            if not args.no_clone_compare:
+                rows += fuse_passes(args, work, 2, "default", ["--no-clone"])
+        if not args.no_pingpong:
+            extra_rows += pingpong_bench(work)
         if not args.no_readdir:
-            rows += readdir_bench(args, work)
+            extra_rows += readdir_bench(args, work)
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
+    print("\nmedians (min-max) over rounds; uptime:", os.getloadavg())
+    print(summary(rows))
     out = os.path.join(REPO, "tools", "bench", "results", "kernel_engine_bench.jsonl")
     with open(out, "a") as f:
-        f.write(json.dumps({"time": time.time(), "args": vars(args), "rows": rows}) + "\n")
+        f.write(json.dumps({"time": time.time(), "args": vars(args), "rows": rows,
+                            "extra": extra_rows, "loadavg": os.getloadavg()}) + "\n")
     return 0
 
 

@@ -96,8 +96,23 @@ from .proto import DirListing, EntryTable
 from .session import DEFAULT_INIT_FLAGS, ConnInfo, InitOptions, KernelSession, WorkerContext
 
 __all__ = [
-    "ConnInfo", "DEFAULT_INIT_FLAGS", "DirListing", "Dispatcher", "EngineOptions",
-    "EntryTable", "FuseErrno", "InitOptions", "KernelSession", "MountOptions",
-    "RequestCounters", "WorkerContext", "cleanup_stale", "is_mounted", "mount_state",
-    "notify_inval_entry", "notify_inval_inode", "notify_store", "unmount",
+    "DEFAULT_INIT_FLAGS",
+    "ConnInfo",
+    "DirListing",
+    "Dispatcher",
+    "EngineOptions",
+    "EntryTable",
+    "FuseErrno",
+    "InitOptions",
+    "KernelSession",
+    "MountOptions",
+    "RequestCounters",
+    "WorkerContext",
+    "cleanup_stale",
+    "is_mounted",
+    "mount_state",
+    "notify_inval_entry",
+    "notify_inval_inode",
+    "notify_store",
+    "unmount",
 ]

@@ -66,7 +66,7 @@ class RequestCounters:
         self._table = memoryview(self._mm)[_HEADER.size:].cast("Q")
 
     @classmethod
-    def attach(cls, path: str) -> "RequestCounters":
+    def attach(cls, path: str) -> RequestCounters:
         """Map an existing counters file read-only (another process owns it)."""
         self = cls.__new__(cls)
         with open(path, "rb") as f:

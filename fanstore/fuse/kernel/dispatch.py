@@ -30,8 +30,9 @@ import logging
 import os
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from . import counters as C
 from .proto import (
@@ -131,6 +132,21 @@ class EngineOptions:
             raise ValueError(f"xattr must be 'enosys' or 'empty', not {self.xattr!r}")
 
 
+def _as_bytes_like(r: Any) -> tuple[Any, int]:
+    """(buffer, its length in bytes) for a payload that is not bytes, bytearray or int.
+
+    A memoryview or numpy array may hold items wider than a byte: the reply header needs
+    bytes (a wrong length makes the kernel refuse the reply without ending the request, and
+    its caller would wait forever). Non-contiguous buffers raise TypeError (answered EIO).
+    """
+    mv = r if r.__class__ is memoryview else memoryview(r)
+    if not mv.c_contiguous:
+        raise TypeError("a reply payload must be a contiguous buffer")
+    if mv.itemsize != 1 or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv, mv.nbytes
+
+
 _READ_HEAD = struct.Struct("=QQI")  # fh offset size (of fuse_read_in)
 _U64 = struct.Struct("=Q")
 _RELEASE_HEAD = struct.Struct("=Q")  # fh
@@ -217,6 +233,10 @@ class Dispatcher:
                     raise Malformed("READ shorter than fuse_read_in")
                 _fh, offset, size = unpack_read(buf, 40)
                 data = read(nodeid, offset, size)
+                cls = data.__class__
+                if not (cls is bytes or cls is int or (cls is memoryview and data.ndim == 1
+                                                       and data.itemsize == 1)):
+                    data = _as_bytes_like(data)[0]
                 if data.__class__ is not int and len(data) > size:
                     self.row[C.OVERSIZED] += 1
                     self.rlog("oversized read", logging.WARNING,
@@ -238,6 +258,10 @@ class Dispatcher:
                     raise Malformed("READDIR shorter than fuse_read_in")
                 _fh, offset, size = unpack_read(buf, 40)
                 data = fn(nodeid, offset, size)
+                cls = data.__class__
+                if not (cls is bytes or cls is int or (cls is memoryview and data.ndim == 1
+                                                       and data.itemsize == 1)):
+                    data = _as_bytes_like(data)[0]
                 if data.__class__ is not int and len(data) > size:
                     self.row[C.OVERSIZED] += 1
                     self.rlog("oversized readdir", logging.WARNING,
@@ -327,7 +351,6 @@ class Dispatcher:
                 raise Malformed("FORGET shorter than fuse_forget_in")
             if forget is not None:
                 forget([(nodeid, FORGET_IN.unpack_from(buf, 40)[0])])
-            return None
         table[Op.FORGET] = op_forget
 
         def op_batch_forget(unique: int, nodeid: int, end: int) -> None:
@@ -338,7 +361,6 @@ class Dispatcher:
                 raise Malformed(f"BATCH_FORGET of {count} entries in {end} bytes")
             if forget is not None and count:
                 forget(list(FORGET_ONE.iter_unpack(mv[48:48 + count * 16])))
-            return None
         table[Op.BATCH_FORGET] = op_batch_forget
 
         # INTERRUPT: every request is answered by the worker that read it, whether or not an
@@ -414,7 +436,7 @@ class Dispatcher:
             op, unique, nodeid, end = self._parse_checked(n)
             self.row[op if op < 64 else 0] += 1
             r = self.table[op](unique, nodeid, end) if op < 64 else errno.ENOSYS
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a handler bug is answered EIO, logged
             r = self._failure(exc, n, unique)
             if n >= 16:
                 unique = _U64.unpack_from(self.buf, 8)[0]
@@ -427,11 +449,14 @@ class Dispatcher:
             if r.__class__ is int:
                 os.write(self.fd, OUT_HEADER.pack(16, -(r if 0 < r < 512 else errno.EIO),
                                                   unique))
-            else:
+            elif r.__class__ is bytes or r.__class__ is bytearray:
                 os.writev(self.fd, (OUT_HEADER.pack(16 + len(r), 0, unique), r))
+            else:
+                buf, nbytes = _as_bytes_like(r)
+                os.writev(self.fd, (OUT_HEADER.pack(16 + nbytes, 0, unique), buf))
         except OSError as exc:
             self._reply_failed(exc, unique)
-        except TypeError:
+        except (TypeError, ValueError, BufferError):
             self.row[C.HANDLER_ERROR] += 1
             self.rlog("handler type", logging.ERROR,
                       "handler returned %s, not a bytes-like payload (unique %d); answered EIO",
@@ -490,18 +515,20 @@ class Dispatcher:
                     r = table[op](unique, nodeid, n) if op < 64 else ENOSYS
                 except FuseErrno as exc:
                     r = exc.errno
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - answered EIO, logged
                     r = self._failure(exc, n, unique)
                 if r is None:
                     continue
+                cls = r.__class__
                 try:
-                    if r.__class__ is int:
+                    if cls is int:
                         write(fd, pack_out(16, -r if 0 < r < 512 else -EIO, unique))
-                    else:
+                    elif cls is bytes or (cls is memoryview and r.itemsize == 1
+                                          and r.ndim == 1 and r.c_contiguous):
                         writev(fd, (pack_out(16 + len(r), 0, unique), r))
+                    else:
+                        self._reply(unique, r)  # numpy arrays, wide memoryviews, errors
                 except OSError as exc:
                     self._reply_failed(exc, unique)
-                except TypeError:
-                    self._reply(unique, r)
         except ConnectionGone:
             return

@@ -132,7 +132,7 @@ class MemFS:
             node = self.children[node][part.encode()]
         return node
 
-    def finalize(self, entry_valid: float = 1e6, attr_valid: float = 1e6) -> "MemFS":
+    def finalize(self, entry_valid: float = 1e6, attr_valid: float = 1e6) -> MemFS:
         """Pack the entry table and every directory listing (vectorised)."""
         n = len(self.modes)
         modes = np.array(self.modes, dtype=np.uint32)
@@ -158,7 +158,7 @@ class MemFS:
     # sample trees -------------------------------------------------------------------------
 
     @classmethod
-    def from_spec(cls, spec: dict[str, Any]) -> "MemFS":
+    def from_spec(cls, spec: dict[str, Any]) -> MemFS:
         fs = cls()
         for d in spec.get("dirs", []):
             fs.add_dir(d)
@@ -176,7 +176,7 @@ class MemFS:
         return fs.finalize()
 
     @classmethod
-    def generated(cls, nfiles: int, size: int, ndirs: int = 1) -> "MemFS":
+    def generated(cls, nfiles: int, size: int, ndirs: int = 1) -> MemFS:
         """``nfiles`` files of ``size`` bytes in ``ndirs`` directories: d000/f000000.bin."""
         fs = cls()
         dirs = [fs.add_dir(f"d{j:03d}") for j in range(ndirs)]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 import stat as _stat
 import struct
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -161,14 +161,15 @@ SECURITY_CTX = 1 << 32
 HAS_INODE_DAX = 1 << 33
 HAS_EXPIRE_ONLY = 1 << 35
 
-_FLAG_NAMES = (
-    "ASYNC_READ POSIX_LOCKS FILE_OPS ATOMIC_O_TRUNC EXPORT_SUPPORT BIG_WRITES DONT_MASK "
-    "SPLICE_WRITE SPLICE_MOVE SPLICE_READ FLOCK_LOCKS HAS_IOCTL_DIR AUTO_INVAL_DATA "
-    "DO_READDIRPLUS READDIRPLUS_AUTO ASYNC_DIO WRITEBACK_CACHE NO_OPEN_SUPPORT PARALLEL_DIROPS "
-    "HANDLE_KILLPRIV POSIX_ACL ABORT_ERROR MAX_PAGES CACHE_SYMLINKS NO_OPENDIR_SUPPORT "
-    "EXPLICIT_INVAL_DATA MAP_ALIGNMENT SUBMOUNTS HANDLE_KILLPRIV_V2 SETXATTR_EXT INIT_EXT "
-    "INIT_RESERVED SECURITY_CTX HAS_INODE_DAX"
-).split()
+_FLAG_NAMES = [  # bit 0, 1, 2, ...
+    "ASYNC_READ", "POSIX_LOCKS", "FILE_OPS", "ATOMIC_O_TRUNC", "EXPORT_SUPPORT", "BIG_WRITES",
+    "DONT_MASK", "SPLICE_WRITE", "SPLICE_MOVE", "SPLICE_READ", "FLOCK_LOCKS", "HAS_IOCTL_DIR",
+    "AUTO_INVAL_DATA", "DO_READDIRPLUS", "READDIRPLUS_AUTO", "ASYNC_DIO", "WRITEBACK_CACHE",
+    "NO_OPEN_SUPPORT", "PARALLEL_DIROPS", "HANDLE_KILLPRIV", "POSIX_ACL", "ABORT_ERROR",
+    "MAX_PAGES", "CACHE_SYMLINKS", "NO_OPENDIR_SUPPORT", "EXPLICIT_INVAL_DATA", "MAP_ALIGNMENT",
+    "SUBMOUNTS", "HANDLE_KILLPRIV_V2", "SETXATTR_EXT", "INIT_EXT", "INIT_RESERVED",
+    "SECURITY_CTX", "HAS_INODE_DAX",
+]
 #: Names of the INIT flag bits, for logs and benchmark labels.
 INIT_FLAG_NAMES: dict[int, str] = {1 << i: n for i, n in enumerate(_FLAG_NAMES)}
 INIT_FLAG_NAMES[HAS_EXPIRE_ONLY] = "HAS_EXPIRE_ONLY"
@@ -263,8 +264,8 @@ def align8(n: int) -> int:
 
 
 def pack_attr(ino: int, size: int, mode: int, *, nlink: int = 1, uid: int = 0, gid: int = 0,
-              mtime: float | int = 0, atime: float | int | None = None,
-              ctime: float | int | None = None, rdev: int = 0, blksize: int = 4096,
+              mtime: float = 0, atime: float | None = None,
+              ctime: float | None = None, rdev: int = 0, blksize: int = 4096,
               blocks: int | None = None, flags: int = 0) -> bytes:
     """One packed ``fuse_attr`` (88 bytes). Times are seconds (float or int)."""
     if blocks is None:
@@ -273,7 +274,7 @@ def pack_attr(ino: int, size: int, mode: int, *, nlink: int = 1, uid: int = 0, g
     for t in (atime if atime is not None else mtime, mtime,
               ctime if ctime is not None else mtime):
         sec = int(t // 1) if isinstance(t, float) else int(t)
-        nsec = int(round((t - sec) * 1e9)) if isinstance(t, float) else 0
+        nsec = round((t - sec) * 1e9) if isinstance(t, float) else 0
         ts.append((sec, min(nsec, 999_999_999)))
     return ATTR.pack(ino, size, blocks, ts[0][0], ts[1][0], ts[2][0], ts[0][1], ts[1][1],
                      ts[2][1], mode, nlink, uid, gid, rdev, blksize, flags)
@@ -283,7 +284,7 @@ def _split_timeout(t: float) -> tuple[int, int]:
     if t <= 0:
         return 0, 0
     sec = int(t)
-    return sec, min(int(round((t - sec) * 1e9)), 999_999_999)
+    return sec, min(round((t - sec) * 1e9), 999_999_999)
 
 
 def pack_entry_out(nodeid: int, attr: bytes | memoryview, entry_valid: float = 0.0,
@@ -422,7 +423,7 @@ class EntryTable:
     entries : np.ndarray of ENTRY_OUT_DTYPE, one per row (read-only view of the blob)
     """
 
-    __slots__ = ("entries", "_entry_blob", "_attr_blob", "_n")
+    __slots__ = ("_attr_blob", "_entry_blob", "_n", "entries")
 
     def __init__(self, attrs: np.ndarray, nodeids: np.ndarray | None = None, *,
                  entry_valid: float = 1e6, attr_valid: float = 1e6,
@@ -528,7 +529,7 @@ class DirListing:
     - ``inos`` / ``types`` (optional): d_ino and d_type; default from the entries' attrs.
     """
 
-    __slots__ = ("n", "_plus", "_plus_ends", "_plain", "_plain_ends")
+    __slots__ = ("_plain", "_plain_ends", "_plus", "_plus_ends", "n")
 
     def __init__(self, names: Sequence[bytes] | tuple[np.ndarray, np.ndarray],
                  entries: np.ndarray, *, inos: np.ndarray | None = None,

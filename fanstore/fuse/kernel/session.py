@@ -34,6 +34,7 @@ sleeping process.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -46,8 +47,9 @@ import struct
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Self
 
 from fanstore.errors import MountError
 
@@ -363,7 +365,7 @@ class KernelSession:
     # serving
 
     def serve(self, handler_factory: Callable[..., Any], workers: int | None = None, *,
-              on_ready: Callable[["KernelSession"], None] | None = None,
+              on_ready: Callable[[KernelSession], None] | None = None,
               handle_signals: bool | None = None) -> str:
         """Answer INIT, fork ``workers`` workers, supervise until the mount ends.
 
@@ -530,18 +532,14 @@ class KernelSession:
                        row=self.counters.row(slot.index)).run()
             code = EXIT_CONN_GONE
         except BaseException:
-            try:
+            with contextlib.suppress(BaseException):
                 log.exception("worker slot %d crashed", slot.index)
-            except BaseException:
-                pass
         finally:
-            try:
+            with contextlib.suppress(BaseException):
                 sys.stdout.flush()
                 sys.stderr.flush()
                 for h in logging.getLogger().handlers:
                     h.flush()
-            except BaseException:
-                pass
             os._exit(code)
 
     def _supervise(self, factory: Callable[..., Any], takes_ctx: bool) -> _Exit:
@@ -660,10 +658,10 @@ class KernelSession:
             os.close(self.fd)
             self.fd = -1
 
-    def __enter__(self) -> "KernelSession":
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
