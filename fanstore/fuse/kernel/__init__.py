@@ -37,9 +37,19 @@ The handler interface
 ---------------------
 A plain object; each method is called in a worker, gets node ids as the kernel sends them
 (the root is 1 = :data:`proto.ROOT_ID`), and returns a ready-to-write bytes-like payload
-(bytes, bytearray, memoryview, a C-contiguous numpy array) or raises
-``FuseErrno(errno)``. Returning a positive ``int`` errno instead of raising is allowed as a
-fast path. Any other exception is logged and answered EIO. A missing method answers ENOSYS.
+(bytes, bytearray, memoryview, a C-contiguous numpy array of any dtype: its byte length is
+what counts) or raises ``FuseErrno(errno)``. Returning a positive ``int`` errno instead of
+raising is allowed as a fast path. Any other exception is logged and answered EIO. A
+missing method answers ENOSYS. The fastest payloads are ``bytes`` and 1-D byte
+memoryviews (slices of one prebuilt blob, as :class:`EntryTable` and :class:`DirListing`
+return): they are written as they are, without a copy.
+
+Where to build what: load the index and build the entry tables and listings *before*
+``serve()`` (in the supervisor): the forked workers share those pages copy-on-write and are
+ready at once. Open per-worker resources (files, sockets, MPI?) in ``handler_factory``.
+Requests that arrive while a worker builds its handler simply wait in the kernel's queue.
+``serve()`` forks: call it before starting threads of your own (only the calling thread
+exists in a worker), and keep the supervisor's work light (it must answer signals).
 
 ``lookup(parent: int, name: bytes) -> entry_out``
     A packed ``fuse_entry_out`` (128 bytes): :meth:`EntryTable.entry`, or
