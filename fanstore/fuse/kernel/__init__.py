@@ -46,7 +46,7 @@ return): they are written as they are, without a copy.
 
 Where to build what: load the index and build the entry tables and listings *before*
 ``serve()`` (in the supervisor): the forked workers share those pages copy-on-write and are
-ready at once. Open per-worker resources (files, sockets, MPI?) in ``handler_factory``.
+ready at once. Open per-worker resources (files, sockets) in ``handler_factory``.
 Requests that arrive while a worker builds its handler simply wait in the kernel's queue.
 ``serve()`` forks: call it before starting threads of your own (only the calling thread
 exists in a worker), and keep the supervisor's work light (it must answer signals).
