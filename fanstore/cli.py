@@ -21,6 +21,11 @@ from fanstore.errors import FanStoreError, MountError, UsageError
 log = logging.getLogger("fanstore")
 
 
+#: The FUSE frontend of ``fanstore mount`` unless --frontend or $FANSTORE_FRONTEND says
+#: otherwise (docs/benchmarks.md: why).
+DEFAULT_FRONTEND = "pyfuse3"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (no usage dump) and exit status 2."""
 
@@ -447,9 +452,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground")
     s.add_argument("--cache-mb", type=_nonneg_int, default=256,
                    help="decoded-chunk cache budget in MB (default 256)")
-    s.add_argument("--frontend", choices=("pyfuse3", "kernel"), default="pyfuse3",
-                   help="how FUSE is served: pyfuse3 (one process, libfuse) or kernel (the "
-                        "kernel's FUSE protocol spoken directly by --workers processes)")
+    s.add_argument("--frontend", choices=("pyfuse3", "kernel"),
+                   default=os.environ.get("FANSTORE_FRONTEND") or DEFAULT_FRONTEND,
+                   help="how FUSE is served: kernel (the kernel's FUSE protocol spoken "
+                        "directly by --workers processes) or pyfuse3 (one process, libfuse); "
+                        f"default $FANSTORE_FRONTEND or {DEFAULT_FRONTEND}")
     s.add_argument("--workers", type=_nonneg_int, default=0,
                    help="FUSE worker processes of the kernel frontend (default: the cores)")
     s.add_argument("--threads", type=_nonneg_int, default=0,

@@ -57,7 +57,9 @@ class MountContext:
     local_parts: list[int]
     replicated: list[int]  # local partitions another node also holds
     socket_path: str
+    index_path: str  # a node-local copy of the index bytes (fanstore.idx format)
     request_stop: Callable[[str, bool], None]  # (reason, everywhere): thread/signal safe
+    remote_timeout: float = 30.0
     extra_stats: dict[str, Any] = field(default_factory=dict)
 
 

@@ -70,3 +70,11 @@ def read_state(mountpoint: str) -> dict[str, Any] | None:
             return json.load(f)
     except (FileNotFoundError, ValueError):
         return None
+
+
+def write_file(path: str, data) -> None:
+    """Write ``data`` to ``path`` atomically (a temp file renamed over it)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)

@@ -98,6 +98,26 @@ def small_store(small_tree, tmp_path_factory) -> Path:
 
 # --------------------------------------------------------------------------- mounts
 
+#: Both FUSE frontends serve every mount test (``fanstore mount --frontend``).
+FRONTENDS = ("pyfuse3", "kernel")
+
+
+@pytest.fixture(scope="module", params=FRONTENDS)
+def frontend(request):
+    """Run the module's tests once per FUSE frontend: sets ``FANSTORE_FRONTEND`` (the default
+    of ``fanstore mount --frontend``) for every command the tests start, MPI ranks and Slurm
+    jobs included. Module-scoped fixtures that mount must depend on this one."""
+    old = os.environ.get("FANSTORE_FRONTEND")
+    os.environ["FANSTORE_FRONTEND"] = request.param
+    try:
+        yield request.param
+    finally:
+        if old is None:
+            os.environ.pop("FANSTORE_FRONTEND", None)
+        else:
+            os.environ["FANSTORE_FRONTEND"] = old
+
+
 
 class _Mounter:
     """Mount factory; every mount it made is cleaned up by ``close``."""

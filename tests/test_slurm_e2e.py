@@ -26,6 +26,7 @@ VENV_BIN = os.path.dirname(sys.executable)
 
 _fuse_ok, _fuse_why = fuse_available()
 pytestmark = [
+    pytest.mark.usefixtures("frontend"),
     pytest.mark.slurm,
     pytest.mark.fuse,
     pytest.mark.mpi,

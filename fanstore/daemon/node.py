@@ -43,6 +43,7 @@ from fanstore.errors import FanStoreError, FormatError, MountError
 from fanstore.frontend import FrontendFactory, MountContext, MountOptions
 from fanstore.namespace import Namespace, metadata_bytes
 from fanstore.read import ChunkReader, LocalPartitions, ReadStats, RoutedSource
+from fanstore.read.stats import SUMMED
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +170,8 @@ class Node:
 
     # ------------------------------------------------------------------ phases
     def load_index(self):
+        """The index, read by rank 0 and broadcast; its bytes are kept in ``index_bytes``
+        (a frontend that serves from other processes gives them a node-local copy)."""
         from fanstore.format.index import INDEX_NAME, read_index_bytes, read_index_file
 
         data = None
@@ -185,6 +188,7 @@ class Node:
             raise FormatError(bytes(data[7:]).decode("utf-8", "replace"))
         index = read_index_bytes(data, where=os.path.join(self.options.store, INDEX_NAME))
         self.bcast_seconds = time.monotonic() - t0
+        self.index_bytes = data
         return index
 
     def stage(self, index, mine: list[int]) -> str:
@@ -285,11 +289,15 @@ class Node:
                              cache_bytes=opts.mount.cache_mb << 20, stats=self.stats)
         self.stats.extra.update(self._static_stats(index, mine))
         replicated = [p for p in mine if any(r != self.rank for r in table[p])]
+        index_copy = os.path.join(runtime.runtime_dir(self.mountpoint, create=True),
+                                  "index.fsidx")
+        runtime.write_file(index_copy, self.index_bytes)
         self.ctx = MountContext(
             mountpoint=self.mountpoint, options=opts.mount, index=index, ns=ns, reader=reader,
             store=os.path.abspath(opts.store), data_dir=os.path.abspath(self.data_dir),
             local_parts=list(mine), replicated=replicated,
-            socket_path=runtime.socket_path(self.mountpoint), request_stop=self.request_stop)
+            socket_path=runtime.socket_path(self.mountpoint), index_path=index_copy,
+            request_stop=self.request_stop, remote_timeout=opts.remote_timeout)
         self.frontend = self.frontend_factory(self.ctx)
         from fanstore.daemon.service import handlers
 
@@ -313,9 +321,15 @@ class Node:
             self.frontend.stop(self.stopping)
 
     def stats_json(self) -> dict[str, Any]:
+        """This node's counters: the daemon's own reader, plus the frontend's readers (summed
+        counters add up; anything else the frontend reports is added as it is)."""
         out = self.stats.to_json(self.ctx.reader.cache if self.ctx else None)
         if self.frontend is not None:
-            out.update(self.frontend.stats())
+            for key, value in self.frontend.stats().items():
+                if key in SUMMED and isinstance(out.get(key), (int, float)):
+                    out[key] += value
+                else:
+                    out[key] = value
         return out
 
     # ------------------------------------------------------------------ peers
@@ -393,6 +407,11 @@ class Node:
         if self.server is not None:
             self.server.close()
             self.server = None
+        if self.ctx is not None:
+            try:
+                os.unlink(self.ctx.index_path)
+            except OSError:
+                pass
         if self.transport is not None and self.transport.running:
             self.transport.stop()
         if self.parts is not None:
