@@ -58,12 +58,19 @@ _positive_float = _number(float, 0.0, strict=True)
 
 def cmd_pack(args) -> int:
     from compressors import CodecError, parse_spec
-    from fanstore.pack import CodecPolicy, PackOptions, pack
+    from fanstore import storage
+    from fanstore.pack import CodecPolicy, PackOptions, pack_any
+    from fanstore.pack.sources import detect
 
+    storage.set_default_options(storage.parse_storage_options(args.storage_options))
     extra: dict[str, Any] = {}
+    kind = detect(args.src)[0]
 
     def make_policy():
         if args.codec == "auto":
+            if kind != "directory":
+                raise UsageError("--codec auto samples a directory; with a "
+                                 f"{kind} source give a codec (e.g. --codec zstd:3)")
             policy, sel = _auto_policy(args)
             extra.update(sel)
             return policy
@@ -86,11 +93,16 @@ def cmd_pack(args) -> int:
         # One rank per node: rank 0 plans and writes the index, every rank compresses.
         from fanstore.daemon.mpipack import pack_mpi
 
+        if kind != "directory" or storage.is_url(args.dest):
+            raise UsageError("a pack across MPI ranks needs a directory source and a "
+                             "destination on a shared file system; run one process for "
+                             "an archive, S3 source or S3 destination")
+
         summary = pack_mpi(args.src, args.dest, make_policy, options)
         if summary is None:
             return 0
     else:
-        summary = pack(args.src, args.dest, make_policy(), options)
+        summary = pack_any(args.src, args.dest, make_policy(), options)
     for line in summary.lines():
         print(line)
     return 0
@@ -508,7 +520,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     s = sub.add_parser("pack", parents=[common], help="compress a dataset into a store",
-                       description="Compress SRC into a store at DEST (partitions + index).")
+                       description="Compress SRC into a store at DEST (partitions + index). "
+                                   "SRC: a directory, a tar archive (plain, .gz, .bz2, .xz, "
+                                   ".zst), tar shards ('shards-{000..099}.tar' or a file "
+                                   "listing them), a zip archive, or s3://bucket/prefix. "
+                                   "DEST: a directory or s3://bucket/name.fs.")
     s.add_argument("src", metavar="SRC")
     s.add_argument("dest", metavar="DEST")
     s.add_argument("--partitions", type=_positive_int, default=8,
@@ -517,7 +533,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="codec spec (zstd:3, lz4, lz4hc:9, snappy, blosc2:zstd:5:shuffle:4, "
                         "zlib:6, none) or 'auto' to run the selector (default zstd:3)")
     s.add_argument("--jobs", type=_nonneg_int, default=0,
-                   help="worker processes (default: all cores)")
+                   help="compression workers (default: all cores); with an s3:// source "
+                        "also the parallel range reads (default 8)")
     s.add_argument("--chunk-kb", type=_positive_int, default=1024,
                    help="chunk size for large files in KiB (default 1024)")
     s.add_argument("--broadcast", action="append", metavar="RELDIR",
@@ -526,6 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave out entries that cannot be packed instead of failing")
     s.add_argument("--force", action="store_true", help="replace an existing store at DEST")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_storage_args(s)
     _add_select_budget_args(s, for_pack=True)
     s.set_defaults(func=cmd_pack)
 
@@ -626,6 +644,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--plot", metavar="FILE", help="draw ratio vs decode rate (matplotlib)")
     s.set_defaults(func=cmd_select)
     return p
+
+
+def _add_storage_args(s) -> None:
+    s.add_argument("--storage-options", metavar="JSON",
+                   help="object-storage settings beyond the AWS environment (AWS_ENDPOINT_URL, "
+                        "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION): s3fs keyword "
+                        "arguments, plus 'retries' (default 5) and 'timeout' (seconds, "
+                        "default 30), e.g. '{\"timeout\": 10}'")
 
 
 def _add_select_budget_args(s, for_pack: bool) -> None:
