@@ -62,7 +62,7 @@ def cmd_pack(args) -> int:
     from fanstore.pack import CodecPolicy, PackOptions, pack_any
     from fanstore.pack.sources import detect
 
-    storage.set_default_options(storage.parse_storage_options(args.storage_options))
+    _storage_setup(args)
     extra: dict[str, Any] = {}
     kind = detect(args.src)[0]
 
@@ -129,6 +129,12 @@ def cmd_mount(args) -> int:
     from fanstore.service import check_fuse_available
 
     runtime.limit_malloc_arenas()  # before any thread: the daemons inherit it
+    _storage_setup(args)
+    from fanstore.storage import is_url
+
+    if is_url(args.store) and not args.local_dir:
+        raise UsageError(f"{args.store} is in object storage: mounting it needs --local-dir "
+                         "(node-local storage to stage its partitions into)")
     check_fuse_available()
     mpi_world = _mpi_launcher_world()
     if mpi_world is not None:
@@ -164,6 +170,14 @@ def _mount_single(args, store: str, mountpoint: str, on_ready) -> None:
                            allow_other=args.allow_other, mode=args.mode,
                            prefetch_mb=args.prefetch_mb)
     mount_local(store, mountpoint, options, on_ready=on_ready)
+
+
+def _storage_setup(args) -> None:
+    """Object-storage settings of this command (inherited by forked workers and daemons)."""
+    from fanstore import storage
+
+    storage.set_default_options(storage.parse_storage_options(
+        getattr(args, "storage_options", None)))
 
 
 def _mpi_launcher_world() -> int | None:
@@ -385,6 +399,7 @@ def _open_store(path: str):
 def cmd_info(args) -> int:
     from fanstore.format.index import read_index
 
+    _storage_setup(args)
     index = read_index(args.store)
     info = _store_info(index)
     if args.json:
@@ -392,7 +407,7 @@ def cmd_info(args) -> int:
         return 0
     c = {key: info["counts"].get(key, 0)
          for key in ("files", "dirs", "symlinks", "raw_bytes", "stored_bytes")}
-    print(f"store          {os.path.abspath(args.store)}")
+    print(f"store          {_show_store(args.store)}")
     print(f"format         v{info['format_version']} ({info['created_by']})")
     print(f"entries        {c['files']:,} files, {c['dirs']:,} dirs, {c['symlinks']:,} symlinks")
     print(f"raw bytes      {c['raw_bytes']:,}")
@@ -408,6 +423,12 @@ def cmd_info(args) -> int:
         print(f"selection      {info['selection'].get('chosen')} "
               f"(mode {info['selection'].get('mode')})")
     return 0
+
+
+def _show_store(store: str) -> str:
+    from fanstore.storage import is_url
+
+    return store if is_url(store) else os.path.abspath(store)
 
 
 def _store_info(index) -> dict[str, Any]:
@@ -454,6 +475,7 @@ def cmd_ls(args) -> int:
     from fanstore.format.index import read_index
     from fanstore.namespace import Namespace
 
+    _storage_setup(args)
     ns = Namespace(read_index(args.store))
     entry = ns.resolve(args.path or "")
     entries = list(ns.children(entry)) if ns.is_dir(entry) else [entry]
@@ -576,7 +598,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--keep-local", action="store_true",
                    help="keep staged partitions on exit (a restart reuses them)")
     s.add_argument("--stage-jobs", type=_positive_int, default=4,
-                   help="partition copies in flight while staging (default 4)")
+                   help="partition copies in flight while staging (default 4); from an "
+                        "s3:// store: parallel range reads")
+    _add_storage_args(s)
     s.set_defaults(func=cmd_mount)
 
     s = sub.add_parser("umount", parents=[common], help="unmount a FanStore mount")
@@ -622,12 +646,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("info", parents=[common], help="describe a store")
     s.add_argument("store", metavar="STORE")
     s.add_argument("--json", action="store_true")
+    _add_storage_args(s)
     s.set_defaults(func=cmd_info)
 
     s = sub.add_parser("ls", parents=[common], help="list a directory of a store")
     s.add_argument("store", metavar="STORE")
     s.add_argument("path", metavar="PATH", nargs="?", default="")
     s.add_argument("-l", "--long", action="store_true")
+    _add_storage_args(s)
     s.set_defaults(func=cmd_ls)
 
     s = sub.add_parser("cat", parents=[common], help="write a file of a store to stdout")

@@ -446,7 +446,8 @@ class Node:
             options = fmount.MountOptions(cache_mb=args.cache_mb, threads=args.threads,
                                           allow_other=args.allow_other, mode=args.mode,
                                           prefetch_mb=args.prefetch_mb,
-                                          store_path=os.path.abspath(args.store))
+                                          store_path=args.store if "://" in args.store
+                                          else os.path.abspath(args.store))
             from fanstore.service import attach_prefetcher
 
             attach_prefetcher(store, options)

@@ -281,9 +281,10 @@ class StreamPacker:
                             f"{sum(len(v) for v in by_ordinal.values())} hard links again "
                             "(did the archive change while being packed?)")
         rel, _, target = live[0]
-        note(f"{self.source.url}: {len(live)} hard link{'s' if len(live) > 1 else ''} stored "
-             f"as {'copies' if len(live) > 1 else 'a copy'} of {'their' if len(live) > 1 else 'its'} "
-             f"target{'s' if len(live) > 1 else ''} (e.g. {show(rel)} -> {show(target)})")
+        n = len(live)
+        what = "1 hard link stored as a copy of its target" if n == 1 else \
+            f"{n} hard links stored as copies of their targets"
+        note(f"{self.source.url}: {what} (e.g. {show(rel)}, a hard link to {show(target)})")
 
     # ------------------------------------------------------------------ the run
     def run(self) -> PackSummary:

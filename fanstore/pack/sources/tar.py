@@ -213,7 +213,12 @@ class TarSource(Source):
                     m.read = None  # only valid until here
             # tarfile stops at the first zero block, or quietly at the end of the data:
             # the latter is a truncated archive (or not a tar at all).
-            if delivered.count < tf.offset + tarfile.BLOCKSIZE:
+            end_seen = delivered.count >= tf.offset + tarfile.BLOCKSIZE
+            # Read the compressed stream to its end: only there do gzip, bzip2, xz and
+            # zstd check their CRC and length (a damaged member would pass unnoticed).
+            while delivered.read(1 << 20):
+                pass
+            if not end_seen:
                 if tf.offset == 0:
                     raise PackError(f"{path}: empty or not a tar archive")
                 raise PackError(f"{path}: truncated tar archive: it ends after "
