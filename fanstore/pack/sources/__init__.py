@@ -51,23 +51,22 @@ class DirectorySource:
 def expand_braces(pattern: str) -> list[str]:
     """``shards-{000..099}.tar`` (zero-padded as written) and ``{a,b}``, as webdataset and
     the shell spell shard lists; several braces multiply."""
-    m = _RANGE.search(pattern)
-    if m:
+    found = [m for m in (_RANGE.search(pattern), _LIST.search(pattern)) if m]
+    if not found:
+        return [pattern]
+    m = min(found, key=lambda x: x.start())  # the leftmost brace varies slowest (as sh)
+    if m.re is _RANGE:
         a, b = m.group(1), m.group(2)
         width = len(a) if a.startswith("0") or len(a) == len(b) else 0
         lo, hi = int(a), int(b)
         step = 1 if hi >= lo else -1
-        out = []
-        for k in range(lo, hi + step, step):
-            out += expand_braces(pattern[:m.start()] + str(k).zfill(width) + pattern[m.end():])
-        return out
-    m = _LIST.search(pattern)
-    if m:
-        out = []
-        for part in m.group(1).split(","):
-            out += expand_braces(pattern[:m.start()] + part + pattern[m.end():])
-        return out
-    return [pattern]
+        items = [str(k).zfill(width) for k in range(lo, hi + step, step)]
+    else:
+        items = m.group(1).split(",")
+    out = []
+    for item in items:
+        out += expand_braces(pattern[:m.start()] + item + pattern[m.end():])
+    return out
 
 
 def _sniff(path: str) -> str | None:
