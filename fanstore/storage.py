@@ -14,7 +14,9 @@ S3 configuration follows the standard AWS environment (``AWS_ENDPOINT_URL`` or
 ``AWS_SESSION_TOKEN``, ``AWS_REGION`` or ``AWS_DEFAULT_REGION``, ``AWS_PROFILE``), then the
 storage options (``--storage-options JSON``, or ``$FANSTORE_STORAGE_OPTIONS``): keyword
 arguments of ``s3fs.S3FileSystem``, plus FanStore's own ``retries`` (attempts after the
-first, default 5) and ``timeout`` (connect and read timeout in seconds, default 30).
+first, default 5), ``timeout`` (connect and read timeout in seconds, default 30; an upload
+may take that plus 1 s per MiB it sends) and ``part_size_mb`` (multipart upload part size,
+default 16).
 
 Every request is retried on transient errors (timeouts, refused connections, 5xx) with an
 exponential backoff (0.5 s doubling, at most 10 s), each retry logged as a warning; then it
@@ -263,6 +265,10 @@ def s3_filesystem_kwargs(options: dict[str, Any]) -> tuple[dict[str, Any], int, 
     opts = dict(options)
     retries = opts.pop("retries", DEFAULT_RETRIES)
     timeout = opts.pop("timeout", DEFAULT_TIMEOUT)
+    part_mb = opts.pop("part_size_mb", PART_SIZE >> 20)
+    if not isinstance(part_mb, int) or isinstance(part_mb, bool) or not 5 <= part_mb <= 5120:
+        raise UsageError("storage option 'part_size_mb' must be a whole number of MiB, 5-5120")
+    opts["_part_size"] = part_mb << 20
     if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
         raise UsageError("storage option 'retries' must be a whole number >= 0")
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
@@ -296,6 +302,7 @@ class S3Location(Location):
         self.prefix = prefix.strip("/")
         self.url = f"s3://{self.bucket}" + (f"/{self.prefix}" if self.prefix else "")
         self.kwargs, self.retries, self.timeout = s3_filesystem_kwargs(options)
+        self.part_size = self.kwargs.pop("_part_size")
         self._fs = None
         self._pid = 0
 
@@ -349,6 +356,8 @@ class S3Location(Location):
         """(error to raise now, or None if worth retrying; a one-line reason)."""
         reason = " ".join(str(exc).split()) or type(exc).__name__
         name = type(exc).__name__
+        if name == "FSTimeoutError":
+            reason = "no answer in time (the endpoint stopped answering?)"
         if isinstance(exc, FileNotFoundError):
             if "bucket" in reason.lower():
                 return StorageError(f"{self.url}: bucket {self.bucket!r} does not exist "
@@ -439,7 +448,13 @@ class S3Location(Location):
             token = page.get("NextContinuationToken")
 
     def open_write(self, name: str) -> "S3Writer":
-        return S3Writer(self, name)
+        return S3Writer(self, name, self.part_size)
+
+    def upload_timeout(self, nbytes: int) -> float:
+        """Wall-clock limit of a request that sends ``nbytes``: botocore's read timeout
+        never fires while a send is stuck (an endpoint that stopped reading), so uploads
+        get ``timeout`` plus the time to send the body at 1 MiB/s."""
+        return self.timeout + nbytes / (1 << 20)
 
     def remove(self, names: list[str]) -> None:
         keys = [self.key(n) for n in names]
@@ -487,7 +502,7 @@ class S3Writer:
         number = len(self._parts) + 1
         res = loc._call(f"{what} (part {number})", lambda: loc.fs.call_s3(
             "upload_part", Bucket=loc.bucket, Key=self.key, UploadId=self._upload_id,
-            PartNumber=number, Body=body))
+            PartNumber=number, Body=body, timeout=loc.upload_timeout(len(body))))
         self._parts.append({"PartNumber": number, "ETag": res["ETag"]})
 
     def close(self) -> None:
@@ -498,7 +513,8 @@ class S3Writer:
         if self._upload_id is None:
             body = bytes(self._buf)
             loc._call(what, lambda: loc.fs.call_s3("put_object", Bucket=loc.bucket,
-                                                   Key=self.key, Body=body))
+                                                   Key=self.key, Body=body,
+                                                   timeout=loc.upload_timeout(len(body))))
         else:
             if self._buf or not self._parts:
                 self._upload(bytes(self._buf))
@@ -516,7 +532,7 @@ class S3Writer:
             loc = self.loc
             try:
                 loc.fs.call_s3("abort_multipart_upload", Bucket=loc.bucket, Key=self.key,
-                               UploadId=self._upload_id)
+                               UploadId=self._upload_id, timeout=loc.timeout)
             except Exception as exc:  # noqa: BLE001 - cleanup only
                 log.debug("aborting the upload of %s: %s", loc.show(self.name), exc)
 

@@ -90,7 +90,6 @@ class MotoServer:
 
         return s3fs.S3FileSystem(endpoint_url=self.url, key=self.env["AWS_ACCESS_KEY_ID"],
                                  secret=self.env["AWS_SECRET_ACCESS_KEY"],
-                                 client_kwargs={"region_name": "us-east-1"},
                                  skip_instance_cache=True, **kw)
 
     def new_bucket(self, prefix: str = "b") -> str:
@@ -125,5 +124,6 @@ class MotoServer:
         """Enforce IAM authentication after ``after_requests`` more requests (moto's
         reset-auth API)."""
         req = urllib.request.Request(self.url + "/moto-api/reset-auth", method="POST",
-                                     data=str(after_requests).encode())
+                                     data=str(after_requests).encode(),
+                                     headers={"Content-Type": "text/plain"})
         urllib.request.urlopen(req, timeout=5).read()

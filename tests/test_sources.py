@@ -621,11 +621,18 @@ def test_endpoint_that_stops_answering_while_writing_a_store(s3_server, tmp_path
     bucket = s3_server.new_bucket()
     url = f"s3://{bucket}/ds.fs"
     cmd = [FANSTORE, "pack", str(src), url, "--codec", "none", "--jobs", "1", "--partitions",
-           "1", "--no-progress", "--storage-options", '{"timeout": 1, "retries": 1}']
+           "1", "--no-progress", "--storage-options",
+           '{"timeout": 1, "retries": 1, "part_size_mb": 5}']
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, **s3_server.env), start_new_session=True)
+    fs = s3_server.fs()
+
+    def uploading() -> bool:
+        return bool(fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads"))
+
     try:
-        time.sleep(0.5)
+        assert wait_until(lambda: uploading() or proc.poll() is not None, 60, 0.01)
+        assert proc.poll() is None, "the pack finished before the endpoint could be stopped"
         s3_server.pause()
         out, err = proc.communicate(timeout=60)
     finally:
@@ -634,8 +641,8 @@ def test_endpoint_that_stops_answering_while_writing_a_store(s3_server, tmp_path
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate(timeout=30)
     line = assert_cli_error(subprocess.CompletedProcess(cmd, proc.returncode, out, err),
-                            code=1, contains=f"s3://{bucket}/ds.fs")
-    assert "gave up after 2 attempts" in line, line
+                            code=1, contains=f"writing s3://{bucket}/ds.fs{TMP_MARK}")
+    assert "/part-00000.fsp (part " in line and "gave up after 2 attempts" in line, line
     assert INDEX_NAME not in " ".join(_objects(s3_server, bucket))
 
 
