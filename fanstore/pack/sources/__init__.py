@@ -100,7 +100,10 @@ def _list_file(path: str) -> list[str] | None:
     names = [n for n in names if n and not n.startswith("#")]
     if not names:
         return None
-    return [n if os.path.isabs(n) else os.path.join(base, n) for n in names]
+    paths = [n if os.path.isabs(n) else os.path.join(base, n) for n in names]
+    if not any(os.path.isfile(p) for p in paths):
+        return None  # text that names no file: not a list of shards
+    return paths
 
 
 def detect(src: str) -> tuple[str, list[str]]:
@@ -131,7 +134,7 @@ def detect(src: str) -> tuple[str, list[str]]:
     if listed is not None:
         missing = [p for p in listed if not os.path.isfile(p)]
         if missing:
-            raise UsageError(f"source {src}: a list of {len(listed)} archives, but "
+            raise UsageError(f"source {src}: taken as a list of {len(listed)} tar shards, but "
                              f"{missing[0]} does not exist")
         return "tar", _check_shards(src, listed)
     raise UsageError(f"source {src} is not a directory, a tar or zip archive (plain, gzip, "
