@@ -63,12 +63,19 @@ _positive_float = _number(float, 0.0, strict=True)
 
 def cmd_pack(args) -> int:
     from compressors import CodecError, parse_spec
-    from fanstore.pack import CodecPolicy, PackOptions, pack
+    from fanstore import storage
+    from fanstore.pack import CodecPolicy, PackOptions, pack_any
+    from fanstore.pack.sources import detect
 
+    _storage_setup(args)
     extra: dict[str, Any] = {}
+    kind = detect(args.src)[0]
 
     def make_policy():
         if args.codec == "auto":
+            if kind != "directory":
+                raise UsageError("--codec auto samples a directory; with a "
+                                 f"{kind} source give a codec (e.g. --codec zstd:3)")
             policy, sel = _auto_policy(args)
             extra.update(sel)
             return policy
@@ -94,11 +101,16 @@ def cmd_pack(args) -> int:
         # One rank per node: rank 0 plans and writes the index, every rank compresses.
         from fanstore.daemon.mpipack import pack_mpi
 
+        if kind != "directory" or storage.is_url(args.dest):
+            raise UsageError("a pack across MPI ranks needs a directory source and a "
+                             "destination on a shared file system; run one process for "
+                             "an archive, S3 source or S3 destination")
+
         summary = pack_mpi(args.src, args.dest, make_policy, options)
         if summary is None:
             return 0
     else:
-        summary = pack(args.src, args.dest, make_policy(), options)
+        summary = pack_any(args.src, args.dest, make_policy(), options)
     for line in summary.lines():
         print(line)
     return 0
@@ -125,6 +137,12 @@ def cmd_mount(args) -> int:
     from fanstore.daemon.node import NodeOptions
     from fanstore.frontend import MountOptions
 
+    _storage_setup(args)
+    from fanstore.storage import is_url
+
+    if is_url(args.store) and not args.local_dir:
+        raise UsageError(f"{args.store} is in object storage: mounting it needs --local-dir "
+                         "(node-local storage to stage its partitions into)")
     options = NodeOptions(
         store=args.store, mountpoint=args.mountpoint,
         mount=MountOptions(frontend=args.frontend, cache_mb=args.cache_mb,
@@ -146,6 +164,14 @@ def cmd_mount(args) -> int:
         sys.stderr.flush()
         os._exit(outcome.code)
     return outcome.code
+
+
+def _storage_setup(args) -> None:
+    """Object-storage settings of this command (inherited by forked workers and daemons)."""
+    from fanstore import storage
+
+    storage.set_default_options(storage.parse_storage_options(
+        getattr(args, "storage_options", None)))
 
 
 def cmd_umount(args) -> int:
@@ -287,6 +313,7 @@ def _open_store(path: str):
 def cmd_info(args) -> int:
     from fanstore.format.index import read_index
 
+    _storage_setup(args)
     index = read_index(args.store)
     info = _store_info(index)
     if args.json:
@@ -294,7 +321,7 @@ def cmd_info(args) -> int:
         return 0
     c = {key: info["counts"].get(key, 0)
          for key in ("files", "dirs", "symlinks", "raw_bytes", "stored_bytes")}
-    print(f"store          {os.path.abspath(args.store)}")
+    print(f"store          {_show_store(args.store)}")
     print(f"format         v{info['format_version']} ({info['created_by']})")
     print(f"entries        {c['files']:,} files, {c['dirs']:,} dirs, {c['symlinks']:,} symlinks")
     print(f"raw bytes      {c['raw_bytes']:,}")
@@ -310,6 +337,12 @@ def cmd_info(args) -> int:
         print(f"selection      {info['selection'].get('chosen')} "
               f"(mode {info['selection'].get('mode')})")
     return 0
+
+
+def _show_store(store: str) -> str:
+    from fanstore.storage import is_url
+
+    return store if is_url(store) else os.path.abspath(store)
 
 
 def _store_info(index) -> dict[str, Any]:
@@ -356,6 +389,7 @@ def cmd_ls(args) -> int:
     from fanstore.format.index import read_index
     from fanstore.namespace import Namespace
 
+    _storage_setup(args)
     ns = Namespace(read_index(args.store))
     entry = ns.resolve(args.path or "")
     entries = list(ns.children(entry)) if ns.is_dir(entry) else [entry]
@@ -422,7 +456,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     s = sub.add_parser("pack", parents=[common], help="compress a dataset into a store",
-                       description="Compress SRC into a store at DEST (partitions + index).")
+                       description="Compress SRC into a store at DEST (partitions + index). "
+                                   "SRC: a directory, a tar archive (plain, .gz, .bz2, .xz, "
+                                   ".zst), tar shards ('shards-{000..099}.tar' or a file "
+                                   "listing them), a zip archive, or s3://bucket/prefix. "
+                                   "DEST: a directory or s3://bucket/name.fs.")
     s.add_argument("src", metavar="SRC")
     s.add_argument("dest", metavar="DEST")
     s.add_argument("--partitions", type=_positive_int, default=8,
@@ -431,7 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="codec spec (zstd:3, lz4, lz4hc:9, snappy, blosc2:zstd:5:shuffle:4, "
                         "zlib:6, none) or 'auto' to run the selector (default zstd:3)")
     s.add_argument("--jobs", type=_nonneg_int, default=0,
-                   help="worker processes (default: all cores)")
+                   help="compression workers (default: all cores); with an s3:// source "
+                        "also the parallel range reads (default 8)")
     s.add_argument("--chunk-kb", type=_positive_int, default=1024,
                    help="chunk size for large files in KiB (default 1024)")
     s.add_argument("--broadcast", action="append", metavar="RELDIR",
@@ -440,6 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave out entries that cannot be packed instead of failing")
     s.add_argument("--force", action="store_true", help="replace an existing store at DEST")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_storage_args(s)
     _add_select_budget_args(s, for_pack=True)
     s.set_defaults(func=cmd_pack)
 
@@ -479,7 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--keep-local", action="store_true",
                    help="keep staged partitions on exit (a restart reuses them)")
     s.add_argument("--stage-jobs", type=_positive_int, default=4,
-                   help="partition copies in flight while staging (default 4)")
+                   help="partition copies in flight while staging (default 4); from an "
+                        "s3:// store: parallel range reads")
+    _add_storage_args(s)
     s.set_defaults(func=cmd_mount)
 
     s = sub.add_parser("umount", parents=[common], help="unmount a FanStore mount")
@@ -525,12 +567,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("info", parents=[common], help="describe a store")
     s.add_argument("store", metavar="STORE")
     s.add_argument("--json", action="store_true")
+    _add_storage_args(s)
     s.set_defaults(func=cmd_info)
 
     s = sub.add_parser("ls", parents=[common], help="list a directory of a store")
     s.add_argument("store", metavar="STORE")
     s.add_argument("path", metavar="PATH", nargs="?", default="")
     s.add_argument("-l", "--long", action="store_true")
+    _add_storage_args(s)
     s.set_defaults(func=cmd_ls)
 
     s = sub.add_parser("cat", parents=[common], help="write a file of a store to stdout")
@@ -547,6 +591,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--plot", metavar="FILE", help="draw ratio vs decode rate (matplotlib)")
     s.set_defaults(func=cmd_select)
     return p
+
+
+def _add_storage_args(s) -> None:
+    s.add_argument("--storage-options", metavar="JSON",
+                   help="object-storage settings beyond the AWS environment (AWS_ENDPOINT_URL, "
+                        "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION): s3fs keyword "
+                        "arguments, plus 'retries' (default 5) and 'timeout' (seconds, "
+                        "default 30), e.g. '{\"timeout\": 10}'")
 
 
 def _add_select_budget_args(s, for_pack: bool) -> None:

@@ -106,6 +106,11 @@ class StageError(FanStoreError):
     """Copying partitions to node-local storage failed."""
 
 
+class StorageError(FanStoreError):
+    """Object storage (S3) failed: no such bucket, refused credentials, an endpoint that
+    stopped answering after the retries, a missing optional dependency."""
+
+
 class BudgetNotMetError(FanStoreError):
     """The codec selector found no candidate meeting the decompression budget."""
 

@@ -6,6 +6,7 @@ Fixtures (see each docstring):
 - ``special_pack`` / ``special_store`` (session): that tree packed once with
   ``SPECIAL_PACK_ARGS``.
 - ``small_tree`` / ``small_store`` (session): a few small files, for quick tests.
+- ``s3_server`` (session): a real S3 endpoint (moto server) on 127.0.0.1.
 - ``mounted`` (function) and ``module_mounted`` (module): mount factories,
   ``mnt = mounted(store, *extra_args)``; teardown always unmounts and kills the daemon.
 
@@ -94,6 +95,26 @@ def small_store(small_tree, tmp_path_factory) -> Path:
     run_cli("pack", small_tree[0], dest, "--partitions", "2", "--chunk-kb", "4", "--jobs", "1",
             "--no-progress", check=True)
     return dest
+
+
+# --------------------------------------------------------------------------- S3
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3 endpoint (moto's server mode) on 127.0.0.1 for the whole session; see
+    ``s3_helpers.MotoServer``. Skips when moto[server] or s3fs is missing. Stopped (and
+    continued first, should a test have paused it) at session end."""
+    from s3_helpers import MotoServer, moto_available
+
+    ok, why = moto_available()
+    if not ok:
+        pytest.skip(why)
+    server = MotoServer.start(tmp_path_factory.mktemp("moto"))
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 # --------------------------------------------------------------------------- mounts

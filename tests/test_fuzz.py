@@ -215,6 +215,23 @@ def watch_partition_reads(sizes: dict[int, int]):
 _INSTALLATION = tuple(sorted({os.path.realpath(p) + os.sep for p in (sys.prefix, sys.base_prefix)}))
 
 
+def _metadata_dirs() -> tuple[str, ...]:
+    """Metadata of installed distributions (an unknown codec id makes the registry read the
+    entry points of every distribution; an editable install keeps its egg-info in the
+    repository, outside sys.prefix)."""
+    import importlib.metadata
+
+    dirs = set()
+    for dist in importlib.metadata.distributions():
+        path = getattr(dist, "_path", None)
+        if path is not None:
+            dirs.add(os.path.realpath(os.fspath(path)) + os.sep)
+    return tuple(sorted(dirs))
+
+
+_INSTALLATION += _metadata_dirs()
+
+
 def exercise_accepted_index(base, data: bytes) -> str:
     """An index that ``read_index_bytes`` accepted: install it in the scratch store and read
     everything the way the CLI does. Only FanStore errors may come out; nothing outside the

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: (MPI) and the FUSE frontends (kernel) share a layer but never import each other.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("codecs", ("compressors",)),
-    ("format", ("fanstore.version", "fanstore.errors", "fanstore.format")),
+    ("format", ("fanstore.version", "fanstore.errors", "fanstore.storage", "fanstore.format")),
     ("read core", ("fanstore.namespace", "fanstore.read", "fanstore.store", "fanstore.verify",
                    "fanstore.kinds")),
     ("services", ("fanstore.runtime", "fanstore.process", "fanstore.mounttable",
@@ -33,7 +33,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 SIBLINGS = {"daemon": 4, "fuse": 4}  # same rank
 #: Third-party libraries only one part of the code may import.
 OWNED = {"pyfuse3": ("fanstore.fuse",), "trio": ("fanstore.fuse",),
-         "mpi4py": ("fanstore.daemon",)}
+         "mpi4py": ("fanstore.daemon",), "s3fs": ("fanstore.storage",),
+         "fsspec": ("fanstore.storage",), "botocore": ("fanstore.storage",)}
 
 
 def _modules() -> dict[str, Path]:

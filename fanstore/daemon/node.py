@@ -294,7 +294,8 @@ class Node:
         runtime.write_file(index_copy, self.index_bytes)
         self.ctx = MountContext(
             mountpoint=self.mountpoint, options=opts.mount, index=index, ns=ns, reader=reader,
-            store=os.path.abspath(opts.store), data_dir=os.path.abspath(self.data_dir),
+            store=opts.store if "://" in opts.store else os.path.abspath(opts.store),
+            data_dir=os.path.abspath(self.data_dir),
             local_parts=list(mine), replicated=replicated,
             socket_path=runtime.socket_path(self.mountpoint), index_path=index_copy,
             request_stop=self.request_stop, remote_timeout=opts.remote_timeout)

@@ -338,9 +338,16 @@ def _align(n: int) -> int:
 def read_index_file(store_dir: str) -> tuple[str, bytes]:
     """Return (path, bytes) of ``<store_dir>/fanstore.idx`` without parsing them.
 
+    ``store_dir`` may also be an object-store URL (``s3://bucket/prefix``, see
+    ``fanstore.storage``).
+
     The index is opened O_NONBLOCK and must be a regular file: a FIFO in its place is
     refused instead of blocking the reader (and, in an MPI job, every rank waiting on it).
     """
+    from fanstore.storage import is_url
+
+    if is_url(store_dir):
+        return _read_remote_index(store_dir)
     path = os.path.join(store_dir, INDEX_NAME)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -356,6 +363,21 @@ def read_index_file(store_dir: str) -> tuple[str, bytes]:
         ) from None
     except OSError as exc:
         raise FormatError(f"{path}: cannot read index: {exc.strerror}") from exc
+
+
+def _read_remote_index(url: str) -> tuple[str, bytes]:
+    """The index of a store in object storage (``s3://bucket/prefix``)."""
+    from fanstore.storage import open_location
+
+    loc = open_location(url)
+    path = loc.show(INDEX_NAME)
+    try:
+        return path, loc.read_bytes(INDEX_NAME)
+    except FileNotFoundError:
+        loc.check()  # a missing bucket says so
+        raise NotAStoreError(
+            f"{loc.url}: not a FanStore store (no {INDEX_NAME}; an interrupted pack leaves none)"
+        ) from None
 
 
 def read_index(store_dir: str) -> Index:
