@@ -57,7 +57,7 @@ class MountContext:
     local_parts: list[int]
     replicated: list[int]  # local partitions another node also holds
     socket_path: str
-    index_path: str  # a node-local copy of the index bytes (fanstore.idx format)
+    index_path: str  # the node's shared index copy (format.index.map_index_body)
     request_stop: Callable[[str, bool], None]  # (reason, everywhere): thread/signal safe
     remote_timeout: float = 30.0
     extra_stats: dict[str, Any] = field(default_factory=dict)

@@ -75,13 +75,15 @@ class KernelHandler:
     Directory listings are packed once per directory (vectorised) and kept in a small LRU.
     """
 
-    def __init__(self, fs: FsOps, reader, listing_budget: int = 32 << 20) -> None:
+    def __init__(self, fs: FsOps, reader, listing_budget: int = 32 << 20,
+                 publish=None) -> None:
         from fanstore.fuse.kernel import proto
 
         self.fs = fs
         self.ns = fs.ns
         self.reader = reader
         self.stats = reader.stats
+        self.publish = publish or (lambda: None)  # counters to the shared table
         self.proto = proto
         self._n = fs.n_entries
         self._kind = fs._kind
@@ -150,11 +152,10 @@ class KernelHandler:
             data = self.reader.read(entry, offset, size)
         except FanStoreError as exc:
             log.error("%s", exc)
-            self.stats.sync_cache(self.reader.cache)
+            self.publish()
             return exc.errno
-        stats = self.stats
-        stats.bytes_returned += len(data)
-        stats.sync_cache(self.reader.cache)
+        self.stats.bytes_returned += len(data)
+        self.publish()
         return data
 
     def readdirplus(self, nodeid: int, offset: int, size: int):
@@ -239,42 +240,33 @@ class KernelHandler:
 # --------------------------------------------------------------------------- shared stats
 
 
-class RowStats:
-    """A worker's read counters written through to its row of the shared counters table
-    (columns READ_COL0..), so the daemon can sum every worker's without asking them.
-    Behaves like :class:`~fanstore.read.stats.ReadStats` for the read core."""
+class RowPublisher:
+    """Copies a worker's read counters (a plain :class:`ReadStats`, cheap to increment)
+    into its row of the shared counters table (columns READ_COL0..), where the daemon sums
+    every worker's; called after each request that read data (a dozen 8-byte stores)."""
 
-    def __init__(self, row) -> None:
-        from collections import deque
+    def __init__(self, row, stats, cache) -> None:
+        self.row = row
+        self.stats = stats
+        self.cache = cache
+        self.cols = [_COL[name] for name in READ_COUNTERS]
 
-        object.__setattr__(self, "_row", row)
-        object.__setattr__(self, "remote_latency", deque(maxlen=1000))
-        object.__setattr__(self, "extra", {})
-        object.__setattr__(self, "opens", 0)
-        object.__setattr__(self, "remote_failovers", 0)
-
-    def __getattr__(self, name: str):
-        if name == "decode_seconds":
-            return self._row[_COL["decode_ns"]] / 1e9
-        try:
-            return self._row[_COL[name]]
-        except KeyError:
-            raise AttributeError(name) from None
-
-    def __setattr__(self, name: str, value) -> None:
-        if name == "decode_seconds":
-            self._row[_COL["decode_ns"]] = int(value * 1e9)
-        elif name in _COL:
-            self._row[_COL[name]] = int(value)
-        else:
-            object.__setattr__(self, name, value)
-
-    def sync_cache(self, cache) -> None:
-        row = self._row
-        row[_COL["cache_hits"]] = cache.hits
-        row[_COL["cache_misses"]] = cache.misses
-        row[_COL["cache_bytes"]] = cache.used
-        row[_COL["cache_budget"]] = cache.budget
+    def publish(self) -> None:
+        s, c, row = self.stats, self.cache, self.row
+        row[READ_COL0] = s.reads
+        row[READ_COL0 + 1] = s.bytes_returned
+        row[READ_COL0 + 2] = s.local_reads
+        row[READ_COL0 + 3] = s.local_bytes
+        row[READ_COL0 + 4] = s.remote_reads
+        row[READ_COL0 + 5] = s.remote_bytes
+        row[READ_COL0 + 6] = s.refetched
+        row[READ_COL0 + 7] = s.chunks_decoded
+        row[READ_COL0 + 8] = s.errors
+        row[READ_COL0 + 9] = int(s.decode_seconds * 1e9)
+        row[READ_COL0 + 10] = c.hits
+        row[READ_COL0 + 11] = c.misses
+        row[READ_COL0 + 12] = c.used
+        row[READ_COL0 + 13] = c.budget
 
 
 _COL = {name: READ_COL0 + i for i, name in enumerate(READ_COUNTERS)}
@@ -313,10 +305,10 @@ def _make_handler_factory(spec: dict[str, Any], index, ns, fs: FsOps, counters_h
                                path=spec["socket_path"])
         source = RoutedSource(parts, NodeSource(client, remote,
                                                 {int(p) for p in spec["replicated"]}))
-        stats = RowStats(counters_holder[0].row(wctx.slot))
-        reader = ChunkReader(index, source, cache_bytes=spec["cache_bytes"], stats=stats)
-        stats.sync_cache(reader.cache)
-        return KernelHandler(fs, reader)
+        reader = ChunkReader(index, source, cache_bytes=spec["cache_bytes"])
+        publisher = RowPublisher(counters_holder[0].row(wctx.slot), reader.stats, reader.cache)
+        publisher.publish()
+        return KernelHandler(fs, reader, publish=publisher.publish)
 
     return factory
 
@@ -326,7 +318,7 @@ def frontend_main(spec_path: str) -> int:
     docstring). Reports "ready" or "error: ..." on the pipe fd named in the spec."""
     import ctypes
 
-    from fanstore.format.index import read_index_bytes
+    from fanstore.format.index import map_index_body
     from fanstore.fuse import kernel
     from fanstore.namespace import Namespace
     from fanstore.process import setup_logging
@@ -350,8 +342,7 @@ def frontend_main(spec_path: str) -> int:
 
     session = None
     try:
-        with open(spec["index_path"], "rb") as f:
-            index = read_index_bytes(f.read(), where=spec["index_path"])
+        index = map_index_body(spec["index_path"])
         ns = Namespace(index)
         fs = FsOps(ns)
         counters_holder: list = []

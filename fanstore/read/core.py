@@ -98,6 +98,17 @@ class ChunkReader:
         """Decoded chunks a..b-1 of ``entry``: cached ones from the LRU, the missing ones
         loaded as one run. ``counted``: count cache hits/misses; ``keep``: cache the result."""
         cache = self.cache
+        if b - a == 1:  # the common case: one chunk (a small file, or one READ of a big one)
+            data = cache.get(a, counted)
+            if data is None:
+                try:
+                    data = self.load(entry, a, b)[0]
+                except FanStoreError:
+                    self.stats.errors += 1
+                    raise
+                if keep:
+                    cache.put(a, data)
+            return [data]
         out = [cache.get(k, counted) for k in range(a, b)]
         missing = [a + i for i, v in enumerate(out) if v is None]
         if missing:
