@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol
 class MountOptions:
     """How to mount and serve (the ``fanstore mount`` options that concern serving)."""
 
-    frontend: str = "pyfuse3"  # or "kernel"
+    frontend: str = "auto"  # "kernel", "pyfuse3", or auto (launch.resolve_frontend)
     cache_mb: int = 256
     threads: int = 0  # decode threads (pyfuse3 frontend); 0 = 2 per core, at least 4
     workers: int = 0  # worker processes (kernel frontend); 0 = the cores of the node
