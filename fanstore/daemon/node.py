@@ -309,8 +309,7 @@ class Node:
         readers map the same pages, so the namespace costs its size once per node."""
         from fanstore.format.index import map_index_body, write_index_body
 
-        self.index_copy = os.path.join(runtime.runtime_dir(self.mountpoint, create=True),
-                                       "index.body")
+        self.index_copy = runtime.shared_memory_path(self.mountpoint, "index.body")
         write_index_body(self.index_copy, index)
         self.index_bytes = None
         return map_index_body(self.index_copy, check=False)

@@ -87,6 +87,7 @@ class KernelHandler:
         self.proto = proto
         self._n = fs.n_entries
         self._kind = fs._kind
+        self._count = self.ns.index.e["count"]  # a directory's number of children
         self._uid, self._gid = fs.uid, fs.gid
         self._negative = proto.negative_entry(TIMEOUT)
         self._listings: OrderedDict[int, Any] = OrderedDict()
@@ -159,12 +160,21 @@ class KernelHandler:
         return data
 
     def readdirplus(self, nodeid: int, offset: int, size: int):
+        if self._past_end(nodeid, offset):
+            return b""  # the end of a listing another worker packed: nothing to build
         listing = self._listing(nodeid)
         return listing if isinstance(listing, int) else listing.plus(offset, size)
 
     def readdir(self, nodeid: int, offset: int, size: int):
+        if self._past_end(nodeid, offset):
+            return b""
         listing = self._listing(nodeid)
         return listing if isinstance(listing, int) else listing.plain(offset, size)
+
+    def _past_end(self, nodeid: int, offset: int) -> bool:
+        entry = nodeid - 1
+        return (0 <= entry < self._n and int(self._kind[entry]) == KIND_DIR
+                and offset >= int(self._count[entry]))
 
     def statfs(self):
         if self._statfs is None:
@@ -348,7 +358,12 @@ def frontend_main(spec_path: str) -> int:
         counters_holder: list = []
         mopts = kernel.MountOptions(fsname=spec["fsname"], subtype="fanstore", read_only=True,
                                     allow_other=bool(spec["allow_other"]))
-        session = kernel.KernelSession(spec["mountpoint"], mopts,
+        from fanstore.fuse.kernel.session import DEFAULT_INIT_FLAGS, parse_flags
+
+        # FANSTORE_FUSE_FLAGS="+NAME,-NAME": INIT flag edits, for experiments and benchmarks
+        init = kernel.InitOptions(flags=parse_flags(spec.get("init_flags", ""),
+                                                    DEFAULT_INIT_FLAGS))
+        session = kernel.KernelSession(spec["mountpoint"], mopts, init,
                                        counters_path=spec["counters_path"])
         session.mount()
 
@@ -416,6 +431,7 @@ class KernelFrontend:
             "remote_timeout": ctx.remote_timeout, "ready_fd": w, "daemon_pid": os.getpid(),
             "debug": logging.getLogger().level <= logging.DEBUG,
             "log_format": _log_format(),
+            "init_flags": os.environ.get("FANSTORE_FUSE_FLAGS", ""),
         }
         from fanstore import runtime
 
