@@ -14,8 +14,9 @@ Measures what issue 12 asks of a node serving its GPUs, on one dataset per run:
   such as the mapped index counted once), per file.
 
 Backends (``--backends``): ``raw``, ``squashfuse_ll`` (mksquashfs zstd level 3, same as
-FanStore's default codec), ``pyfuse3``, ``kernel`` (``--workers``, default all cores), and
-``kernel-wN`` for a given worker count. Backends are interleaved within each repetition so
+FanStore's default codec), ``pyfuse3``, ``kernel`` (``--workers``, default all cores),
+``kernel-wN`` for a given worker count, and ``pyfuse3-old``: the mount of another FanStore
+build (``--old-fanstore``), for before/after comparisons. Backends are interleaved within each repetition so
 drift on this shared machine hits them alike.
 
 Datasets (``--preset``): ``peers`` (the peer benchmark's 20,000 files of 50-150 kB in 100
@@ -177,7 +178,8 @@ class Bench(common.RowLog):
                            "seconds": round(time.time() - t, 1),
                            "bytes": os.path.getsize(img)})
             self.img = img
-        if any(b in ("pyfuse3", "kernel") or b.startswith("kernel-w") for b in self.backends):
+        if any(b in ("pyfuse3", "pyfuse3-old", "kernel") or b.startswith("kernel-w")
+               for b in self.backends):
             store = os.path.join(self.work, f"store-{self.a.preset}")
             if not os.path.exists(os.path.join(store, "fanstore.idx")) or os.path.getmtime(
                     store) < os.path.getmtime(self.data + ".json"):
@@ -212,6 +214,12 @@ class Bench(common.RowLog):
                 time.sleep(0.05)
             self.mounted.add(mnt)
             return proc.pid
+        if b == "pyfuse3-old":  # another FanStore build (--old-fanstore), as it mounts
+            subprocess.run([self.a.old_fanstore, "mount", self.store, mnt], check=True)
+            self.mounted.add(mnt)
+            from fanstore import runtime
+
+            return (runtime.read_state(mnt) or {}).get("pid")
         frontend = "pyfuse3" if b == "pyfuse3" else "kernel"
         argv = [self.fanstore, "mount", self.store, mnt, "--frontend", frontend]
         if b.startswith("kernel-w"):
@@ -236,7 +244,7 @@ class Bench(common.RowLog):
         self.mounted.discard(mnt)
 
     def stats(self, b: str) -> dict:
-        if b in ("raw", "squashfuse_ll"):
+        if b in ("raw", "squashfuse_ll", "pyfuse3-old"):
             return {}
         out = subprocess.run([self.fanstore, "stats", self.root_of(b), "--json"],
                              capture_output=True, text=True)
@@ -369,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", default="raw,squashfuse_ll,pyfuse3,kernel")
     p.add_argument("--passes", default="read,find")
     p.add_argument("--readers", type=int, default=4)
+    p.add_argument("--old-fanstore", help="the fanstore command of another build, mounted "
+                   "as backend pyfuse3-old (e.g. the commit before a change, for before/after)")
     p.add_argument("--reps", type=int, default=0, help="repetitions (default: the preset's)")
     p.add_argument("--label", default="")
     p.add_argument("--no-docs", action="store_true")
