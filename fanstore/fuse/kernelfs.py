@@ -50,6 +50,7 @@ from fanstore.errors import FanStoreError, MountError, NotFoundError
 from fanstore.format.index import KIND_DIR, KIND_FILE
 from fanstore.frontend import MountContext
 from fanstore.fuse.fsops import BLKSIZE, TIMEOUT, FsOps
+from fanstore.process import read_ready
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +260,6 @@ class RowPublisher:
         self.row = row
         self.stats = stats
         self.cache = cache
-        self.cols = [_COL[name] for name in READ_COUNTERS]
 
     def publish(self) -> None:
         s, c, row = self.stats, self.cache, self.row
@@ -300,7 +300,7 @@ def summed_stats(counters) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the frontend process
 
 
-def _make_handler_factory(spec: dict[str, Any], index, ns, fs: FsOps, counters_holder: list):
+def _make_handler_factory(spec: dict[str, Any], index, fs: FsOps, session):
     """The per-worker set-up: this node's partitions opened here, other nodes' chunks
     through the daemon's socket, counters in the worker's row."""
 
@@ -316,7 +316,8 @@ def _make_handler_factory(spec: dict[str, Any], index, ns, fs: FsOps, counters_h
         source = RoutedSource(parts, NodeSource(client, remote,
                                                 {int(p) for p in spec["replicated"]}))
         reader = ChunkReader(index, source, cache_bytes=spec["cache_bytes"])
-        publisher = RowPublisher(counters_holder[0].row(wctx.slot), reader.stats, reader.cache)
+        # (serve() made the counters table before forking this worker)
+        publisher = RowPublisher(session.counters.row(wctx.slot), reader.stats, reader.cache)
         publisher.publish()
         return KernelHandler(fs, reader, publish=publisher.publish)
 
@@ -355,7 +356,6 @@ def frontend_main(spec_path: str) -> int:
         index = map_index_body(spec["index_path"])
         ns = Namespace(index)
         fs = FsOps(ns)
-        counters_holder: list = []
         mopts = kernel.MountOptions(fsname=spec["fsname"], subtype="fanstore", read_only=True,
                                     allow_other=bool(spec["allow_other"]))
         from fanstore.fuse.kernel.session import DEFAULT_INIT_FLAGS, parse_flags
@@ -371,14 +371,8 @@ def frontend_main(spec_path: str) -> int:
             report("ready\n")
             os.close(ready_fd)  # the daemon stops reading here; EOF if we die before
 
-        factory = _make_handler_factory(spec, index, ns, fs, counters_holder)
-
-        def factory_with_counters(wctx):
-            if not counters_holder:
-                counters_holder.append(session.counters)
-            return factory(wctx)
-
-        reason = session.serve(factory_with_counters, workers=int(spec["workers"]),
+        factory = _make_handler_factory(spec, index, fs, session)
+        reason = session.serve(factory, workers=int(spec["workers"]),
                                on_ready=on_ready)
         log.info("kernel frontend: %s", reason)
         return 0
@@ -445,7 +439,7 @@ class KernelFrontend:
         finally:
             os.close(w)
         try:
-            text = _read_until_ready(r, self.proc)
+            text = read_ready(r)
         finally:
             os.close(r)
         if text != "ready":
@@ -528,18 +522,6 @@ def _log_format() -> str | None:
         if h.formatter is not None:
             return h.formatter._fmt
     return None
-
-
-def _read_until_ready(fd: int, proc: subprocess.Popen) -> str:
-    data = b""
-    while True:
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            break
-        data += chunk
-        if data.startswith(b"ready\n"):
-            return "ready"
-    return data.decode(errors="replace").strip()
 
 
 def create(ctx: MountContext) -> KernelFrontend:

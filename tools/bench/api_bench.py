@@ -57,7 +57,7 @@ def log(msg: str) -> None:
 
 
 def cpu_of_tree(pid: int) -> float:
-    from fuse_bench import tree
+    from reader import descendants as tree
 
     total = 0.0
     for p in tree(pid):

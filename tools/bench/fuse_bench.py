@@ -15,7 +15,8 @@ Measures what issue 12 asks of a node serving its GPUs, on one dataset per run:
 
 Backends (``--backends``): ``raw``, ``squashfuse_ll`` (mksquashfs zstd level 3, same as
 FanStore's default codec), ``pyfuse3``, ``kernel`` (``--workers``, default all cores),
-``kernel-wN`` for a given worker count, and ``pyfuse3-old``: the mount of another FanStore
+``kernel-wN`` for a given worker count, ``kernel-noplus`` (plain READDIR instead of
+READDIRPLUS), and ``pyfuse3-old``: the mount of another FanStore
 build (``--old-fanstore``), for before/after comparisons. Backends are interleaved within each repetition so
 drift on this shared machine hits them alike.
 
@@ -43,6 +44,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+from reader import descendants as tree  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 READER = os.path.join(HERE, "reader.py")
@@ -94,20 +96,6 @@ def pss_kb(pid: int) -> int:
     except OSError:
         pass
     return 0
-
-
-def tree(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-        except OSError:
-            pass
-    return out
 
 
 class Bench(common.RowLog):
@@ -178,8 +166,8 @@ class Bench(common.RowLog):
                            "seconds": round(time.time() - t, 1),
                            "bytes": os.path.getsize(img)})
             self.img = img
-        if any(b in ("pyfuse3", "pyfuse3-old", "kernel") or b.startswith("kernel-w")
-               for b in self.backends):
+        if any(b in ("pyfuse3", "pyfuse3-old", "kernel", "kernel-noplus")
+               or b.startswith("kernel-w") for b in self.backends):
             store = os.path.join(self.work, f"store-{self.a.preset}")
             if not os.path.exists(os.path.join(store, "fanstore.idx")) or os.path.getmtime(
                     store) < os.path.getmtime(self.data + ".json"):
@@ -224,7 +212,10 @@ class Bench(common.RowLog):
         argv = [self.fanstore, "mount", self.store, mnt, "--frontend", frontend]
         if b.startswith("kernel-w"):
             argv += ["--workers", b[len("kernel-w"):]]
-        subprocess.run(argv, check=True)
+        env = dict(os.environ)
+        if b == "kernel-noplus":  # plain READDIR instead of READDIRPLUS
+            env["FANSTORE_FUSE_FLAGS"] = "-DO_READDIRPLUS"
+        subprocess.run(argv, check=True, env=env)
         self.mounted.add(mnt)
         from fanstore import runtime
 
@@ -286,6 +277,17 @@ class Bench(common.RowLog):
             self.emit({"kind": "find", "backend": b, "rep": rep, "cold_s": round(cold, 3),
                        "warm_s": round(warm, 3), "files": len(self.files)})
             log(f"  {b}: find cold {cold:.2f} s warm {warm:.2f} s")
+            self.umount(b)
+        if "findread" in passes:  # list the tree, then read every file (ImageFolder-like)
+            pid = self.mount(b)
+            common.drop_caches()
+            listed = self.find(b)
+            row = self.read_pass(b, pid, 300 + rep, False)
+            row.update(kind="findread", backend=b, rep=rep, find_s=round(listed, 3),
+                       total_s=round(listed + row["seconds"], 3))
+            self.emit(row)
+            log(f"  {b}: find {listed:.2f} s + cold read {row['seconds']:.2f} s "
+                f"({row['files_per_s']:,.0f} files/s, requests {row.get('requests_total', '-')})")
             self.umount(b)
         if "read" in passes:
             pid = self.mount(b)
@@ -353,6 +355,20 @@ def render(bench: Bench, label: str, shown: list[str]) -> str:
             out.append(f"| {b} | {phase} | {common.spread(vals)} | {common.ratio(fps, base_sq)}"
                        f" | {common.ratio(fps, base_raw)} | {common.num(cpu)} | "
                        f"{common.num(req, 3)} | {common.num(pss)} |")
+    fr = [r for r in rows if r.get("kind") == "findread"]
+    if fr:
+        out += ["", "| backend | find, then cold read of every file: s (find + read) | "
+                "files/s of the read | requests/file |", "|---|---|---|---|"]
+        for b in bench.backends:
+            mine = [r for r in fr if r["backend"] == b]
+            if mine:
+                tot = common.med([r["total_s"] for r in mine])
+                fnd = common.med([r["find_s"] for r in mine])
+                req = common.med([r.get("requests_total", 0) / max(1, r["files"]) for r in mine])
+                out.append(f"| {b} | {common.num(tot, 2)} ({common.num(fnd, 2)} + "
+                           f"{common.num(tot - fnd, 2)}) | "
+                           f"{common.num(common.med([r['files_per_s'] for r in mine]))} | "
+                           f"{common.num(req, 2)} |")
     finds = [r for r in rows if r.get("kind") == "find"]
     if finds:
         out += ["", "| backend | find cold s | find warm s | x squashfuse_ll cold / warm |",
