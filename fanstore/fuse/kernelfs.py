@@ -151,7 +151,8 @@ class KernelHandler:
             return errno.EISDIR if int(self._kind[entry]) == KIND_DIR else errno.EINVAL
         self.stats.reads += 1
         try:
-            data = self.reader.read(entry, offset, size)
+            # Whole-file reads land in the page cache: no second copy in the chunk LRU.
+            data = self.reader.read(entry, offset, size, keep_whole=False)
         except FanStoreError as exc:
             log.error("%s", exc)
             self.publish()
