@@ -337,8 +337,9 @@ def test_eight_concurrent_reader_processes(mounted, special_store, special_tree,
     assert stats["errors"] == 0
     if frontend == "pyfuse3":
         assert stats["opens"] >= len(rels)
-    else:  # zero-message open: no OPEN at all, the reads reach the workers directly
-        assert stats["opens"] == 0 and stats["requests_by_op"].get("open", 0) <= 1
+    else:  # zero-message open: the kernel stops sending OPEN after the first ENOSYS reply;
+        # OPENs already in flight from the other readers still arrive: at most one per process
+        assert stats["opens"] == 0 and stats["requests_by_op"].get("open", 0) <= len(procs)
         assert stats["reads"] >= len(rels)
 
 

@@ -355,6 +355,25 @@ def render(bench: Bench, label: str, shown: list[str]) -> str:
             out.append(f"| {b} | {phase} | {common.spread(vals)} | {common.ratio(fps, base_sq)}"
                        f" | {common.ratio(fps, base_raw)} | {common.num(cpu)} | "
                        f"{common.num(req, 3)} | {common.num(pss)} |")
+    # A per-file CPU model: what a node needs to serve the 40,000 files/s of 8 GPUs.
+    model = []
+    for b in bench.backends:
+        for phase in ("cold", "warm", "warm-unbuffered"):
+            cpu = med(b, phase, "watched_cpu_us_per_file")
+            if cpu is not None and b != "raw":
+                per_core = 1e6 / cpu if cpu > 0 else None
+                cores = 40_000 * cpu / 1e6
+                model.append(f"| {b} | {phase} | {common.num(cpu)} | "
+                             f"{common.num(per_core) if per_core else 'no limit'} | "
+                             f"{common.num(cores, 1)} | "
+                             f"{common.num(64e6 / cpu) if cpu > 0 else 'no limit'} |")
+    if model:
+        out += ["", "Per-file CPU model (the serving side's CPU per file, all its processes; "
+                "the readers' own CPU is the training job's): files/s one core serves, the "
+                "cores a node needs for 40,000 files/s (8 GPUs x 5,000 images/s), and what "
+                "64 cores would serve if FanStore had them all.", "",
+                "| backend | phase | server CPU us/file | files/s per core | cores for 40,000 "
+                "files/s | files/s on 64 cores |", "|---|---|---|---|---|---|"] + model
     fr = [r for r in rows if r.get("kind") == "findread"]
     if fr:
         out += ["", "| backend | find, then cold read of every file: s (find + read) | "
