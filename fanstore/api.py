@@ -307,8 +307,11 @@ class MountReader(_Reader):
         reply, payload = self._request({"op": "fetch", "entry": entry})
         if reply["kind"] == "raw":
             return payload
+        from fanstore.store import file_bytes
+
         first, count = self.ns.chunks(entry)
-        return b"".join(self.decoder.decode_run(first, count, payload, entry))
+        chunks = self.decoder.decode_run(first, count, payload, entry)
+        return bytes(file_bytes(chunks, self.ns.data_offset(entry), self.ns.size(entry)))
 
     def prefetch(self, paths, client: str | None = None) -> dict:
         """Hand the daemon the order in which ``paths`` will be read (prefetch mode).

@@ -27,7 +27,7 @@ from typing import Any
 import trio
 
 from fanstore.errors import CorruptDataError, FanStoreError
-from fanstore.store import ChunkCache, Decoder, assemble, chunk_span
+from fanstore.store import ChunkCache, Decoder, assemble, chunk_span, file_bytes
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,8 @@ class ChunkStore:
         """Bytes [offset, offset+size) of a file (short at EOF). Raises FanStoreError."""
         self.stats.reads += 1
         file_size = self.ns.size(entry)
-        lo, hi, end = chunk_span(offset, size, file_size, self.chunk_size)
+        base = self.ns.data_offset(entry)
+        lo, hi, end = chunk_span(offset, size, file_size, self.chunk_size, base)
         if hi == lo:
             return b""
         first, count = self.ns.chunks(entry)
@@ -145,11 +146,11 @@ class ChunkStore:
                 for k, data in zip(range(first, first + count), ready):
                     self.cache.put(k, data)
                 if hi == 1 and not self.cache.peek(first):  # too big for the LRU: serve it
-                    data = assemble(ready[:1], 0, offset, end, self.chunk_size)
+                    data = assemble(ready[:1], 0, offset, end, self.chunk_size, base)
                     self.stats.bytes_returned += len(data)
                     return data
         chunks = await self.get_chunks(entry, first + lo, first + hi)
-        data = assemble(chunks, lo, offset, end, self.chunk_size)
+        data = assemble(chunks, lo, offset, end, self.chunk_size, base)
         self.stats.bytes_returned += len(data)
         return data
 
@@ -213,7 +214,7 @@ class ChunkStore:
             if all(c is not None for c in cached):
                 chunks = cached
         if chunks is not None:
-            data = chunks[0] if count == 1 else b"".join(chunks)
+            data = bytes(file_bytes(chunks, self.ns.data_offset(entry), self.ns.size(entry)))
             self.stats.bytes_returned += len(data)
             return "raw", data
         part, off, length = self.decoder.run_extent(first, count)

@@ -235,18 +235,25 @@ class ChunkCache:
         return len(self._d)
 
 
-def chunk_span(offset: int, size: int, file_size: int, chunk_size: int) -> tuple[int, int, int]:
-    """Chunks touched by a read: (first relative chunk, end relative chunk, end byte)."""
+def chunk_span(offset: int, size: int, file_size: int, chunk_size: int,
+               base: int = 0) -> tuple[int, int, int]:
+    """Chunks touched by a read: (first relative chunk, end relative chunk, end byte).
+
+    ``base`` is the file's data offset in its first chunk (``Namespace.data_offset``: 0
+    unless the file lives in a solid chunk): byte p of a file is byte ``(base + p) %
+    chunk_size`` of its relative chunk ``(base + p) // chunk_size``.
+    """
     end = min(offset + size, file_size)
     if offset >= end:
         return 0, 0, offset
-    return offset // chunk_size, (end - 1) // chunk_size + 1, end
+    return (base + offset) // chunk_size, (base + end - 1) // chunk_size + 1, end
 
 
-def assemble(chunks: list[bytes], lo: int, offset: int, end: int, chunk_size: int):
+def assemble(chunks: list[bytes], lo: int, offset: int, end: int, chunk_size: int,
+             base: int = 0):
     """The bytes [offset, end) of a file from its decoded chunks lo.. (a zero-copy view when
-    one chunk covers the read)."""
-    start = offset - lo * chunk_size
+    one chunk covers the read); ``base`` as in :func:`chunk_span`."""
+    start = base + offset - lo * chunk_size
     if len(chunks) == 1:
         c = chunks[0]
         if start == 0 and end - offset == len(c):
@@ -254,6 +261,15 @@ def assemble(chunks: list[bytes], lo: int, offset: int, end: int, chunk_size: in
         return memoryview(c)[start : start + end - offset]
     joined = b"".join(chunks)
     return memoryview(joined)[start : start + end - offset]
+
+
+def file_bytes(chunks: list[bytes], base: int, size: int):
+    """A whole file from all its decoded chunks (its data starts at ``base``): the chunk
+    itself when the file is exactly one chunk, else a view of the file's bytes."""
+    joined = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    if base == 0 and len(joined) == size:
+        return joined
+    return memoryview(joined)[base : base + size]
 
 
 class LocalStore:
@@ -312,17 +328,23 @@ class LocalStore:
         file_size = self.ns.size(entry)
         if size < 0:
             size = file_size
-        lo, hi, end = chunk_span(offset, size, file_size, self.index.chunk_size)
+        base = self.ns.data_offset(entry)
+        lo, hi, end = chunk_span(offset, size, file_size, self.index.chunk_size, base)
         if hi == lo:
             return b""
         return bytes(assemble(self.read_chunks(entry, lo, hi), lo, offset, end,
-                              self.index.chunk_size))
+                              self.index.chunk_size, base))
 
     def read_file(self, path: str | bytes) -> bytes:
         return self.read(self.file_entry(path))
 
     def iter_file(self, entry: int):
-        """Decoded chunks of a file, one at a time (bounded memory for huge files)."""
+        """The decoded bytes of a file, a chunk at a time (bounded memory for huge files); a
+        file in a solid chunk is one piece, its own bytes."""
         first, count = self.ns.chunks(entry)
+        if count == 1:
+            yield file_bytes(self.read_chunks(entry, 0, 1), self.ns.data_offset(entry),
+                             self.ns.size(entry))
+            return
         for k in range(count):
             yield self.read_chunks(entry, k, k + 1)[0]
