@@ -57,20 +57,15 @@ _positive_float = _number(float, 0.0, strict=True)
 
 
 def cmd_pack(args) -> int:
-    from compressors import CodecError, parse_spec
-    from fanstore.pack import CodecPolicy, PackOptions, pack
+    from fanstore.pack import PackOptions, pack
 
     extra: dict[str, Any] = {}
+    scanned: dict[str, Any] = {}
 
     def make_policy():
-        if args.codec == "auto":
-            policy, sel = _auto_policy(args)
-            extra.update(sel)
-            return policy
-        try:
-            return CodecPolicy(parse_spec(args.codec))
-        except CodecError as exc:
-            raise UsageError(f"--codec: {exc}") from None
+        policy, meta = _pack_policy(args, scanned)
+        extra.update(meta)
+        return policy
 
     options = PackOptions(
         partitions=args.partitions,
@@ -82,6 +77,9 @@ def cmd_pack(args) -> int:
         progress=None if not args.no_progress else False,
         extra_meta=extra,
     )
+    if args.solid_kb is not None and args.solid_kb * 1024 > options.chunk_size:
+        raise UsageError(f"--solid-kb {args.solid_kb} is larger than the chunk size "
+                         f"({args.chunk_kb} KiB; raise --chunk-kb)")
     if _mpi_launcher_world() is not None:
         # One rank per node: rank 0 plans and writes the index, every rank compresses.
         from fanstore.daemon.mpipack import pack_mpi
@@ -90,10 +88,68 @@ def cmd_pack(args) -> int:
         if summary is None:
             return 0
     else:
-        summary = pack(args.src, args.dest, make_policy(), options)
+        from fanstore.pack.write import check_arguments
+
+        check_arguments(args.src, args.dest, options)  # before a selection takes seconds
+        policy = make_policy()
+        summary = pack(args.src, args.dest, policy, options, scan=scanned.get("scan"))
     for line in summary.lines():
         print(line)
     return 0
+
+
+def _pack_policy(args, scanned: dict[str, Any]):
+    """The codec policy of ``fanstore pack``: ``--codec SPEC`` (pinned), ``SPEC+dict``
+    (zstd with a dictionary per kind of small files), ``auto`` (the full selector), or by
+    default the quick selection. Returns (policy, index metadata to record)."""
+    from compressors import CodecError, parse_spec
+    from fanstore.pack import CodecPolicy
+
+    spec = args.codec
+    meta: dict[str, Any] = {}
+    if spec == "auto":
+        policy, meta = _auto_policy(args)
+    elif spec is None or spec.endswith("+dict"):
+        from fanstore.select import quick
+
+        files = _source_files(args.src, scanned)
+        if "scan" in scanned and scanned["scan"].problems and not args.skip_unreadable:
+            return CodecPolicy(parse_spec("zstd:3")), meta  # pack reports the problems
+        if spec is None:
+            choice = quick.quick_select(files, args.chunk_kb * 1024, root=args.src)
+            print(f"fanstore: {choice.line()}", file=sys.stderr)
+            policy, meta = choice.policy(), {"selection": choice.to_json()}
+        else:
+            base = spec[: -len("+dict")]
+            try:
+                codec = parse_spec(base)
+            except CodecError as exc:
+                raise UsageError(f"--codec: {exc}") from None
+            policy = quick.dict_policy(files, codec, args.chunk_kb * 1024, root=args.src)
+    else:
+        try:
+            policy = CodecPolicy(parse_spec(spec))
+        except CodecError as exc:
+            raise UsageError(f"--codec: {exc}") from None
+    if args.solid_kb is not None:
+        block = args.solid_kb * 1024
+        policy.solid = block
+        policy.solid_by_kind = {kind: block for kind in policy.by_kind}
+    return policy, meta
+
+
+def _source_files(src: str, scanned: dict[str, Any]):
+    """The regular files of SRC as the selector sees them; the scan is kept for pack."""
+    from fanstore.format.index import KIND_FILE
+    from fanstore.pack.scan import scan_tree
+    from fanstore.select.sample import SourceFile
+
+    if not os.path.isdir(src):
+        return []  # pack reports the bad source
+    scan = scan_tree(src)
+    scanned["scan"] = scan
+    return [SourceFile(os.fsdecode(e.rel), os.path.join(scan.root, e.rel), e.size)
+            for e in scan.entries if e.kind == KIND_FILE]
 
 
 def _auto_policy(args):
@@ -392,6 +448,9 @@ def cmd_info(args) -> int:
     print(f"partitions     {len(info['partitions'])}" + (f" ({bc} broadcast)" if bc else ""))
     for spec, n in info["codec_chunks"].items():
         print(f"codec          {spec}: {n:,} chunks")
+    if info["solid_chunks"]:
+        print(f"solid blocks   {info['solid_chunks']:,} chunks holding "
+              f"{info['files_in_solid_chunks']:,} files")
     if info.get("selection"):
         print(f"selection      {info['selection'].get('chosen')} "
               f"(mode {info['selection'].get('mode')})")
@@ -413,10 +472,16 @@ def _store_info(index) -> dict[str, Any]:
                 spec = get_codec(cfg).spec
             except Exception:  # noqa: BLE001 - a codec this install lacks
                 spec = cfg.get("id", "?")
-            codec_chunks[spec] = int(per_codec[slot])
+            codec_chunks[spec] = codec_chunks.get(spec, 0) + int(per_codec[slot])
+    from fanstore.format.index import KIND_FILE
     from fanstore.namespace import metadata_bytes
 
     memory = metadata_bytes(index)
+    # Solid blocks (format v2): chunks that more than one file lives in.
+    single = (index.e["kind"] == KIND_FILE) & (index.e["count"] == 1)
+    refs = np.bincount(index.e["first"][single].astype(np.int64), minlength=index.n_chunks)
+    solid_chunks = int(np.count_nonzero(refs > 1))
+    solid_files = int(refs[refs > 1].sum())
     n = max(1, index.n_entries)
     return {
         "format_version": index.meta.get("format_version"),
@@ -430,6 +495,8 @@ def _store_info(index) -> dict[str, Any]:
         "partitions": [dict(p.to_json(), name=p.name) for p in index.partitions],
         "codecs": index.codecs,
         "codec_chunks": codec_chunks,
+        "solid_chunks": solid_chunks,
+        "files_in_solid_chunks": solid_files,
         "pack": index.meta.get("pack", {}),
         "selection": index.meta.get("selection"),
     }
@@ -513,9 +580,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("dest", metavar="DEST")
     s.add_argument("--partitions", type=_positive_int, default=8,
                    help="number of partitions (default 8; at least the node count)")
-    s.add_argument("--codec", default="zstd:3",
-                   help="codec spec (zstd:3, lz4, lz4hc:9, snappy, blosc2:zstd:5:shuffle:4, "
-                        "zlib:6, none) or 'auto' to run the selector (default zstd:3)")
+    s.add_argument("--codec", default=None,
+                   help="codec spec to pin one (zstd:3, lz4, lz4hc:9, snappy, "
+                        "blosc2:zstd:5:shuffle:4, zlib:6, none); zstd:L+dict: zstd with a "
+                        "dictionary trained per kind of small files; 'auto': the full "
+                        "selector. Default: a quick selection per file kind (a few seconds "
+                        "on a small sample, reported in one line)")
+    s.add_argument("--solid-kb", type=_nonneg_int, default=None, metavar="N",
+                   help="solid blocks: files of at most N KiB are packed back to back, by "
+                        "kind, into blocks of N KiB, each compressed as one chunk (more "
+                        "capacity on small files; a read decodes its whole block). 0: none")
     s.add_argument("--jobs", type=_nonneg_int, default=0,
                    help="worker processes (default: all cores)")
     s.add_argument("--chunk-kb", type=_positive_int, default=1024,

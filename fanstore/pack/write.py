@@ -40,6 +40,7 @@ from fanstore.format.index import (
     write_index,
 )
 from fanstore.format.partition import PartitionWriter, partition_name
+from fanstore.kinds import file_kind
 from fanstore.pack.plan import CodecPolicy, in_dir, plan_partitions
 from fanstore.pack.scan import ScanResult, scan_tree, show
 from fanstore.runtime import pid_alive
@@ -80,13 +81,21 @@ class PackSummary:
     def ratio(self) -> float:
         return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
 
+    @property
+    def ratio_with_index(self) -> float:
+        """Raw bytes over everything the store holds (on many small files the index, with
+        its dictionaries, is a few percent of the store)."""
+        total = self.stored_bytes + self.index_bytes
+        return self.raw_bytes / total if total else 1.0
+
     def lines(self) -> list[str]:
         mb_s = self.raw_bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
         return [
             f"packed {self.files:,} files, {self.dirs:,} directories, {self.symlinks:,} symlinks "
             f"into {self.partitions} partitions at {self.dest}",
             f"raw {_mb(self.raw_bytes)}, stored {_mb(self.stored_bytes)} "
-            f"(+ index {_mb(self.index_bytes)}), ratio {self.ratio:.2f}x",
+            f"(+ index {_mb(self.index_bytes)}), ratio {self.ratio:.2f}x "
+            f"({self.ratio_with_index:.2f}x with the index)",
             f"time {self.seconds:.1f} s, {mb_s:.0f} MB/s",
         ] + ([f"skipped {len(self.skipped)} entries (--skip-unreadable)"] if self.skipped else [])
 
@@ -141,6 +150,26 @@ def check_destination(src: str, dest: str, force: bool) -> None:
             )
 
 
+def check_arguments(src: str, dest: str, options: PackOptions) -> str:
+    """Refuse a bad source, destination or option before any work; returns the real
+    destination path."""
+    if not os.path.exists(src):
+        raise UsageError(f"source {src} does not exist")
+    if not os.path.isdir(src):
+        raise UsageError(f"source {src} is not a directory")
+    if options.partitions < 1:
+        raise UsageError("--partitions must be at least 1")
+    if not 4096 <= options.chunk_size <= MAX_CHUNK_SIZE:
+        raise UsageError(f"chunk size must be between 4 KiB and {MAX_CHUNK_SIZE >> 20} MiB")
+    dest = os.path.abspath(dest)
+    if os.path.islink(dest):
+        # Write where the link points: renaming over the link itself would put the new store
+        # beside the link and leave the old one (and a DEST.fanstore-old-* link) behind.
+        dest = os.path.realpath(dest)
+    check_destination(src, dest, options.force)
+    return dest
+
+
 # --------------------------------------------------------------------------- workers
 
 # Set in each worker by the pool initializer.
@@ -163,7 +192,10 @@ def _init_worker(progress) -> None:
 class _PartTask:
     number: int
     path: str
-    files: list[tuple[int, bytes, int, int]]  # (entry, abs path, size, codec slot)
+    #: (entry, abs path, size, codec slot, solid block size or 0, block group). Files with a
+    #: block size go into solid blocks: one open block per (slot, block size, group), where
+    #: the group is the file's kind (similar files compress best together).
+    files: list[tuple[int, bytes, int, int, int, int]]
     codecs: list[dict[str, Any]]  # codec table (slot -> config); slot 0 is "none"
     chunk_size: int
 
@@ -176,6 +208,8 @@ class _PartResult:
     entries: np.ndarray | None = None  # entry id per file, in partition order
     file_sums: np.ndarray | None = None
     chunk_counts: np.ndarray | None = None
+    chunk_firsts: np.ndarray | None = None  # first chunk of each file (partition-relative)
+    data_offsets: np.ndarray | None = None  # offset in the first chunk (solid blocks)
     chunks: dict[str, np.ndarray] | None = None
     raw_bytes: int = 0
     error: str | None = None
@@ -185,29 +219,99 @@ class _WriteError(OSError):
     """An OSError from writing a partition (reported as such, not as a source read error)."""
 
 
+class _Rows:
+    """The chunk rows a worker appends to its partition."""
+
+    def __init__(self, writer: PartitionWriter, n_est: int) -> None:
+        self.writer = writer
+        self.k = 0
+        self.cols = {
+            "offset": np.zeros(n_est, "<u8"),
+            "stored": np.zeros(n_est, "<u4"),
+            "raw": np.zeros(n_est, "<u4"),
+            "codec": np.zeros(n_est, "<u2"),
+            "checksum": np.zeros(n_est, "<u8"),
+        }
+
+    def add(self, raw, slot: int, codec) -> int:
+        """Compress (or keep raw) and append one chunk; returns its row."""
+        n = len(raw)
+        stored = codec.encode(raw) if slot else raw
+        use = slot
+        if len(stored) >= n:
+            stored, use = raw, 0
+        k = self.k
+        if k == len(self.cols["offset"]):  # more chunks than estimated (cannot happen)
+            for name, arr in self.cols.items():
+                self.cols[name] = np.concatenate((arr, np.zeros_like(arr)))
+        try:
+            self.cols["offset"][k] = self.writer.append(stored)
+        except OSError as exc:  # writing the partition, not reading a source file
+            raise _WriteError(exc.errno, exc.strerror) from exc
+        self.cols["stored"][k] = len(stored)
+        self.cols["raw"][k] = n
+        self.cols["codec"][k] = use
+        self.cols["checksum"][k] = xxhash.xxh3_64_intdigest(raw)
+        self.k += 1
+        return k
+
+
+def _progress_add(n: int) -> None:
+    if _progress is not None:
+        with _progress.get_lock():
+            _progress.value += n
+
+
 def _pack_partition(task: _PartTask) -> _PartResult:
     codecs = [get_codec(cfg) for cfg in task.codecs]
     res = _PartResult(task.number)
-    n_est = sum(max(1, -(-size // task.chunk_size)) for _, _, size, _ in task.files)
-    rows = {
-        "offset": np.zeros(n_est, "<u8"),
-        "stored": np.zeros(n_est, "<u4"),
-        "raw": np.zeros(n_est, "<u4"),
-        "codec": np.zeros(n_est, "<u2"),
-        "checksum": np.zeros(n_est, "<u8"),
-    }
-    entries = np.zeros(len(task.files), "<u4")
-    sums = np.zeros(len(task.files), "<u8")
-    counts = np.zeros(len(task.files), "<u4")
+    n_est = sum(max(1, -(-size // task.chunk_size)) for _, _, size, *_ in task.files)
+    n_files = len(task.files)
+    entries = np.zeros(n_files, "<u4")
+    sums = np.zeros(n_files, "<u8")
+    counts = np.zeros(n_files, "<u4")
+    firsts = np.zeros(n_files, "<u8")
+    offsets = np.zeros(n_files, "<u4")
     writer = PartitionWriter(task.path, task.number)
+    rows = _Rows(writer, n_est)
     buf = bytearray(task.chunk_size)
     view = memoryview(buf)
-    k = 0
+    # Open solid blocks: (slot, block size, group) -> [files (index, data)], fill
+    blocks: dict[tuple[int, int, int], tuple[list[tuple[int, bytes]], list[int]]] = {}
+
+    def flush(key: tuple[int, int, int]) -> None:
+        members, _ = blocks.pop(key)
+        slot = key[0]
+        raw = members[0][1] if len(members) == 1 else b"".join(d for _, d in members)
+        try:
+            k = rows.add(raw, slot, codecs[slot])
+        except CodecError as exc:
+            raise PackError(f"{show(task.files[members[0][0]][1])} and the files packed with "
+                            f"it: compression failed: {exc}") from exc
+        pos = 0
+        for i, data in members:
+            firsts[i], counts[i], offsets[i] = k, 1, pos
+            pos += len(data)
+
     try:
-        for i, (entry, path, size, slot) in enumerate(task.files):
+        for i, (entry, path, size, slot, solid, group) in enumerate(task.files):
             codec = codecs[slot]
+            entries[i] = entry
+            if solid and 0 < size <= solid:
+                data = _read_small(path, size, solid)
+                sums[i] = xxhash.xxh3_64_intdigest(data)
+                key = (slot, solid, group)
+                if key in blocks and blocks[key][1][0] + size > solid:
+                    flush(key)
+                members, fill = blocks.setdefault(key, ([], [0]))
+                members.append((i, data))
+                fill[0] += size
+                res.raw_bytes += size
+                _progress_add(size)
+                continue
             whole = xxhash.xxh3_64()
             got = 0
+            firsts[i] = rows.k
             try:
                 with open(path, "rb", buffering=0) as f:
                     while True:
@@ -225,23 +329,9 @@ def _pack_partition(task: _PartTask) -> _PartResult:
                             raise PackError(f"{show(path)}: file grew while being packed")
                         raw = view[:n]
                         whole.update(raw)
-                        stored = codec.encode(raw) if slot else raw
-                        use = slot
-                        if len(stored) >= n:
-                            stored, use = raw, 0
-                        try:
-                            rows["offset"][k] = writer.append(stored)
-                        except OSError as exc:  # writing the partition, not reading `path`
-                            raise _WriteError(exc.errno, exc.strerror) from exc
-                        rows["stored"][k] = len(stored)
-                        rows["raw"][k] = n
-                        rows["codec"][k] = use
-                        rows["checksum"][k] = xxhash.xxh3_64_intdigest(raw)
-                        k += 1
+                        rows.add(raw, slot, codec)
                         counts[i] += 1
-                        if _progress is not None:
-                            with _progress.get_lock():
-                                _progress.value += n
+                        _progress_add(n)
                         if n < len(buf):
                             break
             except _WriteError:
@@ -254,9 +344,12 @@ def _pack_partition(task: _PartTask) -> _PartResult:
                 raise PackError(
                     f"{show(path)}: file changed size while being packed ({size} -> {got} bytes)"
                 )
-            entries[i] = entry
+            if not counts[i]:
+                firsts[i] = 0
             sums[i] = whole.intdigest()
             res.raw_bytes += size
+        for key in list(blocks):
+            flush(key)
         res.checksum = writer.close()
         res.size = writer.size
     except PackError as exc:
@@ -271,9 +364,32 @@ def _pack_partition(task: _PartTask) -> _PartResult:
             res.error = f"cannot write {task.path}: {exc.strerror}"
         return res
     res.entries, res.file_sums, res.chunk_counts = entries, sums, counts
-    res.chunks = {name: arr[:k] for name, arr in rows.items()}
-    res.chunks["part"] = np.full(k, task.number, "<u4")
+    res.chunk_firsts, res.data_offsets = firsts, offsets
+    res.chunks = {name: arr[: rows.k] for name, arr in rows.cols.items()}
+    res.chunks["part"] = np.full(rows.k, task.number, "<u4")
     return res
+
+
+def _read_small(path: bytes, size: int, limit: int) -> bytes:
+    """A whole small file (at most ``limit`` bytes), checked against its scanned size."""
+    parts, got = [], 0
+    try:
+        with open(path, "rb", buffering=0) as f:
+            while got <= limit:  # short reads happen: read until EOF or past the limit
+                more = f.read(limit + 1 - got)
+                if not more:
+                    break
+                parts.append(more)
+                got += len(more)
+    except OSError as exc:
+        raise PackError(f"{show(path)}: cannot read: {exc.strerror}") from exc
+    data = parts[0] if len(parts) == 1 else b"".join(parts)
+    if len(data) > size:
+        raise PackError(f"{show(path)}: file grew while being packed")
+    if len(data) != size:
+        raise PackError(
+            f"{show(path)}: file changed size while being packed ({size} -> {len(data)} bytes)")
+    return data
 
 
 # --------------------------------------------------------------------------- driver
@@ -308,20 +424,7 @@ def prepare(
     options = options or PackOptions()
     policy = policy or CodecPolicy(parse_spec("zstd:3"))
     t0 = time.monotonic()
-    if not os.path.exists(src):
-        raise UsageError(f"source {src} does not exist")
-    if not os.path.isdir(src):
-        raise UsageError(f"source {src} is not a directory")
-    if options.partitions < 1:
-        raise UsageError("--partitions must be at least 1")
-    if not 4096 <= options.chunk_size <= MAX_CHUNK_SIZE:
-        raise UsageError(f"chunk size must be between 4 KiB and {MAX_CHUNK_SIZE >> 20} MiB")
-    dest = os.path.abspath(dest)
-    if os.path.islink(dest):
-        # Write where the link points: renaming over the link itself would put the new store
-        # beside the link and leave the old one (and a DEST.fanstore-old-* link) behind.
-        dest = os.path.realpath(dest)
-    check_destination(src, dest, options.force)
+    dest = check_arguments(src, dest, options)
     parent = os.path.dirname(dest)
     os.makedirs(parent, exist_ok=True)
     _clean_stale_siblings(dest)
@@ -386,10 +489,17 @@ def prepare(
         _PartTask(p, os.path.join(tmp, partition_name(p)), [], configs, options.chunk_size)
         for p in range(n_parts)
     ]
+    groups: dict[str, int] = {}
     for i, p in zip(normal + bcast, assign_normal + assign_bcast):
         e = entries[i]
-        codec = policy.codec_for(os.fsdecode(e.rel), e.size)
-        tasks[p].files.append((i, os.path.join(scan.root, e.rel), e.size, slot(codec)))
+        rel = os.fsdecode(e.rel)
+        codec, solid = policy.choice_for(rel, e.size)
+        if solid > options.chunk_size:
+            raise UsageError(f"solid blocks of {solid >> 10} KiB do not fit in chunks of "
+                             f"{options.chunk_size >> 10} KiB (raise --chunk-kb)")
+        group = groups.setdefault(file_kind(rel, e.size), len(groups)) if solid else 0
+        tasks[p].files.append((i, os.path.join(scan.root, e.rel), e.size, slot(codec),
+                               solid, group))
     for t in tasks:
         t.files.sort(key=lambda f: f[0])  # scan (breadth-first) order: neighbours together
     return PackPlan(os.path.abspath(src), dest, scan, tasks, configs, n_normal, tmp, skipped, t0)
@@ -525,9 +635,10 @@ def _build_index(scan: ScanResult, results: list[_PartResult], configs, options:
         k = len(r.chunks["part"])
         for name, arr in r.chunks.items():
             b.c[name][base : base + k] = arr
-        starts = base + np.concatenate(([0], np.cumsum(r.chunk_counts)[:-1])).astype(np.int64)
-        b.e["first"][r.entries] = np.where(r.chunk_counts > 0, starts, 0)
+        b.e["first"][r.entries] = np.where(r.chunk_counts > 0,
+                                            base + r.chunk_firsts.astype(np.int64), 0)
         b.e["count"][r.entries] = r.chunk_counts
+        b.e["offset"][r.entries] = r.data_offsets
         b.e["checksum"][r.entries] = r.file_sums
         base += k
         partitions.append(PartitionInfo(
