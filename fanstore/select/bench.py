@@ -58,6 +58,7 @@ class KindMeasure:
     raw_unit_bytes: int
     encode_s: float
     decode_s: float
+    amplification: float = 1.0  # bytes decoded per byte a reader gets (solid blocks)
 
 
 @dataclass
@@ -134,6 +135,51 @@ def measure(codec: Codec, units: list[bytes], encode_budget: float) -> KindMeasu
     decode_s = median_pass(decode_all) if stored else 0.0
     return KindMeasure(raw_bytes, stored_bytes, done, raw_units, raw_unit_bytes, encode_s,
                        decode_s)
+
+
+def solid_blocks(units: list[bytes], block: int) -> tuple[list[bytes], list[int]]:
+    """The units as the packer would store them with solid blocks of ``block`` bytes: units
+    no larger than a block (whole small files) appended back to back in sample order, a new
+    block when the next does not fit; larger units alone. Returns the blocks and the number
+    of units in each."""
+    blocks: list[bytes] = []
+    members: list[int] = []
+    cur: list[bytes] = []
+    fill = 0
+
+    def close() -> None:
+        nonlocal cur, fill
+        if cur:
+            blocks.append(cur[0] if len(cur) == 1 else b"".join(cur))
+            members.append(len(cur))
+            cur, fill = [], 0
+
+    for u in units:
+        if len(u) > block:
+            blocks.append(u)
+            members.append(1)
+            continue
+        if fill + len(u) > block:
+            close()
+        cur.append(u)
+        fill += len(u)
+    close()
+    return blocks, members
+
+
+def measure_solid(codec: Codec, units: list[bytes], encode_budget: float,
+                  block: int) -> KindMeasure:
+    """:func:`measure` on the solid blocks of ``units`` (see :func:`solid_blocks`), with the
+    read amplification of a random-order read, ``sum(units in b * raw(b)) / sum(raw(b))``:
+    each file read decodes (and checks) its whole block. A decoded-chunk cache can only
+    lower it; the model does not count on one."""
+    blocks, members = solid_blocks(units, block)
+    m = measure(codec, blocks, encode_budget)
+    done = blocks[: m.units]  # encoding may have been cut short: what was measured
+    total = sum(len(b) for b in done)
+    m.amplification = (sum(n * len(b) for n, b in zip(members, done)) / total
+                       if total else 1.0)
+    return m
 
 
 # --------------------------------------------------------------------------- storage

@@ -38,15 +38,24 @@ class Cost:
 
     Attributes: ``stored`` stored bytes per raw byte (1/ratio, at most 1 since the store keeps
     chunks raw when compression does not shrink them); ``cpu`` single-core seconds per raw
-    byte on the read path (decode + checksum).
+    byte on the read path (decode + checksum); ``io`` stored bytes *read* per raw byte a
+    reader gets (``None``: ``stored``). They differ for solid blocks: a file read in random
+    order fetches, decodes and checks its whole block, so ``cpu`` and ``io`` carry that read
+    amplification while ``stored`` (capacity) does not.
     """
 
     stored: float
     cpu: float
+    io: float | None = None
 
     @property
     def ratio(self) -> float:
         return 1.0 / self.stored if self.stored > 0 else math.inf
+
+    @property
+    def read(self) -> float:
+        """Stored bytes read per raw byte delivered."""
+        return self.stored if self.io is None else self.io
 
 
 @dataclass(frozen=True)
@@ -76,7 +85,7 @@ class Budget:
     def work(self, cost: Cost) -> float:
         """Core-seconds per raw byte charged against :attr:`time_allowance`."""
         if self.mode == "sync":
-            return cost.cpu + cost.stored / self.storage
+            return cost.cpu + cost.read / self.storage
         return cost.cpu
 
 
@@ -84,7 +93,7 @@ def node_rate(cost: Cost, budget: Budget) -> float:
     """Raw bytes/s one node sustains with this cost under the budget's mode, cores, storage."""
     work = budget.work(cost)
     cpu_bound = math.inf if work <= 0 else budget.cores / work
-    io_bound = math.inf if cost.stored <= 0 else budget.storage / cost.stored
+    io_bound = math.inf if cost.read <= 0 else budget.storage / cost.read
     return min(cpu_bound, io_bound)
 
 
@@ -97,8 +106,11 @@ def mix(costs: Sequence[Cost], weights: Sequence[float]) -> Cost:
     total = float(sum(weights))
     if total <= 0:
         return Cost(1.0, 0.0)
+    io = None
+    if any(c.io is not None for c in costs):
+        io = sum(w * c.read for c, w in zip(costs, weights)) / total
     return Cost(sum(w * c.stored for c, w in zip(costs, weights)) / total,
-                sum(w * c.cpu for c, w in zip(costs, weights)) / total)
+                sum(w * c.cpu for c, w in zip(costs, weights)) / total, io)
 
 
 def choose(costs: Mapping[str, Cost], budget: Budget, order: Sequence[str] | None = None,

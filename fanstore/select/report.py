@@ -57,6 +57,9 @@ def _cand_json(res: "SelectionResult", c: "CandidateResult") -> dict[str, Any]:
         "raw_fraction": _num(c.raw_fraction, 4),
         "measured_mb": _num(c.measured_bytes / MB, 2),
     }
+    if c.solid:
+        out["solid_kb"] = c.solid >> 10
+        out["read_amplification"] = _num(c.cost.read / c.cost.stored, 2)
     if c.kinds is None:
         out.update(node_mb_per_s=_num(c.node_rate / MB),
                    node_files_per_s=_num(res.files_rate(c.node_rate)),
@@ -161,7 +164,7 @@ def not_met_message(res: "SelectionResult") -> str:
             f"candidate, {c.label}, reaches {_rate(c.node_rate)} (ratio {c.cost.ratio:.2f}x)")
     if res.per_kind is not None and res.per_kind_cost is not None:
         text += f", the fastest per-kind mix {_rate(res.per_kind_rate or 0.0)}"
-    if c.cost.stored > 0 and b.storage / c.cost.stored < b.required:
+    if c.cost.read > 0 and b.storage / c.cost.read < b.required:
         text += f" and storage reads at {_rate(b.storage)} cap it"
     return text
 

@@ -102,6 +102,7 @@ class CandidateResult:
     meets: bool
     chosen: bool = False
     kinds: list[str] | None = None  # per-kind extras: the kinds it was measured on
+    solid: int = 0  # solid block size (bytes), 0: none
 
 
 @dataclass
@@ -245,9 +246,12 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
         # A dictionary is stored once: charge it per raw byte of the kinds that use it.
         extra = cand.overhead / sum(sample.kinds[k].raw_bytes for k in measures[cand.label])
         for k, m in measures[cand.label].items():
-            decode = (m.decode_s + m.raw_unit_bytes * base[k].copy) / m.raw_bytes
-            results[k].costs[cand.label] = Cost(m.stored_bytes / m.raw_bytes + extra,
-                                                decode + base[k].checksum)
+            # Solid blocks: a read decodes and checks its whole block (amplification).
+            amp = m.amplification
+            decode = (m.decode_s + m.raw_unit_bytes * base[k].copy) / m.raw_bytes * amp
+            stored = m.stored_bytes / m.raw_bytes
+            results[k].costs[cand.label] = Cost(stored + extra, decode + base[k].checksum * amp,
+                                                stored * amp if cand.solid else None)
             results[k].decode_s[cand.label] = decode
     weights = {k: float(sample.kinds[k].raw_bytes) for k in kinds}
     wsum = sum(weights.values())
@@ -281,7 +285,7 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
             measured / enc_s / MB if enc_s > 0 else math.inf, measured,
             sum(m.raw_unit_bytes for m in ms) / measured if measured else 0.0,
             rate, cand.kinds is None and policy.meets(cost, budget),
-            kinds=None if cand.kinds is None else sorted(cand.kinds)))
+            kinds=None if cand.kinds is None else sorted(cand.kinds), solid=cand.solid))
     single_costs = {c.label: c.cost for c in cand_results if c.kinds is None}
     chosen, met = policy.choose(single_costs, budget, order)
     for c in cand_results:
@@ -317,10 +321,13 @@ def _measure_all(sample: Sample, kinds: list[str], cands: list[Candidate],
             mine = [k for k in kinds if cand.kinds is None or k in cand.kinds]
             mine_bytes = sum(sample.kinds[k].sample_bytes for k in mine)
             try:
-                out[cand.label] = {
-                    k: bench.measure(cand.codec, sample.kinds[k].units, options.encode_seconds
-                                     * sample.kinds[k].sample_bytes / mine_bytes)
-                    for k in mine}
+                out[cand.label] = {}
+                for k in mine:
+                    budget = options.encode_seconds * sample.kinds[k].sample_bytes / mine_bytes
+                    units = sample.kinds[k].units
+                    out[cand.label][k] = (
+                        bench.measure_solid(cand.codec, units, budget, cand.solid)
+                        if cand.solid else bench.measure(cand.codec, units, budget))
             except (CodecError, FanStoreError) as exc:
                 if cand.label == "none":
                     raise
@@ -344,17 +351,21 @@ def policy_from_selection(result: SelectionResult):
     from fanstore.pack import CodecPolicy
 
     if not result.budget_met:
+        solid = result.candidate(result.chosen).solid
         raise BudgetNotMetError(result.not_met_message() + "; to pack anyway, give the "
-                                f"codec: --codec {_packable(result.chosen_codec)}")
-    default = result.chosen_codec
+                                f"codec: --codec {_packable(result.chosen_codec)}"
+                                + (f" --solid-kb {solid >> 10}" if solid else ""))
+    chosen = result.candidate(result.chosen)
+    default = chosen.codec
     if result.per_kind is None:
-        return CodecPolicy(default)
-    by_kind = {}
+        return CodecPolicy(default, solid=chosen.solid)
+    by_kind, solid_by_kind = {}, {}
     for kind, label in result.per_kind.items():
-        codec = result.candidate(label).codec
-        if codec != default:
-            by_kind[kind] = codec
-    return CodecPolicy(default, by_kind)
+        cand = result.candidate(label)
+        if cand.codec != default or cand.solid != chosen.solid:
+            by_kind[kind] = cand.codec
+            solid_by_kind[kind] = cand.solid
+    return CodecPolicy(default, by_kind, chosen.solid, solid_by_kind)
 
 
 def _packable(codec: Codec) -> str:
@@ -364,4 +375,4 @@ def _packable(codec: Codec) -> str:
         parse_spec(spec)
         return spec
     except Exception:  # noqa: BLE001 - zstd:3+dict and the like
-        return spec.split("+", 1)[0]
+        return spec  # pack trains the dictionaries itself (--codec zstd:L+dict)
