@@ -306,3 +306,84 @@ def test_default_pack_of_a_tree_without_data(tmp_path, tree):
     with fanstore.open_store(str(tmp_path / "s")) as store:
         assert sorted(store.files()) == ([f"e{i}" for i in range(5)] if tree != "nothing"
                                          else [])
+
+
+# --------------------------------------------------------------------------- select
+
+
+def _select_json(src, *args, env=None, timeout=300):
+    proc = run_cli("select", src, "--json", "--sample-mb", "4", "--storage-mb-per-sec", "1000",
+                   *args, env=env, timeout=timeout)
+    assert_no_traceback(proc)
+    assert proc.returncode in (0, 3), proc.stderr
+    return json.loads(proc.stdout), proc
+
+
+@pytest.mark.parametrize("reader", ["api", pytest.param("mount", marks=needs_fuse)])
+def test_select_calibrates_the_reader(text_tree, tmp_path, reader):
+    """The read path is measured through the public interfaces on a temporary store, charged
+    per file, and reported; nothing of the calibration is left behind."""
+    work = tmp_path / "tmp"
+    work.mkdir()
+    doc, proc = _select_json(text_tree[0], "--reader", reader, env={"TMPDIR": str(work)})
+    r = doc["reader"]
+    assert r["reader"] == reader and r["readers"] == doc["budget"]["cores"]
+    assert r["files"] >= 64 and r["per_file_us"] > 0 and r["per_chunk_us"] >= 0
+    cands = {c["codec"]: c for c in doc["candidates"]}
+    # Every candidate's rates are the reader's: below what the per-file cost allows.
+    cap = doc["budget"]["cores"] / (r["per_file_us"] * 1e-6)
+    for c in cands.values():
+        assert 0 < c["files_per_s"] <= cap * 1.0001, c
+        assert c["files_per_s"] == c["node_files_per_s"]
+    # Dictionaries and solid blocks are candidates on small files; a solid block costs a
+    # random-order read its whole block.
+    assert {"zstd:3+dict", "zstd:19+dict", "zstd:3+solid64k"} <= set(cands)
+    assert cands["zstd:3+solid64k"]["read_amplification"] > 3
+    assert os.listdir(work) == []  # the temporary store (and mount point) are gone
+    with open("/proc/mounts") as f:
+        assert str(tmp_path) not in f.read()
+
+
+def test_select_without_a_reader_model_in_the_library(text_tree):
+    from fanstore.select import SelectionOptions, run_selection
+
+    res = run_selection(str(text_tree[0]), SelectionOptions(sample_mb=2, storage_mb_per_sec=1e3,
+                                                            progress=False))
+    assert res.reader is None and res.to_json()["reader"] is None
+
+
+@pytest.mark.parametrize("setup, args, message", [
+    ("files", ("--reader", "disk"), "argument --reader: invalid choice: 'disk'"),
+    ("nothing", (), "holds no files to sample"),
+    ("empty files", (), "holds no data to sample (5 files, all empty)"),
+    ("files", ("--sample-mb", "0"), "--sample-mb: must be positive"),
+])
+def test_select_bad_input(tmp_path, setup, args, message):
+    src = tmp_path / "src"
+    src.mkdir()
+    if setup == "empty files":
+        for i in range(5):
+            (src / f"e{i}").write_bytes(b"")
+    elif setup == "files":
+        (src / "a.txt").write_bytes(b"hello " * 1000)
+    proc = run_cli("select", src, *args)
+    assert_cli_error(proc, code=2, contains=message)
+    assert proc.stdout == ""
+
+
+def test_select_on_one_10_gb_file(tmp_path):
+    """One huge (sparse) file: the sample reads a few chunks of it, nothing divides by zero,
+    and the report is complete."""
+    src = tmp_path / "src"
+    src.mkdir()
+    with open(src / "huge.bin", "wb") as f:
+        f.truncate(10 << 30)
+    doc, proc = _select_json(src, "--reader", "api")
+    assert proc.returncode == 0
+    assert doc["sample"]["source_files"] == 1 and doc["sample"]["source_mb"] > 10_000
+    assert doc["predicted"]["ratio"] > 100 and doc["met"] is True
+    assert doc["reader"]["files"] >= 64  # the calibration repeats the one file's first chunk
+    proc = run_cli("select", src, "--sample-mb", "4", "--storage-mb-per-sec", "1000",
+                   "--reader", "api")
+    assert proc.returncode == 0 and "chosen:" in proc.stdout
+    assert_no_traceback(proc)

@@ -41,12 +41,15 @@ class Cost:
     byte on the read path (decode + checksum); ``io`` stored bytes *read* per raw byte a
     reader gets (``None``: ``stored``). They differ for solid blocks: a file read in random
     order fetches, decodes and checks its whole block, so ``cpu`` and ``io`` carry that read
-    amplification while ``stored`` (capacity) does not.
+    amplification while ``stored`` (capacity) does not; ``path`` is what the read path
+    itself (the FUSE mount or the Python API) costs one reader per raw byte, from its cost
+    per file and per chunk (0 when not calibrated).
     """
 
     stored: float
     cpu: float
     io: float | None = None
+    path: float = 0.0  # the reader's own cost per raw byte (per file and chunk; calibrate.py)
 
     @property
     def ratio(self) -> float:
@@ -85,8 +88,8 @@ class Budget:
     def work(self, cost: Cost) -> float:
         """Core-seconds per raw byte charged against :attr:`time_allowance`."""
         if self.mode == "sync":
-            return cost.cpu + cost.read / self.storage
-        return cost.cpu
+            return cost.cpu + cost.path + cost.read / self.storage
+        return cost.cpu + cost.path
 
 
 def node_rate(cost: Cost, budget: Budget) -> float:
@@ -110,7 +113,8 @@ def mix(costs: Sequence[Cost], weights: Sequence[float]) -> Cost:
     if any(c.io is not None for c in costs):
         io = sum(w * c.read for c, w in zip(costs, weights)) / total
     return Cost(sum(w * c.stored for c, w in zip(costs, weights)) / total,
-                sum(w * c.cpu for c, w in zip(costs, weights)) / total, io)
+                sum(w * c.cpu for c, w in zip(costs, weights)) / total, io,
+                sum(w * c.path for c, w in zip(costs, weights)) / total)
 
 
 def choose(costs: Mapping[str, Cost], budget: Budget, order: Sequence[str] | None = None,

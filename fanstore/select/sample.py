@@ -124,9 +124,11 @@ def draw_sample(files: list[SourceFile], target_bytes: int, chunk_size: int, see
     for f in files:
         by_kind.setdefault(file_kind(f.rel, f.size), []).append(f)
     total = sum(f.size for f in files)
+    if not files:
+        raise UsageError(f"{root or 'the source'} holds no files to sample")
     if total == 0:
         raise UsageError(f"{root or 'the source'} holds no data to sample "
-                         f"({len(files)} files, all empty)")
+                         f"({len(files):,} file{'s' if len(files) != 1 else ''}, all empty)")
     sample = Sample(root, chunk_size, seed, target_bytes, len(files), total, {})
     plans: dict[str, list[tuple[SourceFile, int]]] = {}
     for kind in sorted(by_kind):

@@ -17,6 +17,7 @@ from typing import Any
 from compressors import Codec, CodecError, parse_spec
 from fanstore.errors import BudgetNotMetError, FanStoreError, UsageError
 from fanstore.select import bench, policy
+from fanstore.select.calibrate import ReaderCost, calibrate, check_reader
 from fanstore.select.candidates import Candidate, per_kind_candidates, whole_set_candidates
 from fanstore.select.policy import Budget, Cost
 from fanstore.select.sample import Sample, draw_sample, list_source
@@ -26,6 +27,10 @@ log = logging.getLogger(__name__)
 MB = 1e6
 #: Encode time allowed per candidate over the whole sample (see bench.py).
 ENCODE_SECONDS = 4.0
+#: The default budget: this fraction of the rate the reader gets from the data stored raw
+#: (compression may cost a reader at most 10% of that rate; exactly 100% would refuse every
+#: codec on small files, where decoding costs a reader a few percent at most).
+DEFAULT_BUDGET = 0.9
 
 
 @dataclass
@@ -41,6 +46,7 @@ class SelectionOptions:
     per_kind: bool = False
     storage_mb_per_sec: float | None = None  # None: measured
     storage_dir: str | None = None  # where to measure it (None: the temp directory)
+    reader: str | None = None  # calibrate the read path: "mount", "api" (None: not modelled)
     chunk_size: int = 1 << 20
     encode_seconds: float = ENCODE_SECONDS
     progress: bool | None = None  # None: on a terminal only
@@ -56,6 +62,8 @@ class SelectionOptions:
                 raise UsageError(f"--{name.replace('_', '-')} must be a positive number")
         if self.cores is not None and self.cores < 1:
             raise UsageError("--cores must be at least 1")
+        if self.reader is not None:
+            check_reader(self.reader)
 
     @property
     def n_cores(self) -> int:
@@ -78,9 +86,22 @@ def selection_options(args: Any) -> SelectionOptions:
         seed=getattr(args, "seed", 0) or 0,
         per_kind=bool(getattr(args, "per_kind", False)),
         storage_mb_per_sec=getattr(args, "storage_mb_per_sec", None),
+        reader=getattr(args, "reader", None) or _default_reader(),
         chunk_size=(getattr(args, "chunk_kb", None) or 1024) * 1024,
         progress=False if getattr(args, "no_progress", False) else None,
     )
+
+
+def _default_reader() -> str:
+    """``mount`` where FUSE works here, else ``api`` (said once on stderr)."""
+    from fanstore.service import check_fuse_available
+
+    try:
+        check_fuse_available()
+    except FanStoreError as exc:
+        print(f"fanstore: --reader api (no FUSE here: {exc})", file=sys.stderr)
+        return "api"
+    return "mount"
 
 
 @dataclass
@@ -103,6 +124,7 @@ class CandidateResult:
     chosen: bool = False
     kinds: list[str] | None = None  # per-kind extras: the kinds it was measured on
     solid: int = 0  # solid block size (bytes), 0: none
+    by_kind: dict[str, Codec] = field(default_factory=dict)  # kinds with their own codec
 
 
 @dataclass
@@ -140,6 +162,7 @@ class SelectionResult:
     per_kind_cost: Cost | None = None
     per_kind_met: bool | None = None
     seconds: float = 0.0
+    reader: ReaderCost | None = None
 
     # ------------------------------------------------------------------ accessors
 
@@ -233,6 +256,11 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
         storage, storage_from = bench.measure_storage(options.storage_dir)
         log.info("storage read bandwidth %.0f MB/s (%s)", storage / MB, storage_from)
 
+    reader = None
+    if options.reader is not None:
+        reader = calibrate(files, options.reader, options.n_cores, options.chunk_size,
+                           options.seed, options.storage_dir)
+        log.info("reader %s", reader.describe())
     base = {k: bench.baseline(sample.kinds[k].units) for k in kinds}
     cands = whole_set_candidates(sample)
     if options.per_kind:
@@ -242,16 +270,24 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
     results = {k: KindResult(k, sample.kinds[k].files, sample.kinds[k].raw_bytes,
                              sample.kinds[k].sample_bytes, sample.kinds[k].typesize,
                              sample.kinds[k].typesize_from) for k in kinds}
+    path = _path_costs(files, sample, kinds, reader, options.chunk_size)
     for cand in cands:
-        # A dictionary is stored once: charge it per raw byte of the kinds that use it.
-        extra = cand.overhead / sum(sample.kinds[k].raw_bytes for k in measures[cand.label])
+        # A dictionary is stored once: charge it per raw byte of the kind(s) that use it.
+        spread = cand.overhead / sum(sample.kinds[k].raw_bytes for k in measures[cand.label])
         for k, m in measures[cand.label].items():
+            if cand.by_kind:
+                own = cand.codec_for(k).get_config().get("dict")
+                extra = (len(cand.codec_for(k).dict_data) / sample.kinds[k].raw_bytes
+                         if own else 0.0)
+            else:
+                extra = spread
             # Solid blocks: a read decodes and checks its whole block (amplification).
             amp = m.amplification
             decode = (m.decode_s + m.raw_unit_bytes * base[k].copy) / m.raw_bytes * amp
             stored = m.stored_bytes / m.raw_bytes
-            results[k].costs[cand.label] = Cost(stored + extra, decode + base[k].checksum * amp,
-                                                stored * amp if cand.solid else None)
+            results[k].costs[cand.label] = Cost(
+                stored + extra, decode + base[k].checksum * amp,
+                stored * amp if cand.solid else None, path.get(k, 0.0))
             results[k].decode_s[cand.label] = decode
     weights = {k: float(sample.kinds[k].raw_bytes) for k in kinds}
     wsum = sum(weights.values())
@@ -265,7 +301,8 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
     else:
         none_cost = policy.mix([results[k].costs["none"] for k in kinds],
                                [weights[k] for k in kinds])
-        required = policy.node_rate(none_cost, Budget(options.mode, 1.0, cores, storage))
+        required = DEFAULT_BUDGET * policy.node_rate(none_cost,
+                                                     Budget(options.mode, 1.0, cores, storage))
         budget_from = "default"
     budget = Budget(options.mode, required, cores, storage)
 
@@ -285,7 +322,8 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
             measured / enc_s / MB if enc_s > 0 else math.inf, measured,
             sum(m.raw_unit_bytes for m in ms) / measured if measured else 0.0,
             rate, cand.kinds is None and policy.meets(cost, budget),
-            kinds=None if cand.kinds is None else sorted(cand.kinds), solid=cand.solid))
+            kinds=None if cand.kinds is None else sorted(cand.kinds), solid=cand.solid,
+            by_kind=dict(cand.by_kind)))
     single_costs = {c.label: c.cost for c in cand_results if c.kinds is None}
     chosen, met = policy.choose(single_costs, budget, order)
     for c in cand_results:
@@ -296,7 +334,7 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
         files=sample.files, raw_bytes=sample.raw_bytes, sample_bytes=sample.sample_bytes,
         sample_units=sample.units, storage_from=storage_from,
         checksum_mb_per_s=wsum / sum(weights[k] * base[k].checksum for k in kinds) / MB,
-        candidates=cand_results, kinds=results, chosen=chosen, met=met)
+        candidates=cand_results, kinds=results, chosen=chosen, met=met, reader=reader)
     if options.per_kind:
         mc = policy.choose_per_kind({k: results[k].costs for k in kinds}, weights, budget,
                                     single=chosen if met else None, order=order)
@@ -308,6 +346,24 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
             results[k].chosen = chosen
     result.seconds = time.monotonic() - t_start
     return result
+
+
+def _path_costs(files, sample: Sample, kinds: list[str], reader: ReaderCost | None,
+                chunk_size: int) -> dict[str, float]:
+    """The read path's own cost per raw byte of each kind: the calibrated cost of every file
+    of the kind (per file, and per chunk beyond its first) over the kind's bytes. Empty files
+    cost a reader an open too. (Files in solid blocks are one chunk each; the kinds that
+    get solid blocks have files of one chunk anyway.)"""
+    if reader is None:
+        return {}
+    from fanstore.kinds import file_kind
+
+    seconds: dict[str, float] = {}
+    for f in files:
+        k = file_kind(f.rel, f.size)
+        seconds[k] = seconds.get(k, 0.0) + reader.file_cost(-(-f.size // chunk_size))
+    return {k: seconds.get(k, 0.0) / sample.kinds[k].raw_bytes for k in kinds
+            if sample.kinds[k].raw_bytes}
 
 
 def _measure_all(sample: Sample, kinds: list[str], cands: list[Candidate],
@@ -325,9 +381,10 @@ def _measure_all(sample: Sample, kinds: list[str], cands: list[Candidate],
                 for k in mine:
                     budget = options.encode_seconds * sample.kinds[k].sample_bytes / mine_bytes
                     units = sample.kinds[k].units
+                    codec = cand.codec_for(k)
                     out[cand.label][k] = (
-                        bench.measure_solid(cand.codec, units, budget, cand.solid)
-                        if cand.solid else bench.measure(cand.codec, units, budget))
+                        bench.measure_solid(codec, units, budget, cand.solid)
+                        if cand.solid else bench.measure(codec, units, budget))
             except (CodecError, FanStoreError) as exc:
                 if cand.label == "none":
                     raise
@@ -358,12 +415,14 @@ def policy_from_selection(result: SelectionResult):
     chosen = result.candidate(result.chosen)
     default = chosen.codec
     if result.per_kind is None:
-        return CodecPolicy(default, solid=chosen.solid)
+        return CodecPolicy(default, dict(chosen.by_kind), chosen.solid,
+                           {k: chosen.solid for k in chosen.by_kind})
     by_kind, solid_by_kind = {}, {}
     for kind, label in result.per_kind.items():
         cand = result.candidate(label)
-        if cand.codec != default or cand.solid != chosen.solid:
-            by_kind[kind] = cand.codec
+        codec = cand.by_kind.get(kind, cand.codec)
+        if codec != default or cand.solid != chosen.solid:
+            by_kind[kind] = codec
             solid_by_kind[kind] = cand.solid
     return CodecPolicy(default, by_kind, chosen.solid, solid_by_kind)
 
