@@ -136,9 +136,10 @@ def calibrate(files, reader: str, readers: int, chunk_size: int, seed: int = 0,
         t_small = _timed_pass(reader, root, [order[r::n] for r in range(n)])
         t_big = _timed_pass(reader, root, [[b] for b in big])
     finally:
-        if mounted:
-            _cli("umount", mnt, check=False)
-        shutil.rmtree(tmp, ignore_errors=True)
+        if mounted and _cli("umount", mnt, check=False) != 0:
+            _cli("umount", "--lazy", mnt, check=False)  # never leave a mount behind
+        if not os.path.ismount(mnt):  # (never delete through a mount)
+            shutil.rmtree(tmp, ignore_errors=True)
     per_byte = _copy_and_checksum_cost()
     small_bytes = sum(s for _, s in small) / len(small)
     big_bytes = big_chunks * chunk_size
@@ -229,19 +230,23 @@ def _check_fuse() -> None:
         raise CalibrationError(f"--reader mount needs FUSE: {exc}; use --reader api") from None
 
 
-def _cli(*args: str, check: bool = True) -> None:
-    """The public CLI, as a user would run it (``fanstore mount`` / ``fanstore umount``)."""
+def _cli(*args: str, check: bool = True) -> int:
+    """The public CLI, as a user would run it (``fanstore mount`` / ``fanstore umount``);
+    returns its exit status."""
     cmd = [sys.executable, "-m", "fanstore.cli", *args]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT,
                               check=False)
     except subprocess.TimeoutExpired:
+        if not check:
+            return 1
         raise CalibrationError(f"calibration: 'fanstore {' '.join(args)}' did not finish in "
                                f"{TIMEOUT:.0f} s") from None
     if check and proc.returncode != 0:
         line = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
         raise CalibrationError(f"calibration: 'fanstore {args[0]}' of a temporary store "
                                f"failed: {line.removeprefix('fanstore: error: ')}")
+    return proc.returncode
 
 
 # --------------------------------------------------------------------------- reading

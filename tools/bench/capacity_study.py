@@ -512,15 +512,80 @@ def squashfs(data_dir: str, work: str, level: int, block: str | None, jobs: int)
            "-noappend", "-no-progress", "-quiet", "-processors", str(jobs)]
     if block:
         cmd += ["-b", block]
-    t0 = time.monotonic()
+    t0, c0 = time.monotonic(), _children_cpu()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    wall = time.monotonic() - t0
+    wall, cpu = time.monotonic() - t0, _children_cpu() - c0
     size = os.path.getsize(img)
     os.unlink(img)
-    return {"store_bytes": size, "pack_wall_s": wall, "cmd": " ".join(cmd)}
+    return {"store_bytes": size, "pack_wall_s": wall, "pack_cpu_s": round(cpu, 1),
+            "cmd": " ".join(cmd)}
+
+
+# --------------------------------------------------------------------------- real packs
+
+
+def real_pack(data_dir: str, work: str, label: str, args: list[str], n_read: int,
+              seed: int) -> dict:
+    """``fanstore pack`` for real (the CLI), then a random-order read of ``n_read`` files
+    through the Python API on the store (no chunk cache): CPU µs and wall µs per file."""
+    import fanstore
+
+    dest = os.path.join(work, "store")
+    shutil.rmtree(dest, ignore_errors=True)
+    cmd = [os.path.join(os.path.dirname(sys.executable), "fanstore"), "pack", data_dir, dest,
+           "--no-progress", *args]
+    t0, c0 = time.monotonic(), _children_cpu()
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    wall, cpu_pack = time.monotonic() - t0, _children_cpu() - c0
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr.strip()}")
+    store_bytes = sum(os.path.getsize(os.path.join(dest, n)) for n in os.listdir(dest))
+    with fanstore.open_store(dest, cache_mb=0) as store:
+        files = store.files()
+        rng = np.random.default_rng(seed)
+        pick = [files[i] for i in rng.choice(len(files), min(n_read, len(files)),
+                                              replace=False)]
+        for rel in pick[:200]:  # warm the page cache and the codecs
+            store.read(rel)
+        t_cpu, t_wall = _clock(), time.perf_counter()
+        for rel in pick:
+            store.read(rel)
+        cpu, w = _clock() - t_cpu, time.perf_counter() - t_wall
+        info = store.index.meta
+    shutil.rmtree(dest, ignore_errors=True)
+    return {"option": label, "kind": "pack", "cmd": " ".join(cmd[1:]), "store_bytes": store_bytes,
+            "pack_wall_s": round(wall, 1), "pack_cpu_s": round(cpu_pack, 1),
+            "api_cpu_us_per_file": cpu / len(pick) * 1e6,
+            "api_wall_us_per_file": w / len(pick) * 1e6, "read_files": len(pick),
+            "format_version": info.get("format_version"),
+            "selection_line": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip()
+            else ""}
 
 
 # --------------------------------------------------------------------------- driver
+
+
+class _Rows(list):
+    """Result rows, each also appended to the JSONL file as soon as it is measured (a long
+    run that stops half-way keeps what it measured)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row, sort_keys=True, default=_plain) + "\n")
+
+
+def _plain(value):
+    """numpy scalars as JSON numbers and booleans."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"cannot write {type(value).__name__} as JSON")
+
 
 
 def options(levels: list[int], blocks: list[int], slow: list[int], group: bool,
@@ -565,6 +630,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-squashfs", action="store_true")
+    p.add_argument("--packs", default="default;--codec zstd:3",
+                   help="real 'fanstore pack' runs to measure, ';'-separated argument lists "
+                        "('default': no codec option); '' for none")
     p.add_argument("--jsonl", default=RESULTS)
     p.add_argument("--md", help="also write the markdown table here")
     a = p.parse_args(argv)
@@ -577,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{name}: {n_files:,} files, {data.raw_bytes / MB:,.1f} MB; training dictionaries")
     dicts = train_dicts(data, a.seed)
     lookup, names = namespace_columns(data)
-    rows = []
+    rows = _Rows(a.jsonl)
     run = common.now_utc()
     base = {"run": run, "dataset": name, "files": n_files, "raw_bytes": data.raw_bytes,
             "partitions": a.partitions, "commit": common.git_commit()}
@@ -590,6 +658,16 @@ def main(argv: list[str] | None = None) -> int:
                 r = squashfs(a.data, w, level, block, a.jobs)
                 rows.append(dict(base, option=label, kind="squashfs",
                                  ratio=data.raw_bytes / r["store_bytes"], **r))
+    if a.packs:
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(a.data))) as w:
+            for spec in a.packs.split(";"):
+                args = [] if spec.strip() == "default" else spec.split()
+                label = "fanstore pack " + (" ".join(args) or "(default)")
+                log(f"{name}: {label}")
+                r = real_pack(a.data, w, label, args, a.read_files, a.seed)
+                rows.append(dict(base, ratio=data.raw_bytes / r["store_bytes"], **r))
+                log(f"  ratio {rows[-1]['ratio']:.3f}, pack {r['pack_wall_s']} s, API read "
+                    f"{r['api_cpu_us_per_file']:.0f} µs CPU/file")
     opts = options(ints(a.levels), ints(a.blocks), ints(a.solid_slow), not a.no_group,
                    a.sample_level)
     if a.only:
@@ -621,7 +699,7 @@ def main(argv: list[str] | None = None) -> int:
                            a.seed)
         rows.append(dict(
             base, option=opt.name, kind="fanstore", level=opt.level, dict=opt.dict,
-            block_kb=opt.block >> 10, group=opt.group, sampled=prob < 1.0,
+            block_kb=opt.block >> 10, group=opt.group, sampled=bool(prob < 1.0),
             sample_fraction=round(prob, 4), chunks=len(lay.pieces),
             data_bytes=int(data_bytes), index_bytes=idx, dict_bytes=dict_bytes,
             # dictionaries live in the index's codec table: index_bytes includes them
@@ -631,11 +709,7 @@ def main(argv: list[str] | None = None) -> int:
         r = rows[-1]
         log(f"  ratio {r['ratio']:.3f}, random {r['random_us_per_file']:.1f} µs/file, "
             f"in order {r['in_order_us_per_file']:.1f} µs/file")
-    os.makedirs(os.path.dirname(a.jsonl), exist_ok=True)
-    with open(a.jsonl, "a") as f:
-        for r in rows:
-            f.write(json.dumps(r, sort_keys=True) + "\n")
-    text = render(rows, time.monotonic() - t_start)
+    text = render(list(rows), time.monotonic() - t_start)
     print(text)
     if a.md:
         with open(a.md, "w") as f:
@@ -653,14 +727,19 @@ def render(rows: list[dict], seconds: float) -> str:
            f"{r0['partitions']} partitions; run {r0['run']}, {seconds / 60:.0f} min", "",
            "| option | ratio | vs mksquashfs zstd-3 | stored MB | index MB | "
            "random read µs/file | in-order read µs/file | decoded kB/file (random) | "
-           "encode CPU s |", "|---|---|---|---|---|---|---|---|---|"]
+           "encode / pack CPU s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         vs = f"{r['ratio'] / sq['ratio']:.2f}x" if sq else "–"
+        if r["kind"] == "pack":
+            out.append(f"| {r['option']} | {r['ratio']:.3f} | {vs} | "
+                       f"{r['store_bytes'] / MB:,.1f} | – | API {r['api_cpu_us_per_file']:,.0f} "
+                       f"(CPU), {r['api_wall_us_per_file']:,.0f} (wall) | – | – | "
+                       f"{r['pack_cpu_s']:.0f} ({r['pack_wall_s']:.0f} wall) |")
+            continue
         if r["kind"] == "squashfs":
             out.append(f"| {r['option']} | {r['ratio']:.3f} | {vs} | "
                        f"{r['store_bytes'] / MB:,.1f} | – | – | – | – | "
-                       f"{r['pack_wall_s']:.0f} (wall, {r['cmd'].split('-processors ')[1][0]}"
-                       " procs) |")
+                       f"{r['pack_cpu_s']:.0f} ({r['pack_wall_s']:.0f} wall) |")
             continue
         mark = " ~" if r["sampled"] else ""
         out.append(f"| {r['option']}{mark} | {r['ratio']:.3f} | {vs} | "
