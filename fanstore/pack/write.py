@@ -472,16 +472,25 @@ def prepare(
     # Codec table: slot 0 is always "none" (stored raw).
     configs: list[dict[str, Any]] = [NONE_CONFIG]
     slot_of: dict[str, int] = {}
+    # The policy's codec objects live through the plan: remember each one's slot, since a
+    # config with a dictionary is ~150 kB of base64 to build and serialise, per file.
+    slot_of_codec: dict[int, tuple[Any, int]] = {}
 
     def slot(codec) -> int:
+        known = slot_of_codec.get(id(codec))
+        if known is not None and known[0] is codec:
+            return known[1]
         cfg = codec.get_config()
         if cfg.get("id") == "none":
-            return 0
-        key = _canon(cfg)
-        if key not in slot_of:
-            slot_of[key] = len(configs)
-            configs.append(cfg)
-        return slot_of[key]
+            number = 0
+        else:
+            key = _canon(cfg)
+            if key not in slot_of:
+                slot_of[key] = len(configs)
+                configs.append(cfg)
+            number = slot_of[key]
+        slot_of_codec[id(codec)] = (codec, number)
+        return number
 
     tmp = f"{dest}{TMP_MARK}{os.getpid()}"
     os.mkdir(tmp)
