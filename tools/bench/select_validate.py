@@ -137,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         print(result.summary_line(), file=sys.stderr)
 
         runs: list[tuple[str, object, Cost]] = []
-        chosen_policy = CodecPolicy(result.chosen_codec)
+        # The chosen candidate as pack applies it (dictionaries per kind, solid blocks).
+        chosen_policy = (policy_from_selection(result) if result.met and result.per_kind is None
+                         else CodecPolicy(result.chosen_codec))
         runs.append((f"{result.chosen} (chosen)", chosen_policy,
                      predicted_cost(result, result.chosen)))
         if a.per_kind and result.per_kind is not None:
