@@ -138,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
 
         runs: list[tuple[str, object, Cost]] = []
         # The chosen candidate as pack applies it (dictionaries per kind, solid blocks).
-        chosen_policy = (policy_from_selection(result) if result.met and result.per_kind is None
-                         else CodecPolicy(result.chosen_codec))
+        c = result.candidate(result.chosen)
+        chosen_policy = CodecPolicy(c.codec, dict(c.by_kind), c.solid,
+                                    {k: c.solid for k in c.by_kind})
         runs.append((f"{result.chosen} (chosen)", chosen_policy,
                      predicted_cost(result, result.chosen)))
         if a.per_kind and result.per_kind is not None:
