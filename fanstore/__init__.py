@@ -1,13 +1,12 @@
 """FanStore: a compressed burst-buffer object store for deep-learning training.
 
-Constants only here; see docs/architecture.md for the layers.
+Constants and the one entry point of the Python API here; see docs/architecture.md for
+the layers.
 """
 
-__version__ = "0.1.0"
+from fanstore.version import FORMAT_VERSION, __version__
 
-#: Newest on-disk format this release reads and writes (docs/format.md). A store is written
-#: in the oldest version that can hold it: v1 unless some file lives in a solid block (v2).
-FORMAT_VERSION = 2
+__all__ = ["FORMAT_VERSION", "__version__", "open_store"]
 
 
 def open_store(path_or_mount, **kwargs):

@@ -16,11 +16,17 @@ returns wrong bytes.
 
 - **Store** (``StoreReader``): the index is loaded once; files are read with ``pread`` from
   the partition files and decoded here.
-- **Mount** (``MountReader``): the index is loaded from the store the daemon serves; each
-  read asks the local daemon (a Unix socket) for the file. The daemon answers with the
-  decoded bytes when it has them (prefetch buffer, cache) or with the still-compressed
-  bytes, which it fetches from local storage or from the peer that holds them: remote files
-  work. ``prefetch(paths)`` hands the daemon the order of the next epoch (prefetch mode).
+- **Mount** (``MountReader``): the index is loaded from the store the daemon serves; files
+  whose partition is on this node's disk are read and decoded in this process, exactly as
+  from a store (so any number of reader processes scale with the cores), and only files
+  held by other nodes go through the node's daemon (a Unix socket), which fetches their
+  still-compressed bytes from the peer over MPI. In prefetch mode every read asks the daemon
+  first, which answers from its prefetch buffer. ``prefetch(paths)`` hands the daemon the
+  order of the next epoch (prefetch mode).
+
+Paths follow FanStore's one symlink rule (:meth:`fanstore.namespace.Namespace.resolve`):
+symlinks inside the store are followed when reading a file, as ``open`` on the mount does;
+``stat``, ``listdir`` and ``walk`` do not follow the last component, like ``lstat``.
 
 Both are safe to use from several threads and after ``fork`` (each process and thread gets
 its own daemon connection; file descriptors are only used with ``pread``).
@@ -29,23 +35,16 @@ its own daemon connection; file descriptors are only used with ``pread``).
 from __future__ import annotations
 
 import io
-import json
 import os
 import socket
 import stat as stat_mod
-import threading
 from dataclasses import dataclass
 from typing import Iterator
 
-from fanstore.errors import (
-    CorruptDataError,
-    FanStoreError,
-    IsADirectoryError_,
-    MountError,
-    NotFoundError,
-    UsageError,
-)
-from fanstore.format.index import INDEX_NAME, KIND_DIR, KIND_FILE, KIND_SYMLINK
+from fanstore.errors import FanStoreError, MountError, NotFoundError, UsageError
+from fanstore.format.index import INDEX_NAME, KIND_DIR
+from fanstore.read import ChunkReader, LocalPartitions, RoutedSource
+from fanstore.read.stats import SUMMED
 
 __all__ = ["open_store", "StoreReader", "MountReader", "StatResult"]
 
@@ -76,68 +75,61 @@ def open_store(path_or_mount: str, cache_mb: int = 64):
     path = os.fspath(path_or_mount)
     if os.path.isfile(os.path.join(path, INDEX_NAME)):
         return StoreReader(path, cache_mb=cache_mb)
-    from fanstore import runtime
+    from fanstore import mounttable, runtime
 
-    if runtime.mount_status(path) == "live" and os.path.exists(runtime.socket_path(path)):
-        return MountReader(path)
+    if mounttable.mount_status(path) == "live" and os.path.exists(runtime.socket_path(path)):
+        return MountReader(path, cache_mb=cache_mb)
     if not os.path.exists(path):
         raise NotFoundError(f"{path}: no such store or mount point")
     raise UsageError(f"{path}: neither a FanStore store nor a live FanStore mount")
 
 
 class _Reader:
-    """What both readers share: the namespace and decoding, on this side."""
+    """What both readers share: the namespace and the read core, in this process."""
 
-    def _init_index(self, index) -> None:
+    reader: ChunkReader
+
+    def _init(self, index, reader: ChunkReader) -> None:
         from fanstore.namespace import Namespace
-        from fanstore.store import Decoder
 
         self.index = index
         self.ns = Namespace(index)
-        self.decoder = Decoder(index)
+        self.reader = reader
+        self._pid = os.getpid()
+
+    def _after_fork(self) -> None:
+        if os.getpid() != self._pid:
+            self.reader.after_fork()
+            self._pid = os.getpid()
 
     # ------------------------------------------------------------------ namespace
-    def _entry(self, path: str | bytes) -> int:
-        return self.ns.resolve(path)
-
     def _file(self, path: str | bytes) -> int:
-        entry = self._entry(path)
-        kind = self.ns.kind(entry)
-        if kind == KIND_DIR:
-            raise IsADirectoryError_(f"{_show(path)}: is a directory")
-        if kind == KIND_SYMLINK:  # follow (within the store), as open() would
-            target = self._follow(entry)
-            return self._file(target)
-        return entry
-
-    def _follow(self, entry: int, depth: int = 0) -> bytes:
-        if depth > 40:
-            raise FanStoreError(f"{self.ns.show(entry)}: too many levels of symbolic links")
-        import posixpath
-
-        base = posixpath.dirname(self.ns.path(entry))
-        return posixpath.normpath(posixpath.join(base, self.ns.readlink(entry)))
+        return self.ns.file_entry(path)
 
     def exists(self, path: str | bytes) -> bool:
-        return self.index.resolve(path) is not None
+        try:
+            self.ns.resolve(path)
+        except FanStoreError:
+            return False
+        return True
 
     def stat(self, path: str | bytes) -> StatResult:
-        s = self.ns.stat(self._entry(path))
+        s = self.ns.stat(self.ns.resolve(path))
         return StatResult(s.mode, s.size if s.kind != KIND_DIR else 4096, s.mtime_ns,
                           s.entry + 1, s.nlink)
 
     def listdir(self, path: str | bytes = "") -> list[str]:
-        entry = self._entry(path)
+        entry = self.ns.resolve(path, follow=True)
         return [os.fsdecode(self.ns.name(c)) for c in self.ns.children(entry)]
 
     def files(self, root: str | bytes = "") -> list[str]:
         """Every regular file below ``root`` (relative to the store root), sorted."""
-        start = self._entry(root)
+        start = self.ns.resolve(root, follow=True)
         return sorted(os.fsdecode(self.ns.path(e)) for e in self.ns.walk_files(start))
 
     def walk(self, root: str | bytes = "") -> Iterator[tuple[str, list[str], list[str]]]:
         """Like ``os.walk`` (top-down), paths relative to the store root."""
-        stack = [self._entry(root)]
+        stack = [self.ns.resolve(root, follow=True)]
         while stack:
             d = stack.pop()
             dirs, files = [], []
@@ -151,14 +143,29 @@ class _Reader:
         """The whole content of a file, checked against its checksums."""
         return self.read_entry(self._file(path))
 
+    def read_entry(self, entry: int) -> bytes:
+        self._after_fork()
+        data = self.reader.read_all(entry)
+        self._count(data)
+        return data
+
+    def read_range(self, path: str | bytes, offset: int, size: int) -> bytes:
+        """Bytes [offset, offset+size) of a file (decodes only the chunks needed)."""
+        self._after_fork()
+        data = bytes(self.reader.read(self._file(path), offset, size))
+        self._count(data)
+        return data
+
+    def _count(self, data: bytes) -> None:
+        stats = self.reader.stats
+        stats.reads += 1
+        stats.bytes_returned += len(data)
+
     def open(self, path: str | bytes, mode: str = "rb") -> io.BufferedReader:
         """A read-only binary file object (the whole file is read and checked on open)."""
         if mode not in ("r", "rb"):
             raise UsageError(f"FanStore files are read-only (mode {mode!r})")
         return io.BufferedReader(_BytesRaw(self.read(path), _show(path)))
-
-    def read_entry(self, entry: int) -> bytes:  # pragma: no cover - per reader
-        raise NotImplementedError
 
     def close(self) -> None:
         pass
@@ -193,6 +200,19 @@ class _BytesRaw(io.RawIOBase):
         return self._buf.tell()
 
 
+def _node_index(path: str | None):
+    """The node daemon's shared copy of the index (mapped, not read: every reader process
+    of the node shares its pages), or None if it cannot be used."""
+    from fanstore.format.index import map_index_body
+
+    if not path:
+        return None
+    try:
+        return map_index_body(path)
+    except (OSError, FanStoreError):
+        return None
+
+
 def _show(path) -> str:
     return os.fsdecode(path) if isinstance(path, bytes) else str(path)
 
@@ -208,26 +228,13 @@ class StoreReader(_Reader):
 
         self.path = path
         self._store = LocalStore(path, cache_bytes=cache_mb << 20)
-        self._init_index(self._store.index)
-        self._pid = os.getpid()
-
-    def _after_fork(self) -> None:
-        # A lock held by another thread at fork time would stay held in the child forever.
-        if os.getpid() != self._pid:
-            self._store._lock = threading.Lock()
-            self._pid = os.getpid()
-
-    def read_entry(self, entry: int) -> bytes:
-        self._after_fork()
-        return self._store.read(entry)
-
-    def read_range(self, path: str | bytes, offset: int, size: int) -> bytes:
-        """Bytes [offset, offset+size) of a file (decodes only the chunks needed)."""
-        self._after_fork()
-        return self._store.read(self._file(path), offset, size)
+        self._init(self._store.index, self._store.reader)
 
     def prefetch(self, paths, client: str | None = None) -> None:
         """Nothing to do for a store read in-process (the page cache reads ahead)."""
+
+    def stats(self) -> dict:
+        return self.reader.stats.to_json(self.reader.cache)
 
     def close(self) -> None:
         self._store.close()
@@ -237,81 +244,32 @@ class StoreReader(_Reader):
 
 
 class MountReader(_Reader):
-    """Reads a live mount through its local daemon: remote files work, no FUSE round trips."""
+    """Reads a live mount: local partitions in this process, other nodes' via the daemon."""
 
-    def __init__(self, mountpoint: str, timeout: float = 120.0) -> None:
-        from fanstore import runtime
+    def __init__(self, mountpoint: str, timeout: float = 120.0, cache_mb: int = 64) -> None:
+        from fanstore.control import ControlClient, NodeSource
         from fanstore.format.index import read_index
 
         self.mountpoint = mountpoint
-        self.timeout = timeout
-        self._sock_path = runtime.socket_path(mountpoint)
-        self._local = threading.local()
-        info = self._request({"op": "info"})[0]
+        self.client = ControlClient(mountpoint, timeout)
+        info = self.client.request({"op": "info"})[0]
         self.mode = info.get("mode", "sync")
         self.store_path = info.get("store") or ""
         if not self.store_path:
             raise MountError(f"{mountpoint}: the daemon did not say which store it serves")
-        self._init_index(read_index(self.store_path))
+        index = _node_index(info.get("index_copy")) or read_index(self.store_path)
+        local = [int(p) for p in info.get("local_parts", [])]
+        self._parts = LocalPartitions(info.get("data_dir") or self.store_path, index, local)
+        remote = set(range(len(index.partitions))) - set(local)
+        source = RoutedSource(self._parts, NodeSource(
+            self.client, remote, {int(p) for p in info.get("replicated", [])}))
+        self._init(index, ChunkReader(index, source, cache_bytes=cache_mb << 20))
 
-    # ------------------------------------------------------------------ the connection
-    def _conn(self):
-        conn = getattr(self._local, "conn", None)
-        if conn is None or self._local.pid != os.getpid():
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.settimeout(self.timeout)
-            try:
-                s.connect(self._sock_path)
-            except OSError as exc:
-                s.close()
-                raise MountError(f"{self.mountpoint}: cannot reach the daemon: "
-                                 f"{exc.strerror}") from None
-            conn = (s, s.makefile("rb"))
-            self._local.conn = conn
-            self._local.pid = os.getpid()
-        return conn
-
-    def _drop(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        self._local.conn = None
-        if conn is not None and self._local.pid == os.getpid():
-            try:
-                conn[1].close()
-                conn[0].close()
-            except OSError:
-                pass
-
-    def _request(self, req: dict) -> tuple[dict, bytes]:
-        sock, rfile = self._conn()
-        try:
-            sock.sendall(json.dumps(req).encode() + b"\n")
-            line = rfile.readline()
-            if not line:
-                raise MountError(f"{self.mountpoint}: the daemon closed the connection")
-            reply = json.loads(line)
-            payload = rfile.read(reply.get("size", 0)) if reply.get("size") else b""
-            if len(payload) != reply.get("size", 0):
-                raise MountError(f"{self.mountpoint}: the daemon sent a short reply")
-        except (OSError, ValueError) as exc:
-            self._drop()
-            if isinstance(exc, FanStoreError):
-                raise
-            raise MountError(f"{self.mountpoint}: talking to the daemon failed: {exc}") from None
-        if "error" in reply:
-            err = (CorruptDataError if reply.get("errno") == 5 else MountError)(reply["error"])
-            raise err
-        return reply, payload
-
-    # ------------------------------------------------------------------ data
     def read_entry(self, entry: int) -> bytes:
-        reply, payload = self._request({"op": "fetch", "entry": entry})
-        if reply["kind"] == "raw":
-            return payload
-        from fanstore.store import file_bytes
-
-        first, count = self.ns.chunks(entry)
-        chunks = self.decoder.decode_run(first, count, payload, entry)
-        return bytes(file_bytes(chunks, self.ns.data_offset(entry), self.ns.size(entry)))
+        if self.mode == "prefetch":  # the daemon may hold it decoded already
+            self._after_fork()
+            return self.client.request({"op": "fetch", "entry": entry})[1]
+        return super().read_entry(entry)
 
     def prefetch(self, paths, client: str | None = None) -> dict:
         """Hand the daemon the order in which ``paths`` will be read (prefetch mode).
@@ -320,13 +278,19 @@ class MountReader(_Reader):
         process), so processes sharing the node's mount do not replace each other's.
         """
         name = client or f"{socket.gethostname()}:{os.getpid()}"
-        reply, _ = self._request({"op": "prefetch", "paths": [_show(p) for p in paths],
-                                  "client": name})
+        reply, _ = self.client.request({"op": "prefetch", "paths": [_show(p) for p in paths],
+                                        "client": name})
         return reply
 
     def stats(self) -> dict:
-        return self._request({"op": "stats"})[0]
+        """The node's counters, with this process's own reads added to them."""
+        out = self.client.request({"op": "stats"})[0]
+        mine = self.reader.stats.to_json(self.reader.cache)
+        for key in SUMMED:
+            if key in mine and key != "cache_budget":
+                out[key] = out.get(key, 0) + mine[key]
+        return out
 
     def close(self) -> None:
-        self._drop()
-
+        self.client.close()
+        self._parts.close()

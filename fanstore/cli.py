@@ -15,10 +15,16 @@ import sys
 import time
 from typing import Any
 
-from fanstore import __version__
+from fanstore.version import __version__
 from fanstore.errors import FanStoreError, MountError, UsageError
 
 log = logging.getLogger("fanstore")
+
+
+#: The FUSE frontend of ``fanstore mount`` unless --frontend or $FANSTORE_FRONTEND says
+#: otherwise: "auto" is the kernel-protocol frontend, or pyfuse3 in prefetch mode
+#: (launch.resolve_frontend; docs/benchmarks.md says why).
+DEFAULT_FRONTEND = "auto"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -57,13 +63,25 @@ _positive_float = _number(float, 0.0, strict=True)
 
 
 def cmd_pack(args) -> int:
-    from fanstore.pack import PackOptions, pack
+    from fanstore import storage
+    from fanstore.pack import PackOptions, pack, pack_any
+    from fanstore.pack.sources import detect
 
+    _storage_setup(args)
     extra: dict[str, Any] = {}
     scanned: dict[str, Any] = {}
+    kind = detect(args.src)[0]
+    if kind != "directory":
+        # The selectors and solid blocks sample and plan a tree; a streamed source is packed
+        # as it is read, with one codec.
+        if args.codec == "auto" or (args.codec or "").endswith("+dict") or args.solid_kb:
+            what = ("--codec auto" if args.codec == "auto" else
+                    "--solid-kb" if args.solid_kb else f"--codec {args.codec}")
+            raise UsageError(f"{what} needs a directory source; with a {kind} source give "
+                             "a codec (e.g. --codec zstd:3)")
 
     def make_policy():
-        policy, meta = _pack_policy(args, scanned)
+        policy, meta = _pack_policy(args, scanned, kind)
         extra.update(meta)
         return policy
 
@@ -76,38 +94,53 @@ def cmd_pack(args) -> int:
         broadcast=args.broadcast or [],
         progress=None if not args.no_progress else False,
         extra_meta=extra,
+        notify=lambda text: print(f"fanstore: {text}", file=sys.stderr, flush=True),
     )
     if args.solid_kb is not None and args.solid_kb * 1024 > options.chunk_size:
         raise UsageError(f"--solid-kb {args.solid_kb} is larger than the chunk size "
                          f"({args.chunk_kb} KiB; raise --chunk-kb)")
-    if _mpi_launcher_world() is not None:
+    from fanstore.daemon.world import launcher_world_size
+
+    if launcher_world_size() is not None:
         # One rank per node: rank 0 plans and writes the index, every rank compresses.
         from fanstore.daemon.mpipack import pack_mpi
+
+        if kind != "directory" or storage.is_url(args.dest):
+            raise UsageError("a pack across MPI ranks needs a directory source and a "
+                             "destination on a shared file system; run one process for "
+                             "an archive, S3 source or S3 destination")
 
         summary = pack_mpi(args.src, args.dest, make_policy, options)
         if summary is None:
             return 0
-    else:
+    elif kind == "directory" and not storage.is_url(args.dest):
         from fanstore.pack.write import check_arguments
 
         check_arguments(args.src, args.dest, options)  # before a selection takes seconds
         policy = make_policy()
         summary = pack(args.src, args.dest, policy, options, scan=scanned.get("scan"))
+    else:
+        summary = pack_any(args.src, args.dest, make_policy(), options)
     for line in summary.lines():
         print(line)
     return 0
 
 
-def _pack_policy(args, scanned: dict[str, Any]):
+def _pack_policy(args, scanned: dict[str, Any], source_kind: str = "directory"):
     """The codec policy of ``fanstore pack``: ``--codec SPEC`` (pinned), ``SPEC+dict``
     (zstd with a dictionary per kind of small files), ``auto`` (the full selector), or by
-    default the quick selection. Returns (policy, index metadata to record)."""
+    default the quick selection (zstd:3 for a streamed source: nothing to sample before it
+    is read). Returns (policy, index metadata to record)."""
     from compressors import CodecError, parse_spec
     from fanstore.pack import CodecPolicy
 
     spec = args.codec
     meta: dict[str, Any] = {}
-    if spec == "auto":
+    if spec is None and source_kind != "directory":
+        print(f"fanstore: a {source_kind} source is packed with zstd:3 (the quick selection "
+              "samples a directory; --codec pins another)", file=sys.stderr)
+        policy = CodecPolicy(parse_spec("zstd:3"))
+    elif spec == "auto":
         policy, meta = _auto_policy(args)
     elif spec is None or spec.endswith("+dict"):
         from fanstore.select import quick
@@ -169,145 +202,63 @@ def _auto_policy(args):
 
 
 def cmd_mount(args) -> int:
-    from fanstore import runtime
-    from fanstore.service import check_fuse_available
+    from fanstore import launch
+    from fanstore.daemon.node import NodeOptions
+    from fanstore.frontend import MountOptions
 
-    runtime.limit_malloc_arenas()  # before any thread: the daemons inherit it
-    check_fuse_available()
-    mpi_world = _mpi_launcher_world()
-    if mpi_world is not None:
-        from fanstore.daemon.node import mount_mpi
+    _storage_setup(args)
+    from fanstore.storage import is_url
 
-        return mount_mpi(args)
-    if args.local_dir or args.replicas != 1:
-        # Single rank: staging still works (copy every partition to --local-dir).
-        from fanstore.daemon.node import mount_mpi
-
-        return mount_mpi(args)
-    store = args.store
-    mountpoint = args.mountpoint
-    from fanstore.fuse.mount import prepare_mountpoint
-
-    # Here, before going to the background: a stale mount's clean-up message and a bad
-    # mount point must reach the user, not the daemon's log.
-    prepare_mountpoint(mountpoint)
-    if args.foreground:
-        _setup_logging(args, stream=sys.stderr)
-        _mount_single(args, store, mountpoint, on_ready=lambda: print(
-            f"fanstore: mounted {store} at {mountpoint} (foreground; Ctrl-C unmounts)",
-            file=sys.stderr, flush=True))
-        return 0
-    return _daemonize(args, lambda on_ready: _mount_single(args, store, mountpoint, on_ready))
-
-
-def _mount_single(args, store: str, mountpoint: str, on_ready) -> None:
-    from fanstore.fuse.mount import MountOptions
-    from fanstore.service import mount_local
-
-    options = MountOptions(cache_mb=args.cache_mb, threads=args.threads,
+    if is_url(args.store) and not args.local_dir:
+        raise UsageError(f"{args.store} is in object storage: mounting it needs --local-dir "
+                         "(node-local storage to stage its partitions into)")
+    options = NodeOptions(
+        store=args.store, mountpoint=args.mountpoint,
+        mount=MountOptions(frontend=args.frontend, cache_mb=args.cache_mb,
+                           threads=args.threads, workers=args.workers,
                            allow_other=args.allow_other, mode=args.mode,
-                           prefetch_mb=args.prefetch_mb)
-    mount_local(store, mountpoint, options, on_ready=on_ready)
+                           prefetch_mb=args.prefetch_mb),
+        local_dir=args.local_dir, replicas=args.replicas, remote_timeout=args.remote_timeout,
+        keep_local=args.keep_local, stage_jobs=args.stage_jobs)
+
+    def notify(text: str) -> None:
+        print(f"fanstore: {text}", file=sys.stderr, flush=True)
+
+    outcome = launch.mount(options, foreground=args.foreground, debug=args.debug,
+                           log_file=args.log, notify=notify)
+    if outcome.error is not None:
+        print(f"fanstore: error: {outcome.error}", file=sys.stderr, flush=True)
+    if outcome.hard_exit:  # an MPI rank that must not finalize, a hydra shim, a daemon
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(outcome.code)
+    return outcome.code
 
 
-def _mpi_launcher_world() -> int | None:
-    """World size if we run under an MPI launcher with more than one rank, else None."""
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"):
-        value = os.environ.get(var)
-        if value and value.isdigit() and int(value) > 1:
-            return int(value)
-    if os.environ.get("SLURM_STEP_ID") is not None:
-        ntasks = os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS")
-        if ntasks and ntasks.isdigit() and int(ntasks) > 1:
-            return int(ntasks)
-    return None
+def _storage_setup(args) -> None:
+    """Object-storage settings of this command (inherited by forked workers and daemons)."""
+    from fanstore import storage
 
-
-def _daemonize(args, body) -> int:
-    """Run ``body(on_ready)`` in a background child; return once it reports ready or fails."""
-    from fanstore import runtime
-
-    runtime.runtime_dir(args.mountpoint, create=True)
-    log_file = args.log or runtime.log_path(args.mountpoint)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the daemon
-        os.close(r)
-        code = 0
-        try:
-            os.setsid()
-            fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            null = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(null, 0)
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            os.close(fd)
-            os.close(null)
-            sys.stdout = open(1, "w", buffering=1, closefd=False)
-            sys.stderr = open(2, "w", buffering=1, closefd=False)
-            _setup_logging(args, stream=sys.stderr)
-
-            def on_ready() -> None:
-                os.write(w, b"ready\n")
-
-            body(on_ready)
-        except FanStoreError as exc:
-            log.error("%s", exc)
-            _pipe_write(w, f"error: {exc}")
-            code = exc.exit_code
-        except BaseException as exc:  # noqa: BLE001 - the daemon must report, not vanish
-            log.exception("daemon failed")
-            _pipe_write(w, f"error: internal error ({type(exc).__name__}: {exc}); see {log_file}")
-            code = 70
-        finally:
-            try:
-                os.close(w)
-            except OSError:
-                pass
-        os._exit(code)
-    os.close(w)
-    data = b""
-    while True:
-        chunk = os.read(r, 4096)
-        if not chunk:
-            break
-        data += chunk
-        if data.startswith(b"ready\n"):
-            break
-    os.close(r)
-    if data.startswith(b"ready\n"):
-        return 0
-    _, status = os.waitpid(pid, 0)
-    text = data.decode(errors="replace").strip()
-    if text.startswith("error: "):
-        err = MountError(text[len("error: "):])
-        err.exit_code = os.waitstatus_to_exitcode(status) or 1
-        raise err
-    raise MountError(f"the daemon exited before the mount was ready; see {log_file}")
-
-
-def _pipe_write(fd: int, text: str) -> None:
-    try:
-        os.write(fd, text.encode(errors="replace")[:4000])
-    except OSError:
-        pass
+    storage.set_default_options(storage.parse_storage_options(
+        getattr(args, "storage_options", None)))
 
 
 def cmd_umount(args) -> int:
-    from fanstore import runtime
+    from fanstore import control, mounttable, runtime
+    from fanstore.process import pid_alive
 
     mnt = args.mountpoint
-    status = runtime.mount_status(mnt)
+    status = mounttable.mount_status(mnt)
     state = runtime.read_state(mnt) or {}
     pid = state.get("pid")
     if status == "none":
-        if runtime.pid_alive(pid) and state.get("phase") not in ("stopped", "failed"):
-            runtime.control(mnt, {"op": "shutdown", "reason": "fanstore umount"})
+        if pid_alive(pid) and state.get("phase") not in ("stopped", "failed"):
+            control.control(mnt, {"op": "shutdown", "reason": "fanstore umount"})
             _wait_pid(pid, args.timeout, mnt)
             return 0
         raise MountError(f"{mnt} is not mounted")
     if status == "stale":
-        ok, msg = runtime.fusermount_unmount(mnt, lazy=True)
+        ok, msg = mounttable.fusermount_unmount(mnt, lazy=True)
         if not ok:
             raise MountError(f"{mnt}: cannot clean up the stale mount: {msg}")
         print(f"fanstore: {mnt}: cleaned up a stale mount (its daemon had died)", file=sys.stderr)
@@ -315,9 +266,9 @@ def cmd_umount(args) -> int:
     # Unmount from outside (not lazily unless asked): a busy mount is refused instead of
     # being detached under its readers. The daemon sees its mount go, exits (or, in a
     # multi-rank job, keeps serving its peers until every rank is done).
-    ok, msg = runtime.fusermount_unmount(mnt, lazy=args.lazy)
+    ok, msg = mounttable.fusermount_unmount(mnt, lazy=args.lazy)
     if not ok:
-        if runtime.mount_status(mnt) == "none":
+        if mounttable.mount_status(mnt) == "none":
             return 0
         if "busy" in msg.lower():
             raise MountError(f"{mnt} is busy (files or directories in use); close them or use "
@@ -330,23 +281,24 @@ def cmd_umount(args) -> int:
 
 def _wait_unmounted(pid: int, timeout: float, mnt: str) -> bool:
     """Wait until the mount is gone and its daemon has exited or is only serving peers."""
-    from fanstore import runtime
+    from fanstore import mounttable, runtime
+    from fanstore.process import pid_alive
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if runtime.mount_status(mnt) == "none":
+        if mounttable.mount_status(mnt) == "none":
             state = runtime.read_state(mnt) or {}
-            if not runtime.pid_alive(pid) or state.get("phase") in ("draining", "stopped"):
+            if not pid_alive(pid) or state.get("phase") in ("draining", "stopped"):
                 return True
         time.sleep(0.05)
     return False
 
 
 def _wait_pid(pid: int | None, timeout: float, mnt: str, must: bool = True) -> bool:
-    from fanstore import runtime
+    from fanstore.process import pid_alive
 
     deadline = time.monotonic() + timeout
-    while runtime.pid_alive(pid):
+    while pid_alive(pid):
         if time.monotonic() > deadline:
             if must:
                 raise MountError(f"{mnt}: daemon pid {pid} did not exit within {timeout:g} s")
@@ -361,21 +313,22 @@ def cmd_wait(args) -> int:
     A state left by an earlier daemon counts only once it is newer than this wait: the
     daemon being waited for may not have started yet.
     """
-    from fanstore import runtime
+    from fanstore import mounttable, runtime
+    from fanstore.process import pid_alive
 
     mnt = args.mountpoint
     start = time.time()
     deadline = time.monotonic() + args.timeout
     while True:
         state = runtime.read_state(mnt) or {}
-        current = runtime.pid_alive(state.get("pid")) or state.get("updated", 0) >= start
+        current = pid_alive(state.get("pid")) or state.get("updated", 0) >= start
         phase = state.get("phase") if current else None
-        if phase == "ready" and runtime.mount_status(mnt) == "live":
+        if phase == "ready" and mounttable.mount_status(mnt) == "live":
             return 0
         if phase in ("failed", "stopped"):
             why = f": {state['error']}" if state.get("error") else f" (phase: {phase})"
             raise MountError(f"{mnt}: the daemon stopped before the mount was ready{why}")
-        if phase and not runtime.pid_alive(state.get("pid")):
+        if phase and not pid_alive(state.get("pid")):
             raise MountError(f"{mnt}: the daemon died before the mount was ready (phase: "
                              f"{phase})")
         if time.monotonic() > deadline:
@@ -385,7 +338,7 @@ def cmd_wait(args) -> int:
 
 
 def cmd_prefetch(args) -> int:
-    from fanstore import runtime
+    from fanstore import control
 
     if args.list == "-":
         lines = sys.stdin.buffer.read().splitlines()
@@ -396,7 +349,7 @@ def cmd_prefetch(args) -> int:
         except OSError as exc:
             raise UsageError(f"{args.list}: cannot read: {exc.strerror}") from None
     paths = [os.fsdecode(line) for line in lines if line.strip()]
-    reply = runtime.control(args.mountpoint, {"op": "prefetch", "paths": paths,
+    reply = control.control(args.mountpoint, {"op": "prefetch", "paths": paths,
                                               "client": args.client}, timeout=120)
     print(f"prefetch order of {reply['files']:,} files sent"
           + (f" ({reply['unknown']:,} paths not in the store were left out)"
@@ -405,9 +358,9 @@ def cmd_prefetch(args) -> int:
 
 
 def cmd_stats(args) -> int:
-    from fanstore import runtime
+    from fanstore import control
 
-    reply = runtime.control(args.mountpoint, {"op": "stats"})
+    reply = control.control(args.mountpoint, {"op": "stats"})
     if args.json:
         print(json.dumps(reply, indent=2, sort_keys=True))
         return 0
@@ -429,6 +382,7 @@ def _open_store(path: str):
 def cmd_info(args) -> int:
     from fanstore.format.index import read_index
 
+    _storage_setup(args)
     index = read_index(args.store)
     info = _store_info(index)
     if args.json:
@@ -436,7 +390,7 @@ def cmd_info(args) -> int:
         return 0
     c = {key: info["counts"].get(key, 0)
          for key in ("files", "dirs", "symlinks", "raw_bytes", "stored_bytes")}
-    print(f"store          {os.path.abspath(args.store)}")
+    print(f"store          {_show_store(args.store)}")
     print(f"format         v{info['format_version']} ({info['created_by']})")
     print(f"entries        {c['files']:,} files, {c['dirs']:,} dirs, {c['symlinks']:,} symlinks")
     print(f"raw bytes      {c['raw_bytes']:,}")
@@ -455,6 +409,12 @@ def cmd_info(args) -> int:
         print(f"selection      {info['selection'].get('chosen')} "
               f"(mode {info['selection'].get('mode')})")
     return 0
+
+
+def _show_store(store: str) -> str:
+    from fanstore.storage import is_url
+
+    return store if is_url(store) else os.path.abspath(store)
 
 
 def _store_info(index) -> dict[str, Any]:
@@ -509,6 +469,7 @@ def cmd_ls(args) -> int:
     from fanstore.format.index import read_index
     from fanstore.namespace import Namespace
 
+    _storage_setup(args)
     ns = Namespace(read_index(args.store))
     entry = ns.resolve(args.path or "")
     entries = list(ns.children(entry)) if ns.is_dir(entry) else [entry]
@@ -575,7 +536,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     s = sub.add_parser("pack", parents=[common], help="compress a dataset into a store",
-                       description="Compress SRC into a store at DEST (partitions + index).")
+                       description="Compress SRC into a store at DEST (partitions + index). "
+                                   "SRC: a directory, a tar archive (plain, .gz, .bz2, .xz, "
+                                   ".zst), tar shards ('shards-{000..099}.tar' or a file "
+                                   "listing them), a zip archive, or s3://bucket/prefix. "
+                                   "DEST: a directory or s3://bucket/name.fs.")
     s.add_argument("src", metavar="SRC")
     s.add_argument("dest", metavar="DEST")
     s.add_argument("--partitions", type=_positive_int, default=8,
@@ -591,7 +556,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "kind, into blocks of N KiB, each compressed as one chunk (more "
                         "capacity on small files; a read decodes its whole block). 0: none")
     s.add_argument("--jobs", type=_nonneg_int, default=0,
-                   help="worker processes (default: all cores)")
+                   help="compression workers (default: all cores); with an s3:// source "
+                        "also the parallel range reads (default 8)")
     s.add_argument("--chunk-kb", type=_positive_int, default=1024,
                    help="chunk size for large files in KiB (default 1024)")
     s.add_argument("--broadcast", action="append", metavar="RELDIR",
@@ -600,6 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave out entries that cannot be packed instead of failing")
     s.add_argument("--force", action="store_true", help="replace an existing store at DEST")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_storage_args(s)
     _add_select_budget_args(s, for_pack=True)
     s.set_defaults(func=cmd_pack)
 
@@ -612,6 +579,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground")
     s.add_argument("--cache-mb", type=_nonneg_int, default=256,
                    help="decoded-chunk cache budget in MB (default 256)")
+    s.add_argument("--frontend", choices=("auto", "kernel", "pyfuse3"),
+                   default=os.environ.get("FANSTORE_FRONTEND") or DEFAULT_FRONTEND,
+                   help="how FUSE is served: kernel (the kernel's FUSE protocol spoken "
+                        "directly by --workers processes), pyfuse3 (one process, libfuse), or "
+                        "auto (kernel; pyfuse3 with --mode prefetch); default "
+                        f"$FANSTORE_FRONTEND or {DEFAULT_FRONTEND}")
+    s.add_argument("--workers", type=_nonneg_int, default=0,
+                   help="FUSE worker processes of the kernel frontend (default: the cores)")
     s.add_argument("--threads", type=_nonneg_int, default=0,
                    help="decode threads (default: 2 per core, at least 4)")
     s.add_argument("--allow-other", action="store_true",
@@ -632,7 +607,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--keep-local", action="store_true",
                    help="keep staged partitions on exit (a restart reuses them)")
     s.add_argument("--stage-jobs", type=_positive_int, default=4,
-                   help="partition copies in flight while staging (default 4)")
+                   help="partition copies in flight while staging (default 4); from an "
+                        "s3:// store: parallel range reads")
+    _add_storage_args(s)
     s.set_defaults(func=cmd_mount)
 
     s = sub.add_parser("umount", parents=[common], help="unmount a FanStore mount")
@@ -678,12 +655,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("info", parents=[common], help="describe a store")
     s.add_argument("store", metavar="STORE")
     s.add_argument("--json", action="store_true")
+    _add_storage_args(s)
     s.set_defaults(func=cmd_info)
 
     s = sub.add_parser("ls", parents=[common], help="list a directory of a store")
     s.add_argument("store", metavar="STORE")
     s.add_argument("path", metavar="PATH", nargs="?", default="")
     s.add_argument("-l", "--long", action="store_true")
+    _add_storage_args(s)
     s.set_defaults(func=cmd_ls)
 
     s = sub.add_parser("cat", parents=[common], help="write a file of a store to stdout")
@@ -700,6 +679,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--plot", metavar="FILE", help="draw ratio vs decode rate (matplotlib)")
     s.set_defaults(func=cmd_select)
     return p
+
+
+def _add_storage_args(s) -> None:
+    s.add_argument("--storage-options", metavar="JSON",
+                   help="object-storage settings beyond the AWS environment (AWS_ENDPOINT_URL, "
+                        "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION): s3fs keyword "
+                        "arguments, plus 'retries' (default 5) and 'timeout' (seconds, "
+                        "default 30), e.g. '{\"timeout\": 10}'")
 
 
 def _add_select_budget_args(s, for_pack: bool) -> None:
@@ -723,16 +710,6 @@ def _add_select_budget_args(s, for_pack: bool) -> None:
                         "hundred files through a temporary mount or the Python API) and "
                         "charged per file and per chunk: mount (default; api where FUSE is "
                         "missing) or api")
-
-
-def _setup_logging(args, stream=None) -> None:
-    level = logging.DEBUG if getattr(args, "debug", False) else logging.INFO
-    handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(logging.Formatter(
-        "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,6 +66,24 @@ class NotADirectoryError_(FanStoreError):
     errno = _errno.ENOTDIR
 
 
+class SymlinkLoopError(FanStoreError):
+    """A path crosses more symlinks than a lookup follows (a loop)."""
+
+    errno = _errno.ELOOP
+
+
+class ReadOnlyError(FanStoreError):
+    """A write to the read-only file system."""
+
+    errno = _errno.EROFS
+
+
+class InvalidRequestError(FanStoreError):
+    """An operation that does not apply to this entry (readlink of a file, ...)."""
+
+    errno = _errno.EINVAL
+
+
 class PackError(FanStoreError):
     """The source tree cannot be packed as asked (unreadable files, escaping symlinks, ...)."""
 
@@ -86,6 +104,11 @@ class RemoteError(FanStoreError):
 
 class StageError(FanStoreError):
     """Copying partitions to node-local storage failed."""
+
+
+class StorageError(FanStoreError):
+    """Object storage (S3) failed: no such bucket, refused credentials, an endpoint that
+    stopped answering after the retries, a missing optional dependency."""
 
 
 class BudgetNotMetError(FanStoreError):

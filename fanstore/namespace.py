@@ -12,7 +12,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fanstore.errors import NotADirectoryError_, NotFoundError
+from fanstore.errors import (
+    IsADirectoryError_,
+    NotADirectoryError_,
+    NotFoundError,
+    SymlinkLoopError,
+)
 from fanstore.format.index import KIND_DIR, KIND_FILE, KIND_SYMLINK, Index
 
 _TYPE_BITS = {KIND_FILE: stat_mod.S_IFREG, KIND_DIR: stat_mod.S_IFDIR,
@@ -27,6 +32,14 @@ def metadata_bytes(index: Index) -> int:
     total += len(index.targets)
     total += index.n_entries * 8  # Namespace._nlink_dirs (int64 per entry)
     return total
+
+
+#: Symlinks followed in one path lookup before giving up (Linux's limit).
+MAX_SYMLINKS = 40
+
+
+def _show(path: bytes) -> str:
+    return os.fsdecode(path) or "/"
 
 
 @dataclass(frozen=True)
@@ -120,12 +133,48 @@ class Namespace:
     def show(self, entry: int) -> str:
         return os.fsdecode(self.path(entry)) or "/"
 
-    def resolve(self, path: str | bytes) -> int:
-        """Entry for a path relative to the root (no symlinks followed); NotFoundError if none."""
-        entry = self.index.resolve(path)
-        if entry is None:
-            shown = os.fsdecode(path) if isinstance(path, bytes) else path
-            raise NotFoundError(f"{shown}: no such file or directory in the store")
+    def resolve(self, path: str | bytes, follow: bool = False) -> int:
+        """Entry for a path relative to the store root, resolved the way the mount resolves
+        it: symlinks in the middle of the path are followed; the last component is followed
+        only with ``follow`` (reading data follows, like ``open``; stat, ls and readlink do
+        not, like ``lstat``). Raises NotFoundError, NotADirectoryError_ or SymlinkLoopError.
+
+        This is FanStore's one symlink rule, used by the Python API, ``cat`` and ``ls``;
+        targets are relative and stay inside the store (the index validation refuses others).
+        """
+        if isinstance(path, str):
+            path = os.fsencode(path)
+        todo = [p for p in reversed(path.split(b"/")) if p not in (b"", b".")]
+        entry = 0
+        links = 0
+        kind = self._kind
+        while todo:
+            name = todo.pop()
+            if int(kind[entry]) != KIND_DIR:
+                raise NotADirectoryError_(f"{_show(path)}: not a directory")
+            if name == b"..":
+                entry = int(self._parent[entry])
+                continue
+            child = self.index.lookup(entry, name)
+            if child is None:
+                raise NotFoundError(f"{_show(path)}: no such file or directory in the store")
+            if int(kind[child]) == KIND_SYMLINK and (todo or follow):
+                links += 1
+                if links > MAX_SYMLINKS:
+                    raise SymlinkLoopError(f"{_show(path)}: too many levels of symbolic links")
+                target = self.index.target(child)
+                todo.extend(p for p in reversed(target.split(b"/")) if p not in (b"", b"."))
+                continue  # the target is relative to the link's directory: ``entry``
+            entry = child
+        return entry
+
+    def file_entry(self, path: str | bytes) -> int:
+        """The regular file a path names, symlinks followed (what ``open`` would read)."""
+        if isinstance(path, str):
+            path = os.fsencode(path)
+        entry = self.resolve(path, follow=True)
+        if int(self._kind[entry]) == KIND_DIR:
+            raise IsADirectoryError_(f"{_show(path.strip(b'/'))}: is a directory")
         return entry
 
     def walk_files(self, root: int = 0):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ import xxhash
 from fanstore.errors import FanStoreError, FormatError
 from fanstore.format.index import read_index
 from fanstore.namespace import Namespace
-from fanstore.store import Decoder, LocalPartitions
+from fanstore.read import ChunkReader, LocalPartitions
 
 
 @dataclass
@@ -48,45 +47,43 @@ def verify_store(path: str, jobs: int = 0, progress: bool | None = None,
                  data_dir: str | None = None, only_present: bool = False) -> VerifyReport:
     """Verify the store at ``path``; partitions are read from ``data_dir`` (default ``path``).
 
-    With ``only_present``, partitions missing from ``data_dir`` are skipped (a node-local
-    staging directory holds only this node's share) instead of reported as damage.
+    Every file is read through the read core (each chunk decoded and checked against its
+    checksum), then its whole-content checksum is checked. With ``only_present``, partitions
+    missing from ``data_dir`` are skipped (a node-local staging directory holds only this
+    node's share) instead of reported as damage.
     """
     t0 = time.monotonic()
     index = read_index(path)
     ns = Namespace(index)
-    decoder = Decoder(index)
     data_dir = data_dir or path
     if not os.path.isdir(data_dir):  # a mistyped --local-dir must not verify "all intact"
         raise FormatError(f"{data_dir}: no such directory")
     report = VerifyReport()
-    files = index.file_entries()
-    first = index.e["first"]
-    count = index.e["count"]
-    offset = index.e["offset"]
-    part_of = {}
-    for entry in files.tolist():
-        n = int(count[entry])
-        part_of[entry] = int(index.c["part"][int(first[entry])]) if n else -1
-
-    sources: dict[int, LocalPartitions] = {}
-    broken: dict[int, str] = {}
+    wanted = []
     for p in range(len(index.partitions)):
         if only_present and not os.path.exists(os.path.join(data_dir, index.partitions[p].name)):
             report.skipped_partitions.append(p)
-            continue
-        try:
-            sources[p] = LocalPartitions(data_dir, index, [p])
-        except FormatError as exc:
-            broken[p] = str(exc).split(": ", 1)[-1] if ": " in str(exc) else str(exc)
+        else:
+            wanted.append(p)
+    parts, broken = LocalPartitions.available(data_dir, index, wanted)
+    # Files that share a solid chunk (format v2) are checked one after the other (todo is
+    # sorted by first chunk below) and a one-chunk file keeps its chunk in a small LRU: a
+    # shared chunk is decoded about once, not once per file in it.
+    reader = ChunkReader(index, parts, cache_bytes=min(64 << 20, 16 * index.chunk_size))
+    part_of = index.c["part"]
+    sums = index.e["checksum"]
 
     todo = []
-    for entry in files.tolist():
-        p = part_of[entry]
+    for entry in index.file_entries().tolist():
+        first, count, _, _ = reader.span(entry)
+        p = int(part_of[first]) if count else -1
         if p in broken:
             report.damaged.append((os.fsdecode(ns.path(entry)), broken[p]))
-        elif p == -1 or p in sources:
+            report.checked += 1
+        elif p == -1 or parts.has(p):
             todo.append(entry)
-    todo.sort(key=lambda entry: int(first[entry]))
+
+    todo.sort(key=lambda entry: reader.span(entry)[0])
 
     show_bar = sys.stderr.isatty() if progress is None else progress
     bar = None
@@ -97,37 +94,16 @@ def verify_store(path: str, jobs: int = 0, progress: bool | None = None,
         bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc="verifying",
                    file=sys.stderr)
 
-    # Files in one solid chunk (format v2) are checked one after the other (todo is sorted
-    # by first chunk) and each thread keeps its last decoded chunk: a shared chunk is
-    # decoded about once, not once per file in it.
-    last = threading.local()
-
-    def decoded(k: int, entry: int) -> bytes:
-        if getattr(last, "chunk", None) == k:
-            return last.raw
-        part, off, length = decoder.run_extent(k, 1)
-        raw = decoder.decode(k, sources[part].fetch(part, off, length), entry)
-        last.chunk, last.raw = k, raw
-        return raw
-
     def check(entry: int) -> tuple[int, int, str | None]:
-        f, n = int(first[entry]), int(count[entry])
         h = xxhash.xxh3_64()
         size = 0
         try:
-            if n == 1:  # maybe a solid chunk: the file is a slice of it
-                base, want = int(offset[entry]), int(index.e["size"][entry])
-                raw = memoryview(decoded(f, entry))[base : base + want]
-                h.update(raw)
-                size += len(raw)
-            for k in range(f, f + n) if n > 1 else ():
-                raw = decoded(k, entry)
-                h.update(raw)
-                size += len(raw)
+            for data in reader.iter_file(entry, keep=reader.span(entry)[1] == 1):
+                h.update(data)
+                size += len(data)
         except FanStoreError as exc:
-            reason = str(exc).split(": ", 1)[-1]
-            return entry, size, reason
-        if h.intdigest() != int(index.e["checksum"][entry]):
+            return entry, size, str(exc).split(": ", 1)[-1]
+        if h.intdigest() != int(sums[entry]):
             return entry, size, "whole-file checksum mismatch"
         return entry, size, None
 
@@ -144,8 +120,6 @@ def verify_store(path: str, jobs: int = 0, progress: bool | None = None,
     finally:
         if bar is not None:
             bar.close()
-        for s in sources.values():
-            s.close()
-    report.checked += sum(1 for e in files.tolist() if part_of[e] in broken)
+        parts.close()
     report.seconds = time.monotonic() - t0
     return report

@@ -6,6 +6,7 @@ Fixtures (see each docstring):
 - ``special_pack`` / ``special_store`` (session): that tree packed once with
   ``SPECIAL_PACK_ARGS``.
 - ``small_tree`` / ``small_store`` (session): a few small files, for quick tests.
+- ``s3_server`` (session): a real S3 endpoint (moto server) on 127.0.0.1.
 - ``mounted`` (function) and ``module_mounted`` (module): mount factories,
   ``mnt = mounted(store, *extra_args)``; teardown always unmounts and kills the daemon.
 
@@ -96,7 +97,47 @@ def small_store(small_tree, tmp_path_factory) -> Path:
     return dest
 
 
+# --------------------------------------------------------------------------- S3
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3 endpoint (moto's server mode) on 127.0.0.1 for the whole session; see
+    ``s3_helpers.MotoServer``. Skips when moto[server] or s3fs is missing. Stopped (and
+    continued first, should a test have paused it) at session end."""
+    from s3_helpers import MotoServer, moto_available
+
+    ok, why = moto_available()
+    if not ok:
+        pytest.skip(why)
+    server = MotoServer.start(tmp_path_factory.mktemp("moto"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 # --------------------------------------------------------------------------- mounts
+
+#: Both FUSE frontends serve every mount test (``fanstore mount --frontend``).
+FRONTENDS = ("pyfuse3", "kernel")
+
+
+@pytest.fixture(scope="module", params=FRONTENDS)
+def frontend(request):
+    """Run the module's tests once per FUSE frontend: sets ``FANSTORE_FRONTEND`` (the default
+    of ``fanstore mount --frontend``) for every command the tests start, MPI ranks and Slurm
+    jobs included. Module-scoped fixtures that mount must depend on this one."""
+    old = os.environ.get("FANSTORE_FRONTEND")
+    os.environ["FANSTORE_FRONTEND"] = request.param
+    try:
+        yield request.param
+    finally:
+        if old is None:
+            os.environ.pop("FANSTORE_FRONTEND", None)
+        else:
+            os.environ["FANSTORE_FRONTEND"] = old
+
 
 
 class _Mounter:
@@ -170,16 +211,16 @@ def _fanstore_safety_net(tmp_path_factory):
     """At session end: lazily unmount every FUSE mount under the pytest temp root and kill
     every daemon the tests started (or whose command line names a path under it)."""
     yield
-    from fanstore import runtime
+    from fanstore import mounttable
 
     # Only this session's own temp root: other sessions may run concurrently.
     base = str(tmp_path_factory.getbasetemp().resolve())
-    for mnt in list(runtime.fuse_mounts()):
+    for mnt in list(mounttable.fuse_mounts()):
         if mnt.startswith(base + "/"):
             lazy_unmount(mnt)
     for pid in set(DAEMON_PIDS) | set(_daemon_pids_under(base)):
         if pid_alive(pid):
             kill_pid(pid, timeout=2)
-    for mnt in list(runtime.fuse_mounts()):  # a killed daemon may leave a stale mount
+    for mnt in list(mounttable.fuse_mounts()):  # a killed daemon may leave a stale mount
         if mnt.startswith(base + "/"):
             lazy_unmount(mnt)

@@ -406,10 +406,10 @@ def fuse_available() -> tuple[bool, str]:
 
 def is_mounted(mnt) -> bool:
     """True if ``mnt`` is listed as a FUSE mount (live or stale)."""
-    from fanstore import runtime
+    from fanstore import mounttable, runtime
 
     key = runtime.mount_key(os.fspath(mnt))
-    mounts = runtime.fuse_mounts()
+    mounts = mounttable.fuse_mounts()
     return key in mounts or os.path.abspath(mnt) in mounts
 
 
@@ -421,10 +421,25 @@ def daemon_pid(mnt) -> int | None:
     return state.get("pid")
 
 
-def pid_alive(pid: int | None) -> bool:
-    from fanstore import runtime
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (a daemon and its kernel-frontend processes)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            pass
+    return out
 
-    return runtime.pid_alive(pid)
+
+def pid_alive(pid: int | None) -> bool:
+    from fanstore import process
+
+    return process.pid_alive(pid)
 
 
 def wait_until(pred, timeout: float = 10.0, interval: float = 0.05) -> bool:

@@ -13,7 +13,7 @@ import sys
 junk = [os.urandom(random.randint(64, 8192)) + b";\n=cmd" for _ in range(20000)]
 del junk
 
-from fanstore.daemon.node import World  # noqa: E402
+from fanstore.daemon.world import World  # noqa: E402
 
 world = World.from_mpi()
 buf = bytearray(1 << 20)

@@ -120,12 +120,21 @@ def test_cat(special_tree, special_store, key):
     assert proc.stderr == b""
 
 
+def test_cat_follows_symlinks_inside_the_store(special_tree, special_store):
+    """The one symlink rule: reading a path follows symlinks, as open() on the mount does."""
+    want = open(os.path.join(special_tree["root"], "text", "hello.txt"), "rb").read()
+    for rel in ("links/to_file", "links/to_link", "links/to_dir/hello.txt"):
+        proc = run_cli("cat", special_store, rel, text=False, check=True)
+        assert proc.stdout == want, rel
+
+
 @pytest.mark.parametrize("rel, message", [
     ("text", "text: is a directory"),
     ("", "/: is a directory"),
-    ("links/to_file", "links/to_file: not a regular file"),
+    ("links/dangling", "links/dangling: no such file or directory in the store"),
+    ("links/to_dir", "links/to_dir: is a directory"),
     ("text/nope", "text/nope: no such file or directory in the store"),
-    ("text/hello.txt/x", "no such file or directory in the store"),
+    ("text/hello.txt/x", "text/hello.txt/x: not a directory"),  # ENOTDIR, as on the mount
 ])
 def test_cat_errors(special_store, rel, message):
     proc = run_cli("cat", special_store, rel)
@@ -272,7 +281,7 @@ def _bad_inputs(tmp_path, src, store):
         (("info", empty), 1, "not a FanStore store"),
         (("info", afile), 1, "cannot read index"),
         (("ls", store, "nope"), 1, "no such file or directory in the store"),
-        (("ls", store, "a.txt/x"), 1, "no such file or directory in the store"),
+        (("ls", store, "a.txt/x"), 1, "a.txt/x: not a directory"),
         (("cat", store), 2, "required"),
         (("verify", empty), 1, "not a FanStore store"),
         (("verify", store, "--jobs", "x"), 2, "expected a whole number"),

@@ -74,6 +74,9 @@ from helpers import (
 )
 from mpi_helpers import MpiJob, mpi_available, read_tree_bytes, wait_gone
 
+#: Every test here runs once per FUSE frontend (conftest.frontend).
+pytestmark = pytest.mark.usefixtures("frontend")
+
 _fuse_ok, _fuse_why = fuse_available()
 _mpi_ok, _mpi_why = mpi_available()
 

@@ -47,7 +47,8 @@ from fanstore.format.partition import (
     read_partition_header,
 )
 from fanstore.namespace import Namespace
-from fanstore.store import LocalPartitions, LocalStore
+from fanstore.read import LocalPartitions
+from fanstore.store import LocalStore
 
 GOLDEN = Path(__file__).parent / "fixtures" / "format"
 REGENERATE = "python tests/fixtures/format/regenerate.py"

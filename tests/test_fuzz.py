@@ -61,7 +61,8 @@ from fanstore.format.partition import (
     encode_partition_header,
     read_partition_header,
 )
-from fanstore.store import LocalPartitions, LocalStore
+from fanstore.read import LocalPartitions
+from fanstore.store import LocalStore
 from fanstore.verify import verify_store
 from helpers import run_cli
 
@@ -192,10 +193,10 @@ def watch_partition_reads(sizes: dict[int, int]):
     bad: list[tuple] = []
     orig_fetch, orig_into = LocalPartitions.fetch, LocalPartitions.read_into
 
-    def fetch(self, part, offset, length):
+    def fetch(self, part, offset, length, entry=None):
         if not (PARTITION_HEADER_SIZE <= offset and offset + length <= sizes.get(part, -1)):
             bad.append(("fetch", part, offset, length))
-        return orig_fetch(self, part, offset, length)
+        return orig_fetch(self, part, offset, length, entry)
 
     def read_into(self, part, offset, view):
         if not (PARTITION_HEADER_SIZE <= offset and offset + len(view) <= sizes.get(part, -1)):
@@ -218,6 +219,23 @@ _INSTALLATION = tuple(sorted(
     {os.path.realpath(p) + os.sep for p in (sys.prefix, sys.base_prefix)}
     | {os.path.realpath(str(d._path)) + os.sep for d in importlib.metadata.distributions()
        if getattr(d, "_path", None) is not None}))
+
+
+def _metadata_dirs() -> tuple[str, ...]:
+    """Metadata of installed distributions (an unknown codec id makes the registry read the
+    entry points of every distribution; an editable install keeps its egg-info in the
+    repository, outside sys.prefix)."""
+    import importlib.metadata
+
+    dirs = set()
+    for dist in importlib.metadata.distributions():
+        path = getattr(dist, "_path", None)
+        if path is not None:
+            dirs.add(os.path.realpath(os.fspath(path)) + os.sep)
+    return tuple(sorted(dirs))
+
+
+_INSTALLATION += _metadata_dirs()
 
 
 def exercise_accepted_index(base, data: bytes) -> str:

@@ -27,6 +27,9 @@ from mpi_helpers import (
     wait_gone,
 )
 
+#: Every test here runs once per FUSE frontend (conftest.frontend).
+pytestmark = pytest.mark.usefixtures("frontend")
+
 _fuse_ok, _fuse_why = fuse_available()
 _mpi_ok, _mpi_why = mpi_available()
 needs_cluster = [
@@ -129,7 +132,7 @@ def test_protocol_round_trip_and_rejects_garbage():
 
 
 @pytest.fixture(scope="module")
-def job4(dataset, tmp_path_factory):
+def job4(frontend, dataset, tmp_path_factory):
     """One healthy 4-rank job shared by the read-only tests of this module."""
     if not (_fuse_ok and _mpi_ok):
         pytest.skip(_fuse_why or _mpi_why)
@@ -160,9 +163,12 @@ class TestFourRanks:
             held = sum(p.stat().st_size for p in local.iterdir() if p.name.endswith(".fsp"))
             assert 0.1 * total < held < 0.45 * total, (rank, held, total)
 
-    def test_rank0_reads_remote_files_compressed(self, dataset, job4):
+    def test_rank0_reads_remote_files_compressed(self, dataset, job4, frontend):
         """After the whole tree is read on rank 0 (by the byte-exact test or here), its
-        remote bytes are exactly the stored sizes of the files held elsewhere."""
+        remote bytes are exactly the stored sizes of the files held elsewhere. (With the
+        kernel frontend each worker process has its own chunk cache: two workers that serve
+        READs of the same chunk at once, e.g. a read and the kernel's read-ahead, both
+        fetch it, so the bytes are at least, not exactly, the stored sizes.)"""
         src, store = dataset
         ok, wrong, errors = read_tree_bytes(src, job4.mnt(0))
         assert not wrong and not errors and ok > 200
@@ -170,7 +176,11 @@ class TestFourRanks:
         mine = set(stats["local_partitions"])
         assert mine == {0, 4}
         assert stats["remote_reads"] > 0 and stats["local_reads"] > 0
-        assert stats["remote_bytes"] == remote_stored_bytes(store, mine)
+        expected = remote_stored_bytes(store, mine)
+        if frontend == "pyfuse3":
+            assert stats["remote_bytes"] == expected
+        else:
+            assert expected <= stats["remote_bytes"] < 1.25 * expected
         assert stats["errors"] == 0
         for key in ("opens", "reads", "bytes_returned", "cache_hits", "cache_misses",
                     "decode_seconds", "remote_latency_ms_p50", "remote_latency_ms_p99"):

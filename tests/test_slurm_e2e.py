@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fanstore import runtime
+from fanstore import mounttable
 from helpers import FANSTORE, fuse_available, lazy_unmount, run_cli, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,6 +26,7 @@ VENV_BIN = os.path.dirname(sys.executable)
 
 _fuse_ok, _fuse_why = fuse_available()
 pytestmark = [
+    pytest.mark.usefixtures("frontend"),
     pytest.mark.slurm,
     pytest.mark.fuse,
     pytest.mark.mpi,
@@ -70,7 +71,7 @@ def job_output(tmp: Path) -> str:
 
 
 def fanstore_mounts_under(path: Path) -> list[str]:
-    return [m for m in runtime.fuse_mounts() if m.startswith(str(path) + "/")]
+    return [m for m in mounttable.fuse_mounts() if m.startswith(str(path) + "/")]
 
 
 def staged_files(tmp: Path) -> list[str]:

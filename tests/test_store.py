@@ -1,5 +1,5 @@
 """The read path below FUSE: namespace queries, chunk maths, the LRU, LocalStore reads,
-corruption detection, ``verify_store``, and the async ChunkStore's one-fetch-per-chunk rule."""
+corruption detection, ``verify_store``, and the async reader's one-fetch-per-chunk rule."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import stat
 import pytest
 import trio
 
-from fanstore.asyncstore import ChunkStore
+from fanstore.fuse.asyncread import AsyncReader
 from fanstore.errors import (
     CorruptDataError,
     IsADirectoryError_,
@@ -20,7 +20,8 @@ from fanstore.errors import (
 )
 from fanstore.format.index import KIND_DIR, KIND_FILE, KIND_SYMLINK
 from fanstore.format.partition import partition_name
-from fanstore.store import ChunkCache, LocalStore, assemble, chunk_span
+from fanstore.read import ChunkCache, ChunkReader, LocalPartitions, assemble, chunk_span
+from fanstore.store import LocalStore
 from fanstore.verify import verify_store
 from helpers import BIG_SIZE, MiB, copy_store, damage_file
 
@@ -135,14 +136,23 @@ def test_iter_file_gives_chunk_sized_pieces(special, special_tree):
     assert list(special.iter_file(special.file_entry("empty/empty.txt"))) == []
 
 
-def test_file_entry_refuses_non_files(special):
+def test_file_entry_follows_symlinks_like_open(special):
+    """One symlink rule everywhere: reading a path follows symlinks inside the store."""
     with pytest.raises(IsADirectoryError_) as info:
         special.file_entry("text")
     assert info.value.errno == errno.EISDIR
-    with pytest.raises(NotFoundError, match="not a regular file"):
-        special.file_entry("links/to_file")
+    hello = special.file_entry("text/hello.txt")
+    assert special.file_entry("links/to_file") == hello
+    assert special.file_entry("links/to_link") == hello  # a link to a link
+    assert special.file_entry("links/to_dir/hello.txt") == hello  # a link in the middle
+    with pytest.raises(IsADirectoryError_, match="links/to_dir: is a directory"):
+        special.file_entry("links/to_dir")
+    with pytest.raises(NotFoundError, match="links/dangling: no such file"):
+        special.file_entry("links/dangling")
     with pytest.raises(NotFoundError, match="no such file"):
         special.file_entry("nope")
+    # stat-like lookups do not follow the last component (lstat)
+    assert special.ns.kind(special.ns.resolve("links/to_file")) == KIND_SYMLINK
 
 
 def test_every_small_file_reads_back(special_store, special_tree):
@@ -215,16 +225,13 @@ def test_verify_only_present_skips_missing_partitions(small_store, tmp_path):
     assert report.damaged and all("is missing" in why for _, why in report.damaged)
 
 
-# --------------------------------------------------------------------------- ChunkStore (async)
+# --------------------------------------------------------------------------- AsyncReader
 
 
 def _chunk_store(store_path, cache_bytes):
-    from fanstore.store import Decoder, LocalPartitions
-
     local = LocalStore(str(store_path))
     parts = LocalPartitions(str(store_path), local.index)
-    return local, ChunkStore(local.ns, Decoder(local.index), parts, cache_bytes=cache_bytes,
-                             threads=4)
+    return local, AsyncReader(local.ns, ChunkReader(local.index, parts, cache_bytes), threads=4)
 
 
 @pytest.mark.parametrize("cache_bytes", [256 * MiB, 1])
@@ -259,7 +266,7 @@ def test_chunk_store_fetches_each_chunk_once_under_concurrency(special_store, sp
         assert cs.stats.local_reads >= 1
     finally:
         local.close()
-        cs.source.close()
+        cs.reader.source.close()
 
 
 def test_chunk_store_hands_one_error_to_all_waiters(damaged_small):
@@ -289,4 +296,4 @@ def test_chunk_store_hands_one_error_to_all_waiters(damaged_small):
         assert trio.run(cs.read, local.file_entry("b.bin"), 0, 4) == bytes(range(4))
     finally:
         local.close()
-        cs.source.close()
+        cs.reader.source.close()

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Install the Debian packages FanStore needs, only those that are missing.
 #   libfuse3-dev pkg-config: to build pyfuse3;  fuse3: fusermount3 and the FUSE runtime.
+#   tar zip gzip bzip2 xz-utils zstd: the tests build real archives with them.
 # Idempotent and quiet when everything is there. Needs root (or sudo) only to install.
 set -euo pipefail
-pkgs=(libfuse3-dev fuse3 pkg-config)
+pkgs=(libfuse3-dev fuse3 pkg-config tar zip gzip bzip2 xz-utils zstd)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

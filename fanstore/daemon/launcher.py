@@ -33,17 +33,22 @@ def under_hydra() -> bool:
     return bool(os.environ.get(HYDRA_ENV))
 
 
-def shim() -> None:
-    """Under hydra: return in the forked daemon; the shim itself never returns."""
+def shim() -> int | None:
+    """Under hydra, fork the daemon into its own process group.
+
+    Returns None in the daemon (and when not under hydra: nothing to do); in the shim it
+    returns, once the daemon has exited, the status the shim must exit with at once (the
+    caller exits without running anything else: this process never touched MPI).
+    """
     global launcher_pid
     if not under_hydra():
-        return
+        return None
     proxy = os.getppid()
     child = os.fork()
     if child == 0:
         os.setpgid(0, 0)
         launcher_pid = proxy
-        return
+        return None
     for s in FORWARDED:
         signal.signal(s, lambda signum, _frame: _forward(child, signum))
     while True:
@@ -51,9 +56,9 @@ def shim() -> None:
             _, status = os.waitpid(child, 0)
             break
         except ChildProcessError:
-            os._exit(1)
-    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status)
-             else 128 + os.WTERMSIG(status))
+            return 1
+    return (os.waitstatus_to_exitcode(status) if os.WIFEXITED(status)
+            else 128 + os.WTERMSIG(status))
 
 
 def _forward(child: int, signum: int) -> None:

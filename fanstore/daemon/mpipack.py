@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fanstore.daemon.node import World
+from fanstore.daemon.world import World
 from fanstore.errors import FanStoreError, PackError
 from fanstore.pack.write import (
     PackOptions,

@@ -1,22 +1,23 @@
-"""One FanStore daemon per rank: the life of a node from start-up to exit.
+"""One FanStore daemon per node: its life from start-up to exit, the same for one node and N.
 
-1. MPI start-up and checks: MPI_THREAD_MULTIPLE, and under ``srun`` a world size equal
-   to the number of Slurm tasks (a launch without an MPI plugin gives singletons).
-2. Rank 0 reads the index from the shared store and broadcasts its bytes; every rank
-   validates and loads it, so every node holds the whole namespace.
-3. Placement (:mod:`fanstore.daemon.placement`) says which partitions this rank holds;
+1. Rank 0 reads the index from the shared store and broadcasts its bytes; every rank
+   validates and loads it, so every node holds the whole namespace (a world of one just
+   reads it).
+2. Placement (:mod:`fanstore.daemon.placement`) says which partitions this rank holds;
    they are staged into ``--local-dir`` (or read in place without one).
-4. The MPI server thread starts; a gate (an all-reduce) makes every rank wait until all
-   have staged, and a second gate until all have mounted: only then does any mount
-   report ready, so ``fanstore wait`` returns on a node only when every node serves.
-5. Reads of other ranks' partitions go to the nearest live owner and fail over.
-6. Stopping: SIGTERM/SIGINT stop every rank (SHUTDOWN to all peers); ``fanstore umount``
+3. A gate (an all-reduce) makes every rank wait until all have staged; the peer transport
+   and the control socket start; the frontend mounts; a second gate waits until every rank
+   has mounted: only then does any mount report ready, so ``fanstore wait`` returns on a
+   node only when every node serves.
+4. The frontend serves (reads of other ranks' partitions go to the nearest live owner and
+   fail over, :mod:`fanstore.daemon.routing`).
+5. Stopping: SIGTERM/SIGINT stop every rank (SHUTDOWN to all peers); ``fanstore umount``
    stops this node only. An unmounted daemon keeps serving its peers ("drain") until
-   every rank is done or known dead, then exits; MPI_Finalize is called only when no
-   peer died (finalizing with a dead peer hangs or aborts).
+   every rank is done or known dead, then exits; MPI_Finalize is called only when no peer
+   died (finalizing with a dead peer hangs or aborts): ``skip_finalize`` tells the caller
+   to exit without it.
 
-With no MPI launcher this runs as a single "solo" rank: staging and everything else
-work the same, and the daemon may go to the background.
+The node knows nothing of FUSE: it is given a frontend factory (:mod:`fanstore.frontend`).
 """
 
 from __future__ import annotations
@@ -25,335 +26,166 @@ import logging
 import os
 import shutil
 import signal
-import sys
 import threading
 import time
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
-import numpy as np
-
+from fanstore import mounttable, runtime
+from fanstore.control import ControlServer
 from fanstore.daemon import placement as pl
 from fanstore.daemon import protocol as P
-from fanstore.daemon.transport import Backoff, RemoteTimeout, node_name, wait_request
-from fanstore.errors import FanStoreError, FormatError, MountError, RemoteError
+from fanstore.daemon.launcher import launcher_alive
+from fanstore.daemon.routing import PeerSource
+from fanstore.daemon.transport import node_name
+from fanstore.daemon.world import World, substitute
+from fanstore.errors import FanStoreError, FormatError, MountError
+from fanstore.frontend import FrontendFactory, MountContext, MountOptions
+from fanstore.namespace import Namespace, metadata_bytes
+from fanstore.read import ChunkReader, LocalPartitions, ReadStats, RoutedSource
+from fanstore.read.stats import SUMMED
 
 log = logging.getLogger(__name__)
 
-HYDRA_MARKERS = ("HYDI_CONTROL_FD", "HYDRA_CONTROL_FD")
-
-
-# --------------------------------------------------------------------------- world
-
-
-def choose_netmod(library_version: str, environ) -> str | None:
-    """The MPICH netmod to force, if any, for the MPI library described by ``library_version``.
-
-    The MPICH wheel from PyPI (5.0.2, ``ch4:ucx ofi``) defaults to UCX, whose large
-    addresses are exchanged through PMI in segments at MPI_Init; under ``srun --mpi=pmi2``
-    some of those PMI messages carry stale heap bytes, so a launch intermittently fails
-    ("mpi/pmi2: invalid client request" in slurmd's log) or, worse, a rank gets a wrong
-    address and its peers never reach it. Measured with a reproducer whose heap holds freed
-    data, 2 nodes x 1 rank: UCX 14 of 30 launches failed, OFI 0 of 60. So for that wheel
-    FanStore selects OFI; a site MPI, or an explicit ``MPIR_CVAR_CH4_NETMOD``, is left alone.
-    """
-    if "MPIR_CVAR_CH4_NETMOD" in environ:
-        return None
-    if "pypi.org/p/mpich" in library_version and "ucx" in library_version \
-            and "ofi" in library_version:
-        return "ofi"
-    return None
-
-
-#: How long a stopping job's daemon waits for its peers to say they are done (see Node).
+#: How long a stopping job's daemon waits for its peers to say they are done (see _drain).
 DRAIN_GRACE = 2.0
+#: Seconds between probes of peers marked dead while serving.
+PROBE_INTERVAL = 5.0
 
 
-class World:
-    """This process's place in the job: rank, size, and collective helpers that never spin."""
+@dataclass
+class NodeOptions:
+    """What ``fanstore mount`` asks of a node."""
 
-    def __init__(self, rank: int = 0, size: int = 1, comm=None, mpi=None) -> None:
-        self.rank = rank
-        self.size = size
-        self.comm = comm
-        self.MPI = mpi
-
-    @classmethod
-    def solo(cls) -> "World":
-        return cls()
-
-    @classmethod
-    def from_mpi(cls) -> "World":
-        try:
-            import mpi4py
-        except ImportError:
-            raise MountError("running under an MPI launcher but mpi4py is not installed: pip "
-                             "install 'fanstore[mpi]' (on clusters, build it against the site "
-                             "MPI)") from None
-        mpi4py.rc.initialize = False  # MPI_Init below, once the netmod is chosen
-        mpi4py.rc.finalize = False  # we finalize ourselves, and only when every peer is alive
-        from mpi4py import MPI
-
-        if not MPI.Is_initialized():
-            netmod = choose_netmod(MPI.Get_library_version(), os.environ)
-            if netmod:
-                os.environ["MPIR_CVAR_CH4_NETMOD"] = netmod
-            provided = MPI.Init_thread(MPI.THREAD_MULTIPLE)
-        else:
-            provided = MPI.Query_thread()
-        world = MPI.COMM_WORLD
-        if provided < MPI.THREAD_MULTIPLE:
-            names = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED",
-                     MPI.THREAD_SERIALIZED: "SERIALIZED"}
-            raise MountError(
-                f"the MPI library provides only MPI_THREAD_{names.get(provided, provided)}; "
-                "FanStore needs MPI_THREAD_MULTIPLE (its server thread and its readers call "
-                "MPI at the same time): use an MPI built with thread support")
-        expected = _slurm_tasks()
-        if expected is not None and world.Get_size() != expected:
-            raise MountError(
-                f"MPI world size is {world.Get_size()} but Slurm started {expected} tasks: "
-                "launch with 'srun --mpi=pmi2' (without an MPI plugin every task is its own "
-                "1-rank world and would silently serve only its own partitions)")
-        comm = world.Dup()
-        return cls(comm.Get_rank(), comm.Get_size(), comm, MPI)
-
-    @property
-    def is_mpi(self) -> bool:
-        return self.comm is not None
-
-    def _wait(self, req) -> None:
-        wait_request(req, None, Backoff(50e-6, 5e-3))
-
-    def all_ok(self, ok: bool) -> bool:
-        """Collective: True if every rank passed ``ok=True``."""
-        if not self.is_mpi:
-            return ok
-        mine = np.array([1 if ok else 0], dtype=np.int32)
-        out = np.zeros(1, dtype=np.int32)
-        self._wait(self.comm.Iallreduce(mine, out, op=self.MPI.MIN))
-        return bool(out[0])
-
-    def bcast_bytes(self, data: bytes | None) -> bytes | bytearray:
-        """Broadcast bytes from rank 0 (in pieces, so sizes above 2 GiB work)."""
-        if not self.is_mpi:
-            assert data is not None
-            return data
-        n = np.array([len(data) if data is not None else 0], dtype=np.int64)
-        self._wait(self.comm.Ibcast(n, root=0))
-        size = int(n[0])
-        buf = bytearray(data) if self.rank == 0 and data is not None else bytearray(size)
-        view = memoryview(buf)
-        for start in range(0, size, _PIECE):
-            self._wait(self.comm.Ibcast([view[start : start + _PIECE], self.MPI.BYTE], root=0))
-        return buf  # no second copy: the index is parsed straight from this buffer
-
-
-    def finalize(self) -> None:
-        """End MPI once every rank got here: a polled barrier first, so that no rank leaves
-        while a peer's last message to it is still in flight (with MPICH's OFI netmod a send
-        completes only once the receiver acknowledges it), then MPI_Finalize."""
-        if not self.is_mpi or self.MPI.Is_finalized():
-            return
-        self._wait(self.comm.Ibarrier())
-        self.MPI.Finalize()
-
-    def gather_bytes(self, data: bytes) -> list[bytes] | None:
-        """Rank 0 receives every rank's bytes (in rank order); others get None."""
-        if not self.is_mpi:
-            return [data]
-        MPI = self.MPI
-        if self.rank != 0:
-            n = np.array([len(data)], dtype=np.int64)
-            self._wait(self.comm.Isend(n, dest=0, tag=_GATHER_TAG))
-            view = memoryview(data)
-            for start in range(0, len(data), _PIECE):
-                self._wait(self.comm.Isend([view[start : start + _PIECE], MPI.BYTE], dest=0,
-                                           tag=_GATHER_TAG))
-            return None
-        out = [data]
-        for src in range(1, self.size):
-            n = np.zeros(1, dtype=np.int64)
-            self._wait(self.comm.Irecv(n, source=src, tag=_GATHER_TAG))
-            buf = bytearray(int(n[0]))
-            view = memoryview(buf)
-            for start in range(0, len(buf), _PIECE):
-                self._wait(self.comm.Irecv([view[start : start + _PIECE], MPI.BYTE], source=src,
-                                           tag=_GATHER_TAG))
-            out.append(bytes(buf))
-        return out
-
-
-_GATHER_TAG = 21
-_PIECE = 1 << 30
-
-
-def _slurm_tasks() -> int | None:
-    """Number of tasks of this Slurm step, if srun (not mpiexec) launched us."""
-    if os.environ.get("SLURM_STEP_ID") is None:
-        return None
-    if any(os.environ.get(m) for m in HYDRA_MARKERS):
-        return None  # mpiexec inside an allocation: its proxies are the Slurm tasks
-    value = os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS")
-    return int(value) if value and value.isdigit() else None
-
-
-def substitute(path: str, rank: int) -> str:
-    return path.replace("{rank}", str(rank)).replace("{host}", node_name())
-
-
-# --------------------------------------------------------------------------- routing
-
-
-class RoutedSource:
-    """Where stored bytes come from: local partitions, else the nearest live owner."""
-
-    def __init__(self, parts, transport, table: list[list[int]], rank: int, size: int,
-                 timeout: float, stats, ns) -> None:
-        self.parts = parts
-        self.transport = transport
-        self.table = table
-        self.rank = rank
-        self.size = size
-        self.timeout = timeout
-        self.stats = stats
-        self.ns = ns
-        self.dead: set[int] = set()
-        self.done: set[int] = set()
-        self._lock = threading.Lock()
-
-    def is_local(self, part: int) -> bool:
-        return self.parts.has(part)
-
-    def has_replica_elsewhere(self, part: int) -> bool:
-        return any(r != self.rank and r not in self.dead for r in self.table[part])
-
-    def fetch(self, part: int, offset: int, length: int) -> bytes:
-        return self.parts.fetch(part, offset, length)
-
-    def mark_dead(self, rank: int, why: str) -> None:
-        with self._lock:
-            if rank in self.dead:
-                return
-            self.dead.add(rank)
-        log.error("rank %d is unreachable (%s); its partitions are served by replicas if any",
-                  rank, why)
-
-    def revive(self, rank: int) -> None:
-        with self._lock:
-            if rank in self.dead:
-                self.dead.discard(rank)
-                log.warning("rank %d answers again", rank)
-
-    def fetch_remote(self, part: int, offset: int, length: int, entry: int):
-        owners = [r for r in pl.preference(self.table[part], self.rank, self.size)
-                  if r != self.rank]
-        tried = []
-        for i, owner in enumerate(owners):
-            if owner in self.dead:
-                continue
-            if tried:
-                self.stats.remote_failovers += 1
-            tried.append(owner)
-            try:
-                return self.transport.fetch(owner, part, offset, length, self.timeout)
-            except RemoteTimeout as exc:
-                self.mark_dead(owner, str(exc))
-            except RemoteError as exc:
-                log.error("%s: %s", self.ns.show(entry), exc)
-        where = ", ".join(map(str, owners))
-        why = "did not answer" if tried else "are unreachable"
-        raise RemoteError(f"{self.ns.show(entry)}: the ranks holding partition {part} ({where}) "
-                          f"{why}")
-
-
-# --------------------------------------------------------------------------- the node
-
-
-def mount_mpi(args) -> int:
-    """``fanstore mount`` for a rank of a multi-rank job, or a solo daemon with staging."""
-    from fanstore.cli import _daemonize, _mpi_launcher_world, _setup_logging
-
-    if _mpi_launcher_world() is None and not args.foreground:
-        return _daemonize(args, lambda on_ready: Node(args, World.solo()).run(on_ready))
-    # MPI processes must stay in the foreground: the launcher owns them.
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # hydra's "a peer died"; handled once serving
-    if _mpi_launcher_world() is not None:
-        from fanstore.daemon.launcher import shim
-
-        shim()  # under hydra: continue in a forked daemon (see launcher.py)
-        world = World.from_mpi()
-    else:
-        world = World.solo()
-    _setup_logging(args, stream=sys.stderr)
-    for h in logging.getLogger().handlers:
-        h.setFormatter(logging.Formatter(
-            f"%(asctime)s fanstore[rank {world.rank}/{world.size}] %(levelname)s: %(message)s"))
-    node = Node(args, world)
-    node.catch_termination()
-    try:
-        code = node.run(lambda: print(
-            f"fanstore: rank {world.rank}: mounted at {node.mountpoint}", file=sys.stderr,
-            flush=True))
-    except FanStoreError as exc:
-        if not node.skip_finalize:
-            raise
-        print(f"fanstore: error: {exc}", file=sys.stderr, flush=True)
-        code = exc.exit_code
-    if node.skip_finalize:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
+    store: str
+    mountpoint: str
+    mount: MountOptions = field(default_factory=MountOptions)
+    local_dir: str | None = None
+    replicas: int = 1
+    remote_timeout: float = 30.0
+    keep_local: bool = False
+    stage_jobs: int = 4
 
 
 class Node:
-    def __init__(self, args, world: World) -> None:
-        self.args = args
+    def __init__(self, options: NodeOptions, world: World, frontend_factory: FrontendFactory,
+                 transport_factory: Callable[..., Any] | None = None) -> None:
+        self.options = options
         self.world = world
         self.rank, self.size = world.rank, world.size
         self.who = f"rank {self.rank} ({node_name()})"
-        self.mountpoint = substitute(args.mountpoint, self.rank)
-        self.local_dir = substitute(args.local_dir, self.rank) if args.local_dir else None
+        self.mountpoint = substitute(options.mountpoint, self.rank)
+        self.mount_key = runtime.mount_key(self.mountpoint)
+        self.local_dir = substitute(options.local_dir, self.rank) if options.local_dir else None
+        self.frontend_factory = frontend_factory
+        self.transport_factory = transport_factory
         self.created_local = False
+        self.stats = ReadStats()
         self.transport = None
-        self.parts = None
-        self.source: RoutedSource | None = None
+        self.parts: LocalPartitions | None = None
+        self.peers: PeerSource | None = None
+        self.ctx: MountContext | None = None
+        self.frontend = None
+        self.server: ControlServer | None = None
         self.stage_report = None
-        self.daemon = None
-        self.stop_everywhere = False
+        self.bcast_seconds = 0.0
+        #: the reason this node stops, once it does
+        self.stopping: str | None = None
+        #: every rank is stopping (a signal or a peer's SHUTDOWN), so no peer will read from
+        #: us after its unmount: the drain waits only DRAIN_GRACE for the peers' DONE (under
+        #: scancel Slurm sends SIGKILL KillWait seconds after SIGTERM, often 5 s or less).
+        self.job_stopping = False
+        self.terminated = 0  # the last terminating signal received
+        self.drain_incomplete: list[int] = []
+        self.skip_finalize = False
         self._probe_now = threading.Event()
+        self._serving = threading.Event()
+        self._sig_r = self._sig_w = -1
 
     # ------------------------------------------------------------------ signals
-    def catch_termination(self) -> None:
-        """Outside the trio loop (start-up, drain), SIGTERM/SIGINT only set a flag that the
-        next phase acts on; trio's own handlers take over while the loop runs and put these
-        back when it ends, so no window leaves the default (fatal) action in place."""
+    def catch_signals(self) -> None:
+        """SIGTERM/SIGINT/SIGHUP stop the node (everywhere in a multi-rank job), SIGUSR1
+        (MPICH's hydra: "a peer died") probes the peers. The handlers only write the signal
+        number to a pipe; a thread acts on it, so no handler ever takes a lock the
+        interrupted code may hold."""
+        self._sig_r, self._sig_w = os.pipe()
+        os.set_blocking(self._sig_w, False)
 
         def handler(signum, _frame):
-            self.terminated = signum
-            self._probe_now.set()
+            try:
+                os.write(self._sig_w, bytes([signum]))
+            except OSError:
+                pass
 
-        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
             signal.signal(s, handler)
+        threading.Thread(target=self._signal_loop, name="fanstore-signals", daemon=True).start()
 
-    terminated: int = 0
+    def _signal_loop(self) -> None:
+        while True:
+            try:
+                data = os.read(self._sig_r, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum == signal.SIGUSR1:
+                    log.warning("the MPI launcher reports a dead process; probing peers")
+                    self._probe_all = True
+                    self._probe_now.set()
+                    continue
+                self.terminated = signum
+                self._probe_now.set()
+                self.request_stop(f"signal {signal.Signals(signum).name}",
+                                  everywhere=self.world.is_mpi)
+
+    _probe_all = False
+
+    # ------------------------------------------------------------------ stopping
+    def request_stop(self, reason: str, everywhere: bool = False) -> None:
+        """Stop serving (thread-safe). ``everywhere`` asks every peer to stop too."""
+        if everywhere:
+            self.job_stopping = True
+            if self.transport is not None and self.stopping is None:
+                others = [r for r in range(self.size) if r != self.rank]
+                # In a thread: the caller may be a frontend that must not wait on MPI.
+                threading.Thread(target=self.transport.send_control,
+                                 args=(P.Control.SHUTDOWN, others, reason), daemon=True).start()
+        if self.stopping is not None:
+            return
+        self.stopping = reason
+        log.info("stopping: %s", reason)
+        if self.frontend is not None:
+            self.frontend.stop(reason)
+
+    def on_control(self, msg: P.ControlMsg) -> None:
+        """Transport thread: a peer asks everyone to stop, or says it is done."""
+        if msg.kind == P.Control.SHUTDOWN:
+            log.info("rank %d asks every rank to stop: %s", msg.rank, msg.reason)
+            self.job_stopping = True
+            self.request_stop(f"rank {msg.rank}: {msg.reason}")
+        elif msg.kind == P.Control.DONE and self.peers is not None:
+            self.peers.done.add(msg.rank)
 
     # ------------------------------------------------------------------ phases
     def load_index(self):
+        """The index, read by rank 0 and broadcast to every rank, validated."""
         from fanstore.format.index import INDEX_NAME, read_index_bytes, read_index_file
 
         data = None
         if self.rank == 0:
             try:
-                path, data = read_index_file(self.args.store)
-                read_index_bytes(data, where=path)  # validate before sending it to everyone
+                path, data = read_index_file(self.options.store)
+                if self.world.is_mpi:
+                    read_index_bytes(data, where=path)  # validate before sending it out
             except FanStoreError as exc:  # every rank must learn of it, not just rank 0
                 data = b"\0ERROR\0" + str(exc).encode("utf-8", "replace")
         t0 = time.monotonic()
         data = self.world.bcast_bytes(data)
         if bytes(data[:7]) == b"\0ERROR\0":
             raise FormatError(bytes(data[7:]).decode("utf-8", "replace"))
-        index = read_index_bytes(data, where=os.path.join(self.args.store, INDEX_NAME))
+        index = read_index_bytes(data, where=os.path.join(self.options.store, INDEX_NAME))
         self.bcast_seconds = time.monotonic() - t0
         return index
 
@@ -361,200 +193,200 @@ class Node:
         from fanstore.daemon.staging import stage_partitions
 
         if not self.local_dir:
-            return self.args.store
+            return self.options.store
         if not os.path.isdir(self.local_dir):
             self.created_local = True
-        self.stage_report = stage_partitions(self.args.store, self.local_dir, index, mine,
-                                             jobs=self.args.stage_jobs, who=self.who)
+        self.stage_report = stage_partitions(self.options.store, self.local_dir, index, mine,
+                                             jobs=self.options.stage_jobs, who=self.who)
         log.info("%s", self.stage_report.line(self.who))
         return self.local_dir
 
-    def on_control(self, msg: P.ControlMsg) -> None:
-        """Server thread: a peer asks everyone to stop, or says it is done."""
-        if msg.kind == P.Control.SHUTDOWN:
-            log.info("rank %d asks every rank to stop: %s", msg.rank, msg.reason)
-            self.job_stopping = True
-            if self.daemon is not None:
-                self.daemon.request_stop_threadsafe(f"rank {msg.rank}: {msg.reason}")
-            else:
-                self._early_stop = f"rank {msg.rank}: {msg.reason}"
-        elif msg.kind == P.Control.DONE and self.source is not None:
-            self.source.done.add(msg.rank)
-
-    _early_stop: str | None = None
-    #: every rank is stopping (a signal or a peer's SHUTDOWN), so no peer will read from us
-    #: after its unmount: the drain then waits only DRAIN_GRACE for the peers' DONE (under
-    #: scancel Slurm sends SIGKILL KillWait seconds after SIGTERM, often 5 s or less).
-    job_stopping = False
-    drain_incomplete: list[int] = []
-    _probe_all = False
-    skip_finalize = False
-
-    def run(self, on_ready) -> int:
-        from fanstore.asyncstore import ChunkStore, Stats
-        from fanstore.daemon.transport import MpiTransport
-        from fanstore.fuse import mount as fmount
-        from fanstore.namespace import Namespace
-        from fanstore.store import Decoder, LocalPartitions
-
-        from fanstore import runtime
-
-        args = self.args
-        ok = False
-        error: FanStoreError | None = None
-        stats = Stats()
+    def run(self, on_ready: Callable[[], None] | None = None) -> int:
+        """Start, serve until stopped, drain, clean up. Raises FanStoreError on failure."""
+        opts = self.options
         runtime.write_state(self.mountpoint, pid=os.getpid(), rank=self.rank, ranks=self.size,
-                            mountpoint=runtime.mount_key(self.mountpoint), phase="starting")
+                            mountpoint=self.mount_key, phase="starting")
         try:
-            try:
-                index = self.load_index()
-                replicas = args.replicas
-                if replicas > self.size:
-                    log.warning("--replicas %d is more than the %d ranks; using %d", replicas,
-                                self.size, self.size)
-                    replicas = self.size
-                table = pl.placement([p.broadcast for p in index.partitions], self.size,
-                                     replicas)
-                mine = pl.local_partitions(table, self.rank)
-                fmount.prepare_mountpoint(self.mountpoint)
-                data_dir = self.stage(index, mine)
-                self.parts = LocalPartitions(data_dir, index, mine)
-                if self.terminated:
-                    raise MountError(f"{self.who}: stopped by signal "
-                                     f"{signal.Signals(self.terminated).name} while starting")
-                ok = True
-            except FanStoreError as exc:
-                error = exc
-            if not self.world.all_ok(ok):
-                if error is not None:
-                    runtime.write_state(self.mountpoint, phase="failed", error=str(error))
-                    raise error
-                runtime.write_state(self.mountpoint, phase="failed",
-                                    error="another rank failed to start")
-                raise MountError(f"{self.who}: another rank failed to start (see its messages)")
-            ns = Namespace(index)
+            index, table, mine = self._start()
+            index = self._connect(index, table, mine)
+            self._mount()
+            runtime.write_state(self.mountpoint, phase="ready")
+            log.info("%s: serving %s at %s (%d entries, %d partitions here)", self.who,
+                     opts.store, self.mountpoint, index.n_entries, len(mine))
+            if on_ready is not None:
+                on_ready()
+            self._serving.set()
             if self.world.is_mpi:
-                self.transport = MpiTransport(self.world.comm, self.parts, self.on_control)
-                self.transport.start()
-            self.source = RoutedSource(self.parts, self.transport, table, self.rank, self.size,
-                                       args.remote_timeout, stats, ns)
-            store = ChunkStore(ns, Decoder(index), self.source, cache_bytes=args.cache_mb << 20,
-                               threads=_threads(args), stats=stats)
-            stats.extra.update(self._static_stats(index, mine, replicas))
-            source = self.source
-            stats.extra["dead_ranks"] = lambda: sorted(source.dead)
-            options = fmount.MountOptions(cache_mb=args.cache_mb, threads=args.threads,
-                                          allow_other=args.allow_other, mode=args.mode,
-                                          prefetch_mb=args.prefetch_mb,
-                                          store_path=os.path.abspath(args.store))
-            from fanstore.service import attach_prefetcher
-
-            attach_prefetcher(store, options)
-            options.extra_handlers["shutdown"] = self._control_shutdown
-            code = self._serve(ns, store, options, on_ready)
-        except FanStoreError:
+                threading.Thread(target=self._watch_peers, name="fanstore-probe",
+                                 daemon=True).start()
+            reason = self.frontend.serve()
+            self._serving.clear()
+            if self.stopping is None:
+                self.stopping = reason
+            log.info("%s: unmounted (%s)", self.who, self.stopping)
+            runtime.write_state(self.mountpoint, phase="stopped")
+        except FanStoreError as exc:
+            runtime.write_state(self.mountpoint, phase="failed", error=str(exc))
             self._cleanup()
-            self._finish_mpi(clean=self.source is None or not self.source.dead)
+            self._finish_mpi(clean=self.peers is None or not self.peers.dead)
             raise
         self._drain()
         self._cleanup()
-        self._finish_mpi(clean=not self.source.dead and not self.drain_incomplete)
-        return code
-
-    def _serve(self, ns, store, options, on_ready) -> int:
-        from fanstore.fuse import mount as fmount
-
-        def setup(daemon) -> None:
-            self.daemon = daemon
-            daemon.on_stop.append(self._on_stop)
-            if self._early_stop:
-                daemon.pending_stop = self._early_stop
-            if self.terminated:
-                daemon.pending_stop = f"signal {signal.Signals(self.terminated).name}"
-
-        def gate(mounted: bool) -> bool:
-            return self.world.all_ok(mounted)
-
-        extra_tasks = (self._watch_peers,) if self.world.is_mpi else ()
-        daemon = fmount.run(ns, store, self.mountpoint, options, on_ready=on_ready,
-                            extra_tasks=extra_tasks, setup=setup, gate=gate,
-                            signal_stop_everywhere=self.world.is_mpi)
-        log.info("%s: unmounted (%s)", self.who, daemon.stop_reason)
+        self._finish_mpi(clean=not (self.peers and self.peers.dead) and not self.drain_incomplete)
+        runtime.write_state(self.mountpoint, phase="stopped")
         return 0
 
-    def _control_shutdown(self, req: dict[str, Any]) -> dict[str, Any]:
-        everywhere = bool(req.get("everywhere", False))
-        self.daemon.request_stop(str(req.get("reason", "fanstore umount")), everywhere=everywhere)
-        return {"ok": True}
+    def _start(self):
+        """Index, placement, staging: each rank's own work, then a gate for all of them."""
+        opts = self.options
+        error: FanStoreError | None = None
+        index = table = mine = None
+        try:
+            index = self.load_index()
+            replicas = opts.replicas
+            if replicas > self.size:
+                log.warning("--replicas %d is more than the %d ranks; using %d", replicas,
+                            self.size, self.size)
+                replicas = self.size
+            self.replicas = replicas
+            table = pl.placement([p.broadcast for p in index.partitions], self.size, replicas)
+            mine = pl.local_partitions(table, self.rank)
+            notice = mounttable.prepare_mountpoint(self.mountpoint)
+            if notice:
+                log.warning("%s", notice)
+            data_dir = self.stage(index, mine)
+            self.parts = LocalPartitions(data_dir, index, mine)
+            self.data_dir = data_dir
+            if self.terminated:
+                raise MountError(f"{self.who}: stopped by signal "
+                                 f"{signal.Signals(self.terminated).name} while starting")
+        except FanStoreError as exc:
+            error = exc
+        if not self.world.all_ok(error is None):
+            if error is not None:
+                raise error
+            raise MountError(f"{self.who}: another rank failed to start (see its messages)")
+        return index, table, mine
 
-    def _on_stop(self, reason: str, everywhere: bool = False) -> None:
-        if everywhere:
-            self.job_stopping = True
-        if everywhere and self.transport is not None:
-            # Tell every peer in a thread: the trio loop must not wait on MPI.
-            others = [r for r in range(self.size) if r != self.rank]
-            threading.Thread(target=self.transport.send_control,
-                             args=(P.Control.SHUTDOWN, others, reason), daemon=True).start()
+    def _connect(self, index, table, mine) -> None:
+        """The peer transport, the read core, the control socket and the frontend."""
+        opts = self.options
+        index = self._share_index(index)
+        ns = Namespace(index)
+        if self.world.is_mpi or self.transport_factory is not None:
+            if self.transport_factory is not None:
+                self.transport = self.transport_factory(self)
+            else:
+                from fanstore.daemon.transport import MpiTransport
 
-    async def _watch_peers(self, daemon) -> None:
-        """Trio task: re-probe unreachable peers, and probe all when the launcher reports a
-        dead process (MPICH's hydra sends SIGUSR1 to the survivors)."""
-        import trio
+                self.transport = MpiTransport(self.world.comm, self.parts, self.on_control)
+            self.transport.start()
+            self.peers = PeerSource(self.transport, table, self.rank, self.size,
+                                    opts.remote_timeout, self.stats,
+                                    show=lambda e: ns.show(e))
+        reader = ChunkReader(index, RoutedSource(self.parts, self.peers),
+                             cache_bytes=opts.mount.cache_mb << 20, stats=self.stats)
+        self.stats.extra.update(self._static_stats(index, mine))
+        replicated = [p for p in mine if any(r != self.rank for r in table[p])]
+        index_copy = self.index_copy
+        self.ctx = MountContext(
+            mountpoint=self.mountpoint, options=opts.mount, index=index, ns=ns, reader=reader,
+            store=opts.store if "://" in opts.store else os.path.abspath(opts.store),
+            data_dir=os.path.abspath(self.data_dir),
+            local_parts=list(mine), replicated=replicated,
+            socket_path=runtime.socket_path(self.mountpoint), index_path=index_copy,
+            request_stop=self.request_stop, remote_timeout=opts.remote_timeout)
+        self.frontend = self.frontend_factory(self.ctx)
+        from fanstore.daemon.service import handlers
 
-        async def probe_loop():
-            from fanstore.daemon.launcher import launcher_alive
+        self.server = ControlServer(self.ctx.socket_path, handlers(self))
+        self.server.start()
+        return index
 
-            while True:
-                if not launcher_alive():
-                    daemon.request_stop("the MPI launcher is gone")
-                    return
-                with trio.move_on_after(5):
-                    await trio.to_thread.run_sync(self._probe_now.wait, abandon_on_cancel=True)
-                everyone = self._probe_now.is_set() or self._probe_all
-                self._probe_now.clear()
-                self._probe_all = False
-                await trio.to_thread.run_sync(self._probe, not everyone, abandon_on_cancel=True)
+    def _share_index(self, index):
+        """Write the decompressed index body to the runtime directory and use a shared
+        read-only mapping of it from now on: the frontend process, its workers and API
+        readers map the same pages, so the namespace costs its size once per node."""
+        from fanstore.format.index import map_index_body, write_index_body
 
-        async with trio.open_nursery() as n:
-            n.start_soon(probe_loop)
-            with trio.open_signal_receiver(signal.SIGUSR1) as sigs:
-                async for _ in sigs:
-                    log.warning("the MPI launcher reports a dead process; probing peers")
-                    self._probe_now.set()
+        self.index_copy = runtime.shared_memory_path(self.mountpoint, "index.body")
+        write_index_body(self.index_copy, index)
+        self.index_bytes = None
+        return map_index_body(self.index_copy, check=False)
+
+    def _mount(self) -> None:
+        runtime.write_state(self.mountpoint, phase="mounting")
+        error: FanStoreError | None = None
+        try:
+            self.frontend.mount()
+        except FanStoreError as exc:
+            error = exc
+        ok = self.world.all_ok(error is None)
+        if error is not None:
+            raise error
+        if not ok:
+            self.frontend.unmount()
+            raise MountError(f"{self.mountpoint}: another rank failed to mount; not serving")
+        if self.stopping is not None:  # a signal or a peer's SHUTDOWN came while starting
+            self.frontend.stop(self.stopping)
+
+    def stats_json(self) -> dict[str, Any]:
+        """This node's counters: the daemon's own reader, plus the frontend's readers (summed
+        counters add up; anything else the frontend reports is added as it is)."""
+        out = self.stats.to_json(self.ctx.reader.cache if self.ctx else None)
+        if self.frontend is not None:
+            for key, value in self.frontend.stats().items():
+                if key in SUMMED and isinstance(out.get(key), (int, float)):
+                    out[key] += value
+                else:
+                    out[key] = value
+        return out
+
+    # ------------------------------------------------------------------ peers
+    def _watch_peers(self) -> None:
+        """While serving: re-probe unreachable peers every few seconds, probe every peer
+        when the launcher reports a dead process, stop if the launcher is gone."""
+        while self._serving.is_set():
+            if not launcher_alive():
+                self.request_stop("the MPI launcher is gone")
+                return
+            self._probe_now.wait(PROBE_INTERVAL)
+            if not self._serving.is_set():
+                return
+            everyone = self._probe_now.is_set() and self._probe_all
+            self._probe_now.clear()
+            self._probe_all = False
+            self._probe(only_dead=not everyone)
 
     def _probe(self, only_dead: bool = False) -> None:
-        if self.transport is None or self.source is None:
+        if self.transport is None or self.peers is None:
             return
-        timeout = min(5.0, self.args.remote_timeout)
+        timeout = min(5.0, self.options.remote_timeout)
         for r in range(self.size):
-            if r == self.rank or r in self.source.done:
+            if r == self.rank or r in self.peers.done:
                 continue
-            if only_dead and r not in self.source.dead:
+            if only_dead and r not in self.peers.dead:
                 continue
             if self.transport.ping(r, timeout):
-                self.source.revive(r)
+                self.peers.revive(r)
             else:
-                self.source.mark_dead(r, f"no answer to a ping within {timeout:g} s")
+                self.peers.mark_dead(r, f"no answer to a ping within {timeout:g} s")
 
     def _drain(self) -> None:
         """After unmounting: keep serving peers until every rank is done or dead."""
         if self.transport is None:
             return
-        from fanstore import runtime
-
         others = [r for r in range(self.size) if r != self.rank]
         runtime.write_state(self.mountpoint, phase="draining")
         self.transport.send_control(P.Control.DONE, others, "unmounted")
-        from fanstore.daemon.launcher import launcher_alive
-
         self.terminated = 0
         grace_end = time.monotonic() + DRAIN_GRACE
         try:
             last_probe = 0.0  # probe at once: a peer may have died while nobody asked it
             announced = False
             while not self.terminated and launcher_alive():
-                waiting = {r for r in others if r not in self.source.done
-                           and r not in self.source.dead}
+                waiting = {r for r in others if r not in self.peers.done
+                           and r not in self.peers.dead}
                 if not waiting:
                     break
                 if self.job_stopping and time.monotonic() > grace_end:
@@ -567,7 +399,7 @@ class Node:
                     log.info("%s: unmounted; serving peers until ranks %s are done", self.who,
                              sorted(waiting))
                     announced = True
-                if self._probe_now.is_set() or time.monotonic() - last_probe > 5:
+                if self._probe_now.is_set() or time.monotonic() - last_probe > PROBE_INTERVAL:
                     self._probe_now.clear()
                     self._probe()
                     last_probe = time.monotonic()
@@ -578,14 +410,23 @@ class Node:
             log.info("%s: stopped serving peers (signal %s)", self.who,
                      signal.Signals(self.terminated).name)
 
+    # ------------------------------------------------------------------ exit
     def _cleanup(self) -> None:
         from fanstore.daemon.staging import remove_staged
 
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        if self.ctx is not None:
+            try:
+                os.unlink(self.ctx.index_path)
+            except OSError:
+                pass
         if self.transport is not None and self.transport.running:
             self.transport.stop()
         if self.parts is not None:
             self.parts.close()
-        if self.local_dir and not self.args.keep_local:
+        if self.local_dir and not self.options.keep_local:
             if self.created_local:
                 shutil.rmtree(self.local_dir, ignore_errors=True)
             elif self.stage_report is not None:
@@ -593,7 +434,7 @@ class Node:
 
     def _finish_mpi(self, clean: bool) -> None:
         """Finalize MPI when every peer is alive and done; otherwise leave it (finalizing
-        with a dead peer hangs or aborts) and let the caller exit without it."""
+        with a dead peer hangs or aborts) and tell the caller to exit without it."""
         if not self.world.is_mpi:
             return
         MPI = self.world.MPI
@@ -604,22 +445,22 @@ class Node:
                 pass
             MPI.Finalize()
         elif not clean:
-            log.warning("%s: exiting without MPI_Finalize (a peer is gone or did not finish)", self.who)
+            log.warning("%s: exiting without MPI_Finalize (a peer is gone or did not finish)",
+                        self.who)
             self.skip_finalize = True
 
-    def _static_stats(self, index, mine, replicas) -> dict[str, Any]:
-        from fanstore.namespace import metadata_bytes
-
+    def _static_stats(self, index, mine) -> dict[str, Any]:
         memory = metadata_bytes(index)
-        out = {
+        out: dict[str, Any] = {
             "rank": self.rank,
             "ranks": self.size,
             "node": node_name(),
-            "replicas": replicas,
+            "replicas": getattr(self, "replicas", 1),
             "local_partitions": mine,
             "metadata_bytes": memory,
             "metadata_bytes_per_entry": round(memory / max(1, index.n_entries), 1),
-            "index_broadcast_seconds": round(getattr(self, "bcast_seconds", 0.0), 4),
+            "index_broadcast_seconds": round(self.bcast_seconds, 4),
+            "frontend": self.options.mount.frontend,
         }
         if self.stage_report is not None:
             out.update(self.stage_report.to_json())
@@ -627,8 +468,7 @@ class Node:
         if t is not None:
             out["served_requests"] = lambda: t.served_requests
             out["served_bytes"] = lambda: t.served_bytes
+        if self.peers is not None:
+            peers = self.peers
+            out["dead_ranks"] = lambda: sorted(peers.dead)
         return out
-
-
-def _threads(args) -> int:
-    return args.threads or max(4, 2 * len(os.sched_getaffinity(0)))

@@ -1,5 +1,7 @@
 """Stage-in: copy this node's partitions from the shared store to node-local storage.
 
+The store may also live in object storage (``s3://``): see "object storage" below.
+
 - Large sequential reads (8 MiB) and several partitions in flight (``jobs`` threads).
 - Each copy is written to a hidden ``.part-NNNNN.fsp.partial`` file, checked (size and
   XXH3-128 against the index) while it is written, fsynced, then renamed: a partial copy
@@ -19,15 +21,17 @@ import logging
 import os
 import shutil
 import stat
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import xxhash
 
-from fanstore.errors import StageError
+from fanstore.errors import FanStoreError, StageError
 from fanstore.format.index import Index
 from fanstore.format.partition import file_checksum, partition_name
+from fanstore.storage import is_url, open_location
 
 log = logging.getLogger(__name__)
 
@@ -165,19 +169,27 @@ def _unlink(path: str) -> None:
 
 
 def stage_partitions(store_dir: str, local_dir: str, index: Index, numbers: list[int],
-                     jobs: int = 4, who: str = "node") -> StageReport:
-    """Make ``local_dir`` hold valid copies of partitions ``numbers``; return what was done."""
+                     jobs: int = 4, who: str = "node", block: int = BLOCK) -> StageReport:
+    """Make ``local_dir`` hold valid copies of partitions ``numbers``; return what was done.
+
+    ``store_dir`` may be an object-store URL (``s3://bucket/ds.fs``): partitions are then
+    fetched with ``jobs`` parallel range reads of ``block`` bytes, resumably (see
+    :func:`_fetch_all`).
+    """
     t0 = time.monotonic()
     report = StageReport(partitions=sorted(numbers))
+    remote = is_url(store_dir)
     try:
         os.makedirs(local_dir, exist_ok=True)
         names = os.listdir(local_dir)
     except OSError as exc:  # a file in the way, a read-only or missing mount, ...
         raise StageError(f"{who}: cannot use local storage {local_dir}: {exc.strerror}") \
             from None
-    for name in names:  # leftovers of an interrupted copy
-        if name.startswith(".") and name.endswith(".partial"):
+    resumable = _resumable(local_dir, index, numbers, block) if remote else set()
+    for name in names:  # leftovers of an interrupted copy (unless a download can go on)
+        if name.startswith(".") and name.endswith(".partial") and name not in resumable:
             _unlink(os.path.join(local_dir, name))
+            _unlink(os.path.join(local_dir, name + ".json"))
     todo = []
     for p in report.partitions:
         info = index.partitions[p]
@@ -202,7 +214,11 @@ def stage_partitions(store_dir: str, local_dir: str, index: Index, numbers: list
         return _copy(os.path.join(store_dir, info.name), os.path.join(local_dir, info.name),
                      info.size, info.checksum, who)
 
-    if todo:
+    if todo and remote:
+        for p, n in _fetch_all(store_dir, local_dir, index, todo, jobs, who, block):
+            report.copied.append(p)
+            report.bytes_copied += n
+    elif todo:
         with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(todo)))) as pool:
             for p, n in zip(todo, pool.map(one, todo)):
                 report.copied.append(p)
@@ -217,6 +233,181 @@ def _size(path: str) -> int:
         return os.stat(path).st_size
     except FileNotFoundError:
         return 0
+
+
+# --------------------------------------------------------------------------- object storage
+#
+# A partition in object storage is fetched as ranges of ``block`` bytes by a pool of
+# ``jobs`` threads (parallel range reads across all this node's partitions), each range
+# written in place (pwrite) into the hidden ``.part-NNNNN.fsp.partial`` file. A small
+# ``.partial.json`` record lists the ranges already written, with the partition's size and
+# checksum: a stage-in that is interrupted (killed, endpoint gone, node rebooted) goes on
+# where it stopped on the next start and fetches only the missing ranges. The whole copy
+# is then checked against the index's XXH3-128 before it is installed (fsync, rename,
+# ``.ok`` record); a resumed copy that fails the check is fetched again from scratch once,
+# a fresh one that fails means the stored partition is damaged.
+
+
+def _partial(local_dir: str, name: str) -> str:
+    return os.path.join(local_dir, "." + name + ".partial")
+
+
+def _read_record(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            rec = json.load(f)
+        return rec if isinstance(rec, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _resumable(local_dir: str, index: Index, numbers: list[int], block: int) -> set[str]:
+    """Names of ``.partial`` files whose record says they belong to the same partition
+    (size, checksum, range size): those are continued, not removed."""
+    keep = set()
+    for p in numbers:
+        info = index.partitions[p]
+        tmp = _partial(local_dir, info.name)
+        rec = _read_record(tmp + ".json")
+        if rec and (rec.get("size"), rec.get("checksum"), rec.get("block")) == (
+                info.size, info.checksum, block) and _size(tmp) == info.size:
+            keep.add(os.path.basename(tmp))
+    return keep
+
+
+class _Download:
+    """One partition being fetched: its partial file, the ranges done, the record."""
+
+    def __init__(self, local_dir: str, name: str, size: int, checksum: str, block: int) -> None:
+        self.name = name
+        self.size = size
+        self.checksum = checksum
+        self.block = block
+        self.dst = os.path.join(local_dir, name)
+        self.tmp = _partial(local_dir, name)
+        self.rec_path = self.tmp + ".json"
+        self.lock = threading.Lock()
+        rec = _read_record(self.rec_path)
+        if rec and (rec.get("size"), rec.get("checksum"), rec.get("block")) == (
+                size, checksum, block) and _size(self.tmp) == size:
+            self.done = {int(k) for k in rec.get("done", []) if isinstance(k, int)}
+        else:
+            self.done = set()
+        self.resumed = bool(self.done)
+        self.fetched = 0
+        self.fd = -1
+
+    def open(self) -> None:
+        if not self.done:
+            _unlink(self.rec_path)
+            fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            os.ftruncate(fd, self.size)  # sparse until the ranges arrive
+        else:
+            fd = os.open(self.tmp, os.O_WRONLY | os.O_CLOEXEC)
+        self.fd = fd
+
+    def missing(self) -> list[tuple[int, int, int]]:
+        n = -(-self.size // self.block)
+        return [(k, k * self.block, min(self.size, (k + 1) * self.block))
+                for k in range(n) if k not in self.done]
+
+    def put(self, k: int, offset: int, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = os.pwrite(self.fd, view, offset)
+            view, offset = view[n:], offset + n
+        with self.lock:
+            self.done.add(k)
+            self.fetched += len(data)
+            self._save()
+
+    def _save(self) -> None:
+        tmp = self.rec_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"size": self.size, "checksum": self.checksum, "block": self.block,
+                       "done": sorted(self.done)}, f)
+        os.replace(tmp, self.rec_path)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _fetch_all(url: str, local_dir: str, index: Index, todo: list[int], jobs: int, who: str,
+               block: int):
+    """Fetch partitions ``todo`` from object storage; yield (partition, bytes fetched) as
+    each is verified and installed."""
+    loc = open_location(url)
+    downloads = {p: _Download(local_dir, index.partitions[p].name, index.partitions[p].size,
+                              index.partitions[p].checksum, block) for p in todo}
+    pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="stage-fetch")
+    futures: dict[int, list[Future]] = {}
+
+    def fetch(d: _Download, k: int, a: int, b: int) -> None:
+        d.put(k, a, loc.read_range(d.name, a, b))
+
+    def submit(p: int) -> None:
+        d = downloads[p]
+        d.open()
+        futures[p] = [pool.submit(fetch, d, k, a, b) for k, a, b in d.missing()]
+
+    try:
+        for p in todo:
+            try:
+                submit(p)
+            except OSError as exc:
+                raise _local_error(exc, who, downloads[p], local_dir) from None
+        for p in todo:
+            d = downloads[p]
+            for _ in range(2):  # a resumed copy that fails its check is fetched again once
+                try:
+                    for fut in futures[p]:
+                        fut.result()
+                except FanStoreError as exc:
+                    raise StageError(f"{who}: cannot stage {d.name} from {url}: {exc} "
+                                     "(what was fetched is kept; a restart goes on from "
+                                     "there)") from None
+                except OSError as exc:
+                    raise _local_error(exc, who, d, local_dir) from None
+                d.close()
+                if file_checksum(d.tmp) == d.checksum:
+                    break
+                if not d.resumed:
+                    _unlink(d.tmp)
+                    _unlink(d.rec_path)
+                    raise StageError(f"{who}: partition {loc.show(d.name)} in object storage "
+                                     "is damaged (checksum mismatch); repack or restore it")
+                log.warning("%s: the resumed copy of %s is damaged; fetching it again",
+                            who, d.name)
+                d.done, d.resumed = set(), False
+                submit(p)
+            try:
+                fd = os.open(d.tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(d.tmp, d.dst)
+                _unlink(d.rec_path)
+                _record_ok(d.dst, d.checksum)
+            except OSError as exc:
+                raise _local_error(exc, who, d, local_dir) from None
+            yield p, d.fetched
+    finally:
+        for fl in futures.values():
+            for fut in fl:
+                fut.cancel()
+        pool.shutdown(wait=True, cancel_futures=True)
+        for d in downloads.values():
+            d.close()
+
+
+def _local_error(exc: OSError, who: str, d: _Download, local_dir: str) -> StageError:
+    if exc.errno == errno.ENOSPC:
+        return StageError(f"{who}: local storage full while staging {d.name} ({d.size:,} "
+                          f"bytes needed) into {local_dir}")
+    return StageError(f"{who}: cannot stage {d.name} into {local_dir}: {exc.strerror}")
 
 
 def remove_staged(local_dir: str, numbers: list[int]) -> None:

@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 from fanstore.daemon import protocol as P
 from fanstore.errors import FanStoreError, RemoteError
@@ -34,6 +34,32 @@ log = logging.getLogger(__name__)
 
 class RemoteTimeout(RemoteError):
     """A peer did not answer within the remote timeout."""
+
+
+class Transport(Protocol):
+    """How a rank reaches its peers: stored bytes, pings and control messages.
+
+    :class:`MpiTransport` is the real one; :class:`LocalTransport` connects ranks living in
+    one process (tests of routing, failover and the drain without mpiexec).
+    """
+
+    rank: int
+    size: int
+
+    def start(self) -> None: ...
+
+    def stop(self, timeout: float = 10.0) -> None: ...
+
+    @property
+    def running(self) -> bool: ...
+
+    def fetch(self, owner: int, part: int, offset: int, length: int, timeout: float):
+        """Stored bytes of ``part`` from rank ``owner``; RemoteTimeout / RemoteError."""
+
+    def ping(self, owner: int, timeout: float) -> bool: ...
+
+    def send_control(self, kind: int, ranks, reason: str = "", timeout: float = 2.0) -> None:
+        ...
 
 
 class Backoff:
@@ -282,6 +308,80 @@ class MpiTransport:
         except Exception as exc:  # noqa: BLE001 - MPI errors on a dying job
             log.debug("cancel failed: %s", exc)
             self._abandoned.append((req, buf))
+
+
+class LocalHub:
+    """Ranks of one process, wired to each other: what :class:`LocalTransport` talks over.
+    ``down`` holds ranks that do not answer (a hung or dead peer)."""
+
+    def __init__(self) -> None:
+        self.ranks: dict[int, "LocalTransport"] = {}
+        self.down: set[int] = set()
+
+
+class LocalTransport:
+    """An in-process :class:`Transport`: each rank's ``parts`` serve the others directly.
+
+    A rank in ``hub.down`` behaves like a peer that never answers: a fetch or ping of it
+    waits ``timeout`` seconds (capped at ``max_wait``, so tests stay quick) and fails."""
+
+    def __init__(self, hub: LocalHub, rank: int, size: int, parts,
+                 on_control: Callable[[P.ControlMsg], None] | None = None,
+                 max_wait: float = 0.05) -> None:
+        self.hub = hub
+        self.rank = rank
+        self.size = size
+        self.parts = parts
+        self.on_control = on_control or (lambda msg: None)
+        self.max_wait = max_wait
+        self.served_requests = 0
+        self.served_bytes = 0
+        self._running = False
+        hub.ranks[rank] = self
+
+    def start(self) -> None:
+        self._running = True
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._running = False
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    def _peer(self, owner: int, timeout: float) -> "LocalTransport":
+        peer = self.hub.ranks.get(owner)
+        if peer is None or owner in self.hub.down or not peer._running:
+            time.sleep(min(timeout, self.max_wait))
+            raise RemoteTimeout(f"rank {owner} did not answer within {timeout:g} s")
+        return peer
+
+    def fetch(self, owner: int, part: int, offset: int, length: int, timeout: float):
+        peer = self._peer(owner, timeout)
+        if peer.parts is None or not peer.parts.has(part):
+            raise RemoteError(f"rank {owner} could not serve partition {part}: not here")
+        try:
+            data = peer.parts.fetch(part, offset, length)
+        except (OSError, FanStoreError) as exc:
+            raise RemoteError(f"rank {owner} could not serve partition {part}: "
+                              f"io error ({exc})") from None
+        peer.served_requests += 1
+        peer.served_bytes += length
+        return data
+
+    def ping(self, owner: int, timeout: float) -> bool:
+        try:
+            self._peer(owner, timeout)
+        except RemoteTimeout:
+            return False
+        return True
+
+    def send_control(self, kind: int, ranks, reason: str = "", timeout: float = 2.0) -> None:
+        msg = P.ControlMsg(kind, self.rank, reason)
+        for r in ranks:
+            peer = self.hub.ranks.get(r)
+            if r != self.rank and peer is not None and r not in self.hub.down:
+                peer.on_control(msg)
 
 
 def node_name() -> str:

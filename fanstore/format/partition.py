@@ -13,6 +13,7 @@ import struct
 import xxhash
 
 from fanstore.errors import FormatError, VersionTooNewError
+from fanstore.storage import is_url, open_location
 
 PARTITION_MAGIC = b"FANSTPRT"
 # magic, version, flags, header size, partition number; zero padding to 64 bytes.
@@ -55,7 +56,12 @@ class PartitionWriter:
     def __init__(self, path: str, number: int, buffer_size: int = 4 << 20) -> None:
         self.path = path
         self.number = number
-        self._f = open(path, "wb", buffering=buffer_size)
+        self._remote = None
+        if is_url(path):  # object storage: a multipart upload, complete only at close()
+            parent, _, name = path.rstrip("/").rpartition("/")
+            self._remote = self._f = open_location(parent).open_write(name)
+        else:
+            self._f = open(path, "wb", buffering=buffer_size)
         self._hash = xxhash.xxh3_128()
         self.size = 0
         self._write(encode_partition_header(number))
@@ -72,12 +78,18 @@ class PartitionWriter:
 
     def close(self) -> str:
         """Flush, fsync and close; return the file's XXH3-128 as hex."""
+        if self._remote is not None:
+            self._remote.close()
+            return self._hash.hexdigest()
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
         return self._hash.hexdigest()
 
     def abort(self) -> None:
+        if self._remote is not None:
+            self._remote.abort()
+            return
         try:
             self._f.close()
         except OSError:

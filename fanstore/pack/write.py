@@ -15,21 +15,19 @@ import errno
 import logging
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import xxhash
 
 from compressors import CodecError, get_codec, parse_spec
-from fanstore import __version__
-from fanstore.errors import PackError, StoreExistsError, UsageError
+from fanstore.version import __version__
+from fanstore.errors import FanStoreError, PackError, UsageError
 from fanstore.format.index import (
-    INDEX_NAME,
     KIND_DIR,
     KIND_FILE,
     KIND_SYMLINK,
@@ -37,18 +35,22 @@ from fanstore.format.index import (
     IndexBuilder,
     PartitionInfo,
     encode_index,
-    write_index,
 )
 from fanstore.format.partition import PartitionWriter, partition_name
 from fanstore.kinds import file_kind
 from fanstore.pack.plan import CodecPolicy, in_dir, plan_partitions
+from fanstore.pack.dest import (  # noqa: F401 - re-exported (tests, older imports)
+    OLD_MARK,
+    TMP_MARK,
+    LocalDestination,
+    check_destination,
+    open_destination,
+)
 from fanstore.pack.scan import ScanResult, scan_tree, show
-from fanstore.runtime import pid_alive
+from fanstore.storage import is_url
 
 log = logging.getLogger(__name__)
 
-TMP_MARK = ".fanstore-tmp-"
-OLD_MARK = ".fanstore-old-"
 NONE_CONFIG = {"id": "none"}
 
 
@@ -62,6 +64,8 @@ class PackOptions:
     broadcast: list[str] = field(default_factory=list)
     progress: bool | None = None  # None: on a terminal only
     extra_meta: dict[str, Any] = field(default_factory=dict)
+    #: shows one line to the user (the CLI prints it; the default logs a warning)
+    notify: Callable[[str], None] = field(default=lambda text: log.warning("%s", text))
 
 
 @dataclass
@@ -104,70 +108,19 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
-# --------------------------------------------------------------------------- destination
+# --------------------------------------------------------------------------- arguments
 
 
-def _clean_stale_siblings(dest: str) -> None:
-    parent, base = os.path.split(dest)
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return
-    for name in names:
-        for mark in (TMP_MARK, OLD_MARK):
-            prefix = base + mark
-            if name.startswith(prefix):
-                try:
-                    pid = int(name[len(prefix) :].split("-")[0])
-                except ValueError:
-                    continue
-                if not pid_alive(pid):
-                    path = os.path.join(parent, name)
-                    print(f"fanstore: removing leftover of an interrupted pack: {path}",
-                          file=sys.stderr)
-                    shutil.rmtree(path, ignore_errors=True)
-
-
-def check_destination(src: str, dest: str, force: bool) -> None:
-    real_src = os.path.realpath(src)
-    real_dest = os.path.realpath(dest)
-    if real_dest == real_src or real_dest.startswith(real_src.rstrip("/") + "/"):
-        raise UsageError(f"destination {dest} is inside the source {src}")
-    if real_src.startswith(real_dest.rstrip("/") + "/"):
-        raise UsageError(f"source {src} is inside the destination {dest}")
-    if os.path.lexists(dest):
-        if not os.path.isdir(dest):
-            raise StoreExistsError(f"destination {dest} exists and is not a directory")
-        if os.path.exists(os.path.join(dest, INDEX_NAME)):
-            if not force:
-                raise StoreExistsError(
-                    f"destination {dest} already holds a store (use --force to replace it)"
-                )
-        elif os.listdir(dest):
-            raise StoreExistsError(
-                f"destination {dest} exists, is not empty and is not a store; refusing to "
-                "overwrite it"
-            )
-
-
-def check_arguments(src: str, dest: str, options: PackOptions) -> str:
-    """Refuse a bad source, destination or option before any work; returns the real
-    destination path."""
+def check_arguments(src: str, dest: str, options: PackOptions) -> None:
+    """Refuse a bad source, destination or option before any work (the CLI calls this
+    before a codec selection that takes seconds; :func:`prepare` checks again)."""
     if not os.path.exists(src):
         raise UsageError(f"source {src} does not exist")
     if not os.path.isdir(src):
         raise UsageError(f"source {src} is not a directory")
-    if options.partitions < 1:
-        raise UsageError("--partitions must be at least 1")
-    if not 4096 <= options.chunk_size <= MAX_CHUNK_SIZE:
-        raise UsageError(f"chunk size must be between 4 KiB and {MAX_CHUNK_SIZE >> 20} MiB")
-    dest = os.path.abspath(dest)
-    if os.path.islink(dest):
-        # Write where the link points: renaming over the link itself would put the new store
-        # beside the link and leave the old one (and a DEST.fanstore-old-* link) behind.
-        dest = os.path.realpath(dest)
-    check_destination(src, dest, options.force)
-    return dest
+    check_options(options)
+    destination = open_destination(dest, options.notify)
+    check_destination(src, getattr(destination, "dest", destination.url), options.force)
 
 
 # --------------------------------------------------------------------------- workers
@@ -352,7 +305,7 @@ def _pack_partition(task: _PartTask) -> _PartResult:
             flush(key)
         res.checksum = writer.close()
         res.size = writer.size
-    except PackError as exc:
+    except FanStoreError as exc:  # a source problem, or object storage failing
         writer.abort()
         res.error = str(exc)
         return res
@@ -408,6 +361,7 @@ class PackPlan:
     tmp: str
     skipped: list[str]
     t0: float
+    target: Any = None  # a pack.dest destination (local directory or S3 prefix)
 
 
 def prepare(
@@ -419,31 +373,23 @@ def prepare(
 ) -> PackPlan:
     """Check the arguments, scan the source, plan partitions and codecs, create the temp dir.
 
-    The caller must run the plan's tasks and call :func:`finish`, or remove ``plan.tmp``.
+    The caller must run the plan's tasks and call :func:`finish`, or
+    ``plan.target.discard()``.
     """
     options = options or PackOptions()
     policy = policy or CodecPolicy(parse_spec("zstd:3"))
     t0 = time.monotonic()
-    dest = check_arguments(src, dest, options)
-    parent = os.path.dirname(dest)
-    os.makedirs(parent, exist_ok=True)
-    _clean_stale_siblings(dest)
+    if not os.path.exists(src):
+        raise UsageError(f"source {src} does not exist")
+    if not os.path.isdir(src):
+        raise UsageError(f"source {src} is not a directory")
+    check_options(options)
+    destination = open_destination(dest, options.notify)
+    destination.prepare(src, options.force)
 
     if scan is None:
         scan = scan_tree(src)
-    skipped: list[str] = []
-    if scan.problems:
-        if not options.skip_unreadable:
-            for p in scan.problems:
-                print(f"fanstore: cannot pack {p}", file=sys.stderr)
-            n = len(scan.problems)
-            raise PackError(
-                f"{n} entr{'y' if n == 1 else 'ies'} cannot be packed (listed above); fix "
-                "them or pass --skip-unreadable to leave them out"
-            )
-        skipped = list(scan.problems)
-        for p in skipped:
-            print(f"fanstore: skipping {p}", file=sys.stderr)
+    skipped = report_problems(scan.problems, options)
 
     entries = scan.entries
     files = scan.files
@@ -492,10 +438,9 @@ def prepare(
         slot_of_codec[id(codec)] = (codec, number)
         return number
 
-    tmp = f"{dest}{TMP_MARK}{os.getpid()}"
-    os.mkdir(tmp)
+    destination.create_tmp()
     tasks = [
-        _PartTask(p, os.path.join(tmp, partition_name(p)), [], configs, options.chunk_size)
+        _PartTask(p, destination.partition_path(partition_name(p)), [], configs, options.chunk_size)
         for p in range(n_parts)
     ]
     groups: dict[str, int] = {}
@@ -511,7 +456,33 @@ def prepare(
                                solid, group))
     for t in tasks:
         t.files.sort(key=lambda f: f[0])  # scan (breadth-first) order: neighbours together
-    return PackPlan(os.path.abspath(src), dest, scan, tasks, configs, n_normal, tmp, skipped, t0)
+    return PackPlan(os.path.abspath(src), destination.url, scan, tasks, configs, n_normal,
+                    destination.tmp, skipped, t0, destination)
+
+
+def check_options(options: PackOptions) -> None:
+    if options.partitions < 1:
+        raise UsageError("--partitions must be at least 1")
+    if not 4096 <= options.chunk_size <= MAX_CHUNK_SIZE:
+        raise UsageError(f"chunk size must be between 4 KiB and {MAX_CHUNK_SIZE >> 20} MiB")
+
+
+def report_problems(problems: list[str], options: PackOptions) -> list[str]:
+    """Fail listing ``problems`` (entries that cannot be packed), or, with
+    ``--skip-unreadable``, list them as skipped and return them."""
+    if not problems:
+        return []
+    if not options.skip_unreadable:
+        for p in problems:
+            options.notify(f"cannot pack {p}")
+        n = len(problems)
+        raise PackError(
+            f"{n} entr{'y' if n == 1 else 'ies'} cannot be packed (listed above); fix "
+            "them or pass --skip-unreadable to leave them out"
+        )
+    for p in problems:
+        options.notify(f"skipping {p}")
+    return list(problems)
 
 
 def finish(plan: PackPlan, results: list[_PartResult], options: PackOptions) -> PackSummary:
@@ -519,16 +490,17 @@ def finish(plan: PackPlan, results: list[_PartResult], options: PackOptions) -> 
     errors = [r.error for r in results if r.error]
     if errors:
         for msg in errors[:-1]:
-            print(f"fanstore: {msg}", file=sys.stderr)
+            options.notify(msg)
         raise PackError(errors[-1] + ("" if len(errors) == 1 else
                                       f" (and {len(errors) - 1} more, above)"))
     results = sorted(results, key=lambda r: r.number)
     if [r.number for r in results] != list(range(len(plan.tasks))):
         raise PackError("internal error: partitions missing from the workers' results")
-    index_bytes, stored = _build_index(plan.scan, results, plan.configs, options,
-                                       plan.n_normal, plan.tmp, plan.src)
-    _fsync_dir(plan.tmp)
-    _install(plan.tmp, plan.dest)
+    data, stored = build_index(plan.scan, results, plan.configs, options, plan.n_normal,
+                               plan.src)
+    plan.target.write_index(data)
+    plan.target.install()
+    index_bytes = len(data)
     kinds = [e.kind for e in plan.scan.entries]
     return PackSummary(
         dest=plan.dest,
@@ -558,7 +530,7 @@ def pack(
         results = run_tasks(plan.tasks, options, plan.scan.raw_bytes)
         return finish(plan, results, options)
     except BaseException:
-        shutil.rmtree(plan.tmp, ignore_errors=True)
+        plan.target.discard()
         raise
 
 
@@ -619,8 +591,10 @@ def run_tasks(tasks: list[_PartTask], options: PackOptions, total: int) -> list[
     return sorted(results, key=lambda r: r.number)
 
 
-def _build_index(scan: ScanResult, results: list[_PartResult], configs, options: PackOptions,
-                 n_normal: int, tmp: str, src: str) -> tuple[int, int]:
+def build_index(scan: ScanResult, results: list[_PartResult], configs, options: PackOptions,
+                n_normal: int, src: str) -> tuple[bytes, int]:
+    """The index bytes of a store made of ``results`` (one per partition, in number order)
+    for the tree ``scan``; and the stored bytes of all partitions."""
     entries = scan.entries
     n_chunks = sum(len(r.chunks["part"]) for r in results)
     b = IndexBuilder(len(entries), n_chunks)
@@ -668,7 +642,7 @@ def _build_index(scan: ScanResult, results: list[_PartResult], configs, options:
             "stored_bytes": stored,
         },
         "pack": {
-            "source": os.path.abspath(src),
+            "source": src if is_url(src) else os.path.abspath(src),
             "partitions": n_normal,
             "broadcast": list(options.broadcast),
             "chunk_size": options.chunk_size,
@@ -677,38 +651,4 @@ def _build_index(scan: ScanResult, results: list[_PartResult], configs, options:
     }
     meta.update(options.extra_meta)
     data = encode_index(meta, b.e, b.c, b.build_lookup(), bytes(b.names), bytes(b.targets))
-    path = os.path.join(tmp, INDEX_NAME)
-    try:
-        write_index(path, data)
-    except OSError as exc:  # name the file: a bare "No space left on device" says nothing
-        if exc.errno == errno.ENOSPC:
-            raise PackError(f"no space left on device while writing {path}") from None
-        raise PackError(f"cannot write {path}: {exc.strerror}") from None
-    return len(data), stored
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _install(tmp: str, dest: str) -> None:
-    """Move the finished store into place; an existing store (--force) is replaced."""
-    old = None
-    if os.path.isdir(dest) and os.listdir(dest):
-        old = f"{dest}{OLD_MARK}{os.getpid()}"
-        os.rename(dest, old)
-    elif os.path.isdir(dest):
-        os.rmdir(dest)
-    try:
-        os.rename(tmp, dest)
-    except BaseException:
-        if old:
-            os.rename(old, dest)
-        raise
-    _fsync_dir(os.path.dirname(dest) or ".")
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
+    return data, stored

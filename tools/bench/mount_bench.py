@@ -391,45 +391,15 @@ class Bench(common.RowLog):
 def is_mounted(path: str) -> bool:
     """True if ``path`` is a mount point, also when its FUSE daemon has died (os.path.ismount
     then fails with ENOTCONN and says False)."""
-    target = os.path.abspath(path)
-    try:
-        with open("/proc/self/mounts") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) > 1 and _unescape(fields[1]) == target:
-                    return True
-    except OSError:
-        return os.path.ismount(path)
-    return False
+    from fanstore import mounttable
 
-
-def _unescape(field: str) -> str:
-    # /proc/mounts escapes space, tab, newline and backslash as \ooo
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and i + 3 < len(field) and field[i + 1:i + 4].isdigit():
-            out.append(chr(int(field[i + 1:i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
+    return os.path.abspath(path) in mounttable.mounts()
 
 
 def pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    from fanstore.process import pid_alive as alive
+
+    return alive(pid)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

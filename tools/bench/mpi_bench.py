@@ -160,10 +160,10 @@ def pack_store(fanstore: str, data: str, dest: str, partitions: int, codec: str,
 
 def control(mnt: str, req: dict, timeout: float = 30.0) -> dict | None:
     """One request on a mount's control socket (what `fanstore stats --json` sends)."""
-    from fanstore import runtime
+    from fanstore import control
 
     try:
-        return runtime.control(mnt, req, timeout=timeout)
+        return control.control(mnt, req, timeout=timeout)
     except Exception:  # noqa: BLE001 - a dead daemon: the caller reports it
         return None
 
@@ -844,7 +844,7 @@ def main_bcast(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="mpi_bench.py _bcast")
     ap.add_argument("--index", required=True)
     a = ap.parse_args(argv)
-    from fanstore.daemon.node import World
+    from fanstore.daemon.world import World
     from fanstore.format.index import read_index_bytes
 
     world = World.from_mpi()

@@ -158,9 +158,9 @@ def pass_main(argv: list[str]) -> int:
         t0 = time.perf_counter()
         # The order goes over when the readers are released: its cost is in the pass.
         if a.mode == "fuse-prefetch":
-            from fanstore import runtime
+            from fanstore import control
 
-            order_reply = runtime.control(a.mount, {"op": "prefetch", "paths": rels,
+            order_reply = control.control(a.mount, {"op": "prefetch", "paths": rels,
                                                     "client": "prefetch_bench"}, timeout=300)
             order_s = time.perf_counter() - t0
         elif a.mode == "api-prefetch":

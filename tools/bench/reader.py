@@ -111,6 +111,13 @@ def read_whole(path: str, buf) -> int:
         return len(f.read())
 
 
+def read_whole_unbuffered(path: str, buf) -> int:
+    """open(..., buffering=0): no isatty() probe, so no FUSE_IOCTL per file (what numpy's
+    fromfile, cat and most C code do)."""
+    with open(path, "rb", buffering=0) as f:
+        return len(f.readall())
+
+
 def read_chunked(path: str, buf) -> int:
     n = 0
     with open(path, "rb", buffering=0) as f:
@@ -126,12 +133,15 @@ def stat_only(path: str, buf) -> int:
     return 0
 
 
-def run_share(op: str, paths: list[str], chunk: int, time_limit: float) -> dict:
+def run_share(op: str, paths: list[str], chunk: int, time_limit: float,
+              unbuffered: bool = False) -> dict:
     """One reader's share: returns counts, per-file latencies and its start/end clock."""
     if op == "stat":
         fn = stat_only
+    elif chunk:
+        fn = read_chunked
     else:
-        fn = read_chunked if chunk else read_whole
+        fn = read_whole_unbuffered if unbuffered else read_whole
     buf = bytearray(chunk) if chunk else None
     clock = time.perf_counter
     lat: list[float] = []
@@ -156,22 +166,39 @@ def run_share(op: str, paths: list[str], chunk: int, time_limit: float) -> dict:
             "lat": lat, "start": start, "end": clock()}
 
 
-def _child(op, paths, chunk, time_limit, barrier, queue) -> None:
+def _child(op, paths, chunk, time_limit, unbuffered, barrier, queue) -> None:
     try:
         barrier.wait()
     except Exception:  # noqa: BLE001 - a broken barrier: the parent reports it
         return
-    queue.put(run_share(op, paths, chunk, time_limit))
+    queue.put(run_share(op, paths, chunk, time_limit, unbuffered))
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (a FUSE daemon and its worker processes)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            pass
+    return out
 
 
 def run_pass(op: str, paths: list[str], workers: int, chunk: int = 0,
-             time_limit: float = 0.0, watch_pids: tuple[int, ...] = ()) -> dict:
+             time_limit: float = 0.0, watch_pids: tuple[int, ...] = (),
+             unbuffered: bool = False) -> dict:
     """Run ``workers`` reader processes over ``paths`` (dealt round-robin); one result dict."""
     ctx = mp.get_context("fork")
     barrier = ctx.Barrier(workers + 1)
     queue = ctx.Queue()
     procs = [ctx.Process(target=_child, daemon=True,
-                         args=(op, paths[i::workers], chunk, time_limit, barrier, queue))
+                         args=(op, paths[i::workers], chunk, time_limit, unbuffered, barrier,
+                               queue))
              for i in range(workers)]
     for p in procs:
         p.start()
@@ -243,8 +270,12 @@ def do_items(a) -> dict:
     if a.limit:
         items = items[:a.limit]
     paths = [os.path.join(a.root, p) for p in items]
-    row = run_pass(a.cmd, paths, a.workers, getattr(a, "chunk", 0), a.time_limit,
-                   tuple(a.watch_pid))
+    pids = tuple(a.watch_pid)
+    if getattr(a, "watch_tree", False):
+        pids = tuple(q for p in pids for q in descendants(p))
+    row = run_pass(a.cmd, paths, a.workers, getattr(a, "chunk", 0), a.time_limit, pids,
+                   getattr(a, "unbuffered", False))
+    row.update(unbuffered=bool(getattr(a, "unbuffered", False)))
     row.update(root=a.root, list=os.path.basename(a.list), seed=a.seed)
     return row
 
@@ -321,9 +352,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--limit", type=int, default=0, help="only the first N after shuffling")
         p.add_argument("--time-limit", type=float, default=0.0,
                        help="cut each reader off after this many seconds (0 = never)")
+        p.add_argument("--watch-tree", action="store_true",
+                       help="count the CPU of every process below each --watch-pid too")
         p.add_argument("--watch-pid", type=int, action="append", default=[],
                        help="report this process's CPU seconds during the pass (repeatable)")
         if name == "read":
+            p.add_argument("--unbuffered", action="store_true",
+                           help="open(path, 'rb', buffering=0): no isatty() ioctl per file")
             p.add_argument("--chunk", type=int, default=0,
                            help="0: f.read() whole files; N: readinto N-byte buffer (large files)")
     common(sub.add_parser("walk"))

@@ -1,0 +1,89 @@
+"""What a node daemon needs from a FUSE frontend, and what it gives one.
+
+The node (:mod:`fanstore.daemon.node`) does everything that does not depend on how the
+kernel is spoken to: the MPI world, the index, placement, staging, the peer transport, the
+control socket, signals, the drain and the exit. A frontend (:mod:`fanstore.fuse`) only
+mounts and serves. The composition root (:mod:`fanstore.launch`) picks one and hands the
+node a factory; neither package imports the other.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+
+@dataclass
+class MountOptions:
+    """How to mount and serve (the ``fanstore mount`` options that concern serving)."""
+
+    frontend: str = "auto"  # "kernel", "pyfuse3", or auto (launch.resolve_frontend)
+    cache_mb: int = 256
+    threads: int = 0  # decode threads (pyfuse3 frontend); 0 = 2 per core, at least 4
+    workers: int = 0  # worker processes (kernel frontend); 0 = the cores of the node
+    allow_other: bool = False
+    max_tasks: int = 64
+    mode: str = "sync"  # or "prefetch"
+    prefetch_mb: int = 1024
+    fsname: str = "fanstore"
+
+    def decode_threads(self) -> int:
+        if self.threads:
+            return self.threads
+        return max(4, 2 * len(os.sched_getaffinity(0)))
+
+    def worker_count(self) -> int:
+        return self.workers or len(os.sched_getaffinity(0))
+
+
+@dataclass
+class MountContext:
+    """Everything a frontend serves from, built by the node.
+
+    ``reader`` is the node process's read core (local partitions from disk, other nodes'
+    over MPI). A frontend that serves from other processes builds a reader in each of them
+    from ``store``, ``data_dir``, ``local_parts`` and ``replicated``, and asks the daemon at
+    ``socket_path`` for the rest (:class:`fanstore.control.NodeSource`).
+    """
+
+    mountpoint: str
+    options: MountOptions
+    index: Any
+    ns: Any
+    reader: Any  # fanstore.read.ChunkReader
+    store: str
+    data_dir: str
+    local_parts: list[int]
+    replicated: list[int]  # local partitions another node also holds
+    socket_path: str
+    index_path: str  # the node's shared index copy (format.index.map_index_body)
+    request_stop: Callable[[str, bool], None]  # (reason, everywhere): thread/signal safe
+    remote_timeout: float = 30.0
+    extra_stats: dict[str, Any] = field(default_factory=dict)
+
+
+class Frontend(Protocol):
+    def mount(self) -> None:
+        """Mount the file system (not yet serving); MountError on failure."""
+
+    def unmount(self) -> None:
+        """Undo a mount that will not be served (another rank failed)."""
+
+    def serve(self) -> str:
+        """Serve until unmounted or stopped (blocks the calling thread); return why."""
+
+    def stop(self, reason: str) -> None:
+        """End :meth:`serve` and unmount. Safe from any thread and from a signal handler."""
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the readers this frontend runs (``fanstore stats``)."""
+
+    def set_order(self, entries: list[int], client: str) -> int:
+        """Prefetch mode: the access order of ``client``'s next epoch (MountError in sync)."""
+
+    def fetch(self, entry: int) -> bytes:
+        """A whole file, decoded and checked (what a prefetch-mode API read asks for)."""
+
+
+FrontendFactory = Callable[[MountContext], Frontend]

@@ -1,0 +1,151 @@
+"""The read core on a trio loop, for the pyfuse3 frontend: in-flight de-duplication and the
+thread hop, nothing else.
+
+``AsyncReader.read(entry, offset, size)`` runs on the trio loop and never blocks it: cache
+hits are answered inline; misses run :meth:`ChunkReader.load` (fetch + decode + verify +
+re-read from a replica) in worker threads bounded by a ``trio.CapacityLimiter`` (codecs
+release the GIL, so threads give real parallelism). Loads of chunks held by other nodes
+mostly wait on the network: they get a limiter of their own.
+
+Concurrency protocol (every ``await`` is a point where other requests run):
+- ``_inflight`` maps a chunk to the ``_Pending`` load that is producing it. A reader that
+  finds its chunk in flight waits on that load's event instead of loading it again; so
+  each chunk is fetched and decoded once however many readers want it at the same time.
+- Waiters take the bytes from the load's own result, not from the cache, so a tiny cache
+  cannot make them load again; a failed load hands its error to its waiters and is logged
+  once. A later read tries again.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from fanstore.errors import FanStoreError
+from fanstore.read import ChunkReader, assemble, chunk_span
+
+log = logging.getLogger(__name__)
+
+
+class _Pending:
+    """One load in flight: the chunks it produces, or the error it hit."""
+
+    __slots__ = ("event", "result", "error")
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.result: dict[int, bytes] = {}
+        self.error: FanStoreError | None = None
+
+
+class AsyncReader:
+    """Async file reads over a :class:`ChunkReader` (``reader.source`` says what is local)."""
+
+    def __init__(self, ns, reader: ChunkReader, threads: int = 4,
+                 remote_threads: int = 16) -> None:
+        self.ns = ns
+        self.reader = reader
+        self.cache = reader.cache
+        self.stats = reader.stats
+        self.chunk_size = reader.chunk_size
+        self._local_limiter = trio.CapacityLimiter(max(1, threads))
+        self._remote_limiter = trio.CapacityLimiter(max(1, remote_threads))
+        self._inflight: dict[int, _Pending] = {}
+        self._part = reader.index.c["part"]
+        self.prefetcher = None  # fanstore.fuse.prefetch.Prefetcher in prefetch mode
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """Background work (the prefetcher), if any, in the mount's nursery."""
+        if self.prefetcher is not None:
+            nursery.start_soon(self.prefetcher.run)
+
+    async def read(self, entry: int, offset: int, size: int):
+        """Bytes [offset, offset+size) of a file (short at EOF). Raises FanStoreError."""
+        self.stats.reads += 1
+        first, count, base, file_size = self.reader.span(entry)
+        lo, hi, end = chunk_span(offset, size, file_size, self.chunk_size, base)
+        if hi == lo:
+            return b""
+        if self.prefetcher is not None and lo == 0:
+            ready = self.prefetcher.take(entry)
+            if ready is not None:
+                for k, data in zip(range(first, first + count), ready):
+                    self.cache.put(k, data)
+                if hi == 1 and not self.cache.peek(first):  # too big for the LRU: serve it
+                    data = assemble(ready[:1], 0, offset, end, self.chunk_size, base)
+                    self.stats.bytes_returned += len(data)
+                    return data
+        chunks = await self.get_chunks(entry, first + lo, first + hi)
+        data = assemble(chunks, lo, offset, end, self.chunk_size, base)
+        self.stats.bytes_returned += len(data)
+        return data
+
+    async def read_all(self, entry: int) -> bytes:
+        """A whole file, decoded (the prefetch buffer first): the API's ``fetch``."""
+        first, count, base, size = self.reader.span(entry)
+        if count == 0:
+            return b""
+        chunks = self.prefetcher.take(entry) if self.prefetcher is not None else None
+        if chunks is None:
+            chunks = await self.get_chunks(entry, first, first + count)
+        data = chunks[0] if count == 1 else b"".join(chunks)
+        if base or len(data) != size:
+            data = bytes(memoryview(data)[base : base + size])
+        self.stats.bytes_returned += size
+        return data
+
+    async def get_chunks(self, entry: int, a: int, b: int, counted: bool = True,
+                         keep: bool = True) -> list[bytes]:
+        """Decoded chunks a..b-1 of one file, each loaded at most once at a time.
+
+        ``counted``: a reader's request (cache hits and misses are counted);
+        ``keep``: put what was loaded into the LRU (the prefetcher keeps its own buffer).
+        """
+        out: list[bytes | None] = [self.cache.get(k, counted) for k in range(a, b)]
+        missing = [a + i for i, v in enumerate(out) if v is None]
+        if not missing:
+            return out  # type: ignore[return-value]
+        waits = [(k, self._inflight[k]) for k in missing if k in self._inflight]
+        mine = [k for k in missing if k not in self._inflight]
+        if mine:
+            lo, hi = mine[0], mine[-1] + 1
+            pending = _Pending()
+            owned = [k for k in range(lo, hi) if k not in self._inflight]
+            for k in owned:
+                self._inflight[k] = pending
+            local = self.reader.source.is_local(int(self._part[lo]))
+            try:
+                decoded = await trio.to_thread.run_sync(
+                    self._load, entry, lo, hi,
+                    limiter=self._local_limiter if local else self._remote_limiter)
+            except FanStoreError as exc:
+                log.error("%s", exc)
+                pending.error = exc
+                raise
+            else:
+                pending.result = dict(zip(range(lo, hi), decoded))
+                if keep:
+                    for k, data in pending.result.items():
+                        self.cache.put(k, data)
+            finally:
+                for k in owned:
+                    del self._inflight[k]
+                pending.event.set()
+            for k in mine:
+                out[k - a] = pending.result[k]
+        for k, pending in waits:
+            await pending.event.wait()
+            if pending.error is not None:
+                raise type(pending.error)(str(pending.error))
+            out[k - a] = pending.result[k]
+            if keep and not self.cache.peek(k):
+                self.cache.put(k, pending.result[k])
+        return out  # type: ignore[return-value]
+
+    def _load(self, entry: int, a: int, b: int) -> list[bytes]:
+        try:
+            return self.reader.load(entry, a, b)
+        except FanStoreError:
+            self.stats.errors += 1
+            raise

@@ -1,0 +1,533 @@
+"""The kernel-protocol frontend: K worker processes serve the kernel's FUSE requests directly.
+
+Process model (one node)::
+
+    node daemon (MPI rank, or a world of one)      frontend process (never touches MPI)
+    ─────────────────────────────────────────      ─────────────────────────────────────
+    index, placement, staging, peers, control  ──▶ spawned fresh (``python -m``, exec'd:
+    socket; read_stored for other nodes' chunks      nothing of MPI is inherited); loads the
+                                                     index copy, mounts /dev/fuse, answers
+                                                     INIT, forks K workers
+                                                   worker 1..K: read requests from the same
+                                                     connection, pread + decode this node's
+                                                     chunks inline, ask the daemon's socket
+                                                     for other nodes' chunks (NodeSource)
+
+The daemon never forks after MPI_Init: it starts the frontend with ``subprocess`` (fork +
+exec at once), and the frontend process, which never initialises MPI, forks the workers.
+The frontend process and its workers die with the daemon (PR_SET_PDEATHSIG: SIGKILL of the
+daemon leaves a stale mount that the next ``fanstore mount`` or ``umount`` cleans, exactly
+as with the pyfuse3 frontend); SIGTERM to the frontend process unmounts and stops every
+worker; an unmount from outside ends them all.
+
+What the kernel is offered (see :mod:`fanstore.fuse.kernel`): zero-message open and opendir,
+cached directory listings, readdirplus, cached symlinks, parallel directory operations,
+max_pages so one READ covers a 1 MiB chunk, entry and attribute timeouts of 10^6 s (the
+data never changes while mounted) and negative entries cached as long, no automatic data
+invalidation: a file read once is served by the page cache with no request at all.
+
+Counters: every worker counts its requests by opcode and its reads (local/remote reads,
+bytes, decode time, cache hits, errors) in its own row of a shared table in the runtime
+directory; the daemon sums the rows for ``fanstore stats``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import signal
+import struct
+import subprocess
+import sys
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from fanstore.errors import FanStoreError, MountError, NotFoundError
+from fanstore.format.index import KIND_DIR, KIND_FILE
+from fanstore.frontend import MountContext
+from fanstore.fuse.fsops import BLKSIZE, TIMEOUT, FsOps
+from fanstore.process import read_ready
+
+log = logging.getLogger(__name__)
+
+# fuse_attr: ino size blocks atime mtime ctime atimensec mtimensec ctimensec mode nlink uid
+# gid rdev blksize flags (88 bytes); fuse_entry_out prefixes nodeid generation entry_valid
+# attr_valid entry_valid_nsec attr_valid_nsec (40 bytes); fuse_attr_out prefixes attr_valid
+# attr_valid_nsec dummy (16 bytes).
+_ENTRY_OUT = struct.Struct("=QQQQII" + "QQQQQQIIIIIIIIII")
+_ATTR_OUT = struct.Struct("=QII" + "QQQQQQIIIIIIIIII")
+
+#: Reader counters kept in each worker's row of the shared table (after the engine's).
+READ_COUNTERS = ("reads", "bytes_returned", "local_reads", "local_bytes", "remote_reads",
+                 "remote_bytes", "refetched", "chunks_decoded", "errors", "decode_ns",
+                 "cache_hits", "cache_misses", "cache_bytes", "cache_budget")
+READ_COL0 = 96
+
+
+class KernelHandler:
+    """FanStore's answers to the kernel's requests, in one worker process.
+
+    Thin: the logic is :class:`~fanstore.fuse.fsops.FsOps` (shared with the pyfuse3
+    frontend) and the read core; this class packs the answers in the kernel's byte layout.
+    Directory listings are packed once per directory (vectorised) and kept in a small LRU.
+    """
+
+    def __init__(self, fs: FsOps, reader, listing_budget: int = 32 << 20,
+                 publish=None) -> None:
+        from fanstore.fuse.kernel import proto
+
+        self.fs = fs
+        self.ns = fs.ns
+        self.reader = reader
+        self.stats = reader.stats
+        self.publish = publish or (lambda: None)  # counters to the shared table
+        self.proto = proto
+        self._n = fs.n_entries
+        self._kind = fs._kind
+        self._count = self.ns.index.e["count"]  # a directory's number of children
+        self._uid, self._gid = fs.uid, fs.gid
+        self._negative = proto.negative_entry(TIMEOUT)
+        self._listings: OrderedDict[int, Any] = OrderedDict()
+        self._listing_bytes = 0
+        self._listing_budget = listing_budget
+        self._names = np.frombuffer(self.ns.index.names, dtype=np.uint8)
+        self._name_off = self.ns.index.e["name_off"]
+        self._name_len = self.ns.index.e["name_len"]
+        self._statfs = None
+
+    # ------------------------------------------------------------------ attributes
+    def _attr_fields(self, entry: int) -> tuple:
+        ino, mode, nlink, size, blocks, mtime = self.fs.attr(entry)
+        sec, nsec = divmod(mtime, 1_000_000_000)
+        return (ino, size, blocks, sec, sec, sec, nsec, nsec, nsec, mode, nlink, self._uid,
+                self._gid, 0, BLKSIZE, 0)
+
+    def _entry_out(self, entry: int) -> bytes:
+        return _ENTRY_OUT.pack(entry + 1, 0, TIMEOUT, TIMEOUT, 0, 0, *self._attr_fields(entry))
+
+    def _entry(self, nodeid: int) -> int:
+        entry = nodeid - 1
+        if not 0 <= entry < self._n:
+            raise self.proto_errno(errno.ENOENT)
+        return entry
+
+    @staticmethod
+    def proto_errno(code: int):
+        from fanstore.fuse.kernel.dispatch import FuseErrno
+
+        return FuseErrno(code)
+
+    # ------------------------------------------------------------------ requests
+    def lookup(self, parent: int, name: bytes):
+        try:
+            entry = self.fs.lookup(parent, name)
+        except NotFoundError:
+            return self._negative  # the kernel remembers the absence as long as a name
+        except FanStoreError as exc:
+            return exc.errno
+        return self._entry_out(entry)
+
+    def getattr(self, nodeid: int):
+        entry = nodeid - 1
+        if not 0 <= entry < self._n:
+            return errno.ENOENT
+        return _ATTR_OUT.pack(TIMEOUT, 0, 0, *self._attr_fields(entry))
+
+    def readlink(self, nodeid: int):
+        try:
+            return self.fs.readlink(self._entry(nodeid))
+        except FanStoreError as exc:
+            return exc.errno
+
+    def read(self, nodeid: int, offset: int, size: int):
+        entry = nodeid - 1
+        if not 0 <= entry < self._n:
+            return errno.ENOENT
+        if int(self._kind[entry]) != KIND_FILE:
+            return errno.EISDIR if int(self._kind[entry]) == KIND_DIR else errno.EINVAL
+        self.stats.reads += 1
+        try:
+            # Whole-file reads land in the page cache: no second copy in the chunk LRU.
+            data = self.reader.read(entry, offset, size, keep_whole=False)
+        except FanStoreError as exc:
+            log.error("%s", exc)
+            self.publish()
+            return exc.errno
+        self.stats.bytes_returned += len(data)
+        self.publish()
+        return data
+
+    def readdirplus(self, nodeid: int, offset: int, size: int):
+        if self._past_end(nodeid, offset):
+            return b""  # the end of a listing another worker packed: nothing to build
+        listing = self._listing(nodeid)
+        return listing if isinstance(listing, int) else listing.plus(offset, size)
+
+    def readdir(self, nodeid: int, offset: int, size: int):
+        if self._past_end(nodeid, offset):
+            return b""
+        listing = self._listing(nodeid)
+        return listing if isinstance(listing, int) else listing.plain(offset, size)
+
+    def _past_end(self, nodeid: int, offset: int) -> bool:
+        entry = nodeid - 1
+        return (0 <= entry < self._n and int(self._kind[entry]) == KIND_DIR
+                and offset >= int(self._count[entry]))
+
+    def statfs(self):
+        if self._statfs is None:
+            s = self.fs.statfs()
+            self._statfs = self.proto.pack_statfs_out(
+                blocks=s["blocks"], bfree=0, bavail=0, files=s["files"], ffree=0,
+                bsize=s["bsize"], namelen=s["namemax"], frsize=s["frsize"])
+        return self._statfs
+
+    def access(self, nodeid: int, mask: int):
+        entry = nodeid - 1
+        if not 0 <= entry < self._n:
+            return errno.ENOENT
+        return errno.EROFS if mask & os.W_OK else None
+
+    # ------------------------------------------------------------------ listings
+    def _listing(self, nodeid: int):
+        entry = nodeid - 1
+        if not 0 <= entry < self._n:
+            return errno.ENOENT
+        listing = self._listings.get(entry)
+        if listing is not None:
+            self._listings.move_to_end(entry)
+            return listing
+        try:
+            children = self.fs.children(entry)
+        except FanStoreError as exc:
+            return exc.errno
+        listing = self._build_listing(children)
+        cost = len(children) * 200 + 64
+        self._listings[entry] = listing
+        self._listing_bytes += cost
+        while self._listing_bytes > self._listing_budget and len(self._listings) > 1:
+            _, old = self._listings.popitem(last=False)
+            self._listing_bytes -= len(old) * 200 + 64
+        return listing
+
+    def _build_listing(self, children: range):
+        proto = self.proto
+        entries = np.arange(children.start, children.stop, dtype=np.int64)
+        n = len(entries)
+        out = np.zeros(n, dtype=proto.ENTRY_OUT_DTYPE)
+        if n:
+            a = self.fs.attrs(entries)
+            out["nodeid"] = a["ino"]
+            out["entry_valid"] = TIMEOUT
+            out["attr_valid"] = TIMEOUT
+            attr = out["attr"]
+            attr["ino"] = a["ino"]
+            attr["size"] = a["size"]
+            attr["blocks"] = a["blocks"]
+            sec, nsec = np.divmod(a["mtime_ns"], 1_000_000_000)
+            for f in ("atime", "mtime", "ctime"):
+                attr[f] = sec
+                attr[f + "nsec"] = nsec
+            attr["mode"] = a["mode"]
+            attr["nlink"] = a["nlink"]
+            attr["uid"] = self._uid
+            attr["gid"] = self._gid
+            attr["blksize"] = BLKSIZE
+            out["attr"] = attr
+            off = self._name_off[entries].astype(np.int64)
+            ln = self._name_len[entries].astype(np.int64)
+            if n == 1 or np.array_equal(off[1:], off[:-1] + ln[:-1]):
+                concat = self._names[off[0] : off[-1] + ln[-1]]
+            else:  # names not back to back in the blob: gather them
+                starts = np.repeat(off - np.concatenate(([0], np.cumsum(ln)[:-1])), ln)
+                concat = self._names[starts + np.arange(int(ln.sum()))]
+            return proto.DirListing((concat, ln), out, types=a["dtype"])
+        return proto.DirListing([], out)
+
+
+# --------------------------------------------------------------------------- shared stats
+
+
+class RowPublisher:
+    """Copies a worker's read counters (a plain :class:`ReadStats`, cheap to increment)
+    into its row of the shared counters table (columns READ_COL0..), where the daemon sums
+    every worker's; called after each request that read data (a dozen 8-byte stores)."""
+
+    def __init__(self, row, stats, cache) -> None:
+        self.row = row
+        self.stats = stats
+        self.cache = cache
+
+    def publish(self) -> None:
+        s, c, row = self.stats, self.cache, self.row
+        row[READ_COL0] = s.reads
+        row[READ_COL0 + 1] = s.bytes_returned
+        row[READ_COL0 + 2] = s.local_reads
+        row[READ_COL0 + 3] = s.local_bytes
+        row[READ_COL0 + 4] = s.remote_reads
+        row[READ_COL0 + 5] = s.remote_bytes
+        row[READ_COL0 + 6] = s.refetched
+        row[READ_COL0 + 7] = s.chunks_decoded
+        row[READ_COL0 + 8] = s.errors
+        row[READ_COL0 + 9] = int(s.decode_seconds * 1e9)
+        row[READ_COL0 + 10] = c.hits
+        row[READ_COL0 + 11] = c.misses
+        row[READ_COL0 + 12] = c.used
+        row[READ_COL0 + 13] = c.budget
+
+
+_COL = {name: READ_COL0 + i for i, name in enumerate(READ_COUNTERS)}
+
+
+def summed_stats(counters) -> dict[str, Any]:
+    """What ``fanstore stats`` reports for the kernel frontend, from the shared table."""
+    from fanstore.fuse.kernel.counters import OP_COLS
+
+    sums = counters.column_sums()
+    out: dict[str, Any] = {name: sums[col] for name, col in _COL.items()}
+    out["decode_seconds"] = round(out.pop("decode_ns") / 1e9, 6)
+    out["refetched_from_replica"] = out.pop("refetched")
+    out["requests"] = sum(sums[:OP_COLS])
+    out["requests_by_op"] = counters.requests_by_op
+    out["fuse_events"] = {k: v for k, v in counters.events.items()
+                          if not k.startswith("event")}
+    return out
+
+
+# --------------------------------------------------------------------------- the frontend process
+
+
+def _make_handler_factory(spec: dict[str, Any], index, fs: FsOps, session):
+    """The per-worker set-up: this node's partitions opened here, other nodes' chunks
+    through the daemon's socket, counters in the worker's row."""
+
+    def factory(wctx):
+        from fanstore.control import ControlClient, NodeSource
+        from fanstore.read import ChunkReader, LocalPartitions, RoutedSource
+
+        local = [int(p) for p in spec["local_parts"]]
+        parts = LocalPartitions(spec["data_dir"], index, local)
+        remote = set(range(len(index.partitions))) - set(local)
+        client = ControlClient(spec["mountpoint"], timeout=spec["remote_timeout"] + 30,
+                               path=spec["socket_path"])
+        source = RoutedSource(parts, NodeSource(client, remote,
+                                                {int(p) for p in spec["replicated"]}))
+        reader = ChunkReader(index, source, cache_bytes=spec["cache_bytes"])
+        # (serve() made the counters table before forking this worker)
+        publisher = RowPublisher(session.counters.row(wctx.slot), reader.stats, reader.cache)
+        publisher.publish()
+        return KernelHandler(fs, reader, publish=publisher.publish)
+
+    return factory
+
+
+def frontend_main(spec_path: str) -> int:
+    """``python -m fanstore.fuse.kernelfs SPEC``: the frontend process (see the module
+    docstring). Reports "ready" or "error: ..." on the pipe fd named in the spec."""
+    import ctypes
+
+    from fanstore.format.index import map_index_body
+    from fanstore.fuse import kernel
+    from fanstore.namespace import Namespace
+    from fanstore.process import setup_logging
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    ready_fd = int(spec["ready_fd"])
+    setup_logging(spec.get("debug", False), sys.stderr,
+                  fmt=spec.get("log_format") or None)
+    # Die with the daemon: its SIGKILL must not leave an unsupervised mount behind.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(spec["daemon_pid"]):
+        return 1
+
+    def report(text: str) -> None:
+        try:
+            os.write(ready_fd, text.encode(errors="replace")[:4000])
+        except OSError:
+            pass
+
+    session = None
+    try:
+        index = map_index_body(spec["index_path"])
+        ns = Namespace(index)
+        fs = FsOps(ns)
+        mopts = kernel.MountOptions(fsname=spec["fsname"], subtype="fanstore", read_only=True,
+                                    allow_other=bool(spec["allow_other"]))
+        from fanstore.fuse.kernel.session import DEFAULT_INIT_FLAGS, parse_flags
+
+        # FANSTORE_FUSE_FLAGS="+NAME,-NAME": INIT flag edits, for experiments and benchmarks
+        init = kernel.InitOptions(flags=parse_flags(spec.get("init_flags", ""),
+                                                    DEFAULT_INIT_FLAGS))
+        session = kernel.KernelSession(spec["mountpoint"], mopts, init,
+                                       counters_path=spec["counters_path"])
+        session.mount()
+
+        def on_ready(s) -> None:
+            report("ready\n")
+            os.close(ready_fd)  # the daemon stops reading here; EOF if we die before
+
+        factory = _make_handler_factory(spec, index, fs, session)
+        reason = session.serve(factory, workers=int(spec["workers"]),
+                               on_ready=on_ready)
+        log.info("kernel frontend: %s", reason)
+        return 0
+    except FanStoreError as exc:
+        log.error("%s", exc)
+        report(f"error: {exc}")
+        return exc.exit_code
+    except Exception as exc:  # noqa: BLE001 - report, never vanish
+        log.exception("kernel frontend failed")
+        report(f"error: internal error in the kernel frontend ({type(exc).__name__}: {exc})")
+        return 70
+    finally:
+        if session is not None:
+            session.close()
+
+
+class KernelFrontend:
+    """The node daemon's side of the kernel frontend: starts the frontend process, waits
+    for it to be ready, stops it, reads its counters."""
+
+    def __init__(self, ctx: MountContext) -> None:
+        from fanstore import runtime
+
+        self.ctx = ctx
+        self.proc: subprocess.Popen | None = None
+        rdir = runtime.runtime_dir(ctx.mountpoint, create=True)
+        self.spec_path = os.path.join(rdir, "kernel-frontend.json")
+        self.counters_path = os.path.join(rdir, "counters")
+        self._counters = None
+        self._reason: str | None = None
+        # Every read is served by the workers, whose caches share --cache-mb; the daemon's
+        # own reader (API fetches) keeps none of its own.
+        ctx.reader.cache.budget = 0
+
+    # ------------------------------------------------------------------ Frontend
+    def mount(self) -> None:
+        ctx = self.ctx
+        opts = ctx.options
+        if opts.mode == "prefetch":
+            raise MountError("--mode prefetch is served by the pyfuse3 frontend for now: "
+                             "mount with --frontend pyfuse3")
+        r, w = os.pipe()
+        spec = {
+            "mountpoint": ctx.mountpoint, "index_path": ctx.index_path, "store": ctx.store,
+            "data_dir": ctx.data_dir, "local_parts": ctx.local_parts,
+            "replicated": ctx.replicated, "socket_path": ctx.socket_path,
+            "counters_path": self.counters_path, "workers": opts.worker_count(),
+            "cache_bytes": (opts.cache_mb << 20) // max(1, opts.worker_count()),
+            "allow_other": opts.allow_other, "fsname": opts.fsname,
+            "remote_timeout": ctx.remote_timeout, "ready_fd": w, "daemon_pid": os.getpid(),
+            "debug": logging.getLogger().level <= logging.DEBUG,
+            "log_format": _log_format(),
+            "init_flags": os.environ.get("FANSTORE_FUSE_FLAGS", ""),
+        }
+        from fanstore import runtime
+
+        runtime.write_file(self.spec_path, json.dumps(spec).encode())
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPIR_", "OMPI_"))}
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "fanstore.fuse.kernelfs", self.spec_path],
+                pass_fds=(w,), env=env, stdin=subprocess.DEVNULL)
+        finally:
+            os.close(w)
+        try:
+            text = read_ready(r)
+        finally:
+            os.close(r)
+        if text != "ready":
+            self._wait(10)
+            raise MountError(text[len("error: "):] if text.startswith("error: ") else
+                             f"{ctx.mountpoint}: the kernel frontend exited before the mount "
+                             f"was ready (status {self.proc.returncode})")
+
+    def unmount(self) -> None:
+        self.stop("another rank failed")
+        self._wait(30)
+
+    def serve(self) -> str:
+        proc = self.proc
+        assert proc is not None
+        code = proc.wait()
+        self._cleanup_mount()
+        if self._reason is not None:
+            return self._reason
+        if code == 0:
+            return "unmounted from outside"
+        why = f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
+        log.error("%s: the kernel frontend ended with %s", self.ctx.mountpoint, why)
+        return f"the kernel frontend failed ({why})"
+
+    def stop(self, reason: str) -> None:
+        if self._reason is None:
+            self._reason = reason
+        proc = self.proc
+        if proc is not None and proc.returncode is None:
+            try:
+                os.kill(proc.pid, signal.SIGTERM)  # async-signal-safe
+            except ProcessLookupError:
+                pass
+
+    def stats(self) -> dict[str, Any]:
+        from fanstore.fuse.kernel import RequestCounters
+
+        if self._counters is None:
+            try:
+                self._counters = RequestCounters.attach(self.counters_path)
+            except (OSError, ValueError):
+                return {}
+        out = summed_stats(self._counters)
+        out["workers"] = self.ctx.options.worker_count()
+        return out
+
+    def set_order(self, entries: list[int], client: str) -> int:
+        raise MountError("this mount is in sync mode; mount it with --mode prefetch")
+
+    def fetch(self, entry: int) -> bytes:
+        return self.ctx.reader.read_all(entry)
+
+    # ------------------------------------------------------------------ internals
+    def _wait(self, timeout: float) -> None:
+        proc = self.proc
+        if proc is None:
+            return
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        self._cleanup_mount()
+
+    def _cleanup_mount(self) -> None:
+        """A frontend that died without unmounting leaves a stale mount: remove it."""
+        from fanstore import mounttable
+
+        mnt = self.ctx.mountpoint
+        if mounttable.mount_status(mnt) != "none":
+            ok, msg = mounttable.fusermount_unmount(mnt, lazy=True)
+            if not ok:
+                log.error("%s: could not unmount: %s", mnt, msg)
+
+
+def _log_format() -> str | None:
+    """The daemon's log line format, so the frontend's lines look the same (rank prefix)."""
+    for h in logging.getLogger().handlers:
+        if h.formatter is not None:
+            return h.formatter._fmt
+    return None
+
+
+def create(ctx: MountContext) -> KernelFrontend:
+    return KernelFrontend(ctx)
+
+
+if __name__ == "__main__":
+    sys.exit(frontend_main(sys.argv[1]))

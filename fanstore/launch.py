@@ -1,0 +1,121 @@
+"""The composition root of a mount: one path for a single node and for an N-rank job.
+
+``fanstore mount`` (the CLI) calls :func:`mount`; it picks the world (a world of one, or
+MPI under a launcher), the frontend (pyfuse3 or the kernel protocol), builds the
+:class:`~fanstore.daemon.node.Node` and runs it in the foreground or as a background
+daemon. This is the only module that knows both the daemon and the FUSE frontends.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from fanstore import mounttable, process, runtime
+from fanstore.daemon.node import Node, NodeOptions
+from fanstore.daemon.world import World, launcher_world_size
+from fanstore.errors import FanStoreError, MountError, UsageError
+from fanstore.frontend import FrontendFactory
+
+FRONTENDS = ("kernel", "pyfuse3")
+
+
+def resolve_frontend(name: str, mode: str) -> str:
+    """``auto`` is the kernel-protocol frontend (measured faster on every pass: see
+    docs/benchmarks.md), except in prefetch mode, which the pyfuse3 frontend serves."""
+    if name == "auto":
+        return "pyfuse3" if mode == "prefetch" else "kernel"
+    return name
+
+
+@dataclass
+class Outcome:
+    """How the calling process ends: with ``code``; ``hard_exit``: at once, without
+    interpreter clean-up (an MPI rank that must not finalize, a hydra shim, a daemon child);
+    ``error``: to report first."""
+
+    code: int = 0
+    hard_exit: bool = False
+    error: FanStoreError | None = None
+
+
+def frontend_factory(name: str) -> FrontendFactory:
+    """The frontend called ``name``; MountError with an install hint if it cannot run."""
+    if name not in FRONTENDS:
+        raise UsageError(f"unknown frontend {name!r} (choose from auto, {', '.join(FRONTENDS)}; "
+                         "--frontend or $FANSTORE_FRONTEND)")
+    if not os.path.exists("/dev/fuse"):
+        raise MountError("/dev/fuse does not exist: FUSE is not available on this machine")
+    if name == "pyfuse3":
+        try:
+            from fanstore.fuse import pyfuse3_frontend
+        except ImportError as exc:
+            raise MountError(
+                f"the pyfuse3 frontend is not installed ({exc.name} missing): pip install "
+                "'fanstore[fuse]' (needs libfuse3-dev, fuse3 and pkg-config)") from None
+        return pyfuse3_frontend.create
+    from fanstore.fuse import kernelfs
+
+    return kernelfs.create
+
+
+def mount(options: NodeOptions, foreground: bool = False, debug: bool = False,
+          log_file: str | None = None, notify: Callable[[str], None] = lambda text: None
+          ) -> Outcome:
+    """Mount a store and serve it; see the module docstring. ``notify`` shows a line to
+    the user (the CLI prints it)."""
+    process.limit_malloc_arenas()  # before any thread: the daemons inherit it
+    options.mount.frontend = resolve_frontend(options.mount.frontend, options.mount.mode)
+    factory = frontend_factory(options.mount.frontend)
+    if launcher_world_size() is not None:
+        return _mount_rank(options, factory, debug, notify)
+    # Here, before going to the background: a stale mount's clean-up and a bad mount point
+    # must reach the user, not the daemon's log.
+    notice = mounttable.prepare_mountpoint(options.mountpoint)
+    if notice:
+        notify(notice)
+    if foreground:
+        process.setup_logging(debug, sys.stderr)
+        node = Node(options, World.solo(), factory)
+        node.catch_signals()
+        node.run(lambda: notify(f"mounted {options.store} at {options.mountpoint} "
+                                "(foreground; Ctrl-C unmounts)"))
+        return Outcome(0)
+    runtime.runtime_dir(options.mountpoint, create=True)
+    log_file = log_file or runtime.log_path(options.mountpoint)
+
+    def body(on_ready):
+        node = Node(options, World.solo(), factory)
+        node.catch_signals()
+        return node.run(on_ready)
+
+    detached = process.daemonize(log_file, body, debug)
+    if detached.child:
+        return Outcome(detached.code, hard_exit=True)
+    return Outcome(0)
+
+
+def _mount_rank(options: NodeOptions, factory: FrontendFactory, debug: bool,
+                notify: Callable[[str], None]) -> Outcome:
+    """A rank of a multi-rank job: in the foreground (the launcher owns it)."""
+    from fanstore.daemon.launcher import shim
+
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # hydra's "a peer died"; handled once serving
+    code = shim()  # under hydra: continue in a forked daemon (see launcher.py)
+    if code is not None:
+        return Outcome(code, hard_exit=True)
+    world = World.from_mpi()
+    process.setup_logging(debug, sys.stderr, fmt=(
+        f"%(asctime)s fanstore[rank {world.rank}/{world.size}] %(levelname)s: %(message)s"))
+    node = Node(options, world, factory)
+    node.catch_signals()
+    try:
+        code = node.run(lambda: notify(f"rank {world.rank}: mounted at {node.mountpoint}"))
+    except FanStoreError as exc:
+        if not node.skip_finalize:
+            raise
+        return Outcome(exc.exit_code, hard_exit=True, error=exc)
+    return Outcome(code, hard_exit=node.skip_finalize)

@@ -1,0 +1,261 @@
+"""What every streaming source gives the packer, and the tree its members build.
+
+A streaming source (a tar stream, a zip file, objects under an S3 prefix) yields
+:class:`Member` records in its own order, each file's bytes readable once, right then.
+:class:`VirtualTree` collects them into the namespace a directory scan would have given:
+names normalised and checked, duplicates resolved (the last one wins), directories that
+the source never listed created implicitly, symlinks checked against the same rules as
+``scan_tree`` (kept when they stay inside, refused when they escape or loop), and finally
+laid out breadth-first with children sorted by name bytes (a ``ScanResult``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from fanstore.format.index import (
+    KIND_DIR,
+    KIND_FILE,
+    KIND_SYMLINK,
+    MAX_NAME,
+    MAX_TARGET,
+    target_stays_inside,
+)
+from fanstore.pack.scan import ScanEntry, ScanResult, show
+
+# Member kinds besides the three the format stores.
+KIND_HARDLINK = 10
+KIND_SPECIAL = 11
+
+#: Mode of directories a source never listed (and of the root when it is not listed).
+IMPLICIT_DIR_MODE = 0o755
+#: Symlinks followed before a path counts as a loop (as Linux's MAXSYMLINKS).
+MAX_HOPS = 40
+
+
+@dataclass
+class Member:
+    """One entry of a source, in the source's order.
+
+    ``name`` is the raw name (bytes) as the source spells it; ``where`` is what messages
+    name (e.g. the archive). For files, ``read(n)`` returns up to n bytes of the content
+    (b"" at its end) and is valid only until the source moves on. ``target`` is a
+    symlink's target or a hard link's target member name. ``special`` names what a
+    KIND_SPECIAL member is ("FIFO", "character device", ...).
+    """
+
+    name: bytes
+    kind: int
+    mode: int
+    mtime_ns: int
+    size: int = 0
+    target: bytes = b""
+    read: Callable[[int], bytes] | None = None
+    where: str = ""
+    ordinal: int = 0
+    special: str = ""
+
+
+class Source:
+    """A streaming source. Subclasses set ``url`` and ``total_bytes`` and yield members."""
+
+    url: str = ""
+    #: What the progress bar counts to (bytes of the archive, or of the objects).
+    total_bytes: int = 0
+    #: Noun for messages ("tar archive", "zip archive", "S3 prefix").
+    what: str = "source"
+
+    def members(self) -> Iterator[Member]:
+        raise NotImplementedError
+
+    @property
+    def bytes_read(self) -> int:
+        """Progress so far, in the unit of ``total_bytes``."""
+        return 0
+
+    def reread(self, ordinals: set[int]) -> Iterator[Member]:
+        """The members with these ordinals, read again (hard-link targets). Sources that
+        cannot hold hard links never get here."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def normalize_name(name: bytes) -> tuple[bytes | None, str | None]:
+    """(relative path, problem). ``./a//b/`` -> ``a/b``; the root is b"". Absolute names
+    and names with a ``..`` component are refused: they would point outside the store."""
+    if name.startswith(b"/"):
+        return None, "absolute member name refused (it would point outside the store)"
+    parts = [p for p in name.split(b"/") if p not in (b"", b".")]
+    if b".." in parts:
+        return None, "member name with '..' refused (it would point outside the store)"
+    if b"\0" in name:
+        return None, "member name contains NUL"
+    for p in parts:
+        if len(p) > MAX_NAME:
+            return None, "name longer than 255 bytes"
+    return b"/".join(parts), None
+
+
+@dataclass
+class Node:
+    kind: int
+    mode: int
+    mtime_ns: int
+    size: int = 0
+    target: bytes = b""
+    file_id: int = -1  # the packer's record of the content (files)
+    explicit: bool = True  # listed by the source (else an implied directory)
+    ordinal: int = 0
+    extra: Any = None
+
+
+@dataclass
+class VirtualTree:
+    """The namespace being assembled from a source's members."""
+
+    nodes: dict[bytes, Node] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    #: name -> times it appeared (only names seen more than once end up reported)
+    seen: dict[bytes, int] = field(default_factory=dict)
+    #: files whose content was superseded by a later member of the same name
+    dropped: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.nodes[b""] = Node(KIND_DIR, IMPLICIT_DIR_MODE, 0, explicit=False)
+
+    def problem(self, where: str, name: bytes, msg: str) -> None:
+        self.problems.append(f"{where}: {show(name)}: {msg}")
+
+    def add(self, rel: bytes, node: Node) -> None:
+        """Put ``node`` at ``rel`` (the last member of a name wins)."""
+        old = self.nodes.get(rel)
+        if old is not None:
+            if old.explicit and not (old.kind == KIND_DIR and node.kind == KIND_DIR):
+                self.seen[rel] = self.seen.get(rel, 1) + 1
+            if old.file_id >= 0:
+                self.dropped.add(old.file_id)
+            if node.kind == KIND_DIR and old.kind == KIND_DIR and not node.explicit:
+                return  # an implied directory never replaces a listed one
+        self.nodes[rel] = node
+        # Parents the source has not listed (yet) exist implicitly.
+        parent = rel.rpartition(b"/")[0] if rel else None
+        while parent is not None and parent not in self.nodes:
+            self.nodes[parent] = Node(KIND_DIR, IMPLICIT_DIR_MODE, 0, explicit=False)
+            parent = parent.rpartition(b"/")[0] if parent else None
+
+    def duplicates(self) -> list[tuple[bytes, int]]:
+        return sorted((n, k) for n, k in self.seen.items() if k > 1)
+
+    # -- the final layout
+    def build(self, root: bytes) -> ScanResult:
+        """Check the tree and lay it out breadth-first (children sorted by name bytes).
+
+        Problems (files used as directories, symlinks that escape or loop) are added to
+        ``problems``; the offending entries (and what lies below them) are left out.
+        """
+        nodes = self.nodes
+        where = os.fsdecode(root)
+        # A name below a non-directory: the source used a file (or symlink) as a directory.
+        children: dict[bytes, list[bytes]] = {}
+        bad: set[bytes] = set()
+        for rel in sorted(nodes):
+            if not rel:
+                continue
+            parent = rel.rpartition(b"/")[0]
+            if parent in bad:
+                bad.add(rel)
+                continue
+            p = nodes.get(parent)
+            if p is None or p.kind != KIND_DIR:
+                self.problem(where, rel, f"is inside {show(parent)!r}, which is not a directory "
+                                         "in the source")
+                bad.add(rel)
+                continue
+            children.setdefault(parent, []).append(rel)
+        # Symlinks: lexically inside, then resolved inside the tree (loops, escapes through
+        # other symlinks), as scan_tree does on a real tree.
+        for rel, node in nodes.items():
+            if rel in bad or node.kind != KIND_SYMLINK:
+                continue
+            msg = self._check_symlink(rel, node.target)
+            if msg:
+                self.problem(where, rel, msg)
+                bad.add(rel)
+        # Breadth-first layout.
+        result = ScanResult(root=root)
+        rootnode = nodes[b""]
+        result.entries.append(ScanEntry(b"", KIND_DIR, rootnode.mode, 0, rootnode.mtime_ns))
+        file_ids: list[int] = []
+        order: list[Node] = [rootnode]
+        head = 0
+        while head < len(result.entries):
+            d = head
+            head += 1
+            if result.entries[d].kind != KIND_DIR:
+                continue
+            first = len(result.entries)
+            names = [r for r in children.get(result.entries[d].rel, []) if r not in bad]
+            names.sort(key=lambda r: r.rpartition(b"/")[2])
+            for rel in names:
+                n = nodes[rel]
+                e = ScanEntry(rel, n.kind, n.mode & 0o7777, 0, n.mtime_ns, parent=d)
+                if n.kind == KIND_FILE:
+                    e.size = n.size
+                    file_ids.append(n.file_id)
+                elif n.kind == KIND_SYMLINK:
+                    e.target = n.target
+                    e.size = len(n.target)
+                result.entries.append(e)
+                order.append(n)
+            result.entries[d].children = (first, len(result.entries) - first)
+        # Directories the source never listed: mode 0755, mtime of their newest child.
+        for i in range(len(result.entries) - 1, -1, -1):
+            e = result.entries[i]
+            if e.kind == KIND_DIR and not order[i].explicit:
+                first, count = e.children
+                e.mtime_ns = max((result.entries[k].mtime_ns
+                                  for k in range(first, first + count)), default=0)
+        result.file_ids = file_ids  # type: ignore[attr-defined] - entry order of files
+        return result
+
+    def _check_symlink(self, rel: bytes, target: bytes) -> str | None:
+        if not target:
+            return "symlink with an empty target"
+        if len(target) > MAX_TARGET:
+            return "symlink target longer than 4095 bytes"
+        if b"\0" in target:
+            return "symlink target contains NUL"
+        if target.startswith(b"/"):
+            return f"symlink points outside the source ({show(target)})"
+        if not target_stays_inside(rel, target):
+            return f"symlink points outside the source ({show(target)})"
+        # Resolve through the tree: other symlinks may lead out, or round in a loop.
+        stack: list[bytes] = []
+        todo = rel.split(b"/")
+        hops = 0
+        while todo:
+            c = todo.pop(0)
+            if c in (b"", b"."):
+                continue
+            if c == b"..":
+                if not stack:
+                    return "symlink resolves outside the source"
+                stack.pop()
+                continue
+            node = self.nodes.get(b"/".join(stack + [c]))
+            if node is None:
+                return None  # dangling but inside: kept as it is
+            if node.kind == KIND_SYMLINK:
+                hops += 1
+                if hops > MAX_HOPS:
+                    return "symlink loop"
+                if node.target.startswith(b"/"):
+                    return f"symlink resolves outside the source ({show(node.target)})"
+                todo = node.target.split(b"/") + todo
+                continue
+            stack.append(c)
+        return None

@@ -1,0 +1,427 @@
+"""Pack a streaming source (tar shards, a zip file, an S3 prefix): read it once, in its order.
+
+A tar stream cannot be listed before it is read, so nothing is planned ahead:
+
+1. Each file, as it arrives, goes to the partition with the least data so far (the same
+   size balance as ``plan_partitions``, decided on the fly; ``--broadcast`` files go to
+   one extra partition). Its chunks are checksummed and compressed by a pool of threads
+   (the codecs release the GIL) while the main thread reads on; the main thread appends
+   the results to the partitions strictly in arrival order, so the output does not depend
+   on the number of threads, and a file's chunks are adjacent in its partition. At most
+   ``max(32 MiB, 4 chunks per thread)`` of raw data is in flight.
+2. Names are normalised and checked as they come (``..`` and absolute names refused, never
+   written anywhere); the namespace is assembled in a :class:`VirtualTree` (duplicates:
+   the last one wins, reported; implied directories; symlink checks).
+3. Hard links (tar): the link becomes a regular file holding a copy of its target's
+   content; the targets are read again from the archive after the first pass (only when
+   there are links), one line reports how many. A link to a member that is not in the
+   archive before it is refused by name.
+4. At the end the tree is laid out breadth-first with children sorted by name bytes (as
+   docs/format.md requires), the index is built from the chunk rows and written last, and
+   the store is installed atomically (``fanstore.pack.dest``).
+
+Problems (refused names, device or FIFO entries, escaping symlinks) are collected while
+reading and reported together at the end; the pack then fails (nothing installed) unless
+``--skip-unreadable``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import sys
+import tempfile
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import xxhash
+
+from compressors import CodecError, get_codec, parse_spec
+from fanstore.errors import PackError, UsageError
+from fanstore.format.index import KIND_DIR, KIND_FILE, KIND_SYMLINK
+from fanstore.format.partition import PartitionWriter, partition_name
+from fanstore.pack.dest import open_destination
+from fanstore.pack.plan import CodecPolicy, in_dir
+from fanstore.pack.scan import show
+from fanstore.pack.sources.base import (
+    KIND_HARDLINK,
+    KIND_SPECIAL,
+    Member,
+    Node,
+    Source,
+    VirtualTree,
+    normalize_name,
+)
+from fanstore.pack.write import (
+    NONE_CONFIG,
+    PackOptions,
+    PackSummary,
+    _canon,
+    _PartResult,
+    build_index,
+    check_options,
+    report_problems,
+)
+
+
+@dataclass
+class _File:
+    """One file's content as written: its partition and chunk rows."""
+
+    part: int
+    size: int
+    checksum: int = 0
+    rows: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    # (offset, stored, raw, codec slot, checksum) per chunk
+
+
+def _encode(codec, slot: int, data: bytes) -> tuple[Any, int, int]:
+    """Worker thread: (stored bytes, codec slot used, XXH3-64 of the raw chunk)."""
+    csum = xxhash.xxh3_64_intdigest(data)
+    stored = codec.encode(data)
+    if len(stored) >= len(data):
+        return data, 0, csum
+    return stored, slot, csum
+
+
+class StreamPacker:
+    def __init__(self, source: Source, dest: str, policy: CodecPolicy,
+                 options: PackOptions) -> None:
+        self.source = source
+        self.policy = policy
+        self.options = options
+        self.cs = options.chunk_size
+        self.n_normal = options.partitions
+        self.bcast_dirs = [os.fsencode(b.strip("/")) for b in options.broadcast]
+        self.dest = open_destination(dest, self.options.notify)
+        self.configs: list[dict[str, Any]] = [NONE_CONFIG]
+        self.codecs: list[Any] = [None]
+        self._slot_of: dict[str, int] = {}
+        self.files: list[_File] = []
+        self.part_files: dict[int, list[int]] = {}
+        self.writers: dict[int, PartitionWriter] = {}
+        self.loads = [(0, p) for p in range(self.n_normal)]
+        self.tree = VirtualTree()
+        self.links: list[tuple[bytes, Node, bytes]] = []
+        self.pending: deque[tuple[_File, bytes, Future | None]] = deque()
+        self.inflight = 0
+        self.threads = options.jobs or len(os.sched_getaffinity(0))
+        self.max_inflight = max(32 << 20, 4 * self.threads * self.cs)
+        self.pool: ThreadPoolExecutor | None = None
+        self.bar = None
+        self._bar_last = 0
+
+    # ------------------------------------------------------------------ partitions
+    def _slot(self, codec) -> int:
+        cfg = codec.get_config()
+        if cfg.get("id") == "none":
+            return 0
+        key = _canon(cfg)
+        if key not in self._slot_of:
+            self._slot_of[key] = len(self.configs)
+            self.configs.append(cfg)
+            self.codecs.append(get_codec(cfg))
+        return self._slot_of[key]
+
+    def _writer(self, p: int) -> PartitionWriter:
+        w = self.writers.get(p)
+        if w is None:
+            w = PartitionWriter(self.dest.partition_path(partition_name(p)), p)
+            self.writers[p] = w
+            self.part_files.setdefault(p, [])
+        return w
+
+    def _choose(self, rel: bytes, size: int) -> int:
+        if self.bcast_dirs and any(in_dir(rel, b) for b in self.bcast_dirs):
+            return self.n_normal
+        load, p = heapq.heappop(self.loads)
+        heapq.heappush(self.loads, (load + size + 512, p))  # as plan_partitions
+        return p
+
+    # ------------------------------------------------------------------ data
+    def add_file(self, rel: bytes, size: int, read: Callable[[int], bytes], where: str) -> int:
+        p = self._choose(rel, size)
+        self._writer(p)
+        slot = self._slot(self.policy.codec_for(os.fsdecode(rel), size))
+        f = _File(p, size)
+        fid = len(self.files)
+        self.files.append(f)
+        self.part_files[p].append(fid)
+        whole = xxhash.xxh3_64()
+        got = 0
+        while True:
+            chunk = _fill(read, self.cs)
+            if not chunk:
+                break
+            got += len(chunk)
+            if got > size:
+                raise PackError(f"{where}: {show(rel)}: member holds more data than its "
+                                f"header says ({size:,} bytes)")
+            whole.update(chunk)
+            self._submit(f, chunk, slot)
+            self._progress()
+            if len(chunk) < self.cs:
+                break
+        if got != size:
+            raise PackError(f"{where}: {show(rel)}: member data ends after {got:,} of "
+                            f"{size:,} bytes (truncated archive?)")
+        f.checksum = whole.intdigest()
+        return fid
+
+    def _submit(self, f: _File, chunk: bytes, slot: int) -> None:
+        fut = self.pool.submit(_encode, self.codecs[slot], slot, chunk) if slot else None
+        self.pending.append((f, chunk, fut))
+        self.inflight += len(chunk)
+        while self.inflight > self.max_inflight:
+            self._write_one()
+
+    def _write_one(self) -> None:
+        f, chunk, fut = self.pending.popleft()
+        self.inflight -= len(chunk)
+        if fut is None:
+            stored, used, csum = chunk, 0, xxhash.xxh3_64_intdigest(chunk)
+        else:
+            try:
+                stored, used, csum = fut.result()
+            except CodecError as exc:
+                raise PackError(f"{self.source.url}: compression failed: {exc}") from None
+        w = self.writers[f.part]
+        try:
+            offset = w.append(stored)
+        except OSError as exc:
+            raise PackError(f"cannot write {w.path}: {exc.strerror}") from None
+        f.rows.append((offset, len(stored), len(chunk), used, csum))
+
+    def _drain(self) -> None:
+        while self.pending:
+            self._write_one()
+
+    def _progress(self) -> None:
+        if self.bar is not None:
+            now = self.source.bytes_read
+            if now > self._bar_last:
+                self.bar.update(now - self._bar_last)
+                self._bar_last = now
+
+    # ------------------------------------------------------------------ members
+    def take(self, m: Member) -> None:
+        tree = self.tree
+        rel, problem = normalize_name(m.name)
+        if problem:
+            tree.problem(m.where, m.name, problem)
+            return
+        if m.kind == KIND_SPECIAL:
+            tree.problem(m.where, m.name, f"{m.special} cannot be packed (not a regular file, "
+                                          "directory or symlink)")
+            return
+        if not rel:
+            if m.kind == KIND_DIR:
+                tree.add(b"", Node(KIND_DIR, m.mode, m.mtime_ns, ordinal=m.ordinal))
+            else:
+                tree.problem(m.where, m.name, "names the root of the archive but is not a "
+                                              "directory")
+            return
+        if m.kind == KIND_DIR:
+            tree.add(rel, Node(KIND_DIR, m.mode, m.mtime_ns, ordinal=m.ordinal))
+        elif m.kind == KIND_SYMLINK:
+            tree.add(rel, Node(KIND_SYMLINK, m.mode, m.mtime_ns, target=m.target,
+                               ordinal=m.ordinal))
+        elif m.kind == KIND_HARDLINK:
+            self._hard_link(m, rel)
+        else:
+            fid = self.add_file(rel, m.size, m.read, m.where)
+            tree.add(rel, Node(KIND_FILE, m.mode, m.mtime_ns, m.size, file_id=fid,
+                               ordinal=m.ordinal))
+
+    def _hard_link(self, m: Member, rel: bytes) -> None:
+        target, problem = normalize_name(m.target)
+        node = self.tree.nodes.get(target) if problem is None else None
+        if node is None or not node.explicit or node.kind == KIND_DIR:
+            why = "a directory" if node is not None and node.explicit else \
+                "not in the archive before it"
+            self.tree.problem(m.where, m.name, f"hard link to {show(m.target)}, which is {why}")
+            return
+        if node.kind == KIND_SYMLINK:
+            self.tree.add(rel, Node(KIND_SYMLINK, node.mode, m.mtime_ns, target=node.target,
+                                    ordinal=m.ordinal))
+            return
+        copy = Node(KIND_FILE, m.mode, m.mtime_ns, node.size, ordinal=node.ordinal)
+        self.tree.add(rel, copy)
+        self.links.append((rel, copy, target))
+
+    def _copy_links(self) -> None:
+        """Second pass: each hard link gets a copy of its target's content."""
+        live = [(rel, node, t) for rel, node, t in self.links if self.tree.nodes.get(rel) is node]
+        if not live:
+            return
+        by_ordinal: dict[int, list[tuple[bytes, Node]]] = {}
+        for rel, node, _ in live:
+            by_ordinal.setdefault(node.ordinal, []).append((rel, node))
+        for m in self.source.reread(set(by_ordinal)):
+            wanted = by_ordinal.pop(m.ordinal)
+            if len(wanted) == 1:
+                rel, node = wanted[0]
+                node.file_id = self.add_file(rel, m.size, m.read, m.where)
+                continue
+            with tempfile.SpooledTemporaryFile(max_size=64 << 20) as spool:
+                while True:
+                    data = m.read(8 << 20)
+                    if not data:
+                        break
+                    spool.write(data)
+                for rel, node in wanted:
+                    spool.seek(0)
+                    node.file_id = self.add_file(rel, m.size, spool.read, m.where)
+        if by_ordinal:  # the archive changed between the passes
+            raise PackError(f"{self.source.url}: could not read the targets of "
+                            f"{sum(len(v) for v in by_ordinal.values())} hard links again "
+                            "(did the archive change while being packed?)")
+        rel, _, target = live[0]
+        n = len(live)
+        what = "1 hard link stored as a copy of its target" if n == 1 else \
+            f"{n} hard links stored as copies of their targets"
+        self.options.notify(f"{self.source.url}: {what} (e.g. {show(rel)}, a hard link to "
+                            f"{show(target)})")
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> PackSummary:
+        options = self.options
+        t0 = time.monotonic()
+        self.dest.prepare(self.source.url, options.force)
+        self.dest.create_tmp()
+        show_bar = sys.stderr.isatty() if options.progress is None else options.progress
+        try:
+            for p in range(self.n_normal):  # every partition exists, even an empty one
+                self._writer(p)
+            self.pool = ThreadPoolExecutor(max_workers=self.threads,
+                                           thread_name_prefix="pack-encode")
+            _pin_blosc()
+            if show_bar:
+                from tqdm import tqdm
+
+                tqdm.monitor_interval = 0
+                self.bar = tqdm(total=self.source.total_bytes, unit="B", unit_scale=True,
+                                unit_divisor=1000, desc="packing", file=sys.stderr,
+                                smoothing=0.1)
+            for m in self.source.members():
+                self.take(m)
+                self._progress()
+            self._copy_links()
+            self._drain()
+            return self._finish(t0)
+        except BaseException:
+            for w in self.writers.values():
+                try:
+                    w.abort()
+                except Exception:  # noqa: BLE001 - cleanup only
+                    pass
+            self.dest.discard()
+            raise
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(wait=True, cancel_futures=True)
+            if self.bar is not None:
+                self.bar.close()
+            self.source.close()
+
+    def _finish(self, t0: float) -> PackSummary:
+        options = self.options
+        tree = self.tree
+        root = os.fsencode(self.source.url)
+        scan = tree.build(root)
+        for b in self.bcast_dirs:
+            e = next((x for x in scan.entries if x.rel == b), None)
+            if e is None or e.kind != KIND_DIR:
+                raise UsageError(f"--broadcast {os.fsdecode(b)}: no such directory in the "
+                                 "source")
+        skipped = report_problems(tree.problems, options)
+        dups = tree.duplicates()
+        for name, k in dups[:10]:
+            self.options.notify(f"warning: {self.source.url}: {show(name)} appears {k} "
+                                "times; the last one is kept")
+        if len(dups) > 10:
+            self.options.notify(f"warning: {self.source.url}: {len(dups) - 10} more names "
+                                "appear more than once; the last of each is kept")
+        entry_of: dict[int, int] = {}
+        k = 0
+        for i, e in enumerate(scan.entries):
+            if e.kind == KIND_FILE:
+                entry_of[scan.file_ids[k]] = i
+                k += 1
+        results = []
+        for p in sorted(self.writers):
+            w = self.writers[p]
+            try:
+                checksum = w.close()
+            except OSError as exc:
+                raise PackError(f"cannot write {w.path}: {exc.strerror}") from None
+            fids = [fid for fid in self.part_files[p] if fid in entry_of]
+            results.append(_part_result(p, w.size, checksum, fids, self.files, entry_of))
+        data, stored = build_index(scan, results, self.configs, options, self.n_normal,
+                                   self.source.url)
+        self.dest.write_index(data)
+        self.dest.install()
+        kinds = [e.kind for e in scan.entries]
+        return PackSummary(
+            dest=self.dest.url, files=kinds.count(KIND_FILE), dirs=kinds.count(KIND_DIR) - 1,
+            symlinks=kinds.count(KIND_SYMLINK), raw_bytes=scan.raw_bytes, stored_bytes=stored,
+            index_bytes=len(data), partitions=len(results),
+            seconds=time.monotonic() - t0, skipped=skipped)
+
+
+def _part_result(p: int, size: int, checksum: str, fids: list[int], files: list[_File],
+                 entry_of: dict[int, int]) -> _PartResult:
+    rows = [r for fid in fids for r in files[fid].rows]
+    arr = np.array(rows, dtype=np.uint64).reshape(-1, 5)
+    res = _PartResult(p, size=size, checksum=checksum)
+    res.entries = np.array([entry_of[f] for f in fids], "<u4")
+    res.file_sums = np.array([files[f].checksum for f in fids], "<u8")
+    res.chunk_counts = np.array([len(files[f].rows) for f in fids], "<u4")
+    res.raw_bytes = sum(files[f].size for f in fids)
+    res.chunks = {
+        "offset": arr[:, 0].astype("<u8"),
+        "stored": arr[:, 1].astype("<u4"),
+        "raw": arr[:, 2].astype("<u4"),
+        "codec": arr[:, 3].astype("<u2"),
+        "checksum": arr[:, 4].astype("<u8"),
+        "part": np.full(len(rows), p, "<u4"),
+    }
+    return res
+
+
+def _fill(read: Callable[[int], bytes], n: int) -> bytes:
+    """Up to ``n`` bytes from ``read``, fewer only at the end of the data."""
+    data = read(n)
+    if len(data) >= n or not data:
+        return data
+    parts = [data]
+    got = len(data)
+    while got < n:
+        more = read(n - got)
+        if not more:
+            break
+        parts.append(more)
+        got += len(more)
+    return b"".join(parts)
+
+
+def _pin_blosc() -> None:
+    try:
+        import blosc2
+
+        blosc2.set_nthreads(1)
+    except Exception:  # noqa: BLE001 - optional
+        pass
+
+
+def pack_stream(source: Source, dest: str, policy: CodecPolicy | None = None,
+                options: PackOptions | None = None) -> PackSummary:
+    """Pack a streaming source into a store at ``dest`` (a path or an s3:// URL)."""
+    options = options or PackOptions()
+    check_options(options)
+    return StreamPacker(source, dest, policy or CodecPolicy(parse_spec("zstd:3")),
+                        options).run()

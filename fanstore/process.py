@@ -1,0 +1,156 @@
+"""Process plumbing: going to the background with a ready pipe, pid checks, malloc tuning,
+logging set-up. No FUSE, MPI or CLI imports; nothing here prints to the user.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Callable
+
+from fanstore.errors import FanStoreError, MountError
+
+log = logging.getLogger(__name__)
+
+#: glibc's mallopt() parameter number for M_ARENA_MAX (malloc.h).
+_M_ARENA_MAX = -8
+
+
+def limit_malloc_arenas(arenas: int = 2) -> bool:
+    """Bound glibc's malloc arenas for a daemon; call before any thread starts.
+
+    glibc gives each allocating thread its own arena (up to 8 per core) and keeps freed
+    memory in it, so a daemon with a few dozen decode and fetch threads grew from 53 MB to
+    300 MB under load while holding a 16 MB cache (docs/reliability.md). Two arenas keep it
+    flat at no measurable cost. ``MALLOC_ARENA_MAX`` in the environment wins; other C
+    libraries are left alone. Returns whether the limit was set.
+    """
+    if "MALLOC_ARENA_MAX" in os.environ:
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(_M_ARENA_MAX, int(arenas)))
+    except (OSError, AttributeError):  # not glibc
+        return False
+
+
+def pid_alive(pid: int | None) -> bool:
+    """True if ``pid`` names a live process (a zombie is not alive for our purposes)."""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def setup_logging(debug: bool = False, stream=None, fmt: str | None = None) -> None:
+    """Log to ``stream`` (stderr) at INFO, or DEBUG with ``debug``."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(logging.Formatter(
+        fmt or "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if debug else logging.INFO)
+
+
+class Detached:
+    """What :func:`daemonize` returns: in the parent ``child`` is False (the daemon is
+    ready); in the daemon it is True and ``code`` is the daemon's exit status."""
+
+    def __init__(self, child: bool, code: int = 0) -> None:
+        self.child = child
+        self.code = code
+
+
+def daemonize(log_file: str, body: Callable[[Callable[[], None]], object],
+              debug: bool = False) -> Detached:
+    """Run ``body(on_ready)`` in a background child; the parent returns once the child
+    called ``on_ready`` (or raises MountError with the child's error).
+
+    The child starts a new session, sends its output to ``log_file``, and reports a
+    FanStoreError (or an internal error, logged with its traceback) through the ready pipe
+    before it returns; both processes then return to the caller, which exits.
+    """
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        code = 0
+        try:
+            os.setsid()
+            fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
+            os.close(null)
+            sys.stdout = open(1, "w", buffering=1, closefd=False)
+            sys.stderr = open(2, "w", buffering=1, closefd=False)
+            setup_logging(debug, sys.stderr)
+
+            def on_ready() -> None:
+                _pipe_write(w, "ready\n")
+
+            result = body(on_ready)
+            code = int(result) if isinstance(result, int) else 0
+        except FanStoreError as exc:
+            log.error("%s", exc)
+            _pipe_write(w, f"error: {exc}")
+            code = exc.exit_code
+        except BaseException as exc:  # noqa: BLE001 - the daemon must report, not vanish
+            log.exception("daemon failed")
+            _pipe_write(w, f"error: internal error ({type(exc).__name__}: {exc}); "
+                           f"see {log_file}")
+            code = 70
+        finally:
+            try:
+                os.close(w)
+            except OSError:
+                pass
+        return Detached(True, code)
+    os.close(w)
+    try:
+        text = read_ready(r)
+    finally:
+        os.close(r)
+    if text == "ready":
+        return Detached(False)
+    _, status = os.waitpid(pid, 0)
+    if text.startswith("error: "):
+        err = MountError(text[len("error: "):])
+        err.exit_code = os.waitstatus_to_exitcode(status) or 1
+        raise err
+    raise MountError(f"the daemon exited before the mount was ready; see {log_file}")
+
+
+def read_ready(fd: int) -> str:
+    """Read a ready pipe: "ready" once the other side wrote ``ready\n``, else what it wrote
+    before closing its end (an ``error: ...`` line, or nothing if it died)."""
+    data = b""
+    while True:
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+        if data.startswith(b"ready\n"):
+            return "ready"
+    return data.decode(errors="replace").strip()
+
+
+def _pipe_write(fd: int, text: str) -> None:
+    try:
+        os.write(fd, text.encode(errors="replace")[:4000])
+    except OSError:
+        pass

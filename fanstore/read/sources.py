@@ -1,0 +1,77 @@
+"""Where stored (still compressed) chunk bytes come from: the typed seams of the read core.
+
+- :class:`ChunkSource` is what the read core reads from. Three kinds:
+  *local* (:class:`~fanstore.read.partitions.LocalPartitions`: this node's disk, pread),
+  *remote* (a :class:`RemoteSource`: another node's partitions, through the node's MPI
+  process (:class:`fanstore.daemon.routing.PeerSource`) or, from any other process of the
+  node, through the node daemon's socket (:class:`fanstore.control.NodeSource`)), and
+  *routed* (:class:`RoutedSource`: local when the partition is here, else remote).
+- A ChunkSource's ``fallback(part)`` names where to read a chunk again when the local copy
+  fails its checksum (bit rot on node-local storage): a replica on another node, if any.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class ChunkSource(Protocol):
+    def is_local(self, part: int) -> bool:
+        """True when the partition's bytes are on this node's disk (read and decode inline)."""
+
+    def fetch(self, part: int, offset: int, length: int, entry: int | None = None):
+        """The stored bytes [offset, offset+length) of partition ``part`` (a bytes-like).
+        ``entry`` names the file being read, for error messages. Raises FanStoreError."""
+
+    def fallback(self, part: int) -> "ChunkSource | None":
+        """Where to re-read ``part`` when its local copy is damaged, or None."""
+
+
+@runtime_checkable
+class RemoteSource(Protocol):
+    """Partitions held by other nodes."""
+
+    def fetch(self, part: int, offset: int, length: int, entry: int | None = None):
+        """Stored bytes from a node that holds ``part`` (nearest live owner first).
+        Raises RemoteError (EIO) when no owner answers."""
+
+    def serves(self, part: int) -> bool:
+        """True if another node holds ``part`` (a replica to fall back on)."""
+
+
+class RoutedSource:
+    """This node's partitions from disk, every other one from ``remote``."""
+
+    def __init__(self, local, remote: RemoteSource | None) -> None:
+        self.local = local
+        self.remote = remote
+
+    def is_local(self, part: int) -> bool:
+        return self.local.has(part)
+
+    def fetch(self, part: int, offset: int, length: int, entry: int | None = None):
+        if self.local.has(part) or self.remote is None:
+            return self.local.fetch(part, offset, length, entry)
+        return self.remote.fetch(part, offset, length, entry)
+
+    def fallback(self, part: int):
+        if self.remote is not None and self.local.has(part) and self.remote.serves(part):
+            return _Remote(self.remote)
+        return None
+
+
+class _Remote:
+    """A RemoteSource seen as a ChunkSource (for re-reading a damaged local chunk)."""
+
+    def __init__(self, remote: RemoteSource) -> None:
+        self.remote = remote
+
+    def is_local(self, part: int) -> bool:
+        return False
+
+    def fetch(self, part: int, offset: int, length: int, entry: int | None = None):
+        return self.remote.fetch(part, offset, length, entry)
+
+    def fallback(self, part: int):
+        return None

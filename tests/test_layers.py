@@ -1,0 +1,199 @@
+"""The layer rules of docs/architecture.md, enforced: imports point down, no cycles.
+
+Every ``import`` in ``compressors/`` and ``fanstore/`` (module level and inside functions)
+is parsed with ``ast``; an edge to a higher layer, between the daemon and the FUSE
+frontends, to a third-party library outside the layer that owns it, or any cycle fails
+the test with the offending edge or cycle named.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Layers, lowest first; a module may import its own layer and those below. The daemon
+#: (MPI) and the FUSE frontends (kernel) share a layer but never import each other.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("codecs", ("compressors",)),
+    ("format", ("fanstore.version", "fanstore.errors", "fanstore.storage", "fanstore.format")),
+    ("read core", ("fanstore.namespace", "fanstore.read", "fanstore.store", "fanstore.verify",
+                   "fanstore.kinds")),
+    ("services", ("fanstore.runtime", "fanstore.process", "fanstore.mounttable",
+                  "fanstore.control", "fanstore.frontend", "fanstore.api", "fanstore.torch",
+                  "fanstore.pack", "fanstore.select")),
+    ("daemon", ("fanstore.daemon",)),
+    ("fuse", ("fanstore.fuse",)),
+    ("cli", ("fanstore.cli", "fanstore.launch", "fanstore.select.cli", "fanstore")),
+]
+SIBLINGS = {"daemon": 4, "fuse": 4}  # same rank
+#: Third-party libraries only one part of the code may import.
+OWNED = {"pyfuse3": ("fanstore.fuse",), "trio": ("fanstore.fuse",),
+         "mpi4py": ("fanstore.daemon",), "s3fs": ("fanstore.storage",),
+         "fsspec": ("fanstore.storage",), "botocore": ("fanstore.storage",)}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for top in ("compressors", "fanstore"):
+        for path in (ROOT / top).rglob("*.py"):
+            rel = path.relative_to(ROOT).with_suffix("")
+            parts = list(rel.parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def layer_of(module: str) -> tuple[str, int]:
+    best = None
+    for rank, (name, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if module == p or module.startswith(p + "."):
+                if best is None or len(p) > best[2]:
+                    best = (name, SIBLINGS.get(name, rank), len(p))
+    assert best is not None, f"{module} is in no layer: add it to LAYERS"
+    return best[0], best[1]
+
+
+def imports_of(module: str, path: Path) -> list[tuple[str, int]]:
+    """(imported name, line) for every import in a file, resolved to our modules where
+    they are ours (``from a import b`` names ``a.b`` when that is a module)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for node in _walk_runtime(tree):
+        if isinstance(node, ast.Import):
+            out.extend((alias.name, node.lineno) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                out.append((sub if sub in MODULES else base, node.lineno))
+    return out
+
+
+def _walk_runtime(tree: ast.AST):
+    """Every node except those under ``if TYPE_CHECKING:`` (annotations only, never run)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                todo.extend(child.orelse)
+                continue
+            todo.append(child)
+
+
+def _edges() -> list[tuple[str, str, int]]:
+    edges = []
+    for module, path in MODULES.items():
+        for name, line in imports_of(module, path):
+            edges.append((module, name, line))
+    return edges
+
+
+EDGES = _edges()
+
+
+def test_every_module_has_a_layer():
+    for module in MODULES:
+        layer_of(module)
+
+
+def test_imports_only_point_down():
+    bad = []
+    for src, dst, line in EDGES:
+        if dst not in MODULES:
+            continue
+        (sname, srank), (dname, drank) = layer_of(src), layer_of(dst)
+        if drank > srank or (srank == drank and sname != dname):
+            bad.append(f"{MODULES[src].relative_to(ROOT)}:{line}: {src} ({sname}) imports "
+                       f"{dst} ({dname})")
+    assert not bad, "imports that point up or sideways:\n" + "\n".join(bad)
+
+
+def test_owned_libraries_stay_in_their_layer():
+    bad = []
+    for src, dst, line in EDGES:
+        top = dst.split(".")[0]
+        if top in OWNED and not any(src == o or src.startswith(o + ".") for o in OWNED[top]):
+            bad.append(f"{MODULES[src].relative_to(ROOT)}:{line}: {src} imports {dst}")
+    assert not bad, "third-party imports outside their owner:\n" + "\n".join(bad)
+
+
+def test_no_import_cycles():
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for src, dst, _ in EDGES:
+        if dst in MODULES and dst != src:
+            graph[src].add(dst)
+    # Tarjan's strongly connected components: any component of more than one module is
+    # a cycle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    cycles = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+@pytest.mark.parametrize("src, dst", [
+    ("fanstore.daemon.node", "fanstore.fuse.ops"),
+    ("fanstore.fuse.ops", "fanstore.daemon.node"),
+    ("fanstore.read.core", "fanstore.control"),
+    ("fanstore.format.index", "fanstore.read.core"),
+    ("compressors.zstd", "fanstore.errors"),
+])
+def test_the_rules_catch_a_forbidden_edge(src, dst):
+    """The checker itself: each of these edges breaks a rule."""
+    (sname, srank), (dname, drank) = layer_of(src), layer_of(dst)
+    assert drank > srank or (srank == drank and sname != dname)
+
+
+def test_the_parser_sees_lazy_and_relative_imports(tmp_path):
+    """Imports inside functions and relative imports are edges too."""
+    path = tmp_path / "m.py"
+    path.write_text("def f():\n    from fanstore.fuse import ops\n"
+                    "from . import routing\nimport pyfuse3\n")
+    names = {n for n, _ in imports_of("fanstore.daemon.x", path)}
+    assert {"fanstore.fuse.ops", "fanstore.daemon.routing", "pyfuse3"} <= names
+    assert os.path.exists(MODULES["fanstore.daemon.node"])

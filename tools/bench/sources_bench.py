@@ -1,0 +1,266 @@
+#!/usr/bin/env python3
+"""Packing from an archive, and stage-in from object storage (docs/sources.md).
+
+A. The small files of the peer dataset (20,000 files of 50-150 kB, ~2 GB: `gen_dataset.py`
+   of ../shared/bench when present, else tools/gen_dataset.py with the same shape) as one
+   tar made by `tar`:
+     - `fanstore pack data.tar`                        (streamed, never extracted)
+     - `tar -xf data.tar` + `fanstore pack extracted/` (what users do today)
+   page cache dropped before each step; wall time and CPU seconds (user+sys of the
+   processes) per step, alternating the two ways, `--reps` times.
+B. That store packed into a local S3 endpoint (moto's server mode on 127.0.0.1, one Python
+   process: it, not the network, is the ceiling here), then staged into an empty local
+   directory with 1 and with 8 parallel range-read streams (`stage_partitions`, as
+   `fanstore mount s3://... --local-dir D --stage-jobs N` does), alternating, `--reps`
+   times. Every staged partition is checked against its XXH3-128 before it counts.
+
+    .venv/bin/python tools/bench/sources_bench.py [--files 20000] [--reps 2] [--work DIR]
+        [--no-docs]
+
+Writes the section `sources_bench` of docs/benchmarks.md and tools/bench/results/
+sources-bench.jsonl. Run as root on a quiet machine (drop_caches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "tests"))
+
+from common import (  # noqa: E402
+    DOCS,
+    REPO,
+    RESULTS_DIR,
+    drop_caches,
+    machine_table,
+    now_utc,
+    replace_section,
+    spread,
+)
+
+PY = sys.executable
+FANSTORE = os.path.join(os.path.dirname(PY), "fanstore")
+PEER_GEN = os.path.join(os.path.dirname(REPO), "shared", "bench", "gen_dataset.py")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] sources_bench: {msg}", file=sys.stderr, flush=True)
+
+
+def timed(cmd: list[str], env: dict | None = None) -> dict:
+    """Run ``cmd``; wall seconds and CPU seconds (user+sys of it and its children)."""
+    before = os.times()
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    wall = time.monotonic() - t0
+    after = os.times()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-2000:]}")
+    cpu = (after.children_user - before.children_user) + \
+        (after.children_system - before.children_system)
+    return {"wall": wall, "cpu": cpu, "stdout": proc.stdout}
+
+
+def generate(data: str, files: int) -> str:
+    if os.path.isdir(data):
+        return "existing"
+    if os.path.exists(PEER_GEN):
+        lists = data + "-lists"
+        subprocess.run([PY, PEER_GEN, "--out", data, "--lists", lists, "--n-small", str(files),
+                        "--n-large", "0"], check=True)
+        return f"../shared/bench/gen_dataset.py --n-small {files} --n-large 0"
+    subprocess.run([PY, os.path.join(REPO, "tools", "gen_dataset.py"), data, "--files",
+                    str(files), "--classes", "100", "--min-kb", "50", "--max-kb", "150"],
+                   check=True)
+    return f"tools/gen_dataset.py --files {files} --classes 100 --min-kb 50 --max-kb 150"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--files", type=int, default=20000)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--work", default="/tmp/fanstore-sourcesbench")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--no-docs", action="store_true")
+    a = ap.parse_args(argv)
+    os.makedirs(a.work, exist_ok=True)
+    data = os.path.join(a.work, "data")
+    how = generate(data, a.files)
+    root = os.path.join(data, "small") if os.path.isdir(os.path.join(data, "small")) else data
+    n_files = sum(len(f) for _, _, f in os.walk(root))
+    raw = sum(os.path.getsize(os.path.join(t, f)) for t, _, fs in os.walk(root) for f in fs)
+    archive = os.path.join(a.work, "data.tar")
+    if not os.path.exists(archive):
+        subprocess.run(["tar", "-C", root, "-cf", archive, "."], check=True)
+    pack_args = ["--codec", "zstd:3", "--partitions", "8", "--jobs", str(a.jobs),
+                 "--no-progress", "--force"]
+    rows: list[dict] = []
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+
+    # ---- A. pack from the tar vs extract + pack
+    for rep in range(a.reps):
+        for way in ("tar", "extract"):
+            store = os.path.join(a.work, f"store-{way}")
+            if way == "tar":
+                dropped = drop_caches()
+                r = timed([FANSTORE, "pack", archive, store] + pack_args)
+                rows.append({"part": "A", "way": way, "rep": rep, "wall": r["wall"],
+                             "cpu": r["cpu"], "dropped": dropped})
+            else:
+                ex = os.path.join(a.work, "extracted")
+                shutil.rmtree(ex, ignore_errors=True)
+                os.makedirs(ex)
+                dropped = drop_caches()
+                r1 = timed(["tar", "-C", ex, "-xf", archive])
+                drop_caches()
+                r2 = timed([FANSTORE, "pack", ex, store] + pack_args)
+                rows.append({"part": "A", "way": way, "rep": rep, "wall": r1["wall"] + r2["wall"],
+                             "cpu": r1["cpu"] + r2["cpu"], "extract_wall": r1["wall"],
+                             "extract_cpu": r1["cpu"], "pack_wall": r2["wall"],
+                             "pack_cpu": r2["cpu"], "dropped": dropped})
+                shutil.rmtree(ex, ignore_errors=True)
+            log(f"A {way} rep {rep}: {rows[-1]['wall']:.1f} s wall, {rows[-1]['cpu']:.1f} s CPU")
+    same = subprocess.run([PY, "-c", (
+        "import sys\nfrom fanstore.format.index import read_index\n"
+        "def t(s):\n i=read_index(s)\n return {i.path(k): (int(i.e['kind'][k]), "
+        "int(i.e['mode'][k]) & 0o777, int(i.e['size'][k]), int(i.e['checksum'][k])) "
+        "for k in range(1, i.n_entries)}\n"
+        "print(t(sys.argv[1]) == t(sys.argv[2]))"),
+        os.path.join(a.work, "store-tar"), os.path.join(a.work, "store-extract")],
+        capture_output=True, text=True).stdout.strip()
+
+    # ---- B. stage-in from a local S3 endpoint, 1 vs 8 streams
+    from s3_helpers import MotoServer
+
+    server = MotoServer.start(a.work)
+    try:
+        env = dict(os.environ, **server.env)
+        server.fs().mkdir("bench")
+        url = "s3://bench/ds.fs"
+        up = timed([FANSTORE, "pack", archive, url]
+                   + pack_args, env=env)
+        log(f"B: packed into {url} in {up['wall']:.1f} s")
+        local = os.path.join(a.work, "staged")
+        code = (
+            "import json, sys\n"
+            "from fanstore.format.index import read_index\n"
+            "from fanstore.daemon.staging import stage_partitions\n"
+            f"index = read_index({url!r})\n"
+            f"r = stage_partitions({url!r}, {local!r}, index, "
+            "list(range(len(index.partitions))), jobs=int(sys.argv[1]))\n"
+            "print(json.dumps(r.to_json()))\n")
+        for rep in range(a.reps):
+            for streams in (1, 8):
+                shutil.rmtree(local, ignore_errors=True)
+                drop_caches()
+                r = timed([PY, "-c", code, str(streams)], env=env)
+                rep_json = json.loads(r["stdout"])
+                rows.append({"part": "B", "streams": streams, "rep": rep, "wall": r["wall"],
+                             "cpu": r["cpu"], "bytes": rep_json["staged_bytes"],
+                             "stage_seconds": rep_json["stage_seconds"]})
+                log(f"B {streams} streams rep {rep}: {rep_json['staged_bytes'] / 1e6:.0f} MB "
+                    f"in {rep_json['stage_seconds']:.2f} s")
+        shutil.rmtree(local, ignore_errors=True)
+    finally:
+        server.stop()
+
+    with open(os.path.join(RESULTS_DIR, "sources-bench.jsonl"), "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    body = render(rows, a, how, n_files, raw, os.path.getsize(archive), same)
+    if a.no_docs:
+        print(body)
+    else:
+        replace_section("sources_bench", body, DOCS)
+        log(f"wrote {DOCS} (section sources_bench)")
+    return 0
+
+
+def render(rows, a, how, n_files, raw, tar_size, same) -> str:
+    def vals(part, key, **kw):
+        return [r[key] for r in rows if r["part"] == part and all(r.get(k) == v
+                                                                  for k, v in kw.items())]
+
+    w = []
+    w.append("## Packing from a tar; stage-in from object storage "
+             "(`tools/bench/sources_bench.py`)")
+    w.append("")
+    w.append(f"Run {now_utc()}, {a.reps} repetitions of each step, alternating; the machine "
+             "is shared with other sessions, so the numbers are noisy: compare the ratios "
+             "within this run. Values are median (min-max). CPU = user+sys seconds of the "
+             "processes the step ran.")
+    w.append("")
+    w.append("### Machine")
+    w.append("")
+    w.append(machine_table(a.work))
+    w.append("")
+    w.append(f"### A. Pack from a tar vs extract + pack ({n_files:,} files, "
+             f"{raw / 1e9:.2f} GB; tar {tar_size / 1e9:.2f} GB)")
+    w.append("")
+    w.append(f"Dataset: `{how}` (the small files of the peer dataset), made into one tar by "
+             "`tar -cf`. Both ways: `fanstore pack ... --codec zstd:3 --partitions 8 "
+             f"--jobs {a.jobs}`; page cache dropped before each step.")
+    w.append("")
+    w.append("| way | wall s | CPU s | CPU µs per file |")
+    w.append("|---|---|---|---|")
+    for way, label in (("tar", "`fanstore pack data.tar` (streamed)"),
+                       ("extract", "`tar -xf` + `fanstore pack dir`")):
+        wall, cpu = vals("A", "wall", way=way), vals("A", "cpu", way=way)
+        w.append(f"| {label} | {spread(wall, 1)} | {spread(cpu, 1)} | "
+                 f"{spread([c / n_files * 1e6 for c in cpu])} |")
+    ex_w, ex_c = vals("A", "extract_wall", way="extract"), vals("A", "extract_cpu",
+                                                                way="extract")
+    pk_w, pk_c = vals("A", "pack_wall", way="extract"), vals("A", "pack_cpu", way="extract")
+    w.append(f"| (of which `tar -xf`) | {spread(ex_w, 1)} | {spread(ex_c, 1)} | |")
+    w.append(f"| (of which pack of the extracted tree) | {spread(pk_w, 1)} | {spread(pk_c, 1)} "
+             "| |")
+    t = sorted(vals("A", "wall", way="tar"))
+    e = sorted(vals("A", "wall", way="extract"))
+    if t and e:
+        w.append("")
+        w.append(f"Streamed pack / (extract + pack), median wall: "
+                 f"{t[len(t) // 2] / e[len(e) // 2]:.2f}x. The streamed pack also writes "
+                 f"nothing but the store (extraction writes {raw / 1e9:.2f} GB and "
+                 f"{n_files:,} files to the file system first). Same paths, kinds, sizes, "
+                 f"modes and checksums in both stores: {same}.")
+    w.append("")
+    w.append("### B. Stage-in from a local S3 endpoint: 1 vs 8 range-read streams")
+    w.append("")
+    w.append("The store of A (8 partitions) packed into `s3://bench/ds.fs` on moto's server "
+             "mode (one Python process on 127.0.0.1, serving from memory), then staged into "
+             "an empty local directory by `stage_partitions` (what `fanstore mount s3://... "
+             "--local-dir D --stage-jobs N` runs): 8 MiB ranges, every partition checked "
+             "against its XXH3-128 before it is installed.")
+    w.append("")
+    w.append("| streams | staged MB | stage s | MB/s | process CPU s |")
+    w.append("|---|---|---|---|---|")
+    for s in (1, 8):
+        secs = vals("B", "stage_seconds", streams=s)
+        mb = vals("B", "bytes", streams=s)
+        rates = [b / 1e6 / x for b, x in zip(mb, secs) if x]
+        w.append(f"| {s} | {mb[0] / 1e6:,.0f} | {spread(secs, 2)} | {spread(rates)} | "
+                 f"{spread(vals('B', 'cpu', streams=s), 1)} |" if mb else f"| {s} | – | | | |")
+    w.append("")
+    w.append("On this 2-core machine the moto server (Python, one process) competes with "
+             "the stager for the cores, so these rates are a floor for a real endpoint; "
+             "the ratio between the rows is what the streams buy here.")
+    w.append("")
+    w.append("### Exact commands")
+    w.append("")
+    w.append("```")
+    w.append(f".venv/bin/python tools/bench/sources_bench.py --files {a.files} --reps {a.reps} "
+             f"--jobs {a.jobs} --work {a.work}")
+    w.append("```")
+    return "\n".join(w)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
