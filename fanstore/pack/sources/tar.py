@@ -346,6 +346,10 @@ class TarSource(Source):
             f = open(path, "rb", buffering=0)
         except OSError as exc:
             raise PackError(f"{path}: cannot read: {exc.strerror}") from None
+        try:  # read once, front to back: a larger read-ahead from a cold disk
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        except (OSError, AttributeError):
+            pass
         raw = _Counting(f)
         if not quiet:
             self._raw = raw
@@ -460,6 +464,7 @@ class TarSource(Source):
             t = th.DIRECTORY  # a v7 directory
         data = _Data(0 if t in th.NO_DATA else size)
         if t == th.GNU_SPARSE or th.is_sparse_pax(ext):
+            name = ext.get(b"GNU.sparse.name", name)  # pax 1.0 puts a made-up one in path
             return Member(name, KIND_SPECIAL, mode, mtime_ns, where=path,
                           problem="sparse file cannot be packed (GNU sparse members are not "
                                   "supported; archive it without --sparse)"), data
