@@ -19,10 +19,11 @@ Bytes never travel through a pipe:
   or ``ERROR(message)``. At most ``MAX_QUEUED`` chunks are queued per worker, so neither
   pipe can fill and no write ever blocks.
 
-Results are taken in submission order (``collect``): the packer's ``sink`` sees each
-chunk's stored bytes, codec slot and checksum exactly in the order the chunks were
-submitted, whatever worker did them and whenever it finished. A chunk whose codec slot is
-0 ("none") is only hashed, in the packer's process: no round trip.
+A collector thread in the packer's process reads the results and passes them to the
+packer's ``sink`` (which appends to the partitions) exactly in the order the chunks were
+submitted, whatever worker did them and whenever it finished; the ring is freed behind
+it. Writing thus overlaps reading the source. A chunk of codec slot 0 ("none") is only
+hashed by its worker.
 
 Workers are forked before the packer starts any thread and run only this module's loop
 (codecs, xxhash, the ring, two pipes); they ignore SIGINT (the packer handles ^C), end
