@@ -194,8 +194,9 @@ class EncoderPool:
     raised by the packer's next call.
     """
 
-    def __init__(self, jobs: int, ring_size: int, sink: Sink) -> None:
+    def __init__(self, jobs: int, ring_size: int, sink: Sink, label: str = "") -> None:
         self.jobs = max(1, jobs)
+        self.label = label  # what messages name (the source)
         self.size = ring_size
         self.sink = sink
         self.ring = mmap.mmap(-1, ring_size)
@@ -383,7 +384,8 @@ class EncoderPool:
                     break
                 msg = bytes(buf[i + _RES.size:i + _RES.size + stored]).decode("utf-8",
                                                                             "replace")
-                raise PackError(f"compression failed: {msg}")
+                raise PackError(f"{self.label}: compression failed: {msg}" if self.label
+                                else f"compression failed: {msg}")
             i += _RES.size
             t = w.queue.popleft()
             t.used, t.stored, t.csum = used, stored, csum

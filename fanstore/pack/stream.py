@@ -288,7 +288,7 @@ class StreamPacker:
         try:
             # Fork the workers first: before any thread of ours exists, before any
             # partition file is open.
-            self.pool = EncoderPool(self.jobs, self.ring_size, self._sink)
+            self.pool = EncoderPool(self.jobs, self.ring_size, self._sink, self.source.url)
             self.pool.start({})
             for p in range(self.n_normal):  # every partition exists, even an empty one
                 self._writer(p)
@@ -306,6 +306,9 @@ class StreamPacker:
             self.pool.finish()
             return self._finish(t0)
         except BaseException:
+            if self.pool is not None:  # the collector writes no more
+                self.pool.close()
+                self.pool = None
             for w in self.writers.values():
                 try:
                     w.abort()

@@ -75,21 +75,52 @@ def _v7_checksum_ok(block: bytes) -> bool:
     return want == sum(block[:148]) + 8 * 32 + sum(block[156:])
 
 
+#: How far ahead of the reader the kernel is asked to read (``POSIX_FADV_WILLNEED``), and
+#: in what steps. The kernel's own read-ahead (a few MiB) leaves a cold archive's reader
+#: waiting on the disk, most of all while the partitions are being written to it too.
+READ_AHEAD = 64 << 20
+READ_AHEAD_STEP = 16 << 20
+
+
 class _Counting:
-    """A raw file that counts the bytes read from it (the progress bar's unit)."""
+    """A raw file that counts the bytes read from it (the progress bar's unit), and asks
+    the kernel to read ``READ_AHEAD`` bytes ahead of it."""
 
     def __init__(self, f: BinaryIO) -> None:
         self._f = f
         self.count = 0
+        self._advised = 0  # bytes asked for so far
+        self._fd = f.fileno()
+        try:  # read once, front to back
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        except OSError:
+            self._fd = -1  # not a regular file: no advice
+        self._advise()
+
+    def _advise(self) -> None:
+        if self._fd < 0:
+            return
+        while self._advised < self.count + READ_AHEAD:
+            try:
+                os.posix_fadvise(self._fd, self._advised, READ_AHEAD_STEP,
+                                 os.POSIX_FADV_WILLNEED)
+            except OSError:
+                self._fd = -1
+                return
+            self._advised += READ_AHEAD_STEP
 
     def read(self, n: int = -1) -> bytes:
         data = self._f.read(n)
         self.count += len(data)
+        if self.count + READ_AHEAD - READ_AHEAD_STEP >= self._advised:
+            self._advise()
         return data
 
     def readinto(self, buf) -> int:
         n = self._f.readinto(buf)
         self.count += n or 0
+        if self.count + READ_AHEAD - READ_AHEAD_STEP >= self._advised:
+            self._advise()
         return n
 
     def readable(self) -> bool:
@@ -346,10 +377,6 @@ class TarSource(Source):
             f = open(path, "rb", buffering=0)
         except OSError as exc:
             raise PackError(f"{path}: cannot read: {exc.strerror}") from None
-        try:  # read once, front to back: a larger read-ahead from a cold disk
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        except (OSError, AttributeError):
-            pass
         raw = _Counting(f)
         if not quiet:
             self._raw = raw
