@@ -87,17 +87,27 @@ def timed(cmd: list[str], env: dict | None = None) -> dict:
 
 
 def generate(data: str, files: int) -> str:
+    """Make the dataset (unless a run before made it); how it was made."""
+    record = data + "-how.txt"
     if os.path.isdir(data):
-        return "existing"
+        try:
+            with open(record) as f:
+                return f.read().strip()
+        except OSError:
+            return "existing"
     if os.path.exists(PEER_GEN):
         lists = data + "-lists"
         subprocess.run([PY, PEER_GEN, "--out", data, "--lists", lists, "--n-small", str(files),
                         "--n-large", "0"], check=True)
-        return f"../shared/bench/gen_dataset.py --n-small {files} --n-large 0"
-    subprocess.run([PY, os.path.join(REPO, "tools", "gen_dataset.py"), data, "--files",
-                    str(files), "--classes", "100", "--min-kb", "50", "--max-kb", "150"],
-                   check=True)
-    return f"tools/gen_dataset.py --files {files} --classes 100 --min-kb 50 --max-kb 150"
+        how = f"../shared/bench/gen_dataset.py --n-small {files} --n-large 0"
+    else:
+        subprocess.run([PY, os.path.join(REPO, "tools", "gen_dataset.py"), data, "--files",
+                        str(files), "--classes", "100", "--min-kb", "50", "--max-kb", "150"],
+                       check=True)
+        how = f"tools/gen_dataset.py --files {files} --classes 100 --min-kb 50 --max-kb 150"
+    with open(record, "w") as f:
+        f.write(how + "\n")
+    return how
 
 
 def main(argv: list[str] | None = None) -> int:
