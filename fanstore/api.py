@@ -200,6 +200,19 @@ class _BytesRaw(io.RawIOBase):
         return self._buf.tell()
 
 
+def _node_index(path: str | None):
+    """The node daemon's shared copy of the index (mapped, not read: every reader process
+    of the node shares its pages), or None if it cannot be used."""
+    from fanstore.format.index import map_index_body
+
+    if not path:
+        return None
+    try:
+        return map_index_body(path)
+    except (OSError, FanStoreError):
+        return None
+
+
 def _show(path) -> str:
     return os.fsdecode(path) if isinstance(path, bytes) else str(path)
 
@@ -244,7 +257,7 @@ class MountReader(_Reader):
         self.store_path = info.get("store") or ""
         if not self.store_path:
             raise MountError(f"{mountpoint}: the daemon did not say which store it serves")
-        index = read_index(self.store_path)
+        index = _node_index(info.get("index_copy")) or read_index(self.store_path)
         local = [int(p) for p in info.get("local_parts", [])]
         self._parts = LocalPartitions(info.get("data_dir") or self.store_path, index, local)
         remote = set(range(len(index.partitions))) - set(local)

@@ -22,8 +22,9 @@ log = logging.getLogger("fanstore")
 
 
 #: The FUSE frontend of ``fanstore mount`` unless --frontend or $FANSTORE_FRONTEND says
-#: otherwise (docs/benchmarks.md: why).
-DEFAULT_FRONTEND = "pyfuse3"
+#: otherwise: "auto" is the kernel-protocol frontend, or pyfuse3 in prefetch mode
+#: (launch.resolve_frontend; docs/benchmarks.md says why).
+DEFAULT_FRONTEND = "auto"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -492,11 +493,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground")
     s.add_argument("--cache-mb", type=_nonneg_int, default=256,
                    help="decoded-chunk cache budget in MB (default 256)")
-    s.add_argument("--frontend", choices=("pyfuse3", "kernel"),
+    s.add_argument("--frontend", choices=("auto", "kernel", "pyfuse3"),
                    default=os.environ.get("FANSTORE_FRONTEND") or DEFAULT_FRONTEND,
                    help="how FUSE is served: kernel (the kernel's FUSE protocol spoken "
-                        "directly by --workers processes) or pyfuse3 (one process, libfuse); "
-                        f"default $FANSTORE_FRONTEND or {DEFAULT_FRONTEND}")
+                        "directly by --workers processes), pyfuse3 (one process, libfuse), or "
+                        "auto (kernel; pyfuse3 with --mode prefetch); default "
+                        f"$FANSTORE_FRONTEND or {DEFAULT_FRONTEND}")
     s.add_argument("--workers", type=_nonneg_int, default=0,
                    help="FUSE worker processes of the kernel frontend (default: the cores)")
     s.add_argument("--threads", type=_nonneg_int, default=0,

@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol
 class MountOptions:
     """How to mount and serve (the ``fanstore mount`` options that concern serving)."""
 
-    frontend: str = "pyfuse3"  # or "kernel"
+    frontend: str = "auto"  # "kernel", "pyfuse3", or auto (launch.resolve_frontend)
     cache_mb: int = 256
     threads: int = 0  # decode threads (pyfuse3 frontend); 0 = 2 per core, at least 4
     workers: int = 0  # worker processes (kernel frontend); 0 = the cores of the node
@@ -57,7 +57,7 @@ class MountContext:
     local_parts: list[int]
     replicated: list[int]  # local partitions another node also holds
     socket_path: str
-    index_path: str  # a node-local copy of the index bytes (fanstore.idx format)
+    index_path: str  # the node's shared index copy (format.index.map_index_body)
     request_stop: Callable[[str, bool], None]  # (reason, everywhere): thread/signal safe
     remote_timeout: float = 30.0
     extra_stats: dict[str, Any] = field(default_factory=dict)

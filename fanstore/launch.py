@@ -20,7 +20,15 @@ from fanstore.daemon.world import World, launcher_world_size
 from fanstore.errors import FanStoreError, MountError, UsageError
 from fanstore.frontend import FrontendFactory
 
-FRONTENDS = ("pyfuse3", "kernel")
+FRONTENDS = ("kernel", "pyfuse3")
+
+
+def resolve_frontend(name: str, mode: str) -> str:
+    """``auto`` is the kernel-protocol frontend (measured faster on every pass: see
+    docs/benchmarks.md), except in prefetch mode, which the pyfuse3 frontend serves."""
+    if name == "auto":
+        return "pyfuse3" if mode == "prefetch" else "kernel"
+    return name
 
 
 @dataclass
@@ -37,7 +45,8 @@ class Outcome:
 def frontend_factory(name: str) -> FrontendFactory:
     """The frontend called ``name``; MountError with an install hint if it cannot run."""
     if name not in FRONTENDS:
-        raise UsageError(f"unknown frontend {name!r} (choose from {', '.join(FRONTENDS)})")
+        raise UsageError(f"unknown frontend {name!r} (choose from auto, {', '.join(FRONTENDS)}; "
+                         "--frontend or $FANSTORE_FRONTEND)")
     if not os.path.exists("/dev/fuse"):
         raise MountError("/dev/fuse does not exist: FUSE is not available on this machine")
     if name == "pyfuse3":
@@ -59,6 +68,7 @@ def mount(options: NodeOptions, foreground: bool = False, debug: bool = False,
     """Mount a store and serve it; see the module docstring. ``notify`` shows a line to
     the user (the CLI prints it)."""
     process.limit_malloc_arenas()  # before any thread: the daemons inherit it
+    options.mount.frontend = resolve_frontend(options.mount.frontend, options.mount.mode)
     factory = frontend_factory(options.mount.frontend)
     if launcher_world_size() is not None:
         return _mount_rank(options, factory, debug, notify)

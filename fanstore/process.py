@@ -121,24 +121,32 @@ def daemonize(log_file: str, body: Callable[[Callable[[], None]], object],
                 pass
         return Detached(True, code)
     os.close(w)
-    data = b""
-    while True:
-        chunk = os.read(r, 4096)
-        if not chunk:
-            break
-        data += chunk
-        if data.startswith(b"ready\n"):
-            break
-    os.close(r)
-    if data.startswith(b"ready\n"):
+    try:
+        text = read_ready(r)
+    finally:
+        os.close(r)
+    if text == "ready":
         return Detached(False)
     _, status = os.waitpid(pid, 0)
-    text = data.decode(errors="replace").strip()
     if text.startswith("error: "):
         err = MountError(text[len("error: "):])
         err.exit_code = os.waitstatus_to_exitcode(status) or 1
         raise err
     raise MountError(f"the daemon exited before the mount was ready; see {log_file}")
+
+
+def read_ready(fd: int) -> str:
+    """Read a ready pipe: "ready" once the other side wrote ``ready\n``, else what it wrote
+    before closing its end (an ``error: ...`` line, or nothing if it died)."""
+    data = b""
+    while True:
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+        if data.startswith(b"ready\n"):
+            return "ready"
+    return data.decode(errors="replace").strip()
 
 
 def _pipe_write(fd: int, text: str) -> None:

@@ -78,3 +78,15 @@ def write_file(path: str, data) -> None:
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
+
+
+def shared_memory_path(mountpoint: str, name: str) -> str:
+    """A path for a file the processes of a node share in memory: in ``/dev/shm`` (tmpfs:
+    its pages are never dropped from memory the way page-cache pages of a disk file are,
+    e.g. by ``drop_caches`` or memory pressure) when it is usable, else in the runtime
+    directory."""
+    shm = os.environ.get("FANSTORE_SHM_DIR", "/dev/shm")
+    key = os.path.basename(runtime_dir(mountpoint))
+    if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK):
+        return os.path.join(shm, f"fanstore-{os.getuid()}-{key}-{name}")
+    return os.path.join(runtime_dir(mountpoint, create=True), name)

@@ -49,7 +49,7 @@ class MpiJob:
     def __init__(self, store, tmp, ranks: int = 4, extra=(), timeout: float = 90,
                  local: bool = True, wait: bool = True, env: dict | None = None,
                  keep_local: bool = False) -> None:
-        self.store = Path(store)
+        self.store = store if "://" in str(store) else Path(store)  # s3://... stays a URL
         self.tmp = Path(tmp)
         self.ranks = ranks
         self.extra = list(extra)

@@ -22,9 +22,11 @@ import pytest
 import fanstore
 from fanstore.errors import CorruptDataError, IsADirectoryError_, NotFoundError, UsageError
 from helpers import (
+    assert_cli_error,
     assert_no_traceback,
     damage_file,
     fuse_available,
+    is_mounted,
     run_cli,
 )
 from mpi_helpers import MpiJob, mpi_available
@@ -167,6 +169,28 @@ def test_mount_reads_every_file_byte_exact_and_after_fork(tree, mounted):
         daemon = json.loads(run_cli("stats", mnt, "--json", check=True).stdout)
         assert daemon["reads"] == 0 and daemon["local_reads"] == 0
         assert s.stats()["reads"] == 300  # the node's counters plus this process's
+
+
+@pytest.mark.fuse
+@pytest.mark.skipif(not _fuse_ok, reason=_fuse_why)
+def test_the_default_frontend_is_kernel_and_pyfuse3_serves_prefetch(tree, mounted, tmp_path,
+                                                                    monkeypatch):
+    """--frontend auto (the default): the kernel frontend, except in prefetch mode, which
+    the pyfuse3 frontend serves; asking the kernel frontend for prefetch is a clear error."""
+    _src, store, files = tree
+    monkeypatch.delenv("FANSTORE_FRONTEND", raising=False)
+    plain = mounted(store)
+    assert json.loads(run_cli("stats", plain, "--json", check=True).stdout)["frontend"] == \
+        "kernel"
+    pre = mounted(store, "--mode", "prefetch")
+    assert json.loads(run_cli("stats", pre, "--json", check=True).stdout)["frontend"] == \
+        "pyfuse3"
+    (tmp_path / "m3").mkdir()
+    res = run_cli("mount", store, tmp_path / "m3", "--frontend", "kernel", "--mode", "prefetch")
+    assert_cli_error(res, contains="--mode prefetch is served by the pyfuse3 frontend")
+    res = run_cli("mount", store, tmp_path / "m3", env={"FANSTORE_FRONTEND": "fuse2"})
+    assert_cli_error(res, code=2, contains="unknown frontend 'fuse2'")
+    assert not is_mounted(tmp_path / "m3")
 
 
 @pytest.mark.fuse

@@ -883,7 +883,8 @@ def test_zero_message_open_warm_pass_sends_nothing(memmount):
     n = len(rels)
     _read_in_processes(m.mnt, rels, 2, "raw")  # cold: lookups and reads
     cold = m.snap()
-    assert cold.get("open", 0) <= 1 and cold.get("release", 0) == 0  # OPEN once, then none
+    # OPEN until the first ENOSYS reply (one per racing process at most), then none
+    assert cold.get("open", 0) <= 2 and cold.get("release", 0) == 0
     assert cold.get("read", 0) >= n
     got = _read_in_processes(m.mnt, rels, 2, "raw")  # warm, buffering=0: zero requests
     assert got == {r: hashlib.sha256(_expected(r)).hexdigest() for r in rels}

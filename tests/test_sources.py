@@ -883,6 +883,33 @@ def test_mount_a_store_staged_from_s3(s3_server, special_tree, mounted, tmp_path
         "part-00000.fsp", "part-00001.fsp", "part-00002.fsp"]
 
 
+@pytest.mark.fuse
+@pytest.mark.mpi
+def test_two_ranks_stage_an_s3_store_and_read_each_others_files(s3_server, small_tree,
+                                                                tmp_path):
+    """mpiexec -n 2: each rank stages its own partitions from S3 into its local dir, and
+    every file reads byte for byte on both ranks (half of them from the other rank)."""
+    from mpi_helpers import MpiJob, mpi_available
+
+    ok, why = mpi_available()
+    if not ok:
+        pytest.skip(why)
+    src, files = small_tree
+    url = _s3_store(s3_server, src, ("--partitions", "4", "--chunk-kb", "4"))
+    with MpiJob(url, tmp_path, ranks=2, env=s3_server.env) as job:
+        for rank in range(2):
+            for rel, data in files.items():
+                with open(job.mnt(rank) / rel, "rb") as f:
+                    assert f.read() == data, (rank, rel)
+        for rank in range(2):
+            st = job.stats(rank)
+            assert st["staged_partitions"] == 2 and st["errors"] == 0
+            assert st["local_partitions"] == [rank, rank + 2]
+            assert st["remote_reads"] > 0 and st["local_reads"] > 0
+            assert sorted(n for n in os.listdir(job.local_dir(rank)) if n.endswith(".fsp")) \
+                == [f"part-0000{rank}.fsp", f"part-0000{rank + 2}.fsp"]
+
+
 def _stage_script(url: str, local: Path, jobs: int, block: int) -> str:
     return (
         "import json, sys\n"

@@ -170,8 +170,7 @@ class Node:
 
     # ------------------------------------------------------------------ phases
     def load_index(self):
-        """The index, read by rank 0 and broadcast; its bytes are kept in ``index_bytes``
-        (a frontend that serves from other processes gives them a node-local copy)."""
+        """The index, read by rank 0 and broadcast to every rank, validated."""
         from fanstore.format.index import INDEX_NAME, read_index_bytes, read_index_file
 
         data = None
@@ -188,7 +187,6 @@ class Node:
             raise FormatError(bytes(data[7:]).decode("utf-8", "replace"))
         index = read_index_bytes(data, where=os.path.join(self.options.store, INDEX_NAME))
         self.bcast_seconds = time.monotonic() - t0
-        self.index_bytes = data
         return index
 
     def stage(self, index, mine: list[int]) -> str:
@@ -210,7 +208,7 @@ class Node:
                             mountpoint=self.mount_key, phase="starting")
         try:
             index, table, mine = self._start()
-            self._connect(index, table, mine)
+            index = self._connect(index, table, mine)
             self._mount()
             runtime.write_state(self.mountpoint, phase="ready")
             log.info("%s: serving %s at %s (%d entries, %d partitions here)", self.who,
@@ -273,6 +271,7 @@ class Node:
     def _connect(self, index, table, mine) -> None:
         """The peer transport, the read core, the control socket and the frontend."""
         opts = self.options
+        index = self._share_index(index)
         ns = Namespace(index)
         if self.world.is_mpi or self.transport_factory is not None:
             if self.transport_factory is not None:
@@ -289,9 +288,7 @@ class Node:
                              cache_bytes=opts.mount.cache_mb << 20, stats=self.stats)
         self.stats.extra.update(self._static_stats(index, mine))
         replicated = [p for p in mine if any(r != self.rank for r in table[p])]
-        index_copy = os.path.join(runtime.runtime_dir(self.mountpoint, create=True),
-                                  "index.fsidx")
-        runtime.write_file(index_copy, self.index_bytes)
+        index_copy = self.index_copy
         self.ctx = MountContext(
             mountpoint=self.mountpoint, options=opts.mount, index=index, ns=ns, reader=reader,
             store=opts.store if "://" in opts.store else os.path.abspath(opts.store),
@@ -304,6 +301,18 @@ class Node:
 
         self.server = ControlServer(self.ctx.socket_path, handlers(self))
         self.server.start()
+        return index
+
+    def _share_index(self, index):
+        """Write the decompressed index body to the runtime directory and use a shared
+        read-only mapping of it from now on: the frontend process, its workers and API
+        readers map the same pages, so the namespace costs its size once per node."""
+        from fanstore.format.index import map_index_body, write_index_body
+
+        self.index_copy = runtime.shared_memory_path(self.mountpoint, "index.body")
+        write_index_body(self.index_copy, index)
+        self.index_bytes = None
+        return map_index_body(self.index_copy, check=False)
 
     def _mount(self) -> None:
         runtime.write_state(self.mountpoint, phase="mounting")

@@ -25,7 +25,8 @@ def handlers(node) -> dict[str, Any]:
         return {"ok": True, "pid": os.getpid(), "store": ctx.store, "mode": ctx.options.mode,
                 "frontend": ctx.options.frontend, "mountpoint": node.mount_key,
                 "data_dir": ctx.data_dir, "local_parts": ctx.local_parts,
-                "replicated": ctx.replicated, "rank": node.rank, "ranks": node.size}
+                "replicated": ctx.replicated, "rank": node.rank, "ranks": node.size,
+                "index_copy": ctx.index_path}
 
     def stats(req):
         return node.stats_json()

@@ -101,8 +101,12 @@ _ENTRY_PREFIX = "e_"
 _CHUNK_PREFIX = "c_"
 
 
+_U32 = struct.Struct("<I")
+_xxh3_64 = xxhash.xxh3_64_intdigest
+
+
 def name_hash(parent: int, name: bytes) -> int:
-    return xxhash.xxh3_64_intdigest(struct.pack("<I", parent) + name)
+    return _xxh3_64(_U32.pack(parent) + name)
 
 
 @dataclass
@@ -143,6 +147,8 @@ class Index:
     partitions: list[PartitionInfo] = field(default_factory=list)
     raw_body_size: int = 0
     stored_size: int = 0
+    #: the decompressed body the arrays above are views of (bytes, or a shared mmap)
+    body: Any = None
 
     # ---- shape
     @property
@@ -160,11 +166,11 @@ class Index:
     # ---- per-entry helpers (scalar; used off the hot path or by the namespace)
     def name(self, entry: int) -> bytes:
         off = int(self.e["name_off"][entry])
-        return self.names[off : off + int(self.e["name_len"][entry])]
+        return bytes(self.names[off : off + int(self.e["name_len"][entry])])
 
     def target(self, entry: int) -> bytes:
         off = int(self.e["first"][entry])
-        return self.targets[off : off + int(self.e["count"][entry])]
+        return bytes(self.targets[off : off + int(self.e["count"][entry])])
 
     def path(self, entry: int) -> bytes:
         parts = []
@@ -175,13 +181,18 @@ class Index:
         return b"/".join(reversed(parts))
 
     def lookup(self, parent: int, name: bytes) -> int | None:
-        h = name_hash(parent, name)
-        i = int(np.searchsorted(self.lk_hash, np.uint64(h)))
-        n = self.lk_hash.shape[0]
-        while i < n and int(self.lk_hash[i]) == h:
+        """The entry called ``name`` in directory ``parent``, or None (hot: every LOOKUP)."""
+        h = _xxh3_64(_U32.pack(parent) + name)
+        lk_hash = self.lk_hash
+        i = int(lk_hash.searchsorted(np.uint64(h)))
+        n = lk_hash.shape[0]
+        e = self.e
+        while i < n and int(lk_hash[i]) == h:
             entry = int(self.lk_entry[i])
-            if int(self.e["parent"][entry]) == parent and self.name(entry) == name and entry:
-                return entry
+            if entry and int(e["parent"][entry]) == parent:
+                off = int(e["name_off"][entry])
+                if self.names[off : off + int(e["name_len"][entry])] == name:
+                    return entry
             i += 1
         return None
 
@@ -430,7 +441,58 @@ def read_index_bytes(data: bytes, where: str = "index") -> Index:
     index = _parse_body(body, where)
     index.raw_body_size = body_raw
     index.stored_size = len(data)
+    index.body = body
     validate_index(index, where=where)
+    return index
+
+
+# --------------------------------------------------------------------------- node-local copies
+#
+# The processes of one node (the daemon, its frontend process and workers) share one
+# decompressed copy of the index: the daemon writes the body to a node-local file once and
+# every process maps it read-only, so the namespace costs its size once per node (in the
+# page cache), not once per process. A private runtime file, never part of a store:
+# header = magic b"FANSTIDB", u64 body size, u64 XXH3-64 of the body, u64 stored size of
+# the index it came from; then the body.
+
+_BODY_MAGIC = b"FANSTIDB"
+_BODY_HEADER = struct.Struct("<8sQQQ")
+
+
+def write_index_body(path: str, index: Index) -> None:
+    """Write ``index``'s decompressed body to ``path`` (atomically) for :func:`map_index_body`."""
+    body = index.body
+    head = _BODY_HEADER.pack(_BODY_MAGIC, len(body), xxhash.xxh3_64_intdigest(body),
+                             index.stored_size)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(head)
+        f.write(body)
+    os.replace(tmp, path)
+
+
+def map_index_body(path: str, check: bool = True, validate: bool = False) -> Index:
+    """The index whose body :func:`write_index_body` wrote to ``path``, its arrays views of a
+    read-only shared mapping of the file. The body is checksummed (``check``): it is the
+    very body a validated index had, so validating it again is optional (``validate``)."""
+    import mmap
+
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    if len(mm) < _BODY_HEADER.size:
+        raise FormatError(f"{path}: truncated index copy")
+    magic, size, digest, stored = _BODY_HEADER.unpack_from(mm)
+    if magic != _BODY_MAGIC or size != len(mm) - _BODY_HEADER.size:
+        raise FormatError(f"{path}: not a FanStore index copy")
+    body = memoryview(mm)[_BODY_HEADER.size:]
+    if check and xxhash.xxh3_64_intdigest(body) != digest:
+        raise FormatError(f"{path}: index copy checksum mismatch")
+    index = _parse_body(body, path)
+    index.raw_body_size = size
+    index.stored_size = stored
+    index.body = body
+    if validate:
+        validate_index(index, where=path)
     return index
 
 
@@ -441,7 +503,7 @@ def _parse_body(body: bytes, where: str) -> Index:
     if 4 + meta_len > len(body):
         raise FormatError(f"{where}: index metadata runs past the body")
     try:
-        meta = json.loads(body[4 : 4 + meta_len].decode("utf-8"))
+        meta = json.loads(bytes(body[4 : 4 + meta_len]).decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise FormatError(f"{where}: index metadata is not valid JSON") from exc
     if not isinstance(meta, dict):

@@ -50,6 +50,7 @@ from fanstore.errors import FanStoreError, MountError, NotFoundError
 from fanstore.format.index import KIND_DIR, KIND_FILE
 from fanstore.frontend import MountContext
 from fanstore.fuse.fsops import BLKSIZE, TIMEOUT, FsOps
+from fanstore.process import read_ready
 
 log = logging.getLogger(__name__)
 
@@ -75,16 +76,19 @@ class KernelHandler:
     Directory listings are packed once per directory (vectorised) and kept in a small LRU.
     """
 
-    def __init__(self, fs: FsOps, reader, listing_budget: int = 32 << 20) -> None:
+    def __init__(self, fs: FsOps, reader, listing_budget: int = 32 << 20,
+                 publish=None) -> None:
         from fanstore.fuse.kernel import proto
 
         self.fs = fs
         self.ns = fs.ns
         self.reader = reader
         self.stats = reader.stats
+        self.publish = publish or (lambda: None)  # counters to the shared table
         self.proto = proto
         self._n = fs.n_entries
         self._kind = fs._kind
+        self._count = self.ns.index.e["count"]  # a directory's number of children
         self._uid, self._gid = fs.uid, fs.gid
         self._negative = proto.negative_entry(TIMEOUT)
         self._listings: OrderedDict[int, Any] = OrderedDict()
@@ -147,23 +151,32 @@ class KernelHandler:
             return errno.EISDIR if int(self._kind[entry]) == KIND_DIR else errno.EINVAL
         self.stats.reads += 1
         try:
-            data = self.reader.read(entry, offset, size)
+            # Whole-file reads land in the page cache: no second copy in the chunk LRU.
+            data = self.reader.read(entry, offset, size, keep_whole=False)
         except FanStoreError as exc:
             log.error("%s", exc)
-            self.stats.sync_cache(self.reader.cache)
+            self.publish()
             return exc.errno
-        stats = self.stats
-        stats.bytes_returned += len(data)
-        stats.sync_cache(self.reader.cache)
+        self.stats.bytes_returned += len(data)
+        self.publish()
         return data
 
     def readdirplus(self, nodeid: int, offset: int, size: int):
+        if self._past_end(nodeid, offset):
+            return b""  # the end of a listing another worker packed: nothing to build
         listing = self._listing(nodeid)
         return listing if isinstance(listing, int) else listing.plus(offset, size)
 
     def readdir(self, nodeid: int, offset: int, size: int):
+        if self._past_end(nodeid, offset):
+            return b""
         listing = self._listing(nodeid)
         return listing if isinstance(listing, int) else listing.plain(offset, size)
+
+    def _past_end(self, nodeid: int, offset: int) -> bool:
+        entry = nodeid - 1
+        return (0 <= entry < self._n and int(self._kind[entry]) == KIND_DIR
+                and offset >= int(self._count[entry]))
 
     def statfs(self):
         if self._statfs is None:
@@ -239,42 +252,32 @@ class KernelHandler:
 # --------------------------------------------------------------------------- shared stats
 
 
-class RowStats:
-    """A worker's read counters written through to its row of the shared counters table
-    (columns READ_COL0..), so the daemon can sum every worker's without asking them.
-    Behaves like :class:`~fanstore.read.stats.ReadStats` for the read core."""
+class RowPublisher:
+    """Copies a worker's read counters (a plain :class:`ReadStats`, cheap to increment)
+    into its row of the shared counters table (columns READ_COL0..), where the daemon sums
+    every worker's; called after each request that read data (a dozen 8-byte stores)."""
 
-    def __init__(self, row) -> None:
-        from collections import deque
+    def __init__(self, row, stats, cache) -> None:
+        self.row = row
+        self.stats = stats
+        self.cache = cache
 
-        object.__setattr__(self, "_row", row)
-        object.__setattr__(self, "remote_latency", deque(maxlen=1000))
-        object.__setattr__(self, "extra", {})
-        object.__setattr__(self, "opens", 0)
-        object.__setattr__(self, "remote_failovers", 0)
-
-    def __getattr__(self, name: str):
-        if name == "decode_seconds":
-            return self._row[_COL["decode_ns"]] / 1e9
-        try:
-            return self._row[_COL[name]]
-        except KeyError:
-            raise AttributeError(name) from None
-
-    def __setattr__(self, name: str, value) -> None:
-        if name == "decode_seconds":
-            self._row[_COL["decode_ns"]] = int(value * 1e9)
-        elif name in _COL:
-            self._row[_COL[name]] = int(value)
-        else:
-            object.__setattr__(self, name, value)
-
-    def sync_cache(self, cache) -> None:
-        row = self._row
-        row[_COL["cache_hits"]] = cache.hits
-        row[_COL["cache_misses"]] = cache.misses
-        row[_COL["cache_bytes"]] = cache.used
-        row[_COL["cache_budget"]] = cache.budget
+    def publish(self) -> None:
+        s, c, row = self.stats, self.cache, self.row
+        row[READ_COL0] = s.reads
+        row[READ_COL0 + 1] = s.bytes_returned
+        row[READ_COL0 + 2] = s.local_reads
+        row[READ_COL0 + 3] = s.local_bytes
+        row[READ_COL0 + 4] = s.remote_reads
+        row[READ_COL0 + 5] = s.remote_bytes
+        row[READ_COL0 + 6] = s.refetched
+        row[READ_COL0 + 7] = s.chunks_decoded
+        row[READ_COL0 + 8] = s.errors
+        row[READ_COL0 + 9] = int(s.decode_seconds * 1e9)
+        row[READ_COL0 + 10] = c.hits
+        row[READ_COL0 + 11] = c.misses
+        row[READ_COL0 + 12] = c.used
+        row[READ_COL0 + 13] = c.budget
 
 
 _COL = {name: READ_COL0 + i for i, name in enumerate(READ_COUNTERS)}
@@ -298,7 +301,7 @@ def summed_stats(counters) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the frontend process
 
 
-def _make_handler_factory(spec: dict[str, Any], index, ns, fs: FsOps, counters_holder: list):
+def _make_handler_factory(spec: dict[str, Any], index, fs: FsOps, session):
     """The per-worker set-up: this node's partitions opened here, other nodes' chunks
     through the daemon's socket, counters in the worker's row."""
 
@@ -313,10 +316,11 @@ def _make_handler_factory(spec: dict[str, Any], index, ns, fs: FsOps, counters_h
                                path=spec["socket_path"])
         source = RoutedSource(parts, NodeSource(client, remote,
                                                 {int(p) for p in spec["replicated"]}))
-        stats = RowStats(counters_holder[0].row(wctx.slot))
-        reader = ChunkReader(index, source, cache_bytes=spec["cache_bytes"], stats=stats)
-        stats.sync_cache(reader.cache)
-        return KernelHandler(fs, reader)
+        reader = ChunkReader(index, source, cache_bytes=spec["cache_bytes"])
+        # (serve() made the counters table before forking this worker)
+        publisher = RowPublisher(session.counters.row(wctx.slot), reader.stats, reader.cache)
+        publisher.publish()
+        return KernelHandler(fs, reader, publish=publisher.publish)
 
     return factory
 
@@ -326,7 +330,7 @@ def frontend_main(spec_path: str) -> int:
     docstring). Reports "ready" or "error: ..." on the pipe fd named in the spec."""
     import ctypes
 
-    from fanstore.format.index import read_index_bytes
+    from fanstore.format.index import map_index_body
     from fanstore.fuse import kernel
     from fanstore.namespace import Namespace
     from fanstore.process import setup_logging
@@ -350,14 +354,17 @@ def frontend_main(spec_path: str) -> int:
 
     session = None
     try:
-        with open(spec["index_path"], "rb") as f:
-            index = read_index_bytes(f.read(), where=spec["index_path"])
+        index = map_index_body(spec["index_path"])
         ns = Namespace(index)
         fs = FsOps(ns)
-        counters_holder: list = []
         mopts = kernel.MountOptions(fsname=spec["fsname"], subtype="fanstore", read_only=True,
                                     allow_other=bool(spec["allow_other"]))
-        session = kernel.KernelSession(spec["mountpoint"], mopts,
+        from fanstore.fuse.kernel.session import DEFAULT_INIT_FLAGS, parse_flags
+
+        # FANSTORE_FUSE_FLAGS="+NAME,-NAME": INIT flag edits, for experiments and benchmarks
+        init = kernel.InitOptions(flags=parse_flags(spec.get("init_flags", ""),
+                                                    DEFAULT_INIT_FLAGS))
+        session = kernel.KernelSession(spec["mountpoint"], mopts, init,
                                        counters_path=spec["counters_path"])
         session.mount()
 
@@ -365,14 +372,8 @@ def frontend_main(spec_path: str) -> int:
             report("ready\n")
             os.close(ready_fd)  # the daemon stops reading here; EOF if we die before
 
-        factory = _make_handler_factory(spec, index, ns, fs, counters_holder)
-
-        def factory_with_counters(wctx):
-            if not counters_holder:
-                counters_holder.append(session.counters)
-            return factory(wctx)
-
-        reason = session.serve(factory_with_counters, workers=int(spec["workers"]),
+        factory = _make_handler_factory(spec, index, fs, session)
+        reason = session.serve(factory, workers=int(spec["workers"]),
                                on_ready=on_ready)
         log.info("kernel frontend: %s", reason)
         return 0
@@ -425,6 +426,7 @@ class KernelFrontend:
             "remote_timeout": ctx.remote_timeout, "ready_fd": w, "daemon_pid": os.getpid(),
             "debug": logging.getLogger().level <= logging.DEBUG,
             "log_format": _log_format(),
+            "init_flags": os.environ.get("FANSTORE_FUSE_FLAGS", ""),
         }
         from fanstore import runtime
 
@@ -438,7 +440,7 @@ class KernelFrontend:
         finally:
             os.close(w)
         try:
-            text = _read_until_ready(r, self.proc)
+            text = read_ready(r)
         finally:
             os.close(r)
         if text != "ready":
@@ -521,18 +523,6 @@ def _log_format() -> str | None:
         if h.formatter is not None:
             return h.formatter._fmt
     return None
-
-
-def _read_until_ready(fd: int, proc: subprocess.Popen) -> str:
-    data = b""
-    while True:
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            break
-        data += chunk
-        if data.startswith(b"ready\n"):
-            return "ready"
-    return data.decode(errors="replace").strip()
 
 
 def create(ctx: MountContext) -> KernelFrontend:

@@ -98,6 +98,17 @@ class ChunkReader:
         """Decoded chunks a..b-1 of ``entry``: cached ones from the LRU, the missing ones
         loaded as one run. ``counted``: count cache hits/misses; ``keep``: cache the result."""
         cache = self.cache
+        if b - a == 1:  # the common case: one chunk (a small file, or one READ of a big one)
+            data = cache.get(a, counted)
+            if data is None:
+                try:
+                    data = self.load(entry, a, b)[0]
+                except FanStoreError:
+                    self.stats.errors += 1
+                    raise
+                if keep:
+                    cache.put(a, data)
+            return [data]
         out = [cache.get(k, counted) for k in range(a, b)]
         missing = [a + i for i, v in enumerate(out) if v is None]
         if missing:
@@ -114,16 +125,22 @@ class ChunkReader:
         return out  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ files
-    def read(self, entry: int, offset: int = 0, size: int = -1):
+    def read(self, entry: int, offset: int = 0, size: int = -1, keep_whole: bool = True):
         """Bytes [offset, offset+size) of a file, short at EOF (a bytes-like object; a view
-        into a cached chunk when one chunk covers the read)."""
+        into a cached chunk when one chunk covers the read).
+
+        ``keep_whole=False``: a read of a whole file does not put its chunks into the LRU
+        (a FUSE frontend whose reads land in the kernel's page cache would only hold a
+        second copy); reads of part of a file still do, for the rest of that chunk.
+        """
         first, _count, base, file_size = self.span(entry)
         if size < 0:
             size = file_size
         lo, hi, end = chunk_span(offset, size, file_size, self.chunk_size, base)
         if hi == lo:
             return b""
-        chunks = self.get_chunks(entry, first + lo, first + hi)
+        keep = keep_whole or offset != 0 or end != file_size
+        chunks = self.get_chunks(entry, first + lo, first + hi, keep=keep)
         return assemble(chunks, lo, offset, end, self.chunk_size, base)
 
     def read_all(self, entry: int) -> bytes:

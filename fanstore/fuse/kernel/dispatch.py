@@ -226,24 +226,31 @@ class Dispatcher:
         if readlink is not None:
             table[Op.READLINK] = lambda unique, nodeid, end: readlink(nodeid)
 
+        def sized(data: Any, size: int, what: str, nodeid: int, offset: int,
+                  plus: bool | None) -> Any:
+            """A READ/READDIR(PLUS) payload as bytes-like, at most ``size`` bytes: a longer
+            one is counted, logged and trimmed (to whole records for listings; the kernel
+            would refuse the whole reply)."""
+            cls = data.__class__
+            if not (cls is bytes or cls is int or (cls is memoryview and data.ndim == 1
+                                                   and data.itemsize == 1)):
+                data = _as_bytes_like(data)[0]
+            if data.__class__ is not int and len(data) > size:
+                self.row[C.OVERSIZED] += 1
+                self.rlog(f"oversized {what}", logging.WARNING,
+                          "handler %s(%d, %d, %d) returned %d bytes; trimmed", what, nodeid,
+                          offset, size, len(data))
+                data = memoryview(data)[:size] if plus is None else fit_records(data, size,
+                                                                                 plus)
+            return data
+
         read = method("read")
         if read is not None:
             def op_read(unique: int, nodeid: int, end: int) -> Any:
                 if end < 80:
                     raise Malformed("READ shorter than fuse_read_in")
                 _fh, offset, size = unpack_read(buf, 40)
-                data = read(nodeid, offset, size)
-                cls = data.__class__
-                if not (cls is bytes or cls is int or (cls is memoryview and data.ndim == 1
-                                                       and data.itemsize == 1)):
-                    data = _as_bytes_like(data)[0]
-                if data.__class__ is not int and len(data) > size:
-                    self.row[C.OVERSIZED] += 1
-                    self.rlog("oversized read", logging.WARNING,
-                              "handler read(%d, %d, %d) returned %d bytes; trimmed",
-                              nodeid, offset, size, len(data))
-                    data = memoryview(data)[:size]
-                return data
+                return sized(read(nodeid, offset, size), size, "read", nodeid, offset, None)
             table[Op.READ] = op_read
 
         for opcode, mname, plus in ((Op.READDIRPLUS, "readdirplus", True),
@@ -257,18 +264,7 @@ class Dispatcher:
                 if end < 80:
                     raise Malformed("READDIR shorter than fuse_read_in")
                 _fh, offset, size = unpack_read(buf, 40)
-                data = fn(nodeid, offset, size)
-                cls = data.__class__
-                if not (cls is bytes or cls is int or (cls is memoryview and data.ndim == 1
-                                                       and data.itemsize == 1)):
-                    data = _as_bytes_like(data)[0]
-                if data.__class__ is not int and len(data) > size:
-                    self.row[C.OVERSIZED] += 1
-                    self.rlog("oversized readdir", logging.WARNING,
-                              "handler %s(%d, %d, %d) returned %d bytes; trimmed to whole "
-                              "records", mname, nodeid, offset, size, len(data))
-                    data = fit_records(data, size, plus)
-                return data
+                return sized(fn(nodeid, offset, size), size, mname, nodeid, offset, plus)
             table[opcode] = op_readdir
 
         statfs = method("statfs")

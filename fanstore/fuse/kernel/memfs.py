@@ -251,23 +251,11 @@ class MemHandler:
         return self.fs._statfs
 
 
-def parse_flags(text: str, base: int) -> int:
-    """``+NAME,-NAME`` edits of an INIT flag word (names as in proto, e.g. -NO_OPEN_SUPPORT)."""
-    flags = base
-    by_name = {v: k for k, v in P.INIT_FLAG_NAMES.items()}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        sign, name = item[0], item[1:].upper()
-        if sign not in "+-" or name not in by_name:
-            raise ValueError(f"bad flag edit {item!r} (use +NAME or -NAME)")
-        flags = flags | by_name[name] if sign == "+" else flags & ~by_name[name]
-    return flags
-
-
 def main(argv: list[str] | None = None) -> int:
     from fanstore.errors import FanStoreError
 
     from .mount import MountOptions
-    from .session import DEFAULT_INIT_FLAGS, InitOptions, KernelSession
+    from .session import DEFAULT_INIT_FLAGS, InitOptions, KernelSession, parse_flags
 
     ap = argparse.ArgumentParser(prog="python -m fanstore.fuse.kernel.memfs")
     ap.add_argument("mountpoint")

@@ -490,25 +490,26 @@ def _pack_records(fixed: np.ndarray, concat: np.ndarray, starts: np.ndarray,
                   lens: np.ndarray) -> tuple[bytes, np.ndarray]:
     """Lay out N records ``fixed[i] + name[i]``, each padded to 8 bytes, in one buffer.
 
-    ``fixed`` is an (N, F) uint8 array. Returns (buffer, ends) with ``ends[i]`` the byte
-    offset just past record ``i``. Vectorised: a constant number of numpy passes.
+    ``fixed`` is an (N, F) uint8 array; ``concat`` holds the names back to back in order
+    (``starts`` their offsets). Returns (buffer, ends) with ``ends[i]`` the byte offset just
+    past record ``i``. Vectorised in a constant number of numpy passes: every record is
+    first laid out in a row of one (N, W) table (W the longest padded record), then the
+    rows are compacted by a boolean mask, which numpy walks in row order.
     """
     n, f = fixed.shape
     reclen = (f + lens + 7) & ~7
     ends = np.cumsum(reclen, dtype=np.int64)
-    total = int(ends[-1]) if n else 0
-    out = np.zeros(total, dtype=np.uint8)
-    if n:
-        begins = ends - reclen
-        # fixed parts: a 2-D scatter (N, F)
-        out[(begins[:, None] + np.arange(f, dtype=np.int64)[None, :]).ravel()] = fixed.ravel()
-        # names: position of byte j of name i = begins[i] + f + j
-        nbytes = int(lens.sum())
-        if nbytes:
-            rec_of_byte = np.repeat(np.arange(n, dtype=np.int64), lens)
-            within = np.arange(nbytes, dtype=np.int64) - np.repeat(starts, lens)
-            out[begins[rec_of_byte] + f + within] = concat[np.repeat(starts, lens) + within]
-    return out.tobytes(), ends
+    if not n:
+        return b"", ends
+    maxname = int(lens.max())
+    width = int(reclen.max())
+    table = np.zeros((n, width), dtype=np.uint8)
+    table[:, :f] = fixed
+    if maxname:
+        name_mask = np.arange(maxname) < lens[:, None]
+        table[:, f:f + maxname][name_mask] = concat[:int(lens.sum())]
+    keep = np.arange(width) < reclen[:, None]
+    return table[keep].tobytes(), ends
 
 
 class DirListing:
@@ -529,7 +530,8 @@ class DirListing:
     - ``inos`` / ``types`` (optional): d_ino and d_type; default from the entries' attrs.
     """
 
-    __slots__ = ("_plain", "_plain_ends", "_plus", "_plus_ends", "n")
+    __slots__ = ("_dirents", "_entries", "_names", "_plain", "_plain_ends", "_plus",
+                 "_plus_ends", "n")
 
     def __init__(self, names: Sequence[bytes] | tuple[np.ndarray, np.ndarray],
                  entries: np.ndarray, *, inos: np.ndarray | None = None,
@@ -543,18 +545,16 @@ class DirListing:
         if n and (lens.min() < 1 or lens.max() > NAME_MAX):
             raise ValueError("directory entry names must be 1..1024 bytes")
         self.n = n
+        self._names = (concat, starts, lens)
         d = np.zeros(n, dtype=DIRENT_DTYPE)
         d["ino"] = entries["attr"]["ino"] if inos is None else inos
         d["off"] = np.arange(1, n + 1, dtype=np.uint64)
         d["namelen"] = lens
         d["type"] = (entries["attr"]["mode"] >> 12) & 0o17 if types is None else types
-        head = np.zeros(n, dtype=DIRENTPLUS_HEAD_DTYPE)
-        head["entry_out"] = entries
-        head["dirent"] = d
-        self._plus, self._plus_ends = _pack_records(
-            head.view(np.uint8).reshape(n, DIRENTPLUS_HEAD_SIZE), concat, starts, lens)
-        self._plain, self._plain_ends = _pack_records(
-            d.view(np.uint8).reshape(n, DIRENT_HEAD_SIZE), concat, starts, lens)
+        self._dirents = d
+        self._entries = entries
+        # Each form is packed on first use: a mount uses one of them (READDIRPLUS or not).
+        self._plus = self._plus_ends = self._plain = self._plain_ends = None
 
     def __len__(self) -> int:
         return self.n
@@ -572,10 +572,22 @@ class DirListing:
 
     def plus(self, offset: int, size: int) -> memoryview:
         """The READDIRPLUS reply for ``(offset, size)``."""
+        if self._plus is None:
+            concat, starts, lens = self._names
+            head = np.zeros(self.n, dtype=DIRENTPLUS_HEAD_DTYPE)
+            head["entry_out"] = self._entries
+            head["dirent"] = self._dirents
+            self._plus, self._plus_ends = _pack_records(
+                head.view(np.uint8).reshape(self.n, DIRENTPLUS_HEAD_SIZE), concat, starts, lens)
         return self._slice(self._plus, self._plus_ends, offset, size)
 
     def plain(self, offset: int, size: int) -> memoryview:
         """The READDIR reply for ``(offset, size)``."""
+        if self._plain is None:
+            concat, starts, lens = self._names
+            self._plain, self._plain_ends = _pack_records(
+                self._dirents.view(np.uint8).reshape(self.n, DIRENT_HEAD_SIZE), concat,
+                starts, lens)
         return self._slice(self._plain, self._plain_ends, offset, size)
 
 

@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""Python-API reads of a live N-rank mount, for two FanStore builds in one run.
+
+For each build (``--build NAME=VENV_BIN``, e.g. ``new=.venv/bin``), in interleaved
+repetitions: start ``mpiexec -n RANKS fanstore mount STORE MNT{rank} --local-dir ...`` with
+that build, wait for every rank, then let ``--readers`` processes of that build's Python
+read, with ``fanstore.open_store(MNT0).read(path)``, every file whose partition rank 0
+holds (each process a round-robin share of one shuffled list): a cold pass after
+``drop_caches`` and a warm pass. Reports files/s and the CPU seconds per file of the
+readers and of rank 0's daemon (with its frontend processes).
+
+Built for issue 11's "API reads on a live 4-rank mount of local files get faster": the
+old build sends every read through the daemon's socket, the new one reads local
+partitions in the reader's own process.
+
+    .venv/bin/python tools/bench/api_bench.py --store S --build old=/work/wt-old/.venv/bin \\
+        --build new=.venv/bin
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+READER = r"""
+import json, os, sys, time, resource
+import fanstore
+mnt, listing, k, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+paths = [p for p in open(listing).read().split("\n") if p][k::n]
+s = fanstore.open_store(mnt)
+r0 = resource.getrusage(resource.RUSAGE_SELF)
+print("ready", flush=True)
+sys.stdin.readline()
+t0 = time.perf_counter()
+nbytes = 0
+for p in paths:
+    nbytes += len(s.read(p))
+t1 = time.perf_counter()
+r1 = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"files": len(paths), "bytes": nbytes, "start": t0, "end": t1,
+                  "cpu": r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime}), flush=True)
+"""
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def cpu_of_tree(pid: int) -> float:
+    from reader import descendants as tree
+
+    total = 0.0
+    for p in tree(pid):
+        try:
+            rest = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
+            total += (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
+        except OSError:
+            pass
+    return total
+
+
+class Bench(common.RowLog):
+    def __init__(self, a) -> None:
+        self.a = a
+        self.work = os.path.abspath(a.work)
+        self.rows: list[dict] = []
+        self.run_id = time.strftime("%Y%m%dT%H%M%S")
+        self.jsonl_tmp = os.path.join(self.work, f"api_bench-{self.run_id}.jsonl")
+        self.builds = dict(b.split("=", 1) for b in a.build)
+        self.job: subprocess.Popen | None = None
+        self.t0 = time.time()
+
+    @property
+    def total_seconds(self) -> float:
+        return time.time() - self.t0
+
+    def mnt(self, r: int) -> str:
+        return os.path.join(self.work, f"mnt{r}")
+
+    def start_job(self, bin_dir: str) -> None:
+        for r in range(self.a.ranks):
+            os.makedirs(self.mnt(r), exist_ok=True)
+        argv = [os.path.join(bin_dir, "mpiexec"), "-n", str(self.a.ranks),
+                os.path.join(bin_dir, "fanstore"), "mount", self.a.store,
+                os.path.join(self.work, "mnt{rank}"), "--local-dir",
+                os.path.join(self.work, "local{rank}")]
+        self.job_log = open(os.path.join(self.work, "job.log"), "ab")
+        self.job = subprocess.Popen(argv, stdout=self.job_log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        for r in range(self.a.ranks):
+            subprocess.run([os.path.join(bin_dir, "fanstore"), "wait", self.mnt(r),
+                            "--timeout", "120"], check=True)
+
+    def stop_job(self, bin_dir: str) -> None:
+        if self.job is None:
+            return
+        try:
+            os.killpg(self.job.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            self.job.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.job.pid, signal.SIGKILL)
+            self.job.wait()
+        self.job = None
+        for r in range(self.a.ranks):
+            subprocess.run(["fusermount3", "-u", "-z", self.mnt(r)], capture_output=True)
+
+    def local_files(self) -> list[str]:
+        from fanstore.format.index import KIND_FILE, read_index
+
+        index = read_index(self.a.store)
+        nparts = len(index.partitions)
+        mine = {p for p in range(nparts) if p % self.a.ranks == 0}
+        out = []
+        for e in index.file_entries().tolist():
+            first, count = int(index.e["first"][e]), int(index.e["count"][e])
+            if count and int(index.c["part"][first]) in mine and \
+                    int(index.e["kind"][e]) == KIND_FILE:
+                out.append(os.fsdecode(index.path(e)))
+        return out
+
+    def one_pass(self, build: str, phase: str, listing: str) -> dict:
+        bin_dir = self.builds[build]
+        py = os.path.join(bin_dir, "python")
+        procs = [subprocess.Popen([py, "-c", READER, self.mnt(0), listing, str(k),
+                                   str(self.a.readers)], stdin=subprocess.PIPE, cwd=self.work,
+                                  stdout=subprocess.PIPE, text=True)
+                 for k in range(self.a.readers)]
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        from fanstore import runtime
+
+        pid = (runtime.read_state(self.mnt(0)) or {}).get("pid")
+        d0 = cpu_of_tree(pid)
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        res = [json.loads(p.stdout.readline()) for p in procs]
+        for p in procs:
+            p.wait(60)
+        d1 = cpu_of_tree(pid)
+        files = sum(r["files"] for r in res)
+        wall = max(r["end"] for r in res) - min(r["start"] for r in res)
+        row = {"build": build, "phase": phase, "files": files,
+               "files_per_s": round(files / wall, 1),
+               "reader_cpu_us_per_file": round(sum(r["cpu"] for r in res) / files * 1e6, 1),
+               "daemon_cpu_us_per_file": round((d1 - d0) / files * 1e6, 1)}
+        return self.emit(row)
+
+    def run(self) -> None:
+        os.makedirs(self.work, exist_ok=True)
+        files = self.local_files()
+        random.Random(3).shuffle(files)
+        listing = os.path.join(self.work, "local-files.txt")
+        with open(listing, "w") as f:
+            f.write("\n".join(files) + "\n")
+        log(f"{len(files)} files held by rank 0 of {self.a.ranks}")
+        names = list(self.builds)
+        for rep in range(self.a.reps):
+            for build in names[rep % 2:] + names[:rep % 2]:
+                self.start_job(self.builds[build])
+                try:
+                    common.drop_caches()
+                    for phase in ("cold", "warm"):
+                        row = self.one_pass(build, phase, listing)
+                        log(f"  {build} {phase}: {row['files_per_s']:,.0f} files/s, readers "
+                            f"{row['reader_cpu_us_per_file']} us/file, daemon "
+                            f"{row['daemon_cpu_us_per_file']} us/file")
+                finally:
+                    self.stop_job(self.builds[build])
+
+    def cleanup(self) -> None:
+        if self.job is not None:
+            self.stop_job(next(iter(self.builds.values())))
+        for r in range(self.a.ranks):
+            shutil.rmtree(os.path.join(self.work, f"local{r}"), ignore_errors=True)
+
+
+def render(bench: Bench, label: str, shown: list[str]) -> str:
+    out = [f"### Python API on a live {bench.a.ranks}-rank mount: rank 0's local files, "
+           f"{bench.a.readers} reader processes", "", label or "",
+           f"`{' '.join(shown)}` (commit {common.git_commit()}, {common.now_utc()})", "",
+           "| build | phase | files/s (median, min-max) | reader CPU us/file | "
+           "daemon CPU us/file |", "|---|---|---|---|---|"]
+    for phase in ("cold", "warm"):
+        for build in bench.builds:
+            v = common.row_vals(bench.rows, "files_per_s", build=build, phase=phase)
+            if v:
+                out.append(f"| {build} | {phase} | {common.spread(v)} | "
+                           f"{common.num(common.med(common.row_vals(bench.rows, 'reader_cpu_us_per_file', build=build, phase=phase)))} | "  # noqa: E501
+                           f"{common.num(common.med(common.row_vals(bench.rows, 'daemon_cpu_us_per_file', build=build, phase=phase)))} |")  # noqa: E501
+    names = list(bench.builds)
+    if len(names) == 2:
+        for phase in ("cold", "warm"):
+            a = common.med(common.row_vals(bench.rows, "files_per_s", build=names[1],
+                                           phase=phase))
+            b = common.med(common.row_vals(bench.rows, "files_per_s", build=names[0],
+                                           phase=phase))
+            out.append(f"\n{phase}: {names[1]} / {names[0]} = {common.ratio(a, b)}")
+    return "\n".join(out)
+
+
+def main() -> int:
+    raw_argv = sys.argv[1:]
+    p = argparse.ArgumentParser()
+    p.add_argument("--store", required=True)
+    p.add_argument("--build", action="append", required=True, metavar="NAME=VENV_BIN")
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--readers", type=int, default=4)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--work", default="/tmp/api-bench")
+    p.add_argument("--label", default="")
+    p.add_argument("--no-docs", action="store_true")
+    p.add_argument("--docs", default=common.DOCS)
+    p.add_argument("--results", default=os.path.join(common.RESULTS_DIR, "api_bench.jsonl"))
+    a = p.parse_args()
+    bench = Bench(a)
+    ok = common.guarded_run(bench, log, lambda: [])
+    return common.publish(ok, bench, a, log, "api_bench", render, "tools/bench/api_bench.py",
+                          raw_argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,432 @@
+#!/usr/bin/env python3
+"""The two FUSE frontends next to squashfuse_ll and the raw directory, in one run.
+
+Measures what issue 12 asks of a node serving its GPUs, on one dataset per run:
+
+- reads of every small file with ``--readers`` processes (tools/bench/reader.py), shuffled:
+  cold (fresh mount, ``drop_caches``), warm (the same pass again), warm with readers that
+  open with ``buffering=0`` (no isatty() ioctl); files/s and the serving side's CPU per
+  file (every process of the daemon: the node daemon, the kernel frontend's process and
+  workers, or squashfuse_ll), from /proc;
+- FUSE requests per pass (``fanstore stats``: ``requests_by_op``) for FanStore backends;
+- ``find MNT`` cold and warm (wall seconds);
+- the serving side's memory after a full pass: PSS of every process summed (shared pages
+  such as the mapped index counted once), per file.
+
+Backends (``--backends``): ``raw``, ``squashfuse_ll`` (mksquashfs zstd level 3, same as
+FanStore's default codec), ``pyfuse3``, ``kernel`` (``--workers``, default all cores),
+``kernel-wN`` for a given worker count, ``kernel-noplus`` (plain READDIR instead of
+READDIRPLUS), and ``pyfuse3-old``: the mount of another FanStore
+build (``--old-fanstore``), for before/after comparisons. Backends are interleaved within each repetition so
+drift on this shared machine hits them alike.
+
+Datasets (``--preset``): ``peers`` (the peer benchmark's 20,000 files of 50-150 kB in 100
+class directories, tools/gen_dataset.py), ``small300k`` / ``small1280k`` (300,000 /
+1,280,000 text files of about 2.6 kB in 1,000 directories: the metadata and scale tests),
+``quick`` (2,000 files, a smoke run).
+
+    .venv/bin/python tools/bench/fuse_bench.py --preset peers --work /tmp/fuse-bench
+    .venv/bin/python tools/bench/fuse_bench.py --preset small300k --passes find,read
+Writes rows to tools/bench/results/fuse_bench-<preset>.jsonl and its section of
+docs/benchmarks.md (``fuse_bench-<preset>``). Run as root (drop_caches, mounts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+from reader import descendants as tree  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+READER = os.path.join(HERE, "reader.py")
+GEN = os.path.join(common.REPO, "tools", "gen_dataset.py")
+
+PRESETS = {
+    "quick": dict(kind="peers", files=2000, classes=20, reps=1),
+    "peers": dict(kind="peers", files=20000, classes=100, reps=3),
+    "small300k": dict(kind="text", files=300_000, classes=1000, reps=2),
+    "small1280k": dict(kind="text", files=1_280_000, classes=1000, reps=1),
+}
+
+WORDS = ("the a of to and in is for on with by at from as model image label train data "
+         "batch loss layer value score class sample epoch feature vector token text caption "
+         "red green blue small large fast slow left right up down north south cat dog car "
+         "tree house river cloud stone light dark").split()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def make_text_tree(root: str, files: int, classes: int, seed: int = 12) -> None:
+    """``files`` captions-like text files of 1-4.2 kB (mean ~2.6 kB) in ``classes`` dirs."""
+    rng = random.Random(seed)
+    for c in range(classes):
+        os.makedirs(os.path.join(root, f"c{c:04d}"), exist_ok=True)
+    for i in range(files):
+        n = rng.randint(1000, 4200)
+        words = []
+        size = 0
+        while size < n:
+            w = rng.choice(WORDS)
+            words.append(w)
+            size += len(w) + 1
+            if rng.random() < 0.08:
+                words.append(f"{rng.randint(0, 99999)}")
+        text = (" ".join(words)[:n] + "\n").encode()
+        with open(os.path.join(root, f"c{i % classes:04d}", f"t{i:07d}.txt"), "wb") as f:
+            f.write(text)
+
+
+def pss_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class Bench(common.RowLog):
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        self.p = PRESETS[a.preset]
+        self.work = os.path.abspath(a.work)
+        self.data = os.path.join(self.work, f"data-{a.preset}")
+        self.mnt_root = os.path.join(self.work, "mnt")
+        self.fanstore = os.path.join(os.path.dirname(sys.executable), "fanstore")
+        self.rows: list[dict] = []
+        self.mounted: set[str] = set()
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.run_id = time.strftime("%Y%m%dT%H%M%S")
+        self.jsonl_tmp = os.path.join(self.work, f"fuse_bench-{self.run_id}.jsonl")
+        self.t0 = time.time()
+        self.backends = a.backends.split(",")
+
+    @property
+    def total_seconds(self) -> float:
+        return time.time() - self.t0
+
+    # -------------------------------------------------------------- data and images
+    def dataset(self) -> None:
+        stamp = self.data + ".json"
+        want = dict(self.p, preset=self.a.preset)
+        try:
+            with open(stamp) as f:
+                have = json.load(f)
+        except (OSError, ValueError):
+            have = None
+        if have != want or not os.path.isdir(self.data):
+            shutil.rmtree(self.data, ignore_errors=True)
+            log(f"generating {self.p['files']:,} files ({self.p['kind']})")
+            t = time.time()
+            if self.p["kind"] == "peers":
+                subprocess.run([sys.executable, GEN, self.data, "--files", str(self.p["files"]),
+                                "--classes", str(self.p["classes"]), "--subdir", "small"],
+                               check=True, stdout=subprocess.DEVNULL)
+            else:
+                make_text_tree(os.path.join(self.data, "small"), self.p["files"],
+                               self.p["classes"])
+            os.sync()
+            with open(stamp, "w") as f:
+                json.dump(want, f)
+            log(f"  {time.time() - t:.0f} s")
+        self.files = []
+        for top, dirs, names in os.walk(self.data):
+            dirs.sort()
+            for n in sorted(names):
+                self.files.append(os.path.relpath(os.path.join(top, n), self.data))
+        self.list = os.path.join(self.work, f"list-{self.a.preset}.txt")
+        with open(self.list, "w") as f:
+            f.write("\n".join(self.files) + "\n")
+        self.raw_bytes = common.dir_bytes(self.data)
+
+    def images(self) -> None:
+        if "squashfuse_ll" in self.backends:
+            img = os.path.join(self.work, f"img-{self.a.preset}.sqfs")
+            if not os.path.exists(img) or os.path.getmtime(img) < os.path.getmtime(
+                    self.data + ".json"):
+                log("mksquashfs zstd-3")
+                t = time.time()
+                subprocess.run(["mksquashfs", self.data, img, "-comp", "zstd",
+                                "-Xcompression-level", "3", "-noappend", "-no-progress",
+                                "-quiet"], check=True)
+                self.emit({"kind": "build", "backend": "squashfuse_ll",
+                           "seconds": round(time.time() - t, 1),
+                           "bytes": os.path.getsize(img)})
+            self.img = img
+        if any(b in ("pyfuse3", "pyfuse3-old", "kernel", "kernel-noplus")
+               or b.startswith("kernel-w") for b in self.backends):
+            store = os.path.join(self.work, f"store-{self.a.preset}")
+            if not os.path.exists(os.path.join(store, "fanstore.idx")) or os.path.getmtime(
+                    store) < os.path.getmtime(self.data + ".json"):
+                log("fanstore pack zstd:3")
+                t = time.time()
+                subprocess.run([self.fanstore, "pack", self.data, store, "--codec", "zstd:3",
+                                "--partitions", "8", "--force", "--no-progress"], check=True,
+                               stdout=subprocess.DEVNULL)
+                self.emit({"kind": "build", "backend": "fanstore",
+                           "seconds": round(time.time() - t, 1),
+                           "bytes": common.dir_bytes(store)})
+            self.store = store
+
+    # -------------------------------------------------------------- mounts
+    def root_of(self, b: str) -> str:
+        return self.data if b == "raw" else os.path.join(self.mnt_root, b)
+
+    def mount(self, b: str) -> int | None:
+        """Mount backend ``b`` freshly; return the pid of its serving process (None: raw)."""
+        if b == "raw":
+            return None
+        mnt = self.root_of(b)
+        os.makedirs(mnt, exist_ok=True)
+        if b == "squashfuse_ll":
+            proc = subprocess.Popen(["squashfuse_ll", "-f", self.img, mnt],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            self.procs[b] = proc
+            deadline = time.time() + 20
+            while not os.path.ismount(mnt):
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"squashfuse_ll did not mount: {proc.stderr.read()}")
+                time.sleep(0.05)
+            self.mounted.add(mnt)
+            return proc.pid
+        if b == "pyfuse3-old":  # another FanStore build (--old-fanstore), as it mounts
+            subprocess.run([self.a.old_fanstore, "mount", self.store, mnt], check=True)
+            self.mounted.add(mnt)
+            from fanstore import runtime
+
+            return (runtime.read_state(mnt) or {}).get("pid")
+        frontend = "pyfuse3" if b == "pyfuse3" else "kernel"
+        argv = [self.fanstore, "mount", self.store, mnt, "--frontend", frontend]
+        if b.startswith("kernel-w"):
+            argv += ["--workers", b[len("kernel-w"):]]
+        env = dict(os.environ)
+        if b == "kernel-noplus":  # plain READDIR instead of READDIRPLUS
+            env["FANSTORE_FUSE_FLAGS"] = "-DO_READDIRPLUS"
+        subprocess.run(argv, check=True, env=env)
+        self.mounted.add(mnt)
+        from fanstore import runtime
+
+        return (runtime.read_state(mnt) or {}).get("pid")
+
+    def umount(self, b: str) -> None:
+        if b == "raw":
+            return
+        mnt = self.root_of(b)
+        if b == "squashfuse_ll":
+            subprocess.run(["fusermount3", "-u", mnt], capture_output=True)
+            proc = self.procs.pop(b, None)
+            if proc is not None:
+                proc.wait(30)
+        else:
+            subprocess.run([self.fanstore, "umount", mnt], capture_output=True)
+        self.mounted.discard(mnt)
+
+    def stats(self, b: str) -> dict:
+        if b in ("raw", "squashfuse_ll", "pyfuse3-old"):
+            return {}
+        out = subprocess.run([self.fanstore, "stats", self.root_of(b), "--json"],
+                             capture_output=True, text=True)
+        return json.loads(out.stdout) if out.returncode == 0 else {}
+
+    # -------------------------------------------------------------- passes
+    def read_pass(self, b: str, pid: int | None, seed: int, unbuffered: bool) -> dict:
+        argv = [sys.executable, READER, "read", "--root", self.root_of(b), "--list", self.list,
+                "--workers", str(self.a.readers), "--seed", str(seed)]
+        if unbuffered:
+            argv.append("--unbuffered")
+        if pid:
+            argv += ["--watch-pid", str(pid), "--watch-tree"]
+        before = self.stats(b)
+        out = subprocess.run(argv, capture_output=True, text=True)
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        after = self.stats(b)
+        if after:
+            ops_b, ops_a = before.get("requests_by_op", {}), after.get("requests_by_op", {})
+            row["requests"] = {k: ops_a.get(k, 0) - ops_b.get(k, 0) for k in ops_a
+                               if ops_a.get(k, 0) != ops_b.get(k, 0)}
+            row["requests_total"] = after.get("requests", 0) - before.get("requests", 0)
+            row["chunks_decoded"] = after.get("chunks_decoded", 0) - before.get(
+                "chunks_decoded", 0)
+        return row
+
+    def find(self, b: str) -> float:
+        t = time.perf_counter()
+        subprocess.run(["find", self.root_of(b)], stdout=subprocess.DEVNULL, check=True)
+        return time.perf_counter() - t
+
+    def one(self, b: str, rep: int) -> None:
+        passes = self.a.passes.split(",")
+        if "find" in passes:
+            pid = self.mount(b)
+            common.drop_caches()
+            cold = self.find(b)
+            warm = self.find(b)
+            self.emit({"kind": "find", "backend": b, "rep": rep, "cold_s": round(cold, 3),
+                       "warm_s": round(warm, 3), "files": len(self.files)})
+            log(f"  {b}: find cold {cold:.2f} s warm {warm:.2f} s")
+            self.umount(b)
+        if "findread" in passes:  # list the tree, then read every file (ImageFolder-like)
+            pid = self.mount(b)
+            common.drop_caches()
+            listed = self.find(b)
+            row = self.read_pass(b, pid, 300 + rep, False)
+            row.update(kind="findread", backend=b, rep=rep, find_s=round(listed, 3),
+                       total_s=round(listed + row["seconds"], 3))
+            self.emit(row)
+            log(f"  {b}: find {listed:.2f} s + cold read {row['seconds']:.2f} s "
+                f"({row['files_per_s']:,.0f} files/s, requests {row.get('requests_total', '-')})")
+            self.umount(b)
+        if "read" in passes:
+            pid = self.mount(b)
+            common.drop_caches()
+            seed = 100 + rep
+            for phase, unbuffered in (("cold", False), ("warm", False),
+                                      ("warm-unbuffered", True)):
+                row = self.read_pass(b, pid, seed, unbuffered)
+                row.update(kind="read", backend=b, rep=rep, phase=phase)
+                if pid:
+                    row["server_pss_kb"] = sum(pss_kb(p) for p in tree(pid))
+                    row["server_processes"] = len(tree(pid))
+                self.emit(row)
+                log(f"  {b} {phase}: {row['files_per_s']:,.0f} files/s, server "
+                    f"{row.get('watched_cpu_us_per_file', '-')} us/file, requests "
+                    f"{row.get('requests_total', '-')}")
+            self.umount(b)
+
+    def run(self) -> None:
+        os.makedirs(self.work, exist_ok=True)
+        self.dataset()
+        self.images()
+        for rep in range(self.a.reps or self.p["reps"]):
+            order = self.backends[rep % len(self.backends):] + \
+                self.backends[:rep % len(self.backends)]
+            log(f"repetition {rep + 1}: {', '.join(order)}")
+            for b in order:
+                self.one(b, rep)
+
+    def cleanup(self) -> None:
+        for mnt in list(self.mounted):
+            subprocess.run(["fusermount3", "-u", "-z", mnt], capture_output=True)
+        for proc in self.procs.values():
+            proc.kill()
+
+
+def render(bench: Bench, label: str, shown: list[str]) -> str:
+    rows = bench.rows
+    files = len(bench.files)
+    out = [f"### FUSE frontends, {bench.a.preset}: {files:,} files, {bench.a.readers} readers",
+           "", label or "", "", f"`{' '.join(shown)}` (commit {common.git_commit()}, "
+           f"{common.now_utc()}, load average at the end {common.loadavg1()})", ""]
+    out.append("| backend | phase | files/s (median, min-max) | x squashfuse_ll | x raw | "
+               "server CPU us/file | requests/file | PSS B/file |")
+    out.append("|---|---|---|---|---|---|---|---|")
+
+    def med(b, phase, key):
+        return common.med(common.row_vals(rows, key, kind="read", backend=b, phase=phase))
+
+    for phase in ("cold", "warm", "warm-unbuffered"):
+        base_sq = med("squashfuse_ll", phase, "files_per_s")
+        base_raw = med("raw", phase, "files_per_s")
+        for b in bench.backends:
+            vals = common.row_vals(rows, "files_per_s", kind="read", backend=b, phase=phase)
+            if not vals:
+                continue
+            fps = common.med(vals)
+            cpu = med(b, phase, "watched_cpu_us_per_file")
+            req = common.med([r["requests_total"] / max(1, r["files"]) for r in
+                              common.pick_rows(rows, kind="read", backend=b, phase=phase)
+                              if "requests_total" in r])
+            pss = common.med([r["server_pss_kb"] * 1024 / max(1, files) for r in
+                              common.pick_rows(rows, kind="read", backend=b, phase=phase)
+                              if r.get("server_pss_kb")])
+            out.append(f"| {b} | {phase} | {common.spread(vals)} | {common.ratio(fps, base_sq)}"
+                       f" | {common.ratio(fps, base_raw)} | {common.num(cpu)} | "
+                       f"{common.num(req, 3)} | {common.num(pss)} |")
+    # A per-file CPU model: what a node needs to serve the 40,000 files/s of 8 GPUs.
+    model = []
+    for b in bench.backends:
+        for phase in ("cold", "warm", "warm-unbuffered"):
+            cpu = med(b, phase, "watched_cpu_us_per_file")
+            if cpu is not None and b != "raw":
+                per_core = 1e6 / cpu if cpu > 0 else None
+                cores = 40_000 * cpu / 1e6
+                model.append(f"| {b} | {phase} | {common.num(cpu)} | "
+                             f"{common.num(per_core) if per_core else 'no limit'} | "
+                             f"{common.num(cores, 1)} | "
+                             f"{common.num(64e6 / cpu) if cpu > 0 else 'no limit'} |")
+    if model:
+        out += ["", "Per-file CPU model (the serving side's CPU per file, all its processes; "
+                "the readers' own CPU is the training job's): files/s one core serves, the "
+                "cores a node needs for 40,000 files/s (8 GPUs x 5,000 images/s), and what "
+                "64 cores would serve if FanStore had them all.", "",
+                "| backend | phase | server CPU us/file | files/s per core | cores for 40,000 "
+                "files/s | files/s on 64 cores |", "|---|---|---|---|---|---|"] + model
+    fr = [r for r in rows if r.get("kind") == "findread"]
+    if fr:
+        out += ["", "| backend | find, then cold read of every file: s (find + read) | "
+                "files/s of the read | requests/file |", "|---|---|---|---|"]
+        for b in bench.backends:
+            mine = [r for r in fr if r["backend"] == b]
+            if mine:
+                tot = common.med([r["total_s"] for r in mine])
+                fnd = common.med([r["find_s"] for r in mine])
+                req = common.med([r.get("requests_total", 0) / max(1, r["files"]) for r in mine])
+                out.append(f"| {b} | {common.num(tot, 2)} ({common.num(fnd, 2)} + "
+                           f"{common.num(tot - fnd, 2)}) | "
+                           f"{common.num(common.med([r['files_per_s'] for r in mine]))} | "
+                           f"{common.num(req, 2)} |")
+    finds = [r for r in rows if r.get("kind") == "find"]
+    if finds:
+        out += ["", "| backend | find cold s | find warm s | x squashfuse_ll cold / warm |",
+                "|---|---|---|---|"]
+        sq_c = common.med([r["cold_s"] for r in finds if r["backend"] == "squashfuse_ll"])
+        sq_w = common.med([r["warm_s"] for r in finds if r["backend"] == "squashfuse_ll"])
+        for b in bench.backends:
+            c = [r["cold_s"] for r in finds if r["backend"] == b]
+            w = [r["warm_s"] for r in finds if r["backend"] == b]
+            if c:
+                out.append(f"| {b} | {common.spread(c, 2)} | {common.spread(w, 2)} | "
+                           f"{common.ratio(common.med(c), sq_c)} / "
+                           f"{common.ratio(common.med(w), sq_w)} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    raw_argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="quick")
+    p.add_argument("--work", default="/tmp/fuse-bench")
+    p.add_argument("--backends", default="raw,squashfuse_ll,pyfuse3,kernel")
+    p.add_argument("--passes", default="read,find")
+    p.add_argument("--readers", type=int, default=4)
+    p.add_argument("--old-fanstore", help="the fanstore command of another build, mounted "
+                   "as backend pyfuse3-old (e.g. the commit before a change, for before/after)")
+    p.add_argument("--reps", type=int, default=0, help="repetitions (default: the preset's)")
+    p.add_argument("--label", default="")
+    p.add_argument("--no-docs", action="store_true")
+    p.add_argument("--docs", default=common.DOCS)
+    p.add_argument("--results", default=None)
+    a = p.parse_args(raw_argv)
+    a.results = a.results or os.path.join(common.RESULTS_DIR, f"fuse_bench-{a.preset}.jsonl")
+    bench = Bench(a)
+    ok = common.guarded_run(bench, log, lambda: [m for m in bench.mounted
+                                                if os.path.ismount(m)])
+    return common.publish(ok, bench, a, log, f"fuse_bench-{a.preset}", render,
+                          "tools/bench/fuse_bench.py", raw_argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
