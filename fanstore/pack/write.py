@@ -621,7 +621,8 @@ def build_index(scan: ScanResult, results: list[_PartResult], configs, options: 
         b.e["first"][r.entries] = np.where(r.chunk_counts > 0,
                                             base + r.chunk_firsts.astype(np.int64), 0)
         b.e["count"][r.entries] = r.chunk_counts
-        b.e["offset"][r.entries] = r.data_offsets
+        if r.data_offsets is not None:  # solid blocks only (the streamed packer has none)
+            b.e["offset"][r.entries] = r.data_offsets
         b.e["checksum"][r.entries] = r.file_sums
         base += k
         partitions.append(PartitionInfo(
