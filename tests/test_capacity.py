@@ -159,7 +159,7 @@ def test_cat_and_verify_of_a_solid_store(solid_store, text_tree):
 
 
 @needs_fuse
-def test_solid_store_reads_through_the_mount(mounted, solid_store, text_tree):
+def test_solid_store_reads_through_the_mount(frontend, mounted, solid_store, text_tree):
     _, files = text_tree
     mnt = mounted(solid_store, "--cache-mb", "1")
     order = sorted(files)
@@ -175,14 +175,14 @@ def test_solid_store_reads_through_the_mount(mounted, solid_store, text_tree):
             assert os.pread(fd, 64, off) == data[off : off + 64], off
     finally:
         os.close(fd)
-    # The API on the live mount asks the daemon, which returns raw or stored bytes.
+    # The API on the live mount reads the partitions staged on this node itself.
     with fanstore.open_store(str(mnt)) as store:
         for rel in order[:200]:
             assert store.read(rel) == files[rel], rel
 
 
 @needs_fuse
-def test_damaged_solid_block_fails_exactly_its_files(mounted, solid_store, text_tree,
+def test_damaged_solid_block_fails_exactly_its_files(frontend, mounted, solid_store, text_tree,
                                                      tmp_path):
     _, files = text_tree
     store = copy_store(solid_store, tmp_path / "damaged")

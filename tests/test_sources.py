@@ -373,7 +373,17 @@ def test_sources_that_are_none_of_these(tmp_path):
     (src / "f").write_bytes(b"f")
     sh("tar", "-C", src, "-cf", tmp_path / "x.tar", ".")
     proc = run_cli("pack", tmp_path / "x.tar", tmp_path / "store", "--codec", "auto")
-    assert_cli_error(proc, code=2, contains="--codec auto samples a directory")
+    assert_cli_error(proc, code=2, contains="--codec auto needs a directory source")
+    for args in (["--solid-kb", "64"], ["--codec", "zstd:3+dict"]):
+        proc = run_cli("pack", tmp_path / "x.tar", tmp_path / "store", *args)
+        assert_cli_error(proc, code=2, contains="needs a directory source; with a tar source")
+    assert not (tmp_path / "store").exists()
+    # No codec option: a streamed source gets zstd:3, and says so (nothing to sample first).
+    proc = run_cli("pack", tmp_path / "x.tar", tmp_path / "store", "--no-progress", check=True)
+    assert "a tar source is packed with zstd:3" in proc.stderr
+    with LocalStore(str(tmp_path / "store")) as s:
+        assert s.read_file("f") == b"f"
+        assert {c.get("id") for c in s.index.meta["codecs"]} <= {"none", "zstd"}
 
 
 # --------------------------------------------------------------------------- tar formats

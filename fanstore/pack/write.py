@@ -618,8 +618,12 @@ def build_index(scan: ScanResult, results: list[_PartResult], configs, options: 
         k = len(r.chunks["part"])
         for name, arr in r.chunks.items():
             b.c[name][base : base + k] = arr
-        b.e["first"][r.entries] = np.where(r.chunk_counts > 0,
-                                            base + r.chunk_firsts.astype(np.int64), 0)
+        if r.chunk_firsts is not None:  # solid blocks: files may share a chunk
+            firsts = base + r.chunk_firsts.astype(np.int64)
+        else:  # each file's chunks follow the previous file's
+            firsts = base + np.concatenate(([0], np.cumsum(r.chunk_counts)[:-1])).astype(
+                np.int64)
+        b.e["first"][r.entries] = np.where(r.chunk_counts > 0, firsts, 0)
         b.e["count"][r.entries] = r.chunk_counts
         if r.data_offsets is not None:  # solid blocks only (the streamed packer has none)
             b.e["offset"][r.entries] = r.data_offsets

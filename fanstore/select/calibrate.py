@@ -221,11 +221,18 @@ def _warm(store: str) -> None:
 # --------------------------------------------------------------------------- the mount
 
 
-def _check_fuse() -> None:
-    # The mount itself runs as a subprocess (the CLI); what it needs first is the device.
+def fuse_problem() -> str | None:
+    """Why a mount cannot be calibrated here, or None. The mount itself runs as a
+    subprocess (the CLI), which checks the rest; what it needs first is the device."""
     if not os.path.exists("/dev/fuse"):
-        raise CalibrationError("--reader mount needs FUSE (/dev/fuse does not exist on this "
-                               "machine); use --reader api")
+        return "/dev/fuse does not exist on this machine"
+    return None
+
+
+def _check_fuse() -> None:
+    problem = fuse_problem()
+    if problem:
+        raise CalibrationError(f"--reader mount needs FUSE ({problem}); use --reader api")
 
 
 def _cli(*args: str, check: bool = True) -> int:
@@ -263,9 +270,9 @@ def _read_plain(path: str) -> int:
 def _reader(kind: str, root: str, rels: list, barrier, results, slot: int) -> None:
     try:
         if kind == "api":
-            import fanstore
+            from fanstore.api import open_store  # the reader users call
 
-            store = fanstore.open_store(root)
+            store = open_store(root)
 
             def read(rel: str) -> None:
                 store.read(rel)

@@ -94,12 +94,11 @@ def selection_options(args: Any) -> SelectionOptions:
 
 def _default_reader() -> str:
     """``mount`` where FUSE works here, else ``api`` (said once on stderr)."""
-    from fanstore.service import check_fuse_available
+    from fanstore.select.calibrate import fuse_problem
 
-    try:
-        check_fuse_available()
-    except FanStoreError as exc:
-        print(f"fanstore: --reader api (no FUSE here: {exc})", file=sys.stderr)
+    problem = fuse_problem()
+    if problem:
+        print(f"fanstore: --reader api (no FUSE here: {problem})", file=sys.stderr)
         return "api"
     return "mount"
 
