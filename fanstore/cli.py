@@ -705,6 +705,10 @@ def _add_select_budget_args(s, for_pack: bool) -> None:
                    help="choose a codec per file kind (extension and size band)")
     g.add_argument("--storage-mb-per-sec", type=_positive_float, default=None,
                    help="node-local read bandwidth in MB/s for the sync model (default: measured)")
+    g.add_argument("--storage-latency-us", type=float, default=None,
+                   help="one reader's time per random node-local read, in us, with --cores "
+                        "readers at once (sync model; default: measured with the bandwidth, "
+                        "0 when --storage-mb-per-sec is given)")
     g.add_argument("--reader", choices=("mount", "api"), default=None,
                    help="the read path the job will use, calibrated on this node (a few "
                         "hundred files through a temporary mount or the Python API) and "

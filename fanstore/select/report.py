@@ -89,6 +89,7 @@ def to_json(res: "SelectionResult") -> dict[str, Any]:
             "cores": b.cores,
             "storage_mb_per_s": _num(b.storage / MB),
             "storage_from": res.storage_from,
+            "storage_latency_us": _num(b.latency * 1e6, 1),
         },
         "sample": {
             "seed": opts.seed,
@@ -188,7 +189,8 @@ def table(res: "SelectionResult") -> str:
            "default": "default: 90% of the rate of storing the data raw"}[res.budget_from]
     lines.append(f"budget    {res.mode}: {_rate(b.required)} = "
                  f"{_files(res.files_rate(b.required))} per node on {b.cores} cores ({how})")
-    lines.append(f"storage   {_rate(b.storage)} ({res.storage_from})")
+    lines.append(f"storage   {_rate(b.storage)}, {b.latency * 1e6:,.0f} us per random read "
+                 f"per reader ({res.storage_from})")
     if res.reader is not None:
         lines.append(f"reader    {res.reader.describe()}")
     else:

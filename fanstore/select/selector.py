@@ -45,6 +45,7 @@ class SelectionOptions:
     seed: int = 0
     per_kind: bool = False
     storage_mb_per_sec: float | None = None  # None: measured
+    storage_latency_us: float | None = None  # None: measured with the bandwidth, else 0
     storage_dir: str | None = None  # where to measure it (None: the temp directory)
     reader: str | None = None  # calibrate the read path: "mount", "api" (None: not modelled)
     chunk_size: int = 1 << 20
@@ -62,6 +63,9 @@ class SelectionOptions:
                 raise UsageError(f"--{name.replace('_', '-')} must be a positive number")
         if self.cores is not None and self.cores < 1:
             raise UsageError("--cores must be at least 1")
+        if self.storage_latency_us is not None and not (
+                self.storage_latency_us >= 0 and math.isfinite(self.storage_latency_us)):
+            raise UsageError("--storage-latency-us must be a number >= 0")
         if self.reader is not None:
             check_reader(self.reader)
 
@@ -86,6 +90,7 @@ def selection_options(args: Any) -> SelectionOptions:
         seed=getattr(args, "seed", 0) or 0,
         per_kind=bool(getattr(args, "per_kind", False)),
         storage_mb_per_sec=getattr(args, "storage_mb_per_sec", None),
+        storage_latency_us=getattr(args, "storage_latency_us", None),
         reader=getattr(args, "reader", None) or _default_reader(),
         chunk_size=(getattr(args, "chunk_kb", None) or 1024) * 1024,
         progress=False if getattr(args, "no_progress", False) else None,
@@ -251,9 +256,13 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
 
     if options.storage_mb_per_sec is not None:
         storage, storage_from = options.storage_mb_per_sec * MB, "given"
+        latency = (options.storage_latency_us or 0.0) * 1e-6
     else:
-        storage, storage_from = bench.measure_storage(options.storage_dir)
+        storage, latency, storage_from = bench.measure_storage_access(
+            options.storage_dir, options.n_cores)
         log.info("storage read bandwidth %.0f MB/s (%s)", storage / MB, storage_from)
+    if options.storage_latency_us is not None:
+        latency = options.storage_latency_us * 1e-6
 
     reader = None
     if options.reader is not None:
@@ -270,6 +279,7 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
                              sample.kinds[k].sample_bytes, sample.kinds[k].typesize,
                              sample.kinds[k].typesize_from) for k in kinds}
     path = _path_costs(files, sample, kinds, reader, options.chunk_size)
+    seeks = _seeks(files, sample, kinds)
     for cand in cands:
         # A dictionary is stored once: charge it per raw byte of the kind(s) that use it.
         spread = cand.overhead / sum(sample.kinds[k].raw_bytes for k in measures[cand.label])
@@ -286,7 +296,7 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
             stored = m.stored_bytes / m.raw_bytes
             results[k].costs[cand.label] = Cost(
                 stored + extra, decode + base[k].checksum * amp,
-                stored * amp if cand.solid else None, path.get(k, 0.0))
+                stored * amp if cand.solid else None, path.get(k, 0.0), seeks.get(k, 0.0))
             results[k].decode_s[cand.label] = decode
     weights = {k: float(sample.kinds[k].raw_bytes) for k in kinds}
     wsum = sum(weights.values())
@@ -300,10 +310,10 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
     else:
         none_cost = policy.mix([results[k].costs["none"] for k in kinds],
                                [weights[k] for k in kinds])
-        required = DEFAULT_BUDGET * policy.node_rate(none_cost,
-                                                     Budget(options.mode, 1.0, cores, storage))
+        required = DEFAULT_BUDGET * policy.node_rate(
+            none_cost, Budget(options.mode, 1.0, cores, storage, latency))
         budget_from = "default"
-    budget = Budget(options.mode, required, cores, storage)
+    budget = Budget(options.mode, required, cores, storage, latency)
 
     order = [c.label for c in cands]
     cand_results: list[CandidateResult] = []
@@ -362,6 +372,19 @@ def _path_costs(files, sample: Sample, kinds: list[str], reader: ReaderCost | No
         k = file_kind(f.rel, f.size)
         seconds[k] = seconds.get(k, 0.0) + reader.file_cost(-(-f.size // chunk_size))
     return {k: seconds.get(k, 0.0) / sample.kinds[k].raw_bytes for k in kinds
+            if sample.kinds[k].raw_bytes}
+
+
+def _seeks(files, sample: Sample, kinds: list[str]) -> dict[str, float]:
+    """Random storage reads per raw byte of each kind: one per file (files are read in
+    random order; the rest of a large file follows sequentially)."""
+    from fanstore.kinds import file_kind
+
+    count: dict[str, int] = {}
+    for f in files:
+        k = file_kind(f.rel, f.size)
+        count[k] = count.get(k, 0) + 1
+    return {k: count.get(k, 0) / sample.kinds[k].raw_bytes for k in kinds
             if sample.kinds[k].raw_bytes}
 
 
