@@ -63,27 +63,27 @@ _positive_float = _number(float, 0.0, strict=True)
 
 
 def cmd_pack(args) -> int:
-    from compressors import CodecError, parse_spec
     from fanstore import storage
-    from fanstore.pack import CodecPolicy, PackOptions, pack_any
+    from fanstore.pack import PackOptions, pack, pack_any
     from fanstore.pack.sources import detect
 
     _storage_setup(args)
     extra: dict[str, Any] = {}
+    scanned: dict[str, Any] = {}
     kind = detect(args.src)[0]
+    if kind != "directory":
+        # The selectors and solid blocks sample and plan a tree; a streamed source is packed
+        # as it is read, with one codec.
+        if args.codec == "auto" or (args.codec or "").endswith("+dict") or args.solid_kb:
+            what = ("--codec auto" if args.codec == "auto" else
+                    "--solid-kb" if args.solid_kb else f"--codec {args.codec}")
+            raise UsageError(f"{what} needs a directory source; with a {kind} source give "
+                             "a codec (e.g. --codec zstd:3)")
 
     def make_policy():
-        if args.codec == "auto":
-            if kind != "directory":
-                raise UsageError("--codec auto samples a directory; with a "
-                                 f"{kind} source give a codec (e.g. --codec zstd:3)")
-            policy, sel = _auto_policy(args)
-            extra.update(sel)
-            return policy
-        try:
-            return CodecPolicy(parse_spec(args.codec))
-        except CodecError as exc:
-            raise UsageError(f"--codec: {exc}") from None
+        policy, meta = _pack_policy(args, scanned, kind)
+        extra.update(meta)
+        return policy
 
     options = PackOptions(
         partitions=args.partitions,
@@ -96,6 +96,9 @@ def cmd_pack(args) -> int:
         extra_meta=extra,
         notify=lambda text: print(f"fanstore: {text}", file=sys.stderr, flush=True),
     )
+    if args.solid_kb is not None and args.solid_kb * 1024 > options.chunk_size:
+        raise UsageError(f"--solid-kb {args.solid_kb} is larger than the chunk size "
+                         f"({args.chunk_kb} KiB; raise --chunk-kb)")
     from fanstore.daemon.world import launcher_world_size
 
     if launcher_world_size() is not None:
@@ -110,11 +113,76 @@ def cmd_pack(args) -> int:
         summary = pack_mpi(args.src, args.dest, make_policy, options)
         if summary is None:
             return 0
+    elif kind == "directory" and not storage.is_url(args.dest):
+        from fanstore.pack.write import check_arguments
+
+        check_arguments(args.src, args.dest, options)  # before a selection takes seconds
+        policy = make_policy()
+        summary = pack(args.src, args.dest, policy, options, scan=scanned.get("scan"))
     else:
         summary = pack_any(args.src, args.dest, make_policy(), options)
     for line in summary.lines():
         print(line)
     return 0
+
+
+def _pack_policy(args, scanned: dict[str, Any], source_kind: str = "directory"):
+    """The codec policy of ``fanstore pack``: ``--codec SPEC`` (pinned), ``SPEC+dict``
+    (zstd with a dictionary per kind of small files), ``auto`` (the full selector), or by
+    default the quick selection (zstd:3 for a streamed source: nothing to sample before it
+    is read). Returns (policy, index metadata to record)."""
+    from compressors import CodecError, parse_spec
+    from fanstore.pack import CodecPolicy
+
+    spec = args.codec
+    meta: dict[str, Any] = {}
+    if spec is None and source_kind != "directory":
+        print(f"fanstore: a {source_kind} source is packed with zstd:3 (the quick selection "
+              "samples a directory; --codec pins another)", file=sys.stderr)
+        policy = CodecPolicy(parse_spec("zstd:3"))
+    elif spec == "auto":
+        policy, meta = _auto_policy(args)
+    elif spec is None or spec.endswith("+dict"):
+        from fanstore.select import quick
+
+        files = _source_files(args.src, scanned)
+        if "scan" in scanned and scanned["scan"].problems and not args.skip_unreadable:
+            return CodecPolicy(parse_spec("zstd:3")), meta  # pack reports the problems
+        if spec is None:
+            choice = quick.quick_select(files, args.chunk_kb * 1024, root=args.src)
+            print(f"fanstore: {choice.line()}", file=sys.stderr)
+            policy, meta = choice.policy(), {"selection": choice.to_json()}
+        else:
+            base = spec[: -len("+dict")]
+            try:
+                codec = parse_spec(base)
+            except CodecError as exc:
+                raise UsageError(f"--codec: {exc}") from None
+            policy = quick.dict_policy(files, codec, args.chunk_kb * 1024, root=args.src)
+    else:
+        try:
+            policy = CodecPolicy(parse_spec(spec))
+        except CodecError as exc:
+            raise UsageError(f"--codec: {exc}") from None
+    if args.solid_kb is not None:
+        block = args.solid_kb * 1024
+        policy.solid = block
+        policy.solid_by_kind = {kind: block for kind in policy.by_kind}
+    return policy, meta
+
+
+def _source_files(src: str, scanned: dict[str, Any]):
+    """The regular files of SRC as the selector sees them; the scan is kept for pack."""
+    from fanstore.format.index import KIND_FILE
+    from fanstore.pack.scan import scan_tree
+    from fanstore.select.sample import SourceFile
+
+    if not os.path.isdir(src):
+        return []  # pack reports the bad source
+    scan = scan_tree(src)
+    scanned["scan"] = scan
+    return [SourceFile(os.fsdecode(e.rel), os.path.join(scan.root, e.rel), e.size)
+            for e in scan.entries if e.kind == KIND_FILE]
 
 
 def _auto_policy(args):
@@ -334,6 +402,9 @@ def cmd_info(args) -> int:
     print(f"partitions     {len(info['partitions'])}" + (f" ({bc} broadcast)" if bc else ""))
     for spec, n in info["codec_chunks"].items():
         print(f"codec          {spec}: {n:,} chunks")
+    if info["solid_chunks"]:
+        print(f"solid blocks   {info['solid_chunks']:,} chunks holding "
+              f"{info['files_in_solid_chunks']:,} files")
     if info.get("selection"):
         print(f"selection      {info['selection'].get('chosen')} "
               f"(mode {info['selection'].get('mode')})")
@@ -361,10 +432,16 @@ def _store_info(index) -> dict[str, Any]:
                 spec = get_codec(cfg).spec
             except Exception:  # noqa: BLE001 - a codec this install lacks
                 spec = cfg.get("id", "?")
-            codec_chunks[spec] = int(per_codec[slot])
+            codec_chunks[spec] = codec_chunks.get(spec, 0) + int(per_codec[slot])
+    from fanstore.format.index import KIND_FILE
     from fanstore.namespace import metadata_bytes
 
     memory = metadata_bytes(index)
+    # Solid blocks (format v2): chunks that more than one file lives in.
+    single = (index.e["kind"] == KIND_FILE) & (index.e["count"] == 1)
+    refs = np.bincount(index.e["first"][single].astype(np.int64), minlength=index.n_chunks)
+    solid_chunks = int(np.count_nonzero(refs > 1))
+    solid_files = int(refs[refs > 1].sum())
     n = max(1, index.n_entries)
     return {
         "format_version": index.meta.get("format_version"),
@@ -378,6 +455,8 @@ def _store_info(index) -> dict[str, Any]:
         "partitions": [dict(p.to_json(), name=p.name) for p in index.partitions],
         "codecs": index.codecs,
         "codec_chunks": codec_chunks,
+        "solid_chunks": solid_chunks,
+        "files_in_solid_chunks": solid_files,
         "pack": index.meta.get("pack", {}),
         "selection": index.meta.get("selection"),
     }
@@ -466,9 +545,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("dest", metavar="DEST")
     s.add_argument("--partitions", type=_positive_int, default=8,
                    help="number of partitions (default 8; at least the node count)")
-    s.add_argument("--codec", default="zstd:3",
-                   help="codec spec (zstd:3, lz4, lz4hc:9, snappy, blosc2:zstd:5:shuffle:4, "
-                        "zlib:6, none) or 'auto' to run the selector (default zstd:3)")
+    s.add_argument("--codec", default=None,
+                   help="codec spec to pin one (zstd:3, lz4, lz4hc:9, snappy, "
+                        "blosc2:zstd:5:shuffle:4, zlib:6, none); zstd:L+dict: zstd with a "
+                        "dictionary trained per kind of small files; 'auto': the full "
+                        "selector. Default: a quick selection per file kind (a few seconds "
+                        "on a small sample, reported in one line)")
+    s.add_argument("--solid-kb", type=_nonneg_int, default=None, metavar="N",
+                   help="solid blocks: files of at most N KiB are packed back to back, by "
+                        "kind, into blocks of N KiB, each compressed as one chunk (more "
+                        "capacity on small files; a read decodes its whole block). 0: none")
     s.add_argument("--jobs", type=_nonneg_int, default=0,
                    help="compression workers (default: all cores); with an s3:// source "
                         "also the parallel range reads (default 8)")
@@ -619,6 +705,15 @@ def _add_select_budget_args(s, for_pack: bool) -> None:
                    help="choose a codec per file kind (extension and size band)")
     g.add_argument("--storage-mb-per-sec", type=_positive_float, default=None,
                    help="node-local read bandwidth in MB/s for the sync model (default: measured)")
+    g.add_argument("--storage-latency-us", type=float, default=None,
+                   help="one reader's time per random node-local read, in us, with --cores "
+                        "readers at once (sync model; default: measured with the bandwidth, "
+                        "0 when --storage-mb-per-sec is given)")
+    g.add_argument("--reader", choices=("mount", "api"), default=None,
+                   help="the read path the job will use, calibrated on this node (a few "
+                        "hundred files through a temporary mount or the Python API) and "
+                        "charged per file and per chunk: mount (default; api where FUSE is "
+                        "missing) or api")
 
 
 def main(argv: list[str] | None = None) -> int:

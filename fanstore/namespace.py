@@ -64,6 +64,7 @@ class Namespace:
         self._parent = e["parent"]
         self._first = e["first"]
         self._count = e["count"]
+        self._offset = e["offset"]
         self._size = e["size"]
         self._mode = e["mode"]
         self._mtime = e["mtime_ns"]
@@ -120,6 +121,11 @@ class Namespace:
     def chunks(self, entry: int) -> tuple[int, int]:
         """(first chunk, number of chunks) of a file."""
         return int(self._first[entry]), int(self._count[entry])
+
+    def data_offset(self, entry: int) -> int:
+        """Where a file's bytes start in the decoded bytes of its first chunk: 0, except
+        for a file in a solid chunk shared with other files (format v2)."""
+        return int(self._offset[entry])
 
     def path(self, entry: int) -> bytes:
         return self.index.path(entry)

@@ -66,7 +66,10 @@ def verify_store(path: str, jobs: int = 0, progress: bool | None = None,
         else:
             wanted.append(p)
     parts, broken = LocalPartitions.available(data_dir, index, wanted)
-    reader = ChunkReader(index, parts, cache_bytes=0)
+    # Files that share a solid chunk (format v2) are checked one after the other (todo is
+    # sorted by first chunk below) and a one-chunk file keeps its chunk in a small LRU: a
+    # shared chunk is decoded about once, not once per file in it.
+    reader = ChunkReader(index, parts, cache_bytes=min(64 << 20, 16 * index.chunk_size))
     part_of = index.c["part"]
     sums = index.e["checksum"]
 
@@ -79,6 +82,8 @@ def verify_store(path: str, jobs: int = 0, progress: bool | None = None,
             report.checked += 1
         elif p == -1 or parts.has(p):
             todo.append(entry)
+
+    todo.sort(key=lambda entry: reader.span(entry)[0])
 
     show_bar = sys.stderr.isatty() if progress is None else progress
     bar = None
@@ -93,7 +98,7 @@ def verify_store(path: str, jobs: int = 0, progress: bool | None = None,
         h = xxhash.xxh3_64()
         size = 0
         try:
-            for data in reader.iter_file(entry, keep=False):
+            for data in reader.iter_file(entry, keep=reader.span(entry)[1] == 1):
                 h.update(data)
                 size += len(data)
         except FanStoreError as exc:

@@ -29,7 +29,7 @@ from helpers import (
 def test_info_json(special_tree, special_store):
     proc = run_cli("info", special_store, "--json", check=True)
     info = json.loads(proc.stdout)
-    assert info["format_version"] == FORMAT_VERSION
+    assert info["format_version"] == 1  # no solid blocks: written as v1, the oldest that fits
     assert info["created_by"].startswith("fanstore ")
     c = info["counts"]
     assert (c["files"], c["dirs"], c["symlinks"], c["raw_bytes"]) == (
@@ -42,6 +42,7 @@ def test_info_json(special_tree, special_store):
     assert info["index_bytes"] == os.path.getsize(special_store / INDEX_NAME)
     assert info["chunk_size"] == MiB
     assert set(info["codec_chunks"]) == {"none", "zstd:3"}
+    assert info["solid_chunks"] == info["files_in_solid_chunks"] == 0
     assert info["pack"]["partitions"] == 4
     assert info["pack"]["source"] == special_tree["root"]
 
@@ -50,7 +51,8 @@ def test_info_human(special_tree, special_store):
     proc = run_cli("info", special_store, check=True)
     out = proc.stdout
     assert f"store          {special_store}\n" in out
-    assert f"format         v{FORMAT_VERSION} (fanstore " in out
+    assert "format         v1 (fanstore " in out
+    assert "solid blocks" not in out
     assert (f"entries        {special_tree['files']:,} files, {special_tree['dirs']:,} dirs, "
             f"{special_tree['symlinks_count']:,} symlinks") in out
     assert f"raw bytes      {special_tree['raw_bytes']:,}\n" in out

@@ -99,8 +99,9 @@ def data(tmp_path_factory):
     src = root / "src"
     sizes = make_load_tree(src, n_files=96, big=2, seed=5)
     store = root / "store"
+    # zstd:3 pinned: the staging tests size their file systems by these partitions.
     run_cli("pack", src, store, "--partitions", "8", "--chunk-kb", "64", "--jobs", "2",
-            "--no-progress", check=True)
+            "--codec", "zstd:3", "--no-progress", check=True)
     return src, store, sizes
 
 

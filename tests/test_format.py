@@ -39,6 +39,7 @@ from fanstore.format.index import (
 from fanstore.format.partition import (
     PARTITION_HEADER_SIZE,
     PARTITION_MAGIC,
+    PARTITION_VERSION,
     PartitionWriter,
     encode_partition_header,
     file_checksum,
@@ -133,7 +134,9 @@ def test_index_round_trip_by_hand():
     assert index.codecs == parts["meta"]["codecs"]
     assert [(p.number, p.size, p.checksum, p.files) for p in index.partitions] == [
         (0, 214, "00", 1), (1, 74, "11", 1)]
-    assert index.meta["format_version"] == FORMAT_VERSION
+    # No file shares a chunk: written in the oldest format that holds it, v1 (no e_offset).
+    assert index.meta["format_version"] == 1 == index.version
+    assert "e_offset" not in index.meta["columns"]
     assert index.meta["counts"] == parts["meta"]["counts"]
     assert [index.path(i) for i in range(5)] == [b"", b"a", b"f", b"l", b"a/g"]
     assert index.target(3) == b"f"
@@ -154,7 +157,7 @@ def test_index_header_layout_matches_the_spec():
     data = _encode(_tiny_parts())
     assert data[:8] == INDEX_MAGIC == b"FANSTIDX"
     version, flags, hsize, raw, stored, digest = struct.unpack_from("<HHIQQQ", data, 8)
-    assert (version, flags, hsize) == (FORMAT_VERSION, 0, 64)
+    assert (version, flags, hsize) == (1, 0, 64)  # v1: no file in a solid chunk
     assert stored == len(data) - 64
     assert digest == xxhash.xxh3_64_intdigest(data[64:])
     assert raw == len(_body(data))
@@ -172,7 +175,7 @@ def test_partition_header_layout_and_round_trip():
     head = encode_partition_header(7)
     assert len(head) == PARTITION_HEADER_SIZE == 64
     assert head[:8] == PARTITION_MAGIC == b"FANSTPRT"
-    assert struct.unpack_from("<HHII", head, 8) == (FORMAT_VERSION, 0, 64, 7)
+    assert struct.unpack_from("<HHII", head, 8) == (PARTITION_VERSION, 0, 64, 7) == (1, 0, 64, 7)
     assert head[20:] == bytes(44)
     assert read_partition_header(head) == 7
     assert partition_name(3) == "part-00003.fsp"
@@ -523,9 +526,10 @@ def _regen_module():
     return mod
 
 
-def test_golden_store_reads():
-    """The committed v1 store still reads, byte for byte (compatibility with old stores)."""
-    store = GOLDEN / "v1"
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_golden_store_reads(version):
+    """The committed stores still read, byte for byte (compatibility with old stores)."""
+    store = GOLDEN / version
     if not (store / INDEX_NAME).exists():
         pytest.fail(f"missing golden store {store}; regenerate with: {REGENERATE}")
     manifest = json.loads((GOLDEN / "manifest.json").read_text())
@@ -547,9 +551,17 @@ def test_golden_store_reads():
         # The fixture exercises both a compressed and a stored-raw chunk, and a 2-chunk file.
         assert set(s.index.c["codec"].tolist()) == {0, 1}
         assert ns.chunks(ns.resolve("two_chunks.bin"))[1] == 2
+        assert s.index.version == int(version[1:])
+        if version == "v2":  # two files share one solid chunk, one at a non-zero offset
+            a, b = ns.resolve("text.txt"), ns.resolve("dir/ünï.txt")
+            assert ns.chunks(a) == (ns.chunks(b)[0], 1) and ns.chunks(b)[1] == 1
+            assert (ns.data_offset(a), ns.data_offset(b)) == (0, manifest["text.txt"]["size"])
+        else:
+            assert "e_offset" not in s.index.meta["columns"]
 
 
-def test_golden_store_is_reproduced_by_the_packer(tmp_path):
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_golden_store_is_reproduced_by_the_packer(tmp_path, version):
     """Packing the golden tree again gives identical partitions and the same index (up to
     the recorded source path and tool version). If this fails after an intended writer
     change, regenerate the fixture; test_golden_store_reads must keep passing."""
@@ -557,8 +569,8 @@ def test_golden_store_is_reproduced_by_the_packer(tmp_path):
     src, dest = tmp_path / "src", tmp_path / "store"
     regen.build_tree(src)
     assert regen.manifest_of(src) == json.loads((GOLDEN / "manifest.json").read_text())
-    regen.pack_tree(src, dest)
-    golden = GOLDEN / "v1"
+    regen.pack_tree(src, dest, regen.STORES[version])
+    golden = GOLDEN / version
     names = sorted(os.listdir(golden))
     assert sorted(os.listdir(dest)) == names
     for name in names:
@@ -581,3 +593,135 @@ def test_golden_store_is_reproduced_by_the_packer(tmp_path):
     for name, _ in CHUNK_COLUMNS:
         assert np.array_equal(a.c[name], b.c[name]), name
     assert a.names == b.names and a.targets == b.targets
+
+
+# --------------------------------------------------------------------------- format v2
+
+
+def _tiny_v2_parts() -> dict:
+    """A v2 index: two files share one solid chunk.
+
+        /            dir   (entry 0)
+        a/           dir   (1)
+        f            file  (2)  5000 bytes: chunks 0, 1 in partition 0
+        a/g          file  (3)  10 bytes at offset 0 of chunk 2 (partition 1)
+        a/h          file  (4)  20 bytes at offset 10 of chunk 2
+    """
+    b = IndexBuilder(5, 3)
+    e = b.e
+    rows = [(0, KIND_DIR, 0o755, 0), (0, KIND_DIR, 0o755, 0), (0, KIND_FILE, 0o644, 5000),
+            (1, KIND_FILE, 0o644, 10), (1, KIND_FILE, 0o644, 20)]
+    for i, (parent, kind, mode, size) in enumerate(rows):
+        e["parent"][i], e["kind"][i], e["mode"][i], e["size"][i] = parent, kind, mode, size
+    for i, name in ((1, b"a"), (2, b"f"), (3, b"g"), (4, b"h")):
+        b.set_name(i, name)
+    e["first"][0], e["count"][0] = 1, 2
+    e["first"][1], e["count"][1] = 3, 2
+    e["first"][2], e["count"][2], e["checksum"][2] = 0, 2, 111
+    e["first"][3], e["count"][3], e["checksum"][3] = 2, 1, 222
+    e["first"][4], e["count"][4], e["checksum"][4] = 2, 1, 333
+    e["offset"][4] = 10
+    c = b.c
+    for k, (part, off, stored, raw) in enumerate(
+        [(0, 64, 100, 4096), (0, 164, 50, 904), (1, 64, 12, 30)]
+    ):
+        c["part"][k], c["offset"][k], c["stored"][k], c["raw"][k] = part, off, stored, raw
+        c["checksum"][k] = 1000 + k
+    c["codec"][:] = 1
+    meta = {
+        "chunk_size": 4096,
+        "codecs": [{"id": "none"}, {"id": "zstd", "level": 3}],
+        "partitions": [
+            {"size": 214, "checksum": "00", "files": 1, "raw_bytes": 5000},
+            {"size": 76, "checksum": "11", "files": 2, "raw_bytes": 30},
+        ],
+        "counts": {"files": 3, "dirs": 1, "symlinks": 0, "raw_bytes": 5030},
+    }
+    return {"meta": meta, "e": b.e, "c": b.c, "lookup": b.build_lookup(),
+            "names": bytes(b.names), "targets": bytes(b.targets)}
+
+
+def test_v2_index_round_trip():
+    parts = _tiny_v2_parts()
+    data = _encode(parts)
+    assert struct.unpack_from("<H", data, 8)[0] == 2
+    index = read_index_bytes(data)
+    assert index.version == 2 == index.meta["format_version"] == FORMAT_VERSION
+    assert "e_offset" in index.meta["columns"]
+    for name, _ in ENTRY_COLUMNS:
+        assert np.array_equal(index.e[name], parts["e"][name]), name
+    ns = Namespace(index)
+    assert ns.chunks(3) == ns.chunks(4) == (2, 1)
+    assert (ns.data_offset(3), ns.data_offset(4), ns.data_offset(2)) == (0, 10, 0)
+
+
+def test_a_lone_file_in_a_block_is_still_v1():
+    """Written in the oldest version that holds the store: nothing shared, no offset -> v1."""
+    parts = _tiny_v2_parts()
+    parts["e"]["count"][4] = 0  # h empty, g alone in chunk 2 (raw 30 > its size 10: v2)
+    parts["e"]["size"][4] = 0
+    parts["e"]["offset"][4] = 0
+    parts["e"]["first"][4] = 0
+    assert read_index_bytes(_encode(parts)).version == 2
+    parts["c"]["raw"][2] = 10  # g's chunk holds exactly g: v1 semantics
+    assert read_index_bytes(_encode(parts)).version == 1
+
+
+HOSTILE_V2 = {
+    "solid file past its chunk": (_set("e.offset", 4, 11), "outside its chunk"),
+    "solid file size past its chunk": (_set("e.size", 3, 31), "outside its chunk"),
+    "offset of a multi-chunk file": (_set("e.offset", 2, 5), "several chunks has a data offset"),
+    "run over another file's chunk": (_set("e.first", 3, 1), "overlap"),
+    "orphan chunk": (lambda p: (_set("e.count", 2, 1)(p), _set("e.size", 2, 4096)(p)),
+                     "belongs to no file"),
+    "offset on a directory": (_set("e.offset", 1, 3), "has a data offset"),
+    "empty file with an offset": (lambda p: (_set("e.count", 3, 0)(p), _set("e.size", 3, 0)(p),
+                                             _set("e.offset", 3, 4)(p)),
+                                  "differs from the sum"),
+    "huge offset": (_set("e.offset", 4, 0xFFFFFFFF), "outside its chunk"),
+    "file size beyond 2**62": (_set("e.size", 3, 1 << 63), "absurd size"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_V2))
+def test_hostile_v2_index_is_refused(case):
+    mutate, match = HOSTILE_V2[case]
+    parts = copy.deepcopy(_tiny_v2_parts())
+    mutate(parts)
+    with pytest.raises(FormatError, match=match):
+        read_index_bytes(_encode(parts))
+
+
+def _as_v1(data: bytes, drop_offset: bool) -> bytes:
+    """Index bytes relabelled as format v1 (header and metadata), with or without its
+    e_offset column (the body keeps its layout: the metadata area has room to spare)."""
+    body = bytearray(_body(data))
+    (meta_len,) = struct.unpack_from("<I", body)
+    meta = json.loads(body[4 : 4 + meta_len])
+    meta["format_version"] = 1
+    if drop_offset:
+        del meta["columns"]["e_offset"]
+    new = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
+    assert len(new) <= meta_len
+    struct.pack_into("<I", body, 0, len(new))
+    body[4 : 4 + meta_len] = new + b" " * (meta_len - len(new))
+    out = bytearray(_reencode_body(data, bytes(body)))
+    struct.pack_into("<H", out, 8, 1)
+    return bytes(out)
+
+
+def test_v1_index_cannot_share_chunks_or_carry_offsets():
+    data = _encode(_tiny_v2_parts())
+    with pytest.raises(FormatError, match="column 'offset' of a later version"):
+        read_index_bytes(_as_v1(data, drop_offset=False))
+    parts = _tiny_v2_parts()
+    parts["e"]["offset"][4] = 0  # g and h at the same bytes of a shared chunk: v2 only
+    with pytest.raises(FormatError, match="differs from the sum of its chunks"):
+        read_index_bytes(_as_v1(_encode(parts), drop_offset=True))
+
+
+def test_metadata_version_must_match_the_header():
+    data = bytearray(_encode(_tiny_v2_parts()))
+    struct.pack_into("<H", data, 8, 1)  # header says v1, metadata v2
+    with pytest.raises(FormatError, match="metadata says format v2, its header v1"):
+        read_index_bytes(bytes(data))

@@ -21,6 +21,7 @@ The numbers of cases actually run are asserted (and reported in docs/reliability
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import json
 import math
 import os
@@ -212,7 +213,12 @@ def watch_partition_reads(sizes: dict[int, int]):
 #: Files a reader may open besides the store's: the Python installation's own (a codec id
 #: the registry does not know makes it look for a plugin in the installed packages'
 #: entry points, docs/architecture.md "codecs").
-_INSTALLATION = tuple(sorted({os.path.realpath(p) + os.sep for p in (sys.prefix, sys.base_prefix)}))
+#: An editable install keeps its metadata (``fanstore.egg-info``) in the source tree, outside
+#: sys.prefix: the installed distributions' metadata directories count as the installation.
+_INSTALLATION = tuple(sorted(
+    {os.path.realpath(p) + os.sep for p in (sys.prefix, sys.base_prefix)}
+    | {os.path.realpath(str(d._path)) + os.sep for d in importlib.metadata.distributions()
+       if getattr(d, "_path", None) is not None}))
 
 
 def _metadata_dirs() -> tuple[str, ...]:

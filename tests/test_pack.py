@@ -227,7 +227,8 @@ def test_pack_fails_cleanly_when_a_file_changes_under_it(tmp_path):
 def test_pack_summary_lines(small_tree, tmp_path):
     src, files = small_tree
     dest = tmp_path / "store"
-    proc = run_cli("pack", src, dest, "--partitions", "3", "--no-progress", check=True)
+    proc = run_cli("pack", src, dest, "--partitions", "3", "--codec", "zstd:3",
+                   "--no-progress", check=True)
     assert_no_traceback(proc)
     lines = proc.stdout.splitlines()
     assert len(lines) == 3, proc.stdout
@@ -235,13 +236,15 @@ def test_pack_summary_lines(small_tree, tmp_path):
                         f"into 3 partitions at {dest}")
     raw = sum(len(v) for v in files.values())
     m = re.fullmatch(r"raw ([\d,]+\.\d) MB, stored ([\d,]+\.\d) MB \(\+ index ([\d,]+\.\d) MB\), "
-                     r"ratio (\d+\.\d\d)x", lines[1])
+                     r"ratio (\d+\.\d\d)x \((\d+\.\d\d)x with the index\)", lines[1])
     assert m, lines[1]
     assert m.group(1) == f"{raw / 1e6:,.1f}"
     index = read_index(str(dest))
     stored = sum(p.size for p in index.partitions)
     assert m.group(2) == f"{stored / 1e6:,.1f}"
     assert m.group(4) == f"{raw / stored:.2f}"
+    index_size = os.path.getsize(dest / "fanstore.idx")
+    assert m.group(5) == f"{raw / (stored + index_size):.2f}"
     assert re.fullmatch(r"time \d+\.\d s, \d+ MB/s", lines[2]), lines[2]
     assert proc.stderr == ""  # no progress bar, no warnings
 

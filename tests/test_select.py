@@ -19,7 +19,7 @@ from fanstore.errors import BudgetNotMetError
 from fanstore.format.index import KIND_FILE, read_index
 from fanstore.kinds import file_kind
 from fanstore.select import SelectionOptions, policy_from_selection, run_selection
-from fanstore.select.bench import measure, measure_storage
+from fanstore.select.bench import measure, measure_storage, measure_storage_access
 from fanstore.select.policy import Budget, Cost, choose, choose_per_kind, meets, mix, node_rate
 from fanstore.select.sample import draw_sample, list_source, npy_itemsize
 
@@ -121,6 +121,21 @@ def test_node_rate_sync_formula():
     # One core: 400 MB/s; a tiny storage caps it at S/stored.
     assert node_rate(cost, Budget("sync", 1.0, 1, S)) == pytest.approx(400 * MB)
     assert node_rate(cost, Budget("sync", 1.0, 64, S)) == pytest.approx(2000 * MB)
+
+
+def test_node_rate_charges_a_random_read_per_file_in_sync_mode():
+    # 10 kB files: 1e-4 seeks per raw byte; 200 us per random read per reader adds 2 ns/B.
+    cost = Cost(stored=0.5, cpu=1 / (500 * MB), seeks=1 / 10_000)
+    slow = Budget("sync", 1.0, 4, S, latency=200e-6)
+    # per reader: 1 / (2 + 0.5 + 20) ns per byte = 44.4 MB/s; 4 readers: 177.8 MB/s.
+    assert node_rate(cost, slow) == pytest.approx(4 / (1 / (500 * MB) + 0.5 / S + 2e-8))
+    assert node_rate(cost, Budget("sync", 1.0, 4, S)) == pytest.approx(1600 * MB)
+    # Prefetch overlaps the reads with compute: no latency charged.
+    assert node_rate(cost, Budget("prefetch", 1.0, 4, S, latency=200e-6)) == pytest.approx(
+        2000 * MB)
+    assert mix([cost, Cost(1.0, 0.0)], [1.0, 1.0]).seeks == pytest.approx(0.5 / 10_000)
+    with pytest.raises(ValueError):
+        Budget("sync", 1.0, 4, S, latency=-1.0)
 
 
 def test_node_rate_prefetch_formula():
@@ -289,6 +304,10 @@ def test_measure_storage(tmp_path):
     rate, how = measure_storage(str(tmp_path), size=8 << 20)
     assert rate > 1e6 and str(tmp_path) in how
     assert not [p for p in os.listdir(tmp_path)]  # the test file is gone
+    rate, latency, how = measure_storage_access(str(tmp_path), readers=2, size=8 << 20,
+                                                reads=32)
+    assert rate > 1e6 and 0 < latency < 1.0 and "random 4 KiB reads, 2 at once" in how
+    assert not [p for p in os.listdir(tmp_path)]
 
 
 # --------------------------------------------------------------------------- known answers
@@ -323,10 +342,11 @@ def test_smooth_float_arrays_pick_a_shuffle_filter(tmp_path):
 
 
 def test_default_budget_is_storing_raw(tmp_path):
+    """The default budget: 90% of the rate of the data stored raw (DEFAULT_BUDGET)."""
     res = select(npy_set(tmp_path), mb_per_sec=None, mode="sync", cores=1,
                  storage_mb_per_sec=500.0)
     assert res.budget_from == "default" and res.met
-    assert res.budget.required == pytest.approx(res.candidate("none").node_rate)
+    assert res.budget.required == pytest.approx(0.9 * res.candidate("none").node_rate)
     assert res.candidate(res.chosen).node_rate >= res.budget.required * (1 - 1e-9)
 
 
@@ -375,6 +395,7 @@ def test_json_report_schema(tmp_path):
         assert key in doc
     assert doc["mode"] == "prefetch" and doc["budget"]["cores"] == 2
     assert doc["budget"]["required_mb_per_s"] == pytest.approx(1.0)
+    assert doc["budget"]["storage_latency_us"] == 0  # storage given: no latency unless given
     assert len(doc["candidates"]) >= 12
     for c in doc["candidates"]:
         assert {"codec", "ratio", "decode_mb_per_s", "files_per_s", "meets_budget"} <= set(c)
@@ -438,6 +459,9 @@ def test_cli_usage_errors(tmp_path):
     assert "Traceback" not in proc.stderr
     proc = run_cli("select", str(tmp_path), "--mb-per-sec", "1", "--files-per-sec", "1")
     assert proc.returncode == 2
+    proc = run_cli("select", str(tmp_path), "--storage-latency-us", "-5")
+    assert proc.returncode == 2 and "--storage-latency-us must be a number >= 0" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_pack_auto_records_the_choice(tmp_path):

@@ -373,7 +373,227 @@ def test_sources_that_are_none_of_these(tmp_path):
     (src / "f").write_bytes(b"f")
     sh("tar", "-C", src, "-cf", tmp_path / "x.tar", ".")
     proc = run_cli("pack", tmp_path / "x.tar", tmp_path / "store", "--codec", "auto")
-    assert_cli_error(proc, code=2, contains="--codec auto samples a directory")
+    assert_cli_error(proc, code=2, contains="--codec auto needs a directory source")
+    for args in (["--solid-kb", "64"], ["--codec", "zstd:3+dict"]):
+        proc = run_cli("pack", tmp_path / "x.tar", tmp_path / "store", *args)
+        assert_cli_error(proc, code=2, contains="needs a directory source; with a tar source")
+    assert not (tmp_path / "store").exists()
+    # No codec option: a streamed source gets zstd:3, and says so (nothing to sample first).
+    proc = run_cli("pack", tmp_path / "x.tar", tmp_path / "store", "--no-progress", check=True)
+    assert "a tar source is packed with zstd:3" in proc.stderr
+    with LocalStore(str(tmp_path / "store")) as s:
+        assert s.read_file("f") == b"f"
+        assert {c.get("id") for c in s.index.meta["codecs"]} <= {"none", "zstd"}
+
+
+# --------------------------------------------------------------------------- tar formats
+
+
+def _format_tree(root: Path, long_link: bool) -> None:
+    """A tree every tar format can hold (long_link: also a symlink target over 100
+    bytes, which ustar cannot): a path over 100 bytes, modes, a sub-second mtime."""
+    deep = root / ("x" * 60) / ("y" * 60)
+    deep.mkdir(parents=True)
+    (deep / ("z" * 90)).write_bytes(b"deep\n")  # 212-byte path: prefix, GNU L, pax path
+    (root / "a.txt").write_bytes(b"alpha\n" * 1000)
+    (root / "empty").write_bytes(b"")
+    (root / "d").mkdir()
+    (root / "d" / "r.bin").write_bytes(random.Random(5).randbytes(30_000))
+    os.symlink("../a.txt", root / "d" / "to-a")
+    if long_link:
+        os.symlink(f"{'x' * 60}/{'y' * 60}/{'z' * 90}", root / "long-link")
+    os.chmod(root / "a.txt", 0o640)
+    os.utime(root / "a.txt", ns=(0, 1_700_000_000_123_456_789))
+
+
+@pytest.mark.parametrize("fmt", ["gnu", "oldgnu", "posix", "ustar"])
+def test_tar_formats_pack_like_the_tree(tmp_path, fmt):
+    """GNU tar's formats (GNU long names and links, pax records, the ustar prefix) give the
+    same index as packing the tree; pax keeps nanoseconds, the others whole seconds."""
+    need("tar")
+    src = tmp_path / "src"
+    _format_tree(src, long_link=fmt != "ustar")
+    archive = tmp_path / f"{fmt}.tar"
+    sh("tar", f"--format={fmt}", "-C", src, "-cf", archive, ".")
+    a, b = tmp_path / "from-tar", tmp_path / "from-dir"
+    run_cli("pack", archive, a, *SMALL_ARGS, check=True)
+    run_cli("pack", src, b, *SMALL_ARGS, check=True)
+    assert_same_index(a, b)
+    with LocalStore(str(a)) as s:
+        assert s.read_file(f"{'x' * 60}/{'y' * 60}/{'z' * 90}") == b"deep\n"
+        mtime = s.ns.stat(s.ns.resolve("a.txt")).mtime_ns
+    assert mtime == (1_700_000_000_123_456_789 if fmt == "posix" else 1_700_000_000 * 10**9)
+
+
+def test_tar_headers_written_by_python(tmp_path):
+    """Archives made by Python's tarfile: a pax global header, a pax path and sub-second
+    mtime overriding the header's, a GNU base-256 (negative) mtime, a contiguous file
+    (type 7, a regular file), a v7 directory (type NUL, name ending in '/')."""
+    import io
+    import tarfile
+
+    def add(tf, name, data=b"", **kw):
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        for k, v in kw.items():
+            setattr(info, k, v)
+        tf.addfile(info, io.BytesIO(data))
+
+    pax = tmp_path / "pax.tar"
+    with tarfile.open(pax, "w", format=tarfile.PAX_FORMAT,
+                      pax_headers={"comment": "global header"}) as tf:
+        add(tf, "short", b"pax data\n", mtime=5, pax_headers={
+            "path": "renamed/by/pax.txt", "mtime": "1600000000.25"})
+        add(tf, "n\u00e9.txt", b"utf-8 name\n", mtime=7)
+    gnu = tmp_path / "gnu.tar"
+    with tarfile.open(gnu, "w", format=tarfile.GNU_FORMAT) as tf:
+        add(tf, "old.txt", b"before 1970\n", mtime=-1)
+        add(tf, "contiguous.bin", b"c" * 3000, type=tarfile.CONTTYPE, mode=0o600)
+    v7 = tmp_path / "v7dir.tar"
+    with tarfile.open(v7, "w", format=tarfile.USTAR_FORMAT) as tf:
+        add(tf, "olddir/", type=tarfile.AREGTYPE, mode=0o750)
+        add(tf, "olddir/f", b"in the v7 directory\n")
+    for archive in (pax, gnu, v7):
+        run_cli("pack", archive, tmp_path / archive.stem, *SMALL_ARGS, check=True)
+    with LocalStore(str(tmp_path / "pax")) as s:
+        assert set(table(tmp_path / "pax")) == {b"", b"renamed", b"renamed/by",
+                                                b"renamed/by/pax.txt", "n\u00e9.txt".encode()}
+        assert s.read_file("renamed/by/pax.txt") == b"pax data\n"
+        assert s.ns.stat(s.ns.resolve("renamed/by/pax.txt")).mtime_ns == 1_600_000_000_250_000_000
+    with LocalStore(str(tmp_path / "gnu")) as s:
+        assert s.ns.stat(s.ns.resolve("old.txt")).mtime_ns == -10**9
+        e = s.ns.resolve("contiguous.bin")
+        assert s.ns.stat(e).kind == KIND_FILE and s.ns.stat(e).mode & 0o7777 == 0o600
+        assert s.read_file("contiguous.bin") == b"c" * 3000
+    with LocalStore(str(tmp_path / "v7dir")) as s:
+        st = s.ns.stat(s.ns.resolve("olddir"))
+        assert st.kind == KIND_DIR and st.mode & 0o7777 == 0o750
+        assert s.read_file("olddir/f") == b"in the v7 directory\n"
+
+
+@pytest.mark.parametrize("fmt", ["gnu", "posix"])
+def test_sparse_members_are_refused_by_name(tmp_path, fmt):
+    """`tar -S` (GNU type S, or pax GNU.sparse.* records): refused by name like a device;
+    with --skip-unreadable the members after it are packed (its data skipped exactly)."""
+    need("tar")
+    src = tmp_path / "src"
+    src.mkdir()
+    with open(src / "holes.img", "wb") as f:
+        f.truncate(8 << 20)
+        f.seek(3 << 20)
+        f.write(b"island")
+    if os.stat(src / "holes.img").st_blocks * 512 >= 8 << 20:
+        pytest.skip("this file system does not make sparse files")
+    (src / "after.txt").write_bytes(b"after the sparse file\n")
+    archive = tmp_path / "sparse.tar"
+    sh("tar", "-S", f"--format={fmt}", "-C", src, "-cf", archive, "holes.img", "after.txt")
+    dest = tmp_path / "store"
+    proc = run_cli("pack", archive, dest, *SMALL_ARGS)
+    assert_cli_error(proc, code=1, contains="1 entry cannot be packed")
+    assert f"cannot pack {archive}: holes.img: sparse file cannot be packed" in proc.stderr
+    no_leftovers(dest)
+    run_cli("pack", archive, dest, *SMALL_ARGS, "--skip-unreadable", check=True)
+    assert set(table(dest)) == {b"", b"after.txt"}
+    with LocalStore(str(dest)) as s:
+        assert s.read_file("after.txt") == b"after the sparse file\n"
+
+
+def test_a_damaged_header_is_an_error_not_the_end(tmp_path):
+    """A header whose checksum does not match, after good members, fails the pack by name
+    (tarfile's stream mode took it for the end and packed the members before it)."""
+    need("tar")
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        (src / f"f{i}.txt").write_bytes(b"%d\n" % i * 700)
+    archive = tmp_path / "ok.tar"
+    sh("tar", "-C", src, "-cf", archive, "f0.txt", "f1.txt", "f2.txt")
+    data = bytearray(archive.read_bytes())
+    second = data.index(b"f1.txt")  # the second member's header
+    assert second % 512 == 0
+    data[second + 1] ^= 0x20  # its name: the checksum no longer matches
+    bad = tmp_path / "bad.tar"
+    bad.write_bytes(bytes(data))
+    dest = tmp_path / "store"
+    proc = run_cli("pack", bad, dest, *SMALL_ARGS)
+    assert_cli_error(proc, code=1, contains=f"{bad}: corrupt tar archive: bad header "
+                                                   f"checksum (in the headers at byte {second:,}")
+    no_leftovers(dest)
+
+
+def test_the_store_does_not_depend_on_the_number_of_workers(tmp_path):
+    """The same archive packed with 1 and with 3 worker processes (many files, several
+    chunks each for some): byte-identical partitions and index."""
+    need("tar")
+    src = tmp_path / "src"
+    rng = random.Random(11)
+    for d in range(4):
+        (src / f"d{d}").mkdir(parents=True)
+        for i in range(60):
+            size = rng.choice([0, 10, 3000, 20_000, 70_000])
+            data = rng.randbytes(size // 2) + bytes(size - size // 2)
+            (src / f"d{d}" / f"{i:03d}.bin").write_bytes(data)
+    archive = tmp_path / "many.tar"
+    sh("tar", "-C", src, "-cf", archive, ".")
+    stores = []
+    for jobs in ("1", "3"):
+        dest = tmp_path / f"store-{jobs}"
+        run_cli("pack", archive, dest, "--partitions", "3", "--chunk-kb", "16", "--jobs", jobs,
+                "--no-progress", check=True)
+        stores.append(dest)
+    names = sorted(os.listdir(stores[0]))
+    assert names == sorted(os.listdir(stores[1])) and len(names) == 4
+    for n in names:
+        assert (stores[0] / n).read_bytes() == (stores[1] / n).read_bytes(), n
+    assert run_cli("verify", stores[0], "--no-progress").returncode == 0
+
+
+def test_a_compression_worker_that_dies_fails_the_pack(tmp_path):
+    """A worker process killed mid-pack (as the OOM killer would): one line naming it, a
+    non-zero exit, nothing left behind, no process left running."""
+    need("tar")
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = random.Random(4)
+    words = [rng.randbytes(rng.randint(2, 9)).hex().encode() for _ in range(5000)]
+    for i in range(24):  # text-like: zstd level 19 takes seconds over it
+        (src / f"{i:02d}.txt").write_bytes(b" ".join(rng.choices(words, k=400_000)))
+    archive = tmp_path / "big.tar"
+    sh("tar", "-C", src, "-cf", archive, ".")
+    dest = tmp_path / "store"
+    proc = subprocess.Popen([FANSTORE, "pack", archive, dest, "--codec", "zstd:19",
+                             "--jobs", "2", "--no-progress"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        def workers() -> list[int]:
+            try:
+                with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                    return [int(x) for x in f.read().split()]
+            except OSError:
+                return []
+
+        assert wait_until(lambda: len(workers()) == 2, timeout=60)
+        pids = workers()
+        time.sleep(0.5)
+        os.kill(pids[0], signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    assert_cli_error(result, code=1, contains="compression worker")
+    assert "was killed by signal 9" in err
+    no_leftovers(dest)
+
+    def running(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rpartition(")")[2].split()[0] != "Z"
+        except OSError:
+            return False
+
+    assert not any(running(p) for p in pids)
 
 
 # --------------------------------------------------------------------------- S3 sources

@@ -37,7 +37,7 @@ from fanstore.pack.write import (
 log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("<Q")
-_RESULT_ARRAYS = ("entries", "file_sums", "chunk_counts")
+_RESULT_ARRAYS = ("entries", "file_sums", "chunk_counts", "chunk_firsts", "data_offsets")
 
 
 class QuietPackError(FanStoreError):
@@ -51,7 +51,8 @@ def encode_tasks(tasks: list[_PartTask]) -> bytes:
         "codecs": tasks[0].codecs if tasks else [],
         "tasks": [
             {"number": t.number, "path": t.path, "chunk_size": t.chunk_size,
-             "files": [[e, os.fsdecode(p), size, slot] for e, p, size, slot in t.files]}
+             "files": [[e, os.fsdecode(p), size, slot, solid, group]
+                       for e, p, size, slot, solid, group in t.files]}
             for t in tasks
         ],
     }
@@ -63,7 +64,8 @@ def decode_tasks(data: bytes) -> list[_PartTask]:
     codecs = doc["codecs"]
     return [
         _PartTask(t["number"], t["path"],
-                  [(e, os.fsencode(p), size, slot) for e, p, size, slot in t["files"]],
+                  [(e, os.fsencode(p), size, slot, solid, group)
+                   for e, p, size, slot, solid, group in t["files"]],
                   codecs, t["chunk_size"])
         for t in doc["tasks"]
     ]

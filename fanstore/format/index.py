@@ -19,8 +19,11 @@ Layout of ``fanstore.idx``::
 
 Entries are numbered 0..N-1 (entry 0 is the root directory; inode = entry + 1). They are in
 breadth-first order: the children of a directory are contiguous, sorted by name, and every
-child comes after its parent. Files own a contiguous run of the chunk table, and a file's
-chunks are contiguous in one partition, so one read fetches a whole file.
+child comes after its parent. A file either owns a contiguous run of the chunk table whose
+chunks are contiguous in one partition (so one read fetches a whole file), or (format v2)
+lives in a *solid* chunk shared with other small files, at byte ``offset`` of its decoded
+bytes. In both cases a file's content is ``concat(decoded chunks first..first+count-1)
+[offset : offset + size]`` (``offset`` is 0 for files that own their chunks and in v1).
 
 Everything read from disk is validated before use (``Index.validate``): a hostile or corrupt
 index is refused instead of making a reader touch bytes outside the store.
@@ -81,7 +84,12 @@ ENTRY_COLUMNS: tuple[tuple[str, str], ...] = (
     ("first", "<u8"),
     ("count", "<u4"),
     ("checksum", "<u8"),  # XXH3-64 of a file's whole content; 0 otherwise
+    # v2: byte offset of a file's data in the decoded bytes of its first chunk (0 for a file
+    # that owns its chunks). Absent from v1 indexes, where it reads as zeros.
+    ("offset", "<u4"),
 )
+#: Entry columns that a version of the format does not have (read as zeros).
+_ABSENT_BEFORE = {"offset": 2}
 CHUNK_COLUMNS: tuple[tuple[str, str], ...] = (
     ("part", "<u4"),
     ("offset", "<u8"),
@@ -147,6 +155,7 @@ class Index:
     partitions: list[PartitionInfo] = field(default_factory=list)
     raw_body_size: int = 0
     stored_size: int = 0
+    version: int = FORMAT_VERSION  # the format version of the index as read (header)
     #: the decompressed body the arrays above are views of (bytes, or a shared mmap)
     body: Any = None
 
@@ -271,9 +280,18 @@ def encode_index(
     targets: bytes,
     level: int = 3,
 ) -> bytes:
-    """Serialise an index (header + zstd body) to bytes."""
+    """Serialise an index (header + zstd body) to bytes.
+
+    The index is written in the oldest format version that can hold it: v1 unless some file
+    lives in a solid chunk (:func:`needs_v2`); a v1 index has no ``e_offset`` column, so its
+    bytes are exactly those of earlier releases.
+    """
+    offsets = e.get("offset")
+    version = 2 if offsets is not None and needs_v2(e, c) else 1
     columns: list[tuple[str, bytes]] = []
     for name, dt in ENTRY_COLUMNS:
+        if _ABSENT_BEFORE.get(name, 0) > version:
+            continue
         columns.append((_ENTRY_PREFIX + name, np.ascontiguousarray(e[name], dtype=dt).tobytes()))
     for name, dt in CHUNK_COLUMNS:
         columns.append((_CHUNK_PREFIX + name, np.ascontiguousarray(c[name], dtype=dt).tobytes()))
@@ -284,7 +302,7 @@ def encode_index(
     columns.append(("targets", bytes(targets)))
 
     meta = dict(meta)
-    meta["format_version"] = FORMAT_VERSION
+    meta["format_version"] = version
     meta.setdefault("created_by", f"fanstore {__version__}")
     meta["n_entries"] = int(e["kind"].shape[0])
     meta["n_chunks"] = int(c["part"].shape[0])
@@ -312,7 +330,7 @@ def encode_index(
     stored = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(bytes(body))
     header = _HEADER.pack(
         INDEX_MAGIC,
-        FORMAT_VERSION,
+        version,
         0,
         INDEX_HEADER_SIZE,
         len(body),
@@ -320,6 +338,25 @@ def encode_index(
         xxhash.xxh3_64_intdigest(stored),
     ).ljust(INDEX_HEADER_SIZE, b"\0")
     return header + stored
+
+
+def needs_v2(e: dict[str, np.ndarray], c: dict[str, np.ndarray]) -> bool:
+    """True if some file lives in a solid chunk (format v2): at a non-zero offset, in a
+    chunk another file refers to too, or in a single chunk larger than itself."""
+    files = e["kind"] == KIND_FILE
+    if np.any(e["offset"][files] != 0):
+        return True
+    n_chunks = int(c["raw"].shape[0])
+    f_count = e["count"][files].astype(np.int64)
+    f_first = e["first"][files]  # unsigned: any value, even a hostile one, stays in range
+    used = f_count > 0
+    if int(f_count.sum()) != n_chunks or len(np.unique(f_first[used])) != int(used.sum()):
+        return True
+    single = f_count == 1
+    if not n_chunks or not single.any():
+        return False
+    at = np.minimum(f_first[single], np.uint64(n_chunks - 1)).astype(np.int64)
+    return bool(np.any(e["size"][files][single] != c["raw"][at]))
 
 
 def write_index(path: str, data: bytes) -> None:
@@ -421,6 +458,7 @@ def parse_index_header(data: bytes, where: str = "index") -> tuple[int, int, int
 
 def read_index_bytes(data: bytes, where: str = "index") -> Index:
     body_raw, body_stored, body_sum = parse_index_header(data, where)
+    version = _HEADER.unpack_from(data)[1]
     stored = memoryview(data)[INDEX_HEADER_SIZE:]
     if len(stored) != body_stored:
         raise FormatError(
@@ -438,7 +476,7 @@ def read_index_bytes(data: bytes, where: str = "index") -> Index:
         raise FormatError(f"{where}: cannot decompress index: {exc}") from exc
     if len(body) != body_raw:
         raise FormatError(f"{where}: index body has the wrong size")
-    index = _parse_body(body, where)
+    index = _parse_body(body, where, version)
     index.raw_body_size = body_raw
     index.stored_size = len(data)
     index.body = body
@@ -453,17 +491,17 @@ def read_index_bytes(data: bytes, where: str = "index") -> Index:
 # every process maps it read-only, so the namespace costs its size once per node (in the
 # page cache), not once per process. A private runtime file, never part of a store:
 # header = magic b"FANSTIDB", u64 body size, u64 XXH3-64 of the body, u64 stored size of
-# the index it came from; then the body.
+# the index it came from, u64 its format version (the body's layout); then the body.
 
 _BODY_MAGIC = b"FANSTIDB"
-_BODY_HEADER = struct.Struct("<8sQQQ")
+_BODY_HEADER = struct.Struct("<8sQQQQ")
 
 
 def write_index_body(path: str, index: Index) -> None:
     """Write ``index``'s decompressed body to ``path`` (atomically) for :func:`map_index_body`."""
     body = index.body
     head = _BODY_HEADER.pack(_BODY_MAGIC, len(body), xxhash.xxh3_64_intdigest(body),
-                             index.stored_size)
+                             index.stored_size, index.version)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
         f.write(head)
@@ -481,13 +519,13 @@ def map_index_body(path: str, check: bool = True, validate: bool = False) -> Ind
         mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
     if len(mm) < _BODY_HEADER.size:
         raise FormatError(f"{path}: truncated index copy")
-    magic, size, digest, stored = _BODY_HEADER.unpack_from(mm)
-    if magic != _BODY_MAGIC or size != len(mm) - _BODY_HEADER.size:
+    magic, size, digest, stored, version = _BODY_HEADER.unpack_from(mm)
+    if magic != _BODY_MAGIC or size != len(mm) - _BODY_HEADER.size or version > FORMAT_VERSION:
         raise FormatError(f"{path}: not a FanStore index copy")
     body = memoryview(mm)[_BODY_HEADER.size:]
     if check and xxhash.xxh3_64_intdigest(body) != digest:
         raise FormatError(f"{path}: index copy checksum mismatch")
-    index = _parse_body(body, path)
+    index = _parse_body(body, path, version)
     index.raw_body_size = size
     index.stored_size = stored
     index.body = body
@@ -496,7 +534,7 @@ def map_index_body(path: str, check: bool = True, validate: bool = False) -> Ind
     return index
 
 
-def _parse_body(body: bytes, where: str) -> Index:
+def _parse_body(body: bytes, where: str, version: int = FORMAT_VERSION) -> Index:
     if len(body) < 4:
         raise FormatError(f"{where}: index body too short")
     (meta_len,) = struct.unpack_from("<I", body)
@@ -544,11 +582,27 @@ def _parse_body(body: bytes, where: str) -> Index:
     for key, kind in (("pack", dict), ("selection", dict), ("created_by", str)):
         if meta.get(key) is not None and not isinstance(meta[key], kind):
             raise FormatError(f"{where}: index metadata {key!r} is malformed")
-    e = {name: column(_ENTRY_PREFIX + name, dt) for name, dt in ENTRY_COLUMNS}
+    if meta.get("format_version", version) != version:
+        raise FormatError(f"{where}: index metadata says format v{meta.get('format_version')}, "
+                          f"its header v{version}")
+    e = {}
+    absent = []
+    for name, dt in ENTRY_COLUMNS:
+        if _ABSENT_BEFORE.get(name, 0) > version:
+            if _ENTRY_PREFIX + name in directory:
+                raise FormatError(f"{where}: a v{version} index has a column {name!r} of a "
+                                  "later version")
+            absent.append((name, dt))
+        else:
+            e[name] = column(_ENTRY_PREFIX + name, dt)
     c = {name: column(_CHUNK_PREFIX + name, dt) for name, dt in CHUNK_COLUMNS}
     for name, arr in e.items():
         if arr.shape[0] != n_entries:
             raise FormatError(f"{where}: entry column {name!r} has the wrong length")
+    for name, dt in absent:  # only now: n_entries is the real length of the columns
+        zeros = np.zeros(n_entries, dtype=dt)
+        zeros.flags.writeable = False
+        e[name] = zeros
     for name, arr in c.items():
         if arr.shape[0] != n_chunks:
             raise FormatError(f"{where}: chunk column {name!r} has the wrong length")
@@ -591,6 +645,7 @@ def _parse_body(body: bytes, where: str) -> Index:
         targets=column("targets", None),
         codecs=codecs,
         partitions=partitions,
+        version=version,
     )
 
 
@@ -609,8 +664,10 @@ def validate_index(
 
     Checks (vectorised, cheap even for millions of entries): the tree shape, names (no '/',
     NUL, '.', '..' or empty components), symlink targets stay inside the store, chunk runs
-    are in bounds, contiguous, disjoint and inside their partitions, chunk sizes are bounded
-    (no decompression bombs), file sizes equal the sum of their chunks.
+    are in bounds, contiguous and inside their partitions, chunk sizes are bounded (no
+    decompression bombs), every chunk belongs to a file; a file of several chunks owns them
+    (no other file refers to any) and its size is their sum; a file of one chunk lies inside
+    it (``offset + size <= raw``), and only in v2 may it share the chunk with other files.
     """
 
     def bad(msg: str) -> FormatError:
@@ -704,68 +761,91 @@ def validate_index(
     nonfile = np.nonzero(kind != KIND_FILE)[0]
     if np.any(e["checksum"][nonfile] != 0) or np.any(e["size"][dirs] != 0):
         raise bad("a directory or symlink carries file data")
-    f_first = first[files].astype(np.int64)
+    if np.any(e["offset"][nonfile] != 0):
+        raise bad("a directory or symlink has a data offset")
     f_count = count[files].astype(np.int64)
-    if f_count.sum() != m:
-        raise bad("file chunk counts do not add up to the chunk table")
+    if np.any(first[files] > np.uint64(m)):  # unsigned, before any arithmetic
+        raise bad("a file's chunk run lies outside the chunk table")
+    f_first = first[files].astype(np.int64)
+    f_size = e["size"][files]
+    if np.any(f_size > np.uint64(_MAX_META_INT)):
+        raise bad("a file claims an absurd size")
+    f_size = f_size.astype(np.int64)
+    f_off = e["offset"][files].astype(np.int64)
     used = f_count > 0
+    if np.any(f_size[~used] != 0) or np.any(f_off[~used] != 0):
+        raise bad("a file's size differs from the sum of its chunks")
     if np.any(f_first[used] + f_count[used] > m):
         raise bad("a file's chunk run lies outside the chunk table")
-    order = np.argsort(f_first[used], kind="stable")
-    starts = f_first[used][order]
-    lens = f_count[used][order]
-    if len(starts) and (
-        starts[0] != 0 or np.any(starts[1:] != starts[:-1] + lens[:-1])
-    ):
-        raise bad("file chunk runs overlap or leave gaps")
-    if m:
-        if np.any(c["offset"] > np.uint64(_MAX_META_INT)):
-            raise bad("a chunk lies outside its partition")
-        raw = c["raw"].astype(np.int64)
-        stored = c["stored"].astype(np.int64)
-        part = c["part"].astype(np.int64)
-        offset = c["offset"].astype(np.int64)
-        if np.any(raw == 0) or np.any(raw > chunk_size):
-            raise bad("a chunk claims an absurd raw size (possible decompression bomb)")
-        if np.any(stored == 0):
-            raise bad("a chunk has no stored bytes")
-        if np.any(c["codec"] >= len(index.codecs)):
-            raise bad("a chunk names a codec outside the codec table")
-        if np.any(part >= len(index.partitions)):
-            raise bad("a chunk names a partition outside the partition table")
-        sizes = np.array([p.size for p in index.partitions], dtype=np.int64)
-        if partition_sizes is not None:
-            for number, size in partition_sizes.items():
-                sizes[number] = size
-        if np.any(offset < PARTITION_HEADER_SIZE) or np.any(offset + stored > sizes[part]):
-            raise bad("a chunk lies outside its partition")
-        # Sum of raw chunk sizes is each file's size.
-        sums = np.add.reduceat(raw, starts) if len(starts) else np.zeros(0, np.int64)
-        f_sizes = e["size"][files][used][order].astype(np.int64)
-        if not np.array_equal(sums, f_sizes) or np.any(e["size"][files][~used] != 0):
+    if not m:
+        return
+    if np.any(c["offset"] > np.uint64(_MAX_META_INT)):
+        raise bad("a chunk lies outside its partition")
+    raw = c["raw"].astype(np.int64)
+    stored = c["stored"].astype(np.int64)
+    part = c["part"].astype(np.int64)
+    offset = c["offset"].astype(np.int64)
+    if np.any(raw == 0) or np.any(raw > chunk_size):
+        raise bad("a chunk claims an absurd raw size (possible decompression bomb)")
+    if np.any(stored == 0):
+        raise bad("a chunk has no stored bytes")
+    if np.any(c["codec"] >= len(index.codecs)):
+        raise bad("a chunk names a codec outside the codec table")
+    if np.any(part >= len(index.partitions)):
+        raise bad("a chunk names a partition outside the partition table")
+    sizes = np.array([p.size for p in index.partitions], dtype=np.int64)
+    if partition_sizes is not None:
+        for number, size in partition_sizes.items():
+            sizes[number] = size
+    if np.any(offset < PARTITION_HEADER_SIZE) or np.any(offset + stored > sizes[part]):
+        raise bad("a chunk lies outside its partition")
+    # How many files refer to each chunk (a difference array over the runs).
+    u_first, u_count = f_first[used], f_count[used]
+    diff = np.zeros(m + 1, dtype=np.int64)
+    np.add.at(diff, u_first, 1)
+    np.add.at(diff, u_first + u_count, -1)
+    refs = np.cumsum(diff[:m])
+    if np.any(refs == 0):
+        raise bad("a chunk belongs to no file")
+    # Files of one chunk ("single") may share it (solid chunks, v2): their bytes must lie
+    # inside it. Files of several chunks own them: no other file refers to any of them.
+    single = u_count == 1
+    s_first, s_size, s_off = u_first[single], f_size[used][single], f_off[used][single]
+    if np.any(s_off + s_size > raw[s_first]):
+        raise bad("a file's data lies outside its chunk")
+    if index.version < 2 and (np.any(refs > 1) or np.any(s_size != raw[s_first])
+                              or np.any(f_off != 0)):
+        raise bad("a file's size differs from the sum of its chunks")
+    multi = ~single
+    if np.any(multi):
+        m_first, m_count = u_first[multi], u_count[multi]
+        m_last = m_first + m_count - 1
+        if np.any(f_off[used][multi] != 0):
+            raise bad("a file of several chunks has a data offset")
+
+        def run_sum(flags: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+            """Sum of ``flags[lo:hi]`` for each run (prefix sums)."""
+            prefix = np.concatenate(([0], np.cumsum(flags, dtype=np.int64)))
+            return prefix[hi] - prefix[lo]
+
+        if np.any(run_sum(refs > 1, m_first, m_last + 1)):
+            raise bad("file chunk runs overlap")
+        if np.any(run_sum(raw, m_first, m_last + 1) != f_size[used][multi]):
             raise bad("a file's size differs from the sum of its chunks")
         # Every chunk but a file's last is exactly chunk_size long (offsets map to chunks).
-        ends = starts + lens - 1
-        is_last = np.zeros(m, dtype=bool)
-        is_last[ends] = True
-        if np.any(raw[~is_last] != chunk_size):
+        if np.any(run_sum(raw != chunk_size, m_first, m_last)):
             raise bad("a chunk other than a file's last is not chunk_size long")
         # Chunks of one file are contiguous in one partition.
-        is_start = np.zeros(m, dtype=bool)
-        is_start[starts] = True
-        cont = ~is_start[1:]
-        if np.any(part[1:][cont] != part[:-1][cont]) or np.any(
-            offset[1:][cont] != offset[:-1][cont] + stored[:-1][cont]
-        ):
+        broken = np.zeros(m, dtype=bool)
+        broken[:-1] = (part[1:] != part[:-1]) | (offset[1:] != offset[:-1] + stored[:-1])
+        if np.any(run_sum(broken, m_first, m_last)):
             raise bad("a file's chunks are not contiguous in one partition")
-        # No two chunks overlap inside a partition.
-        by_pos = np.lexsort((offset, part))
-        p_s, o_s, s_s = part[by_pos], offset[by_pos], stored[by_pos]
-        same = p_s[1:] == p_s[:-1]
-        if np.any(o_s[1:][same] < o_s[:-1][same] + s_s[:-1][same]):
-            raise bad("chunks overlap inside a partition")
-    elif np.any(e["size"][files] != 0):
-        raise bad("a file's size differs from the sum of its chunks")
+    # No two chunks overlap inside a partition.
+    by_pos = np.lexsort((offset, part))
+    p_s, o_s, s_s = part[by_pos], offset[by_pos], stored[by_pos]
+    same = p_s[1:] == p_s[:-1]
+    if np.any(o_s[1:][same] < o_s[:-1][same] + s_s[:-1][same]):
+        raise bad("chunks overlap inside a partition")
 
 
 def target_stays_inside(link_path: bytes, target: bytes) -> bool:

@@ -12,7 +12,6 @@ import struct
 
 import xxhash
 
-from fanstore.version import FORMAT_VERSION
 from fanstore.errors import FormatError, VersionTooNewError
 from fanstore.storage import is_url, open_location
 
@@ -20,6 +19,9 @@ PARTITION_MAGIC = b"FANSTPRT"
 # magic, version, flags, header size, partition number; zero padding to 64 bytes.
 _HEADER = struct.Struct("<8sHHII")
 PARTITION_HEADER_SIZE = 64
+#: Version of the partition layout. It is unchanged since format v1 (format v2 changed only
+#: the index), so partitions are written and read as v1.
+PARTITION_VERSION = 1
 
 
 def partition_name(number: int) -> str:
@@ -27,7 +29,7 @@ def partition_name(number: int) -> str:
 
 
 def encode_partition_header(number: int) -> bytes:
-    head = _HEADER.pack(PARTITION_MAGIC, FORMAT_VERSION, 0, PARTITION_HEADER_SIZE, number)
+    head = _HEADER.pack(PARTITION_MAGIC, PARTITION_VERSION, 0, PARTITION_HEADER_SIZE, number)
     return head.ljust(PARTITION_HEADER_SIZE, b"\0")
 
 
@@ -38,10 +40,10 @@ def read_partition_header(buf: bytes, where: str = "partition") -> int:
     magic, version, _flags, hsize, number = _HEADER.unpack_from(buf)
     if magic != PARTITION_MAGIC:
         raise FormatError(f"{where}: not a FanStore partition (bad magic)")
-    if version > FORMAT_VERSION:
+    if version > PARTITION_VERSION:
         raise VersionTooNewError(
             f"{where}: partition format v{version} is newer than this FanStore reads "
-            f"(v{FORMAT_VERSION}); upgrade fanstore"
+            f"(v{PARTITION_VERSION}); upgrade fanstore"
         )
     if version < 1 or hsize != PARTITION_HEADER_SIZE:
         raise FormatError(f"{where}: unsupported partition header (v{version}, {hsize} bytes)")

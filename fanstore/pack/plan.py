@@ -11,17 +11,31 @@ from fanstore.kinds import file_kind
 
 @dataclass
 class CodecPolicy:
-    """The codec for each file: one default spec, optionally one per file kind."""
+    """The codec for each file: one default, optionally one per file kind; and whether small
+    files go into solid blocks.
+
+    ``solid`` is the solid block size (bytes) for the files that take the default codec,
+    ``solid_by_kind`` the one for the kinds of ``by_kind`` (0 or absent: none). A file goes
+    into a solid block if it is not empty and no larger than the block: the packer appends
+    such files of one kind back to back and compresses each block as one chunk (format v2).
+    """
 
     default: Any  # a compressors.Codec
     by_kind: dict[str, Any] = field(default_factory=dict)
+    solid: int = 0
+    solid_by_kind: dict[str, int] = field(default_factory=dict)
+
+    def choice_for(self, rel: str, size: int) -> tuple[Any, int]:
+        """(codec, solid block size or 0) of a file."""
+        if self.by_kind or self.solid_by_kind:
+            kind = file_kind(rel, size)
+            codec = self.by_kind.get(kind)
+            if codec is not None:
+                return codec, self.solid_by_kind.get(kind, 0)
+        return self.default, self.solid
 
     def codec_for(self, rel: str, size: int):
-        if self.by_kind:
-            codec = self.by_kind.get(file_kind(rel, size))
-            if codec is not None:
-                return codec
-        return self.default
+        return self.choice_for(rel, size)[0]
 
 
 def plan_partitions(sizes: list[int], n: int) -> list[int]:

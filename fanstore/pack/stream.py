@@ -4,11 +4,12 @@ A tar stream cannot be listed before it is read, so nothing is planned ahead:
 
 1. Each file, as it arrives, goes to the partition with the least data so far (the same
    size balance as ``plan_partitions``, decided on the fly; ``--broadcast`` files go to
-   one extra partition). Its chunks are checksummed and compressed by a pool of threads
-   (the codecs release the GIL) while the main thread reads on; the main thread appends
-   the results to the partitions strictly in arrival order, so the output does not depend
-   on the number of threads, and a file's chunks are adjacent in its partition. At most
-   ``max(32 MiB, 4 chunks per thread)`` of raw data is in flight.
+   one extra partition). Its chunks are read straight into a ring of shared memory and
+   checksummed and compressed there by ``--jobs`` worker processes
+   (``fanstore.pack.encoders``) while this process reads on; this process appends the
+   results to the partitions strictly in arrival order, so the output does not depend on
+   the number of workers, and a file's chunks are adjacent in its partition. The ring
+   bounds the data in flight: ``max(64 MiB, 4 chunks per worker)``.
 2. Names are normalised and checked as they come (``..`` and absolute names refused, never
    written anywhere); the namespace is assembled in a :class:`VirtualTree` (duplicates:
    the last one wins, reported; implied directories; symlink checks).
@@ -32,19 +33,18 @@ import os
 import sys
 import tempfile
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 import xxhash
 
-from compressors import CodecError, get_codec, parse_spec
+from compressors import parse_spec
 from fanstore.errors import PackError, UsageError
 from fanstore.format.index import KIND_DIR, KIND_FILE, KIND_SYMLINK
 from fanstore.format.partition import PartitionWriter, partition_name
 from fanstore.pack.dest import open_destination
+from fanstore.pack.encoders import EncoderPool
 from fanstore.pack.plan import CodecPolicy, in_dir
 from fanstore.pack.scan import show
 from fanstore.pack.sources.base import (
@@ -79,13 +79,7 @@ class _File:
     # (offset, stored, raw, codec slot, checksum) per chunk
 
 
-def _encode(codec, slot: int, data: bytes) -> tuple[Any, int, int]:
-    """Worker thread: (stored bytes, codec slot used, XXH3-64 of the raw chunk)."""
-    csum = xxhash.xxh3_64_intdigest(data)
-    stored = codec.encode(data)
-    if len(stored) >= len(data):
-        return data, 0, csum
-    return stored, slot, csum
+_EMPTY_SUM = xxhash.xxh3_64_intdigest(b"")
 
 
 class StreamPacker:
@@ -99,33 +93,37 @@ class StreamPacker:
         self.bcast_dirs = [os.fsencode(b.strip("/")) for b in options.broadcast]
         self.dest = open_destination(dest, self.options.notify)
         self.configs: list[dict[str, Any]] = [NONE_CONFIG]
-        self.codecs: list[Any] = [None]
         self._slot_of: dict[str, int] = {}
+        self._slot_of_codec: dict[int, tuple[Any, int]] = {}  # id(codec) -> (codec, slot)
         self.files: list[_File] = []
         self.part_files: dict[int, list[int]] = {}
         self.writers: dict[int, PartitionWriter] = {}
         self.loads = [(0, p) for p in range(self.n_normal)]
         self.tree = VirtualTree()
         self.links: list[tuple[bytes, Node, bytes]] = []
-        self.pending: deque[tuple[_File, bytes, Future | None]] = deque()
-        self.inflight = 0
-        self.threads = options.jobs or len(os.sched_getaffinity(0))
-        self.max_inflight = max(32 << 20, 4 * self.threads * self.cs)
-        self.pool: ThreadPoolExecutor | None = None
+        self.jobs = options.jobs or len(os.sched_getaffinity(0))
+        self.ring_size = max(64 << 20, 4 * self.jobs * self.cs)
+        self.pool: EncoderPool | None = None
         self.bar = None
         self._bar_last = 0
 
     # ------------------------------------------------------------------ partitions
     def _slot(self, codec) -> int:
+        known = self._slot_of_codec.get(id(codec))
+        if known is not None and known[0] is codec:
+            return known[1]
         cfg = codec.get_config()
         if cfg.get("id") == "none":
-            return 0
-        key = _canon(cfg)
-        if key not in self._slot_of:
-            self._slot_of[key] = len(self.configs)
-            self.configs.append(cfg)
-            self.codecs.append(get_codec(cfg))
-        return self._slot_of[key]
+            slot = 0
+        else:
+            key = _canon(cfg)
+            if key not in self._slot_of:
+                self._slot_of[key] = len(self.configs)
+                self.configs.append(cfg)
+                self.pool.add_codec(self._slot_of[key], cfg)
+            slot = self._slot_of[key]
+        self._slot_of_codec[id(codec)] = (codec, slot)
+        return slot
 
     def _writer(self, p: int) -> PartitionWriter:
         w = self.writers.get(p)
@@ -143,62 +141,52 @@ class StreamPacker:
         return p
 
     # ------------------------------------------------------------------ data
-    def add_file(self, rel: bytes, size: int, read: Callable[[int], bytes], where: str) -> int:
+    def add_file(self, rel: bytes, size: int, read: Callable[[int], bytes] | None, where: str,
+                 readinto: Callable[[memoryview], int] | None = None) -> int:
+        """Pack one file of ``size`` bytes, its content read by ``readinto`` (fills a
+        buffer, exactly ``size`` bytes in all) or else by ``read`` (whose end is checked:
+        a source may hold more than it announced)."""
         p = self._choose(rel, size)
         self._writer(p)
         slot = self._slot(self.policy.codec_for(os.fsdecode(rel), size))
-        f = _File(p, size)
+        f = _File(p, size, _EMPTY_SUM)
         fid = len(self.files)
         self.files.append(f)
         self.part_files[p].append(fid)
-        whole = xxhash.xxh3_64()
+        fill = readinto or _into(read)
+        # One chunk: its checksum (from the worker) is the file's; else hash here too.
+        whole = xxhash.xxh3_64() if size > self.cs else None
+        pool = self.pool
         got = 0
-        while True:
-            chunk = _fill(read, self.cs)
-            if not chunk:
-                break
-            got += len(chunk)
-            if got > size:
-                raise PackError(f"{where}: {show(rel)}: member holds more data than its "
-                                f"header says ({size:,} bytes)")
-            whole.update(chunk)
-            self._submit(f, chunk, slot)
+        while got < size:
+            n = min(self.cs, size - got)
+            view = pool.reserve(n)
+            k = _fill(fill, view)
+            if k < n:
+                raise PackError(f"{where}: {show(rel)}: member data ends after {got + k:,} "
+                                f"of {size:,} bytes (truncated archive?)")
+            if whole is not None:
+                whole.update(view)
+            got += n
+            pool.submit(n, slot, f)
             self._progress()
-            if len(chunk) < self.cs:
-                break
-        if got != size:
-            raise PackError(f"{where}: {show(rel)}: member data ends after {got:,} of "
-                            f"{size:,} bytes (truncated archive?)")
-        f.checksum = whole.intdigest()
+        if readinto is None and read(1):
+            raise PackError(f"{where}: {show(rel)}: member holds more data than its "
+                            f"header says ({size:,} bytes)")
+        if whole is not None:
+            f.checksum = whole.intdigest()
         return fid
 
-    def _submit(self, f: _File, chunk: bytes, slot: int) -> None:
-        fut = self.pool.submit(_encode, self.codecs[slot], slot, chunk) if slot else None
-        self.pending.append((f, chunk, fut))
-        self.inflight += len(chunk)
-        while self.inflight > self.max_inflight:
-            self._write_one()
-
-    def _write_one(self) -> None:
-        f, chunk, fut = self.pending.popleft()
-        self.inflight -= len(chunk)
-        if fut is None:
-            stored, used, csum = chunk, 0, xxhash.xxh3_64_intdigest(chunk)
-        else:
-            try:
-                stored, used, csum = fut.result()
-            except CodecError as exc:
-                raise PackError(f"{self.source.url}: compression failed: {exc}") from None
+    def _sink(self, f: _File, stored: memoryview, used: int, raw: int, csum: int) -> None:
+        """A chunk's result, in submission order: append it to its partition."""
         w = self.writers[f.part]
         try:
             offset = w.append(stored)
         except OSError as exc:
             raise PackError(f"cannot write {w.path}: {exc.strerror}") from None
-        f.rows.append((offset, len(stored), len(chunk), used, csum))
-
-    def _drain(self) -> None:
-        while self.pending:
-            self._write_one()
+        f.rows.append((offset, len(stored), raw, used, csum))
+        if f.size <= self.cs:
+            f.checksum = csum
 
     def _progress(self) -> None:
         if self.bar is not None:
@@ -213,6 +201,9 @@ class StreamPacker:
         rel, problem = normalize_name(m.name)
         if problem:
             tree.problem(m.where, m.name, problem)
+            return
+        if m.problem:
+            tree.problem(m.where, m.name, m.problem)
             return
         if m.kind == KIND_SPECIAL:
             tree.problem(m.where, m.name, f"{m.special} cannot be packed (not a regular file, "
@@ -233,7 +224,7 @@ class StreamPacker:
         elif m.kind == KIND_HARDLINK:
             self._hard_link(m, rel)
         else:
-            fid = self.add_file(rel, m.size, m.read, m.where)
+            fid = self.add_file(rel, m.size, m.read, m.where, m.readinto)
             tree.add(rel, Node(KIND_FILE, m.mode, m.mtime_ns, m.size, file_id=fid,
                                ordinal=m.ordinal))
 
@@ -265,7 +256,7 @@ class StreamPacker:
             wanted = by_ordinal.pop(m.ordinal)
             if len(wanted) == 1:
                 rel, node = wanted[0]
-                node.file_id = self.add_file(rel, m.size, m.read, m.where)
+                node.file_id = self.add_file(rel, m.size, m.read, m.where, m.readinto)
                 continue
             with tempfile.SpooledTemporaryFile(max_size=64 << 20) as spool:
                 while True:
@@ -295,11 +286,12 @@ class StreamPacker:
         self.dest.create_tmp()
         show_bar = sys.stderr.isatty() if options.progress is None else options.progress
         try:
+            # Fork the workers first: before any thread of ours exists, before any
+            # partition file is open.
+            self.pool = EncoderPool(self.jobs, self.ring_size, self._sink, self.source.url)
+            self.pool.start({})
             for p in range(self.n_normal):  # every partition exists, even an empty one
                 self._writer(p)
-            self.pool = ThreadPoolExecutor(max_workers=self.threads,
-                                           thread_name_prefix="pack-encode")
-            _pin_blosc()
             if show_bar:
                 from tqdm import tqdm
 
@@ -311,9 +303,12 @@ class StreamPacker:
                 self.take(m)
                 self._progress()
             self._copy_links()
-            self._drain()
+            self.pool.finish()
             return self._finish(t0)
         except BaseException:
+            if self.pool is not None:  # the collector writes no more
+                self.pool.close()
+                self.pool = None
             for w in self.writers.values():
                 try:
                     w.abort()
@@ -323,7 +318,7 @@ class StreamPacker:
             raise
         finally:
             if self.pool is not None:
-                self.pool.shutdown(wait=True, cancel_futures=True)
+                self.pool.close()
             if self.bar is not None:
                 self.bar.close()
             self.source.close()
@@ -393,29 +388,25 @@ def _part_result(p: int, size: int, checksum: str, fids: list[int], files: list[
     return res
 
 
-def _fill(read: Callable[[int], bytes], n: int) -> bytes:
-    """Up to ``n`` bytes from ``read``, fewer only at the end of the data."""
-    data = read(n)
-    if len(data) >= n or not data:
-        return data
-    parts = [data]
-    got = len(data)
-    while got < n:
-        more = read(n - got)
-        if not more:
+def _fill(readinto: Callable[[memoryview], int], view: memoryview) -> int:
+    """Fill ``view`` from ``readinto``; fewer bytes only at the end of the data."""
+    n = readinto(view)
+    want = len(view)
+    while 0 < n < want:
+        k = readinto(view[n:])
+        if not k:
             break
-        parts.append(more)
-        got += len(more)
-    return b"".join(parts)
+        n += k
+    return n
 
 
-def _pin_blosc() -> None:
-    try:
-        import blosc2
-
-        blosc2.set_nthreads(1)
-    except Exception:  # noqa: BLE001 - optional
-        pass
+def _into(read: Callable[[int], bytes]) -> Callable[[memoryview], int]:
+    """A ``readinto`` made of a ``read``."""
+    def readinto(view: memoryview) -> int:
+        data = read(len(view))
+        view[:len(data)] = data
+        return len(data)
+    return readinto
 
 
 def pack_stream(source: Source, dest: str, policy: CodecPolicy | None = None,

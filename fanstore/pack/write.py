@@ -37,6 +37,7 @@ from fanstore.format.index import (
     encode_index,
 )
 from fanstore.format.partition import PartitionWriter, partition_name
+from fanstore.kinds import file_kind
 from fanstore.pack.plan import CodecPolicy, in_dir, plan_partitions
 from fanstore.pack.dest import (  # noqa: F401 - re-exported (tests, older imports)
     OLD_MARK,
@@ -84,19 +85,42 @@ class PackSummary:
     def ratio(self) -> float:
         return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
 
+    @property
+    def ratio_with_index(self) -> float:
+        """Raw bytes over everything the store holds (on many small files the index, with
+        its dictionaries, is a few percent of the store)."""
+        total = self.stored_bytes + self.index_bytes
+        return self.raw_bytes / total if total else 1.0
+
     def lines(self) -> list[str]:
         mb_s = self.raw_bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
         return [
             f"packed {self.files:,} files, {self.dirs:,} directories, {self.symlinks:,} symlinks "
             f"into {self.partitions} partitions at {self.dest}",
             f"raw {_mb(self.raw_bytes)}, stored {_mb(self.stored_bytes)} "
-            f"(+ index {_mb(self.index_bytes)}), ratio {self.ratio:.2f}x",
+            f"(+ index {_mb(self.index_bytes)}), ratio {self.ratio:.2f}x "
+            f"({self.ratio_with_index:.2f}x with the index)",
             f"time {self.seconds:.1f} s, {mb_s:.0f} MB/s",
         ] + ([f"skipped {len(self.skipped)} entries (--skip-unreadable)"] if self.skipped else [])
 
 
 def _mb(n: int) -> str:
     return f"{n / 1e6:,.1f} MB"
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def check_arguments(src: str, dest: str, options: PackOptions) -> None:
+    """Refuse a bad source, destination or option before any work (the CLI calls this
+    before a codec selection that takes seconds; :func:`prepare` checks again)."""
+    if not os.path.exists(src):
+        raise UsageError(f"source {src} does not exist")
+    if not os.path.isdir(src):
+        raise UsageError(f"source {src} is not a directory")
+    check_options(options)
+    destination = open_destination(dest, options.notify)
+    check_destination(src, getattr(destination, "dest", destination.url), options.force)
 
 
 # --------------------------------------------------------------------------- workers
@@ -121,7 +145,10 @@ def _init_worker(progress) -> None:
 class _PartTask:
     number: int
     path: str
-    files: list[tuple[int, bytes, int, int]]  # (entry, abs path, size, codec slot)
+    #: (entry, abs path, size, codec slot, solid block size or 0, block group). Files with a
+    #: block size go into solid blocks: one open block per (slot, block size, group), where
+    #: the group is the file's kind (similar files compress best together).
+    files: list[tuple[int, bytes, int, int, int, int]]
     codecs: list[dict[str, Any]]  # codec table (slot -> config); slot 0 is "none"
     chunk_size: int
 
@@ -134,6 +161,8 @@ class _PartResult:
     entries: np.ndarray | None = None  # entry id per file, in partition order
     file_sums: np.ndarray | None = None
     chunk_counts: np.ndarray | None = None
+    chunk_firsts: np.ndarray | None = None  # first chunk of each file (partition-relative)
+    data_offsets: np.ndarray | None = None  # offset in the first chunk (solid blocks)
     chunks: dict[str, np.ndarray] | None = None
     raw_bytes: int = 0
     error: str | None = None
@@ -143,29 +172,99 @@ class _WriteError(OSError):
     """An OSError from writing a partition (reported as such, not as a source read error)."""
 
 
+class _Rows:
+    """The chunk rows a worker appends to its partition."""
+
+    def __init__(self, writer: PartitionWriter, n_est: int) -> None:
+        self.writer = writer
+        self.k = 0
+        self.cols = {
+            "offset": np.zeros(n_est, "<u8"),
+            "stored": np.zeros(n_est, "<u4"),
+            "raw": np.zeros(n_est, "<u4"),
+            "codec": np.zeros(n_est, "<u2"),
+            "checksum": np.zeros(n_est, "<u8"),
+        }
+
+    def add(self, raw, slot: int, codec) -> int:
+        """Compress (or keep raw) and append one chunk; returns its row."""
+        n = len(raw)
+        stored = codec.encode(raw) if slot else raw
+        use = slot
+        if len(stored) >= n:
+            stored, use = raw, 0
+        k = self.k
+        if k == len(self.cols["offset"]):  # more chunks than estimated (cannot happen)
+            for name, arr in self.cols.items():
+                self.cols[name] = np.concatenate((arr, np.zeros_like(arr)))
+        try:
+            self.cols["offset"][k] = self.writer.append(stored)
+        except OSError as exc:  # writing the partition, not reading a source file
+            raise _WriteError(exc.errno, exc.strerror) from exc
+        self.cols["stored"][k] = len(stored)
+        self.cols["raw"][k] = n
+        self.cols["codec"][k] = use
+        self.cols["checksum"][k] = xxhash.xxh3_64_intdigest(raw)
+        self.k += 1
+        return k
+
+
+def _progress_add(n: int) -> None:
+    if _progress is not None:
+        with _progress.get_lock():
+            _progress.value += n
+
+
 def _pack_partition(task: _PartTask) -> _PartResult:
     codecs = [get_codec(cfg) for cfg in task.codecs]
     res = _PartResult(task.number)
-    n_est = sum(max(1, -(-size // task.chunk_size)) for _, _, size, _ in task.files)
-    rows = {
-        "offset": np.zeros(n_est, "<u8"),
-        "stored": np.zeros(n_est, "<u4"),
-        "raw": np.zeros(n_est, "<u4"),
-        "codec": np.zeros(n_est, "<u2"),
-        "checksum": np.zeros(n_est, "<u8"),
-    }
-    entries = np.zeros(len(task.files), "<u4")
-    sums = np.zeros(len(task.files), "<u8")
-    counts = np.zeros(len(task.files), "<u4")
+    n_est = sum(max(1, -(-size // task.chunk_size)) for _, _, size, *_ in task.files)
+    n_files = len(task.files)
+    entries = np.zeros(n_files, "<u4")
+    sums = np.zeros(n_files, "<u8")
+    counts = np.zeros(n_files, "<u4")
+    firsts = np.zeros(n_files, "<u8")
+    offsets = np.zeros(n_files, "<u4")
     writer = PartitionWriter(task.path, task.number)
+    rows = _Rows(writer, n_est)
     buf = bytearray(task.chunk_size)
     view = memoryview(buf)
-    k = 0
+    # Open solid blocks: (slot, block size, group) -> [files (index, data)], fill
+    blocks: dict[tuple[int, int, int], tuple[list[tuple[int, bytes]], list[int]]] = {}
+
+    def flush(key: tuple[int, int, int]) -> None:
+        members, _ = blocks.pop(key)
+        slot = key[0]
+        raw = members[0][1] if len(members) == 1 else b"".join(d for _, d in members)
+        try:
+            k = rows.add(raw, slot, codecs[slot])
+        except CodecError as exc:
+            raise PackError(f"{show(task.files[members[0][0]][1])} and the files packed with "
+                            f"it: compression failed: {exc}") from exc
+        pos = 0
+        for i, data in members:
+            firsts[i], counts[i], offsets[i] = k, 1, pos
+            pos += len(data)
+
     try:
-        for i, (entry, path, size, slot) in enumerate(task.files):
+        for i, (entry, path, size, slot, solid, group) in enumerate(task.files):
             codec = codecs[slot]
+            entries[i] = entry
+            if solid and 0 < size <= solid:
+                data = _read_small(path, size, solid)
+                sums[i] = xxhash.xxh3_64_intdigest(data)
+                key = (slot, solid, group)
+                if key in blocks and blocks[key][1][0] + size > solid:
+                    flush(key)
+                members, fill = blocks.setdefault(key, ([], [0]))
+                members.append((i, data))
+                fill[0] += size
+                res.raw_bytes += size
+                _progress_add(size)
+                continue
             whole = xxhash.xxh3_64()
             got = 0
+            firsts[i] = rows.k
             try:
                 with open(path, "rb", buffering=0) as f:
                     while True:
@@ -183,23 +282,9 @@ def _pack_partition(task: _PartTask) -> _PartResult:
                             raise PackError(f"{show(path)}: file grew while being packed")
                         raw = view[:n]
                         whole.update(raw)
-                        stored = codec.encode(raw) if slot else raw
-                        use = slot
-                        if len(stored) >= n:
-                            stored, use = raw, 0
-                        try:
-                            rows["offset"][k] = writer.append(stored)
-                        except OSError as exc:  # writing the partition, not reading `path`
-                            raise _WriteError(exc.errno, exc.strerror) from exc
-                        rows["stored"][k] = len(stored)
-                        rows["raw"][k] = n
-                        rows["codec"][k] = use
-                        rows["checksum"][k] = xxhash.xxh3_64_intdigest(raw)
-                        k += 1
+                        rows.add(raw, slot, codec)
                         counts[i] += 1
-                        if _progress is not None:
-                            with _progress.get_lock():
-                                _progress.value += n
+                        _progress_add(n)
                         if n < len(buf):
                             break
             except _WriteError:
@@ -212,9 +297,12 @@ def _pack_partition(task: _PartTask) -> _PartResult:
                 raise PackError(
                     f"{show(path)}: file changed size while being packed ({size} -> {got} bytes)"
                 )
-            entries[i] = entry
+            if not counts[i]:
+                firsts[i] = 0
             sums[i] = whole.intdigest()
             res.raw_bytes += size
+        for key in list(blocks):
+            flush(key)
         res.checksum = writer.close()
         res.size = writer.size
     except FanStoreError as exc:  # a source problem, or object storage failing
@@ -229,9 +317,32 @@ def _pack_partition(task: _PartTask) -> _PartResult:
             res.error = f"cannot write {task.path}: {exc.strerror}"
         return res
     res.entries, res.file_sums, res.chunk_counts = entries, sums, counts
-    res.chunks = {name: arr[:k] for name, arr in rows.items()}
-    res.chunks["part"] = np.full(k, task.number, "<u4")
+    res.chunk_firsts, res.data_offsets = firsts, offsets
+    res.chunks = {name: arr[: rows.k] for name, arr in rows.cols.items()}
+    res.chunks["part"] = np.full(rows.k, task.number, "<u4")
     return res
+
+
+def _read_small(path: bytes, size: int, limit: int) -> bytes:
+    """A whole small file (at most ``limit`` bytes), checked against its scanned size."""
+    parts, got = [], 0
+    try:
+        with open(path, "rb", buffering=0) as f:
+            while got <= limit:  # short reads happen: read until EOF or past the limit
+                more = f.read(limit + 1 - got)
+                if not more:
+                    break
+                parts.append(more)
+                got += len(more)
+    except OSError as exc:
+        raise PackError(f"{show(path)}: cannot read: {exc.strerror}") from exc
+    data = parts[0] if len(parts) == 1 else b"".join(parts)
+    if len(data) > size:
+        raise PackError(f"{show(path)}: file grew while being packed")
+    if len(data) != size:
+        raise PackError(
+            f"{show(path)}: file changed size while being packed ({size} -> {len(data)} bytes)")
+    return data
 
 
 # --------------------------------------------------------------------------- driver
@@ -307,26 +418,42 @@ def prepare(
     # Codec table: slot 0 is always "none" (stored raw).
     configs: list[dict[str, Any]] = [NONE_CONFIG]
     slot_of: dict[str, int] = {}
+    # The policy's codec objects live through the plan: remember each one's slot, since a
+    # config with a dictionary is ~150 kB of base64 to build and serialise, per file.
+    slot_of_codec: dict[int, tuple[Any, int]] = {}
 
     def slot(codec) -> int:
+        known = slot_of_codec.get(id(codec))
+        if known is not None and known[0] is codec:
+            return known[1]
         cfg = codec.get_config()
         if cfg.get("id") == "none":
-            return 0
-        key = _canon(cfg)
-        if key not in slot_of:
-            slot_of[key] = len(configs)
-            configs.append(cfg)
-        return slot_of[key]
+            number = 0
+        else:
+            key = _canon(cfg)
+            if key not in slot_of:
+                slot_of[key] = len(configs)
+                configs.append(cfg)
+            number = slot_of[key]
+        slot_of_codec[id(codec)] = (codec, number)
+        return number
 
     destination.create_tmp()
     tasks = [
         _PartTask(p, destination.partition_path(partition_name(p)), [], configs, options.chunk_size)
         for p in range(n_parts)
     ]
+    groups: dict[str, int] = {}
     for i, p in zip(normal + bcast, assign_normal + assign_bcast):
         e = entries[i]
-        codec = policy.codec_for(os.fsdecode(e.rel), e.size)
-        tasks[p].files.append((i, os.path.join(scan.root, e.rel), e.size, slot(codec)))
+        rel = os.fsdecode(e.rel)
+        codec, solid = policy.choice_for(rel, e.size)
+        if solid > options.chunk_size:
+            raise UsageError(f"solid blocks of {solid >> 10} KiB do not fit in chunks of "
+                             f"{options.chunk_size >> 10} KiB (raise --chunk-kb)")
+        group = groups.setdefault(file_kind(rel, e.size), len(groups)) if solid else 0
+        tasks[p].files.append((i, os.path.join(scan.root, e.rel), e.size, slot(codec),
+                               solid, group))
     for t in tasks:
         t.files.sort(key=lambda f: f[0])  # scan (breadth-first) order: neighbours together
     return PackPlan(os.path.abspath(src), destination.url, scan, tasks, configs, n_normal,
@@ -491,9 +618,15 @@ def build_index(scan: ScanResult, results: list[_PartResult], configs, options: 
         k = len(r.chunks["part"])
         for name, arr in r.chunks.items():
             b.c[name][base : base + k] = arr
-        starts = base + np.concatenate(([0], np.cumsum(r.chunk_counts)[:-1])).astype(np.int64)
-        b.e["first"][r.entries] = np.where(r.chunk_counts > 0, starts, 0)
+        if r.chunk_firsts is not None:  # solid blocks: files may share a chunk
+            firsts = base + r.chunk_firsts.astype(np.int64)
+        else:  # each file's chunks follow the previous file's
+            firsts = base + np.concatenate(([0], np.cumsum(r.chunk_counts)[:-1])).astype(
+                np.int64)
+        b.e["first"][r.entries] = np.where(r.chunk_counts > 0, firsts, 0)
         b.e["count"][r.entries] = r.chunk_counts
+        if r.data_offsets is not None:  # solid blocks only (the streamed packer has none)
+            b.e["offset"][r.entries] = r.data_offsets
         b.e["checksum"][r.entries] = r.file_sums
         base += k
         partitions.append(PartitionInfo(

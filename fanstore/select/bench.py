@@ -58,6 +58,7 @@ class KindMeasure:
     raw_unit_bytes: int
     encode_s: float
     decode_s: float
+    amplification: float = 1.0  # bytes decoded per byte a reader gets (solid blocks)
 
 
 @dataclass
@@ -136,10 +137,58 @@ def measure(codec: Codec, units: list[bytes], encode_budget: float) -> KindMeasu
                        decode_s)
 
 
+def solid_blocks(units: list[bytes], block: int) -> tuple[list[bytes], list[int]]:
+    """The units as the packer would store them with solid blocks of ``block`` bytes: units
+    no larger than a block (whole small files) appended back to back in sample order, a new
+    block when the next does not fit; larger units alone. Returns the blocks and the number
+    of units in each."""
+    blocks: list[bytes] = []
+    members: list[int] = []
+    cur: list[bytes] = []
+    fill = 0
+
+    def close() -> None:
+        nonlocal cur, fill
+        if cur:
+            blocks.append(cur[0] if len(cur) == 1 else b"".join(cur))
+            members.append(len(cur))
+            cur, fill = [], 0
+
+    for u in units:
+        if len(u) > block:
+            blocks.append(u)
+            members.append(1)
+            continue
+        if fill + len(u) > block:
+            close()
+        cur.append(u)
+        fill += len(u)
+    close()
+    return blocks, members
+
+
+def measure_solid(codec: Codec, units: list[bytes], encode_budget: float,
+                  block: int) -> KindMeasure:
+    """:func:`measure` on the solid blocks of ``units`` (see :func:`solid_blocks`), with the
+    read amplification of a random-order read, ``sum(units in b * raw(b)) / sum(raw(b))``:
+    each file read decodes (and checks) its whole block. A decoded-chunk cache can only
+    lower it; the model does not count on one."""
+    blocks, members = solid_blocks(units, block)
+    m = measure(codec, blocks, encode_budget)
+    done = blocks[: m.units]  # encoding may have been cut short: what was measured
+    total = sum(len(b) for b in done)
+    m.amplification = (sum(n * len(b) for n, b in zip(members, done)) / total
+                       if total else 1.0)
+    return m
+
+
 # --------------------------------------------------------------------------- storage
 
 STORAGE_TEST_BYTES = 128 << 20
+#: Random reads per reader when the storage's access latency is measured.
+RANDOM_READS = 256
 _BLOCK = 4 << 20
+_PAGE = 4096
 
 
 def measure_storage(directory: str | None = None,
@@ -151,10 +200,23 @@ def measure_storage(directory: str | None = None,
     some network file systems) the pages are dropped with ``posix_fadvise(DONTNEED)`` and
     read normally, which the returned description says.
     """
+    rate, _latency, how = measure_storage_access(directory, 0, size)
+    return rate, how
+
+
+def measure_storage_access(directory: str | None = None, readers: int = 1,
+                           size: int = STORAGE_TEST_BYTES,
+                           reads: int = RANDOM_READS) -> tuple[float, float, str]:
+    """(sequential read bytes/s, one reader's seconds per random read, description) of the
+    file system holding ``directory``: :func:`measure_storage`, then ``readers`` threads
+    each make ``reads`` random 4 KiB reads of the same file at once (``O_DIRECT``, or after
+    ``DONTNEED``), as ``readers`` processes reading files in random order from their
+    partitions would. ``readers=0``: no random reads (latency 0)."""
     directory = directory or tempfile.gettempdir()
     block = os.urandom(_BLOCK)
     size = max(_BLOCK, size // _BLOCK * _BLOCK)
     fd, path = tempfile.mkstemp(prefix=".fanstore-select-", dir=directory)
+    latency = 0.0
     try:
         try:
             for _ in range(size // _BLOCK):
@@ -168,15 +230,61 @@ def measure_storage(directory: str | None = None,
         except OSError:
             method = "buffered after posix_fadvise(DONTNEED)"
             seconds = _read_dropped(path, size)
+        how = f"measured: {method} read of {size >> 20} MiB in {directory}"
+        if readers > 0:
+            latency = _random_reads(path, size, readers, reads, method == "O_DIRECT")
+            how += (f"; random 4 KiB reads, {readers} at once: {latency * 1e6:,.0f} us each "
+                    "per reader")
     except OSError as exc:
-        raise FanStoreError(f"cannot measure the storage bandwidth in {directory}: "
+        raise FanStoreError(f"cannot measure the storage in {directory}: "
                             f"{exc.strerror or exc}; pass --storage-mb-per-sec") from None
     finally:
         try:
             os.unlink(path)
         except OSError:
             pass
-    return size / seconds, f"measured: {method} read of {size >> 20} MiB in {directory}"
+    return size / seconds, latency, how
+
+
+def _random_reads(path: str, size: int, readers: int, reads: int, direct: bool) -> float:
+    """One reader's wall seconds per random 4 KiB read, ``readers`` threads at once."""
+    import random
+    import threading
+
+    pages = size // _PAGE
+    rng = random.Random(0)
+    plans = [[rng.randrange(pages) * _PAGE for _ in range(reads)] for _ in range(readers)]
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
+    fds = [os.open(path, flags) for _ in range(readers)]
+    failed: list[BaseException] = []
+    try:
+        if not direct and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fds[0], 0, 0, os.POSIX_FADV_DONTNEED)
+
+        def run(fd: int, offsets: list[int]) -> None:
+            buf = mmap.mmap(-1, _PAGE)  # page-aligned, as O_DIRECT needs
+            try:
+                for off in offsets:
+                    os.preadv(fd, [buf], off)
+            except OSError as exc:
+                failed.append(exc)
+            finally:
+                buf.close()
+
+        threads = [threading.Thread(target=run, args=(fd, plan))
+                   for fd, plan in zip(fds, plans)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+    finally:
+        for fd in fds:
+            os.close(fd)
+    if failed:
+        raise failed[0]
+    return wall / reads
 
 
 def _read_direct(path: str, size: int) -> float:

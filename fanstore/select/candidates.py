@@ -27,7 +27,14 @@ BASE_SPECS = ("none", "lz4", "snappy", "lz4hc:9", "lz4hc:12", "zstd:1", "zstd:3"
 BLOSC_CODECS = ("blosclz", "lz4", "zstd")
 BLOSC_CLEVEL = 5
 DICT_LEVEL = 3
+#: Levels measured with the whole-set dictionary: on small files a trained dictionary
+#: decodes about as fast at any level, so the high level buys capacity for pack time only.
+DICT_LEVELS = (3, 19)
 DICT_MAX = 112640  # zstd's default dictionary size
+#: Solid-block candidates: (block KiB, codec spec, with the dictionary). Measured on the
+#: kinds of small files; their read cost includes the read amplification (a file read in
+#: random order decodes its whole block).
+SOLID = ((16, "zstd:3", False), (64, "zstd:3", False), (64, "zstd:19", True))
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,14 @@ class Candidate:
     codec: Codec
     kinds: frozenset[str] | None = None
     overhead: int = 0
+    solid: int = 0  # solid block size in bytes (0: every file in its own chunks)
+    by_kind: tuple[tuple[str, Codec], ...] = ()  # kinds with their own codec (dictionaries)
+
+    def codec_for(self, kind: str) -> Codec:
+        for k, codec in self.by_kind:
+            if k == kind:
+                return codec
+        return self.codec
 
 
 def blosc_specs(typesize: int) -> list[str]:
@@ -87,18 +102,34 @@ def whole_set_candidates(sample: Sample) -> list[Candidate]:
     """Candidates applied to every kind (the single-codec choice)."""
     specs = list(BASE_SPECS) + blosc_specs(dominant_typesize(sample))
     out = [Candidate(c.spec, c) for c in _build(specs)]
-    train = [u for k, ks in sorted(sample.kinds.items()) if dict_eligible(k, ks.files)
-             for u in ks.train]
-    data = _dictionary(train)
-    if data is not None:
-        codec = ZstdCodec(DICT_LEVEL, dict_data=data)
-        out.append(Candidate(codec.spec, codec, overhead=len(data)))
+    # One dictionary per kind of many small files, as pack's --codec zstd:L+dict trains them;
+    # every dictionary is charged to the stored size.
+    dicts = {k: d for k, ks in sorted(sample.kinds.items())
+             if dict_eligible(k, ks.files) and ks.train
+             for d in [_dictionary(ks.train)] if d is not None}
+    overhead = sum(len(d) for d in dicts.values())
+
+    def with_dicts(level: int) -> tuple[tuple[str, Codec], ...]:
+        return tuple((k, ZstdCodec(level, dict_data=d)) for k, d in dicts.items())
+
+    if dicts:
+        for level in DICT_LEVELS:
+            out.append(Candidate(f"zstd:{level}+dict", ZstdCodec(level), overhead=overhead,
+                                 by_kind=with_dicts(level)))
+    if any(dict_eligible(k, ks.files) for k, ks in sample.kinds.items()):
+        for kb, spec, with_dict in SOLID:
+            if kb << 10 > sample.chunk_size or (with_dict and not dicts):
+                continue
+            base = parse_spec(spec)
+            label = f"{base.spec}{'+dict' if with_dict else ''}+solid{kb}k"
+            out.append(Candidate(label, base, overhead=overhead if with_dict else 0,
+                                 solid=kb << 10,
+                                 by_kind=with_dicts(base.level) if with_dict else ()))
     return out
 
 
 def per_kind_candidates(sample: Sample, base: list[Candidate]) -> list[Candidate]:
-    """Extras measured only on their own kind: filters at the kind's element size, and a
-    dictionary trained on the kind alone (when more than one kind shares the global one)."""
+    """Extras measured only on their own kind: filters at the kind's element size."""
     have = {c.label for c in base}
     out: list[Candidate] = []
     extra_specs: dict[str, list[str]] = {}
@@ -110,13 +141,4 @@ def per_kind_candidates(sample: Sample, base: list[Candidate]) -> list[Candidate
     for spec, kinds in extra_specs.items():
         for codec in _build([spec]):
             out.append(Candidate(codec.spec, codec, frozenset(kinds)))
-    eligible = [k for k, ks in sorted(sample.kinds.items())
-                if dict_eligible(k, ks.files) and ks.train]
-    if len(eligible) > 1:
-        for kind in eligible:
-            data = _dictionary(sample.kinds[kind].train)
-            if data is not None:
-                codec = ZstdCodec(DICT_LEVEL, dict_data=data)
-                out.append(Candidate(f"{codec.spec}[{kind}]", codec, frozenset([kind]),
-                                     overhead=len(data)))
     return out

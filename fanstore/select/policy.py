@@ -8,10 +8,13 @@ Notation (all rates in bytes per second of *raw*, i.e. decoded, data):
 * ``s``  stored bytes per raw byte (``1 / ratio``);
 * ``c``  single-core CPU seconds per raw byte on the read path: decode (raw chunks: a copy)
   plus the XXH3 checksum every read verifies;
-* ``S``  node-local storage read bandwidth, ``n`` cores, ``R`` the required rate.
+* ``S``  node-local storage read bandwidth, ``n`` cores, ``R`` the required rate;
+* ``p``  the read path's own cost per raw byte (per file and per chunk, calibrated);
+* ``q``  random reads per raw byte (one per file), ``L`` one reader's time per random read
+  with ``n`` readers at once (measured: the storage's access latency at that queue depth).
 
-``sync``:      ``X = min(n / (c + s/S), S/s)``  (read then decode, ``n`` readers in parallel)
-``prefetch``:  ``X = min(n / c, S/s)``          (decode and I/O overlap compute)
+``sync``:      ``X = min(n / (c + p + s/S + q·L), S/s)``  (read then decode, ``n`` readers)
+``prefetch``:  ``X = min(n / (c + p), S/s)``    (decode and I/O overlap compute)
 
 A candidate meets the budget when ``X >= R``. Both constraints are linear in the per-kind
 costs, which is what makes the per-kind choice a small multiple-choice knapsack.
@@ -38,15 +41,29 @@ class Cost:
 
     Attributes: ``stored`` stored bytes per raw byte (1/ratio, at most 1 since the store keeps
     chunks raw when compression does not shrink them); ``cpu`` single-core seconds per raw
-    byte on the read path (decode + checksum).
+    byte on the read path (decode + checksum); ``io`` stored bytes *read* per raw byte a
+    reader gets (``None``: ``stored``). They differ for solid blocks: a file read in random
+    order fetches, decodes and checks its whole block, so ``cpu`` and ``io`` carry that read
+    amplification while ``stored`` (capacity) does not; ``path`` is what the read path
+    itself (the FUSE mount or the Python API) costs one reader per raw byte, from its cost
+    per file and per chunk (0 when not calibrated); ``seeks`` random storage reads per raw
+    byte (one per file: the first read of a file lands anywhere in its partition).
     """
 
     stored: float
     cpu: float
+    io: float | None = None
+    path: float = 0.0  # the reader's own cost per raw byte (per file and chunk; calibrate.py)
+    seeks: float = 0.0  # random storage reads per raw byte
 
     @property
     def ratio(self) -> float:
         return 1.0 / self.stored if self.stored > 0 else math.inf
+
+    @property
+    def read(self) -> float:
+        """Stored bytes read per raw byte delivered."""
+        return self.stored if self.io is None else self.io
 
 
 @dataclass(frozen=True)
@@ -54,18 +71,22 @@ class Budget:
     """What the node must sustain.
 
     Attributes: ``mode`` sync or prefetch; ``required`` raw bytes/s per node; ``cores`` cores
-    decoding; ``storage`` node-local read bandwidth in bytes/s (``inf``: not a limit).
+    decoding; ``storage`` node-local read bandwidth in bytes/s (``inf``: not a limit);
+    ``latency`` one reader's seconds per random storage read with ``cores`` readers at once
+    (0: not charged).
     """
 
     mode: str
     required: float
     cores: int
     storage: float
+    latency: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if not self.required > 0 or self.cores < 1 or not self.storage > 0:
+        if not self.required > 0 or self.cores < 1 or not self.storage > 0 \
+                or not self.latency >= 0:
             raise ValueError(f"bad budget {self!r}")
 
     @property
@@ -76,15 +97,15 @@ class Budget:
     def work(self, cost: Cost) -> float:
         """Core-seconds per raw byte charged against :attr:`time_allowance`."""
         if self.mode == "sync":
-            return cost.cpu + cost.stored / self.storage
-        return cost.cpu
+            return cost.cpu + cost.path + cost.read / self.storage + cost.seeks * self.latency
+        return cost.cpu + cost.path
 
 
 def node_rate(cost: Cost, budget: Budget) -> float:
     """Raw bytes/s one node sustains with this cost under the budget's mode, cores, storage."""
     work = budget.work(cost)
     cpu_bound = math.inf if work <= 0 else budget.cores / work
-    io_bound = math.inf if cost.stored <= 0 else budget.storage / cost.stored
+    io_bound = math.inf if cost.read <= 0 else budget.storage / cost.read
     return min(cpu_bound, io_bound)
 
 
@@ -97,8 +118,13 @@ def mix(costs: Sequence[Cost], weights: Sequence[float]) -> Cost:
     total = float(sum(weights))
     if total <= 0:
         return Cost(1.0, 0.0)
+    io = None
+    if any(c.io is not None for c in costs):
+        io = sum(w * c.read for c, w in zip(costs, weights)) / total
     return Cost(sum(w * c.stored for c, w in zip(costs, weights)) / total,
-                sum(w * c.cpu for c, w in zip(costs, weights)) / total)
+                sum(w * c.cpu for c, w in zip(costs, weights)) / total, io,
+                sum(w * c.path for c, w in zip(costs, weights)) / total,
+                sum(w * c.seeks for c, w in zip(costs, weights)) / total)
 
 
 def choose(costs: Mapping[str, Cost], budget: Budget, order: Sequence[str] | None = None,

@@ -51,15 +51,21 @@ def _cand_json(res: "SelectionResult", c: "CandidateResult") -> dict[str, Any]:
         "codec": c.label,
         "ratio": _num(c.cost.ratio, 4),
         "decode_mb_per_s": _num(dec / MB),
-        "files_per_s": _num(res.files_rate(dec)),
+        "decode_files_per_s": _num(res.files_rate(dec)),
         "read_mb_per_s": _num(read / MB),
         "encode_mb_per_s": _num(c.encode_mb_per_s),
         "raw_fraction": _num(c.raw_fraction, 4),
         "measured_mb": _num(c.measured_bytes / MB, 2),
     }
+    if c.solid:
+        out["solid_kb"] = c.solid >> 10
+        out["read_amplification"] = _num(c.cost.read / c.cost.stored, 2)
     if c.kinds is None:
+        # The model's rates per node; with a calibrated reader, what that reader gets.
         out.update(node_mb_per_s=_num(c.node_rate / MB),
                    node_files_per_s=_num(res.files_rate(c.node_rate)),
+                   mb_per_s=_num(c.node_rate / MB),
+                   files_per_s=_num(res.files_rate(c.node_rate)),
                    meets_budget=bool(c.meets), chosen=bool(c.chosen))
     else:
         out["kinds"] = list(c.kinds)
@@ -83,6 +89,7 @@ def to_json(res: "SelectionResult") -> dict[str, Any]:
             "cores": b.cores,
             "storage_mb_per_s": _num(b.storage / MB),
             "storage_from": res.storage_from,
+            "storage_latency_us": _num(b.latency * 1e6, 1),
         },
         "sample": {
             "seed": opts.seed,
@@ -95,6 +102,7 @@ def to_json(res: "SelectionResult") -> dict[str, Any]:
             "mean_file_bytes": _num(res.raw_bytes / res.files if res.files else 0.0, 0),
         },
         "checksum_mb_per_s": _num(res.checksum_mb_per_s),
+        "reader": res.reader.to_json() if res.reader is not None else None,
         "candidates": [_cand_json(res, c) for c in res.candidates if c.kinds is None],
         "chosen": res.chosen,
         "met": res.budget_met,
@@ -137,7 +145,7 @@ def to_json(res: "SelectionResult") -> dict[str, Any]:
 
 def summary_line(res: "SelectionResult") -> str:
     b = res.budget
-    need = f"{_rate(b.required)}" + (" (default: as fast as storing raw)"
+    need = f"{_rate(b.required)}" + (" (default: 90% of the rate of storing raw)"
                                       if res.budget_from == "default" else "")
     verdict = "met" if res.budget_met else "NOT met"
     if res.per_kind is not None and res.per_kind_cost is not None:
@@ -161,7 +169,7 @@ def not_met_message(res: "SelectionResult") -> str:
             f"candidate, {c.label}, reaches {_rate(c.node_rate)} (ratio {c.cost.ratio:.2f}x)")
     if res.per_kind is not None and res.per_kind_cost is not None:
         text += f", the fastest per-kind mix {_rate(res.per_kind_rate or 0.0)}"
-    if c.cost.stored > 0 and b.storage / c.cost.stored < b.required:
+    if c.cost.read > 0 and b.storage / c.cost.read < b.required:
         text += f" and storage reads at {_rate(b.storage)} cap it"
     return text
 
@@ -178,10 +186,15 @@ def table(res: "SelectionResult") -> str:
                  f"from {len(res.kinds)} kinds (seed {opts.seed}"
                  f"{', the whole source' if whole else ''}; chunk {opts.chunk_size >> 10} KiB)")
     how = {"mb_per_sec": "--mb-per-sec", "files_per_sec": "--files-per-sec",
-           "default": "default: the rate of storing the data raw"}[res.budget_from]
+           "default": "default: 90% of the rate of storing the data raw"}[res.budget_from]
     lines.append(f"budget    {res.mode}: {_rate(b.required)} = "
                  f"{_files(res.files_rate(b.required))} per node on {b.cores} cores ({how})")
-    lines.append(f"storage   {_rate(b.storage)} ({res.storage_from})")
+    lines.append(f"storage   {_rate(b.storage)}, {b.latency * 1e6:,.0f} us per random read "
+                 f"per reader ({res.storage_from})")
+    if res.reader is not None:
+        lines.append(f"reader    {res.reader.describe()}")
+    else:
+        lines.append("reader    not modelled (--reader mount|api calibrates the read path)")
     lines.append(f"checksum  xxh3-64 at {res.checksum_mb_per_s:,.0f} MB/s on one core, "
                  "charged to every candidate")
     lines.append("")

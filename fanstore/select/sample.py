@@ -116,15 +116,19 @@ def list_source(src: str) -> list[SourceFile]:
 
 
 def draw_sample(files: list[SourceFile], target_bytes: int, chunk_size: int, seed: int,
-                root: str = "", progress: bool | None = None) -> Sample:
-    """Draw and read the sample (see the module docstring)."""
+                root: str = "", progress: bool | None = None,
+                train_bytes: int = DICT_TRAIN_BYTES) -> Sample:
+    """Draw and read the sample (see the module docstring); ``train_bytes`` of dictionary
+    training files in all."""
     by_kind: dict[str, list[SourceFile]] = {}
     for f in files:
         by_kind.setdefault(file_kind(f.rel, f.size), []).append(f)
     total = sum(f.size for f in files)
+    if not files:
+        raise UsageError(f"{root or 'the source'} holds no files to sample")
     if total == 0:
         raise UsageError(f"{root or 'the source'} holds no data to sample "
-                         f"({len(files)} files, all empty)")
+                         f"({len(files):,} file{'s' if len(files) != 1 else ''}, all empty)")
     sample = Sample(root, chunk_size, seed, target_bytes, len(files), total, {})
     plans: dict[str, list[tuple[SourceFile, int]]] = {}
     for kind in sorted(by_kind):
@@ -141,7 +145,7 @@ def draw_sample(files: list[SourceFile], target_bytes: int, chunk_size: int, see
         sampled = {id(f): f for f, _ in plan}
         ks.unit_files = len(sampled)
         ks.typesize, ks.typesize_from = _typesize(kind, list(sampled.values()))
-    _draw_training(sample, by_kind, plans, seed)
+    _draw_training(sample, by_kind, plans, seed, train_bytes)
     return sample
 
 
@@ -277,7 +281,8 @@ def dict_eligible(kind: str, files: int) -> bool:
 
 
 def _draw_training(sample: Sample, by_kind: dict[str, list[SourceFile]],
-                   plans: dict[str, list[tuple[SourceFile, int]]], seed: int) -> None:
+                   plans: dict[str, list[tuple[SourceFile, int]]], seed: int,
+                   train_bytes: int = DICT_TRAIN_BYTES) -> None:
     """Training files for dictionary kinds, disjoint from the measured units if possible.
 
     A dictionary trained on the very files it is measured on would flatter it; pack applies
@@ -290,7 +295,7 @@ def _draw_training(sample: Sample, by_kind: dict[str, list[SourceFile]],
     weight = sum(sample.kinds[k].raw_bytes for k in eligible)
     for kind in eligible:
         ks = sample.kinds[kind]
-        budget = max(256 << 10, DICT_TRAIN_BYTES * ks.raw_bytes // max(1, weight))
+        budget = max(256 << 10, train_bytes * ks.raw_bytes // max(1, weight))
         used = {id(f) for f, _ in plans[kind]}
         rest = [f for f in by_kind[kind] if f.size and id(f) not in used]
         if len(rest) < DICT_MIN_FILES:

@@ -17,6 +17,7 @@ from typing import Any
 from compressors import Codec, CodecError, parse_spec
 from fanstore.errors import BudgetNotMetError, FanStoreError, UsageError
 from fanstore.select import bench, policy
+from fanstore.select.calibrate import ReaderCost, calibrate, check_reader
 from fanstore.select.candidates import Candidate, per_kind_candidates, whole_set_candidates
 from fanstore.select.policy import Budget, Cost
 from fanstore.select.sample import Sample, draw_sample, list_source
@@ -26,6 +27,10 @@ log = logging.getLogger(__name__)
 MB = 1e6
 #: Encode time allowed per candidate over the whole sample (see bench.py).
 ENCODE_SECONDS = 4.0
+#: The default budget: this fraction of the rate the reader gets from the data stored raw
+#: (compression may cost a reader at most 10% of that rate; exactly 100% would refuse every
+#: codec on small files, where decoding costs a reader a few percent at most).
+DEFAULT_BUDGET = 0.9
 
 
 @dataclass
@@ -40,7 +45,9 @@ class SelectionOptions:
     seed: int = 0
     per_kind: bool = False
     storage_mb_per_sec: float | None = None  # None: measured
+    storage_latency_us: float | None = None  # None: measured with the bandwidth, else 0
     storage_dir: str | None = None  # where to measure it (None: the temp directory)
+    reader: str | None = None  # calibrate the read path: "mount", "api" (None: not modelled)
     chunk_size: int = 1 << 20
     encode_seconds: float = ENCODE_SECONDS
     progress: bool | None = None  # None: on a terminal only
@@ -56,6 +63,11 @@ class SelectionOptions:
                 raise UsageError(f"--{name.replace('_', '-')} must be a positive number")
         if self.cores is not None and self.cores < 1:
             raise UsageError("--cores must be at least 1")
+        if self.storage_latency_us is not None and not (
+                self.storage_latency_us >= 0 and math.isfinite(self.storage_latency_us)):
+            raise UsageError("--storage-latency-us must be a number >= 0")
+        if self.reader is not None:
+            check_reader(self.reader)
 
     @property
     def n_cores(self) -> int:
@@ -78,9 +90,22 @@ def selection_options(args: Any) -> SelectionOptions:
         seed=getattr(args, "seed", 0) or 0,
         per_kind=bool(getattr(args, "per_kind", False)),
         storage_mb_per_sec=getattr(args, "storage_mb_per_sec", None),
+        storage_latency_us=getattr(args, "storage_latency_us", None),
+        reader=getattr(args, "reader", None) or _default_reader(),
         chunk_size=(getattr(args, "chunk_kb", None) or 1024) * 1024,
         progress=False if getattr(args, "no_progress", False) else None,
     )
+
+
+def _default_reader() -> str:
+    """``mount`` where FUSE works here, else ``api`` (said once on stderr)."""
+    from fanstore.select.calibrate import fuse_problem
+
+    problem = fuse_problem()
+    if problem:
+        print(f"fanstore: --reader api (no FUSE here: {problem})", file=sys.stderr)
+        return "api"
+    return "mount"
 
 
 @dataclass
@@ -102,6 +127,8 @@ class CandidateResult:
     meets: bool
     chosen: bool = False
     kinds: list[str] | None = None  # per-kind extras: the kinds it was measured on
+    solid: int = 0  # solid block size (bytes), 0: none
+    by_kind: dict[str, Codec] = field(default_factory=dict)  # kinds with their own codec
 
 
 @dataclass
@@ -139,6 +166,7 @@ class SelectionResult:
     per_kind_cost: Cost | None = None
     per_kind_met: bool | None = None
     seconds: float = 0.0
+    reader: ReaderCost | None = None
 
     # ------------------------------------------------------------------ accessors
 
@@ -228,10 +256,19 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
 
     if options.storage_mb_per_sec is not None:
         storage, storage_from = options.storage_mb_per_sec * MB, "given"
+        latency = (options.storage_latency_us or 0.0) * 1e-6
     else:
-        storage, storage_from = bench.measure_storage(options.storage_dir)
+        storage, latency, storage_from = bench.measure_storage_access(
+            options.storage_dir, options.n_cores)
         log.info("storage read bandwidth %.0f MB/s (%s)", storage / MB, storage_from)
+    if options.storage_latency_us is not None:
+        latency = options.storage_latency_us * 1e-6
 
+    reader = None
+    if options.reader is not None:
+        reader = calibrate(files, options.reader, options.n_cores, options.chunk_size,
+                           options.seed, options.storage_dir)
+        log.info("reader %s", reader.describe())
     base = {k: bench.baseline(sample.kinds[k].units) for k in kinds}
     cands = whole_set_candidates(sample)
     if options.per_kind:
@@ -241,13 +278,25 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
     results = {k: KindResult(k, sample.kinds[k].files, sample.kinds[k].raw_bytes,
                              sample.kinds[k].sample_bytes, sample.kinds[k].typesize,
                              sample.kinds[k].typesize_from) for k in kinds}
+    path = _path_costs(files, sample, kinds, reader, options.chunk_size)
+    seeks = _seeks(files, sample, kinds)
     for cand in cands:
-        # A dictionary is stored once: charge it per raw byte of the kinds that use it.
-        extra = cand.overhead / sum(sample.kinds[k].raw_bytes for k in measures[cand.label])
+        # A dictionary is stored once: charge it per raw byte of the kind(s) that use it.
+        spread = cand.overhead / sum(sample.kinds[k].raw_bytes for k in measures[cand.label])
         for k, m in measures[cand.label].items():
-            decode = (m.decode_s + m.raw_unit_bytes * base[k].copy) / m.raw_bytes
-            results[k].costs[cand.label] = Cost(m.stored_bytes / m.raw_bytes + extra,
-                                                decode + base[k].checksum)
+            if cand.by_kind:
+                own = cand.codec_for(k).get_config().get("dict")
+                extra = (len(cand.codec_for(k).dict_data) / sample.kinds[k].raw_bytes
+                         if own else 0.0)
+            else:
+                extra = spread
+            # Solid blocks: a read decodes and checks its whole block (amplification).
+            amp = m.amplification
+            decode = (m.decode_s + m.raw_unit_bytes * base[k].copy) / m.raw_bytes * amp
+            stored = m.stored_bytes / m.raw_bytes
+            results[k].costs[cand.label] = Cost(
+                stored + extra, decode + base[k].checksum * amp,
+                stored * amp if cand.solid else None, path.get(k, 0.0), seeks.get(k, 0.0))
             results[k].decode_s[cand.label] = decode
     weights = {k: float(sample.kinds[k].raw_bytes) for k in kinds}
     wsum = sum(weights.values())
@@ -261,9 +310,10 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
     else:
         none_cost = policy.mix([results[k].costs["none"] for k in kinds],
                                [weights[k] for k in kinds])
-        required = policy.node_rate(none_cost, Budget(options.mode, 1.0, cores, storage))
+        required = DEFAULT_BUDGET * policy.node_rate(
+            none_cost, Budget(options.mode, 1.0, cores, storage, latency))
         budget_from = "default"
-    budget = Budget(options.mode, required, cores, storage)
+    budget = Budget(options.mode, required, cores, storage, latency)
 
     order = [c.label for c in cands]
     cand_results: list[CandidateResult] = []
@@ -281,7 +331,8 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
             measured / enc_s / MB if enc_s > 0 else math.inf, measured,
             sum(m.raw_unit_bytes for m in ms) / measured if measured else 0.0,
             rate, cand.kinds is None and policy.meets(cost, budget),
-            kinds=None if cand.kinds is None else sorted(cand.kinds)))
+            kinds=None if cand.kinds is None else sorted(cand.kinds), solid=cand.solid,
+            by_kind=dict(cand.by_kind)))
     single_costs = {c.label: c.cost for c in cand_results if c.kinds is None}
     chosen, met = policy.choose(single_costs, budget, order)
     for c in cand_results:
@@ -292,7 +343,7 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
         files=sample.files, raw_bytes=sample.raw_bytes, sample_bytes=sample.sample_bytes,
         sample_units=sample.units, storage_from=storage_from,
         checksum_mb_per_s=wsum / sum(weights[k] * base[k].checksum for k in kinds) / MB,
-        candidates=cand_results, kinds=results, chosen=chosen, met=met)
+        candidates=cand_results, kinds=results, chosen=chosen, met=met, reader=reader)
     if options.per_kind:
         mc = policy.choose_per_kind({k: results[k].costs for k in kinds}, weights, budget,
                                     single=chosen if met else None, order=order)
@@ -306,6 +357,37 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
     return result
 
 
+def _path_costs(files, sample: Sample, kinds: list[str], reader: ReaderCost | None,
+                chunk_size: int) -> dict[str, float]:
+    """The read path's own cost per raw byte of each kind: the calibrated cost of every file
+    of the kind (per file, and per chunk beyond its first) over the kind's bytes. Empty files
+    cost a reader an open too. (Files in solid blocks are one chunk each; the kinds that
+    get solid blocks have files of one chunk anyway.)"""
+    if reader is None:
+        return {}
+    from fanstore.kinds import file_kind
+
+    seconds: dict[str, float] = {}
+    for f in files:
+        k = file_kind(f.rel, f.size)
+        seconds[k] = seconds.get(k, 0.0) + reader.file_cost(-(-f.size // chunk_size))
+    return {k: seconds.get(k, 0.0) / sample.kinds[k].raw_bytes for k in kinds
+            if sample.kinds[k].raw_bytes}
+
+
+def _seeks(files, sample: Sample, kinds: list[str]) -> dict[str, float]:
+    """Random storage reads per raw byte of each kind: one per file (files are read in
+    random order; the rest of a large file follows sequentially)."""
+    from fanstore.kinds import file_kind
+
+    count: dict[str, int] = {}
+    for f in files:
+        k = file_kind(f.rel, f.size)
+        count[k] = count.get(k, 0) + 1
+    return {k: count.get(k, 0) / sample.kinds[k].raw_bytes for k in kinds
+            if sample.kinds[k].raw_bytes}
+
+
 def _measure_all(sample: Sample, kinds: list[str], cands: list[Candidate],
                  options: SelectionOptions) -> dict[str, dict[str, bench.KindMeasure]]:
     """Measure every candidate on its kinds; a codec that fails is left out (and removed
@@ -317,10 +399,14 @@ def _measure_all(sample: Sample, kinds: list[str], cands: list[Candidate],
             mine = [k for k in kinds if cand.kinds is None or k in cand.kinds]
             mine_bytes = sum(sample.kinds[k].sample_bytes for k in mine)
             try:
-                out[cand.label] = {
-                    k: bench.measure(cand.codec, sample.kinds[k].units, options.encode_seconds
-                                     * sample.kinds[k].sample_bytes / mine_bytes)
-                    for k in mine}
+                out[cand.label] = {}
+                for k in mine:
+                    budget = options.encode_seconds * sample.kinds[k].sample_bytes / mine_bytes
+                    units = sample.kinds[k].units
+                    codec = cand.codec_for(k)
+                    out[cand.label][k] = (
+                        bench.measure_solid(codec, units, budget, cand.solid)
+                        if cand.solid else bench.measure(codec, units, budget))
             except (CodecError, FanStoreError) as exc:
                 if cand.label == "none":
                     raise
@@ -344,17 +430,23 @@ def policy_from_selection(result: SelectionResult):
     from fanstore.pack import CodecPolicy
 
     if not result.budget_met:
+        solid = result.candidate(result.chosen).solid
         raise BudgetNotMetError(result.not_met_message() + "; to pack anyway, give the "
-                                f"codec: --codec {_packable(result.chosen_codec)}")
-    default = result.chosen_codec
+                                f"codec: --codec {_packable(result.chosen_codec)}"
+                                + (f" --solid-kb {solid >> 10}" if solid else ""))
+    chosen = result.candidate(result.chosen)
+    default = chosen.codec
     if result.per_kind is None:
-        return CodecPolicy(default)
-    by_kind = {}
+        return CodecPolicy(default, dict(chosen.by_kind), chosen.solid,
+                           {k: chosen.solid for k in chosen.by_kind})
+    by_kind, solid_by_kind = {}, {}
     for kind, label in result.per_kind.items():
-        codec = result.candidate(label).codec
-        if codec != default:
+        cand = result.candidate(label)
+        codec = cand.by_kind.get(kind, cand.codec)
+        if codec != default or cand.solid != chosen.solid:
             by_kind[kind] = codec
-    return CodecPolicy(default, by_kind)
+            solid_by_kind[kind] = cand.solid
+    return CodecPolicy(default, by_kind, chosen.solid, solid_by_kind)
 
 
 def _packable(codec: Codec) -> str:
@@ -364,4 +456,4 @@ def _packable(codec: Codec) -> str:
         parse_spec(spec)
         return spec
     except Exception:  # noqa: BLE001 - zstd:3+dict and the like
-        return spec.split("+", 1)[0]
+        return spec  # pack trains the dictionaries itself (--codec zstd:L+dict)

@@ -137,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         print(result.summary_line(), file=sys.stderr)
 
         runs: list[tuple[str, object, Cost]] = []
-        chosen_policy = CodecPolicy(result.chosen_codec)
+        # The chosen candidate as pack applies it (dictionaries per kind, solid blocks).
+        c = result.candidate(result.chosen)
+        chosen_policy = CodecPolicy(c.codec, dict(c.by_kind), c.solid,
+                                    {k: c.solid for k in c.by_kind})
         runs.append((f"{result.chosen} (chosen)", chosen_policy,
                      predicted_cost(result, result.chosen)))
         if a.per_kind and result.per_kind is not None:

@@ -7,7 +7,10 @@ A. The small files of the peer dataset (20,000 files of 50-150 kB, ~2 GB: `gen_d
      - `fanstore pack data.tar`                        (streamed, never extracted)
      - `tar -xf data.tar` + `fanstore pack extracted/` (what users do today)
    page cache dropped before each step; wall time and CPU seconds (user+sys of the
-   processes) per step, alternating the two ways, `--reps` times.
+   processes) per step, alternating the two ways, `--reps` times. With `--before REV`
+   a third way, in the same rotation: `fanstore pack data.tar` by the code of git
+   revision REV (its `fanstore/` and `compressors/`, exported with `git archive`), to
+   compare an implementation with the one before it in one sitting.
 B. That store packed into a local S3 endpoint (moto's server mode on 127.0.0.1, one Python
    process: it, not the network, is the ceiling here), then staged into an empty local
    directory with 1 and with 8 parallel range-read streams (`stage_partitions`, as
@@ -15,7 +18,7 @@ B. That store packed into a local S3 endpoint (moto's server mode on 127.0.0.1, 
    times. Every staged partition is checked against its XXH3-128 before it counts.
 
     .venv/bin/python tools/bench/sources_bench.py [--files 20000] [--reps 2] [--work DIR]
-        [--no-docs]
+        [--before REV] [--no-docs]
 
 Writes the section `sources_bench` of docs/benchmarks.md and tools/bench/results/
 sources-bench.jsonl. Run as root on a quiet machine (drop_caches).
@@ -24,9 +27,11 @@ sources-bench.jsonl. Run as root on a quiet machine (drop_caches).
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -55,6 +60,18 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] sources_bench: {msg}", file=sys.stderr, flush=True)
 
 
+def export_revision(rev: str, work: str) -> str:
+    """The fanstore/ and compressors/ of git revision ``rev``, in a directory for
+    PYTHONPATH (the installed dependencies are the same)."""
+    out = os.path.join(work, f"code-{rev}")
+    if not os.path.isdir(out):
+        os.makedirs(out)
+        archive = subprocess.run(["git", "-C", REPO, "archive", rev, "fanstore", "compressors"],
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-C", out, "-xf", "-"], input=archive, check=True)
+    return out
+
+
 def timed(cmd: list[str], env: dict | None = None) -> dict:
     """Run ``cmd``; wall seconds and CPU seconds (user+sys of it and its children)."""
     before = os.times()
@@ -70,17 +87,27 @@ def timed(cmd: list[str], env: dict | None = None) -> dict:
 
 
 def generate(data: str, files: int) -> str:
+    """Make the dataset (unless a run before made it); how it was made."""
+    record = data + "-how.txt"
     if os.path.isdir(data):
-        return "existing"
+        try:
+            with open(record) as f:
+                return f.read().strip()
+        except OSError:
+            return "existing"
     if os.path.exists(PEER_GEN):
         lists = data + "-lists"
         subprocess.run([PY, PEER_GEN, "--out", data, "--lists", lists, "--n-small", str(files),
                         "--n-large", "0"], check=True)
-        return f"../shared/bench/gen_dataset.py --n-small {files} --n-large 0"
-    subprocess.run([PY, os.path.join(REPO, "tools", "gen_dataset.py"), data, "--files",
-                    str(files), "--classes", "100", "--min-kb", "50", "--max-kb", "150"],
-                   check=True)
-    return f"tools/gen_dataset.py --files {files} --classes 100 --min-kb 50 --max-kb 150"
+        how = f"../shared/bench/gen_dataset.py --n-small {files} --n-large 0"
+    else:
+        subprocess.run([PY, os.path.join(REPO, "tools", "gen_dataset.py"), data, "--files",
+                        str(files), "--classes", "100", "--min-kb", "50", "--max-kb", "150"],
+                       check=True)
+        how = f"tools/gen_dataset.py --files {files} --classes 100 --min-kb 50 --max-kb 150"
+    with open(record, "w") as f:
+        f.write(how + "\n")
+    return how
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--work", default="/tmp/fanstore-sourcesbench")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--before", metavar="REV",
+                    help="also pack the tar with the code of this git revision")
     ap.add_argument("--no-docs", action="store_true")
     a = ap.parse_args(argv)
     os.makedirs(a.work, exist_ok=True)
@@ -105,13 +134,21 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     os.makedirs(RESULTS_DIR, exist_ok=True)
 
-    # ---- A. pack from the tar vs extract + pack
+    # ---- A. pack from the tar vs extract + pack (vs the tar by an earlier revision)
+    ways = ("tar", "extract") + (("before",) if a.before else ())
+    if a.before:
+        old_code = export_revision(a.before, a.work)
+        old_cmd = [PY, "-c", "import sys; from fanstore.cli import main; sys.exit(main())"]
+        old_env = dict(os.environ, PYTHONPATH=old_code)
     for rep in range(a.reps):
-        for way in ("tar", "extract"):
+        for way in ways:
             store = os.path.join(a.work, f"store-{way}")
-            if way == "tar":
+            if way in ("tar", "before"):
                 dropped = drop_caches()
-                r = timed([FANSTORE, "pack", archive, store] + pack_args)
+                if way == "tar":
+                    r = timed([FANSTORE, "pack", archive, store] + pack_args)
+                else:
+                    r = timed(old_cmd + ["pack", archive, store] + pack_args, env=old_env)
                 rows.append({"part": "A", "way": way, "rep": rep, "wall": r["wall"],
                              "cpu": r["cpu"], "dropped": dropped})
             else:
@@ -175,7 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(RESULTS_DIR, "sources-bench.jsonl"), "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    body = render(rows, a, how, n_files, raw, os.path.getsize(archive), same)
+    identical = None
+    if a.before:
+        tar_store, old_store = (os.path.join(a.work, f"store-{w}") for w in ("tar", "before"))
+        names = sorted(os.listdir(tar_store))
+        identical = names == sorted(os.listdir(old_store)) and all(
+            filecmp.cmp(os.path.join(tar_store, n), os.path.join(old_store, n), shallow=False)
+            for n in names)
+    body = render(rows, a, how, n_files, raw, os.path.getsize(archive), same, identical)
     if a.no_docs:
         print(body)
     else:
@@ -184,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def render(rows, a, how, n_files, raw, tar_size, same) -> str:
+def render(rows, a, how, n_files, raw, tar_size, same, identical=None) -> str:
     def vals(part, key, **kw):
         return [r[key] for r in rows if r["part"] == part and all(r.get(k) == v
                                                                   for k, v in kw.items())]
@@ -206,31 +250,43 @@ def render(rows, a, how, n_files, raw, tar_size, same) -> str:
              f"{raw / 1e9:.2f} GB; tar {tar_size / 1e9:.2f} GB)")
     w.append("")
     w.append(f"Dataset: `{how}` (the small files of the peer dataset), made into one tar by "
-             "`tar -cf`. Both ways: `fanstore pack ... --codec zstd:3 --partitions 8 "
+             "`tar -cf`. Every way: `fanstore pack ... --codec zstd:3 --partitions 8 "
              f"--jobs {a.jobs}`; page cache dropped before each step.")
     w.append("")
     w.append("| way | wall s | CPU s | CPU µs per file |")
     w.append("|---|---|---|---|")
-    for way, label in (("tar", "`fanstore pack data.tar` (streamed)"),
-                       ("extract", "`tar -xf` + `fanstore pack dir`")):
+    def row(way: str, label: str) -> None:
         wall, cpu = vals("A", "wall", way=way), vals("A", "cpu", way=way)
         w.append(f"| {label} | {spread(wall, 1)} | {spread(cpu, 1)} | "
                  f"{spread([c / n_files * 1e6 for c in cpu])} |")
+
+    row("tar", "`fanstore pack data.tar` (streamed)")
+    row("extract", "`tar -xf` + `fanstore pack dir`")
     ex_w, ex_c = vals("A", "extract_wall", way="extract"), vals("A", "extract_cpu",
                                                                 way="extract")
     pk_w, pk_c = vals("A", "pack_wall", way="extract"), vals("A", "pack_cpu", way="extract")
     w.append(f"| (of which `tar -xf`) | {spread(ex_w, 1)} | {spread(ex_c, 1)} | |")
     w.append(f"| (of which pack of the extracted tree) | {spread(pk_w, 1)} | {spread(pk_c, 1)} "
              "| |")
-    t = sorted(vals("A", "wall", way="tar"))
-    e = sorted(vals("A", "wall", way="extract"))
-    if t and e:
+    if a.before:
+        row("before", f"`fanstore pack data.tar` by `{a.before}` (before)")
+
+    def median(way: str, key: str) -> float:
+        return statistics.median(vals("A", key, way=way))
+
+    if vals("A", "wall", way="tar") and vals("A", "wall", way="extract"):
         w.append("")
-        w.append(f"Streamed pack / (extract + pack), median wall: "
-                 f"{t[len(t) // 2] / e[len(e) // 2]:.2f}x. The streamed pack also writes "
-                 f"nothing but the store (extraction writes {raw / 1e9:.2f} GB and "
+        w.append(f"Streamed pack / (extract + pack), medians: wall "
+                 f"{median('tar', 'wall') / median('extract', 'wall'):.2f}x, CPU "
+                 f"{median('tar', 'cpu') / median('extract', 'cpu'):.2f}x. The streamed pack "
+                 f"also writes nothing but the store (extraction writes {raw / 1e9:.2f} GB and "
                  f"{n_files:,} files to the file system first). Same paths, kinds, sizes, "
                  f"modes and checksums in both stores: {same}.")
+        if a.before and vals("A", "wall", way="before"):
+            w.append(f"Streamed pack now / by `{a.before}`, medians: wall "
+                     f"{median('tar', 'wall') / median('before', 'wall'):.2f}x, CPU "
+                     f"{median('tar', 'cpu') / median('before', 'cpu'):.2f}x; the two stores "
+                     f"are byte-identical (every partition and the index): {identical}.")
     w.append("")
     w.append("### B. Stage-in from a local S3 endpoint: 1 vs 8 range-read streams")
     w.append("")
@@ -257,7 +313,7 @@ def render(rows, a, how, n_files, raw, tar_size, same) -> str:
     w.append("")
     w.append("```")
     w.append(f".venv/bin/python tools/bench/sources_bench.py --files {a.files} --reps {a.reps} "
-             f"--jobs {a.jobs} --work {a.work}")
+             f"--jobs {a.jobs} --work {a.work}" + (f" --before {a.before}" if a.before else ""))
     w.append("```")
     return "\n".join(w)
 

@@ -43,7 +43,8 @@ class Member:
     name (e.g. the archive). For files, ``read(n)`` returns up to n bytes of the content
     (b"" at its end) and is valid only until the source moves on. ``target`` is a
     symlink's target or a hard link's target member name. ``special`` names what a
-    KIND_SPECIAL member is ("FIFO", "character device", ...).
+    KIND_SPECIAL member is ("FIFO", "character device", ...); ``problem``, when set, is
+    the whole reason a member is refused.
     """
 
     name: bytes
@@ -56,6 +57,11 @@ class Member:
     where: str = ""
     ordinal: int = 0
     special: str = ""
+    #: optional, besides ``read``: fill a buffer with the next bytes of the content (fewer
+    #: only at its end); saves a copy (tar)
+    readinto: Callable[[memoryview], int] | None = None
+    #: set when the member cannot be packed for a reason of its own (refused by name)
+    problem: str = ""
 
 
 class Source:

@@ -1,25 +1,34 @@
 """Tar archives (plain, gzip, bzip2, xz, zstd), one or several (webdataset shards), read
 as one stream each: never extracted, never seeked.
 
-The compression is recognised by its magic bytes, not the file name. Errors of the
-archive itself (a truncated or corrupt tar, gzip, bzip2, xz or zstd stream) become one
-``PackError`` naming the archive and how far it was read. A tar that simply stops at a
-member boundary, without its end-of-archive blocks, is treated as truncated too.
+The compression is recognised by its magic bytes, not the file name. A compressed
+archive is decompressed by a thread of its own (zlib, bz2, lzma and zstd release the GIL
+while they work), so decompression overlaps the packing. The tar stream itself is read in
+large blocks and its headers are parsed by ``tarheader`` (not Python's ``tarfile``, whose
+stream mode costs tens of microseconds and a kept ``TarInfo`` per member); a member's
+data is handed to the packer straight from those blocks (``Member.readinto``).
+
+Errors of the archive itself become one ``PackError`` naming the archive and how far it
+was read: a truncated or corrupt gzip, bzip2, xz or zstd stream (read to its end, so that
+its CRC is checked), a truncated tar (inside a member, or at a member boundary without
+the end-of-archive block), a header that is not one (bad checksum, bad number, bad pax
+record: a damaged archive, never taken for its end).
 """
 
 from __future__ import annotations
 
 import bz2
-import decimal
 import gzip
 import lzma
 import os
-import tarfile
+import queue
+import threading
 import zlib
 from typing import BinaryIO, Iterator
 
 from fanstore.errors import PackError
 from fanstore.format.index import KIND_DIR, KIND_FILE, KIND_SYMLINK
+from fanstore.pack.sources import tarheader as th
 from fanstore.pack.sources.base import KIND_HARDLINK, KIND_SPECIAL, Member, Source
 
 MAGICS = {
@@ -30,11 +39,13 @@ MAGICS = {
 }
 
 _SPECIAL = {
-    tarfile.CHRTYPE: "character device",
-    tarfile.BLKTYPE: "block device",
-    tarfile.FIFOTYPE: "FIFO",
-    tarfile.CONTTYPE: "contiguous file",
+    th.CHARDEV: "character device",
+    th.BLOCKDEV: "block device",
+    th.FIFO: "FIFO",
 }
+
+#: Bytes read from the (decompressed) archive at a time.
+READ_BLOCK = 1 << 20
 
 
 def sniff(path: str) -> str | None:
@@ -64,21 +75,52 @@ def _v7_checksum_ok(block: bytes) -> bool:
     return want == sum(block[:148]) + 8 * 32 + sum(block[156:])
 
 
+#: How far ahead of the reader the kernel is asked to read (``POSIX_FADV_WILLNEED``), and
+#: in what steps. The kernel's own read-ahead (a few MiB) leaves a cold archive's reader
+#: waiting on the disk, most of all while the partitions are being written to it too.
+READ_AHEAD = 64 << 20
+READ_AHEAD_STEP = 16 << 20
+
+
 class _Counting:
-    """A raw file that counts the bytes read from it (the progress bar's unit)."""
+    """A raw file that counts the bytes read from it (the progress bar's unit), and asks
+    the kernel to read ``READ_AHEAD`` bytes ahead of it."""
 
     def __init__(self, f: BinaryIO) -> None:
         self._f = f
         self.count = 0
+        self._advised = 0  # bytes asked for so far
+        self._fd = f.fileno()
+        try:  # read once, front to back
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        except OSError:
+            self._fd = -1  # not a regular file: no advice
+        self._advise()
+
+    def _advise(self) -> None:
+        if self._fd < 0:
+            return
+        while self._advised < self.count + READ_AHEAD:
+            try:
+                os.posix_fadvise(self._fd, self._advised, READ_AHEAD_STEP,
+                                 os.POSIX_FADV_WILLNEED)
+            except OSError:
+                self._fd = -1
+                return
+            self._advised += READ_AHEAD_STEP
 
     def read(self, n: int = -1) -> bytes:
         data = self._f.read(n)
         self.count += len(data)
+        if self.count + READ_AHEAD - READ_AHEAD_STEP >= self._advised:
+            self._advise()
         return data
 
     def readinto(self, buf) -> int:
         n = self._f.readinto(buf)
         self.count += n or 0
+        if self.count + READ_AHEAD - READ_AHEAD_STEP >= self._advised:
+            self._advise()
         return n
 
     def readable(self) -> bool:
@@ -88,18 +130,159 @@ class _Counting:
         self._f.close()
 
 
-class _Delivered:
-    """The decompressed stream tarfile reads; remembers how many bytes it delivered, so
-    a tar that stops without its end-of-archive blocks can be told from a complete one."""
+class _Prefetch:
+    """Reads a decompressing stream ahead in a thread of its own, a few blocks deep.
 
-    def __init__(self, f) -> None:
-        self._f = f
-        self.count = 0
+    An exception of the stream (a damaged archive) is raised to the reader, in order,
+    when it gets there."""
 
-    def read(self, n: int = -1) -> bytes:
-        data = self._f.read(n)
-        self.count += len(data)
-        return data
+    def __init__(self, stream, block: int = READ_BLOCK, depth: int = 4) -> None:
+        self._s = stream
+        self._block = block
+        self._q: queue.Queue = queue.Queue(depth)
+        self._stop = False
+        self._cur = memoryview(b"")
+        self._eof = False
+        self._t = threading.Thread(target=self._run, name="tar-decompress", daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                data = self._s.read(self._block)
+                self._put(data)
+                if not data:
+                    return
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader
+            self._put(exc)
+
+    def _put(self, item) -> None:
+        while not self._stop:
+            try:
+                self._q.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
+    def readinto(self, view) -> int:
+        n = 0
+        want = len(view)
+        while n < want:
+            if not self._cur:
+                if self._eof:
+                    break
+                item = self._q.get()
+                if isinstance(item, BaseException):
+                    self._eof = True
+                    raise item
+                if not item:
+                    self._eof = True
+                    break
+                self._cur = memoryview(item)
+            k = min(want - n, len(self._cur))
+            view[n:n + k] = self._cur[:k]
+            self._cur = self._cur[k:]
+            n += k
+        return n
+
+    def close(self) -> None:
+        self._stop = True
+        try:
+            while True:
+                self._q.get_nowait()
+        except queue.Empty:
+            pass
+        self._t.join(timeout=10)
+
+
+class _Blocks:
+    """The (decompressed) tar stream, read in large blocks: headers by 512 bytes, member
+    data into the caller's buffers. ``offset`` is the position in the tar (bytes
+    consumed); ``delivered`` the bytes the stream has given so far."""
+
+    def __init__(self, stream, size: int = READ_BLOCK) -> None:
+        self._s = stream
+        self._buf = bytearray(size)
+        self._view = memoryview(self._buf)
+        self._lo = 0
+        self._hi = 0
+        self.offset = 0
+        self.delivered = 0
+        self._eof = False
+
+    def _more(self) -> int:
+        """Read more into the buffer (keeping what is unread); bytes added, 0 at the end."""
+        if self._eof:
+            return 0
+        if self._lo == self._hi:
+            self._lo = self._hi = 0
+        elif self._hi == len(self._buf):
+            k = self._hi - self._lo
+            self._buf[:k] = self._view[self._lo:self._hi]
+            self._lo, self._hi = 0, k
+        n = self._s.readinto(self._view[self._hi:])
+        if not n:
+            self._eof = True
+            return 0
+        self._hi += n
+        self.delivered += n
+        return n
+
+    def read(self, n: int) -> bytes:
+        """Up to ``n`` bytes (fewer only at the end of the stream)."""
+        if self._hi - self._lo >= n:
+            out = bytes(self._view[self._lo:self._lo + n])
+            self._lo += n
+            self.offset += n
+            return out
+        parts = []
+        got = 0
+        while got < n:
+            if self._lo == self._hi and not self._more():
+                break
+            k = min(n - got, self._hi - self._lo)
+            parts.append(bytes(self._view[self._lo:self._lo + k]))
+            self._lo += k
+            got += k
+        self.offset += got
+        return b"".join(parts)
+
+    def readinto(self, view) -> int:
+        """Fill ``view``; fewer bytes only at the end of the stream."""
+        want = len(view)
+        k = min(want, self._hi - self._lo)
+        view[:k] = self._view[self._lo:self._lo + k]
+        self._lo += k
+        n = k
+        while n < want:
+            if want - n >= len(self._buf) // 2:  # large: straight from the stream
+                got = self._s.readinto(view[n:])
+                if not got:
+                    self._eof = True
+                    break
+                self.delivered += got
+                n += got
+                continue
+            if not self._more():
+                break
+            k = min(want - n, self._hi - self._lo)
+            view[n:n + k] = self._view[self._lo:self._lo + k]
+            self._lo += k
+            n += k
+        self.offset += n
+        return n
+
+    def skip(self, n: int) -> int:
+        """Pass over ``n`` bytes; the number passed (fewer only at the end)."""
+        done = 0
+        while done < n:
+            if self._lo == self._hi and not self._more():
+                break
+            k = min(n - done, self._hi - self._lo)
+            self._lo += k
+            done += k
+        self.offset += done
+        return done
 
 
 def _open_stream(raw: _Counting, comp: str):
@@ -118,22 +301,10 @@ def _open_stream(raw: _Counting, comp: str):
     raise PackError(f"unknown compression {comp}")
 
 
-def _mtime_ns(info: tarfile.TarInfo) -> int:
-    text = info.pax_headers.get("mtime") if info.pax_headers else None
-    if text:
-        try:
-            return int(decimal.Decimal(text) * 1_000_000_000)
-        except decimal.InvalidOperation:
-            pass
-    return int(info.mtime) * 1_000_000_000 if float(info.mtime).is_integer() else \
-        int(round(info.mtime * 1e9))
-
-
 def _stream_errors() -> tuple[type[BaseException], ...]:
     import zstandard
 
-    return (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, OSError, ValueError,
-            zstandard.ZstdError)
+    return (EOFError, zlib.error, lzma.LZMAError, OSError, ValueError, zstandard.ZstdError)
 
 
 _STREAM_ERRORS = _stream_errors()
@@ -145,11 +316,25 @@ def _damage(exc: BaseException) -> str:
     return "corrupt"
 
 
-def _broken(path: str, comp: str, delivered: "_Delivered | None", exc: BaseException):
+def _broken(path: str, comp: str, blocks: "_Blocks | None", exc: BaseException):
     """The one-line error for a damaged archive stream."""
-    where = f" after {delivered.count:,} bytes" if delivered and delivered.count else ""
+    where = f" after {blocks.delivered:,} bytes" if blocks and blocks.delivered else ""
     detail = " ".join(str(exc).split()) or type(exc).__name__
     return PackError(f"{path}: {_damage(exc)} {comp} archive{where} ({detail})")
+
+
+def _truncated() -> EOFError:
+    return EOFError("unexpected end of data")
+
+
+class _Data:
+    """What is left of the current member's data, and the padding after it."""
+
+    __slots__ = ("left", "pad")
+
+    def __init__(self, size: int) -> None:
+        self.left = size
+        self.pad = -size % th.BLOCK
 
 
 class TarSource(Source):
@@ -189,72 +374,156 @@ class TarSource(Source):
         if comp is None:
             raise PackError(f"{path}: not a tar archive (nor a gzip, bzip2, xz or zstd one)")
         try:
-            f = open(path, "rb", buffering=1 << 20)
+            f = open(path, "rb", buffering=0)
         except OSError as exc:
             raise PackError(f"{path}: cannot read: {exc.strerror}") from None
         raw = _Counting(f)
         if not quiet:
             self._raw = raw
-        delivered = None
+        blocks = None
+        stream = None
         try:
-            stream = _open_stream(raw, comp)
-            delivered = _Delivered(stream)
-            tf = tarfile.open(fileobj=delivered, mode="r|", errorlevel=2)
+            stream = raw if comp == "tar" else _Prefetch(_open_stream(raw, comp))
+            blocks = _Blocks(stream)
+            glob: dict[bytes, bytes] = {}
             k = 0
             while True:
-                info = tf.next()
-                if info is None:
+                m, data = self._next(blocks, path, comp, glob)
+                if m is None:
                     break
-                m = self._member(tf, info, path, comp, delivered)
                 m.ordinal = (shard << 32) | k
                 k += 1
                 yield m
-                if m.read is not None:
-                    m.read = None  # only valid until here
-            # tarfile stops at the first zero block, or quietly at the end of the data:
-            # the latter is a truncated archive (or not a tar at all).
-            end_seen = delivered.count >= tf.offset + tarfile.BLOCKSIZE
+                m.read = m.readinto = None  # only valid until here
+                if data is not None:
+                    todo = data.left + data.pad
+                    if blocks.skip(todo) < todo:
+                        raise _broken(path, comp, blocks, _truncated())
             # Read the compressed stream to its end: only there do gzip, bzip2, xz and
             # zstd check their CRC and length (a damaged member would pass unnoticed).
-            while delivered.read(1 << 20):
+            while blocks.skip(READ_BLOCK):
                 pass
-            if not end_seen:
-                if tf.offset == 0:
-                    raise PackError(f"{path}: empty or not a tar archive")
-                raise PackError(f"{path}: truncated tar archive: it ends after "
-                                f"{tf.offset:,} bytes without its end-of-archive marker")
         except PackError:
             raise
         except _STREAM_ERRORS as exc:
-            raise _broken(path, comp, delivered, exc) from None
+            raise _broken(path, comp, blocks, exc) from None
         finally:
             if not quiet:
                 self._done += raw.count
                 self._raw = None
+            if isinstance(stream, _Prefetch):
+                stream.close()
             f.close()
 
-    def _member(self, tf: tarfile.TarFile, info: tarfile.TarInfo, path: str, comp: str,
-                delivered: "_Delivered") -> Member:
-        name = os.fsencode(info.name)
-        mode = info.mode & 0o7777
-        mtime = _mtime_ns(info)
-        if info.isreg():
-            fobj = tf.extractfile(info)
+    def _next(self, blocks: _Blocks, path: str, comp: str,
+              glob: dict[bytes, bytes]) -> tuple[Member | None, _Data | None]:
+        """The next member (with what is left of its data), or (None, None) at the
+        end-of-archive block."""
+        start = blocks.offset
+        try:
+            return self._parse(blocks, path, comp, glob, start)
+        except th.TarFormatError as exc:
+            raise PackError(f"{path}: corrupt tar archive: {exc} (in the headers at byte "
+                            f"{start:,} of the tar stream)") from None
 
-            def read(n: int, _f=fobj) -> bytes:
-                try:
-                    return _f.read(n)
-                except _STREAM_ERRORS as exc:
-                    raise _broken(path, comp, delivered, exc) from None
+    def _parse(self, blocks: _Blocks, path: str, comp: str, glob: dict[bytes, bytes],
+               start: int) -> tuple[Member | None, _Data | None]:
+        longname = longlink = None
+        pax: dict[bytes, bytes] = {}
+        while True:
+            block = blocks.read(th.BLOCK)
+            if len(block) < th.BLOCK:
+                # The data ends without the end-of-archive blocks (or inside a header).
+                if start == 0 and not block:
+                    raise PackError(f"{path}: empty or not a tar archive")
+                raise PackError(f"{path}: truncated tar archive: it ends after {start:,} "
+                                "bytes without its end-of-archive marker")
+            if block == th.ZERO_BLOCK:
+                if longname is not None or longlink is not None or pax:
+                    raise th.TarFormatError("a long-name or pax header is followed by the "
+                                            "end of the archive")
+                return None, None
+            hdr = th.parse_header(block)
+            t = hdr.type
+            if t in (th.GNU_LONGNAME, th.GNU_LONGLINK, th.PAX_GLOBAL) or t in th.PAX_LOCAL:
+                if hdr.size > th.MAX_META:
+                    raise th.TarFormatError(f"a {hdr.size:,}-byte long-name or pax header")
+                body = blocks.read(hdr.size)
+                if len(body) < hdr.size or blocks.skip(-hdr.size % th.BLOCK) < \
+                        -hdr.size % th.BLOCK:
+                    raise _broken(path, comp, blocks, _truncated())
+                if t == th.GNU_LONGNAME:
+                    longname = th.cstring(body)
+                elif t == th.GNU_LONGLINK:
+                    longlink = th.cstring(body)
+                elif t == th.PAX_GLOBAL:
+                    glob.update(th.parse_pax(body))
+                else:
+                    pax.update(th.parse_pax(body))
+                continue
+            break
+        name, link, size = hdr.name, hdr.linkname, hdr.size
+        mtime_ns = hdr.mtime * 1_000_000_000
+        if longname is not None:
+            name = longname
+        if longlink is not None:
+            link = longlink
+        if glob or pax:
+            ext = {**glob, **pax}
+            name = ext.get(b"path", name)
+            link = ext.get(b"linkpath", link)
+            if b"size" in ext:
+                size = th.pax_number(ext[b"size"], "size")
+            if b"mtime" in ext:
+                ns = th.pax_mtime_ns(ext[b"mtime"])
+                mtime_ns = mtime_ns if ns is None else ns
+        else:
+            ext = pax
+        mode = hdr.mode & 0o7777
+        if hdr.extended:  # GNU sparse map continued in further blocks
+            more = True
+            while more:
+                block = blocks.read(th.BLOCK)
+                if len(block) < th.BLOCK:
+                    raise _broken(path, comp, blocks, _truncated())
+                more = block[504] != 0
+        if t == b"\0" and name.endswith(b"/"):
+            t = th.DIRECTORY  # a v7 directory
+        data = _Data(0 if t in th.NO_DATA else size)
+        if t == th.GNU_SPARSE or th.is_sparse_pax(ext):
+            name = ext.get(b"GNU.sparse.name", name)  # pax 1.0 puts a made-up one in path
+            return Member(name, KIND_SPECIAL, mode, mtime_ns, where=path,
+                          problem="sparse file cannot be packed (GNU sparse members are not "
+                                  "supported; archive it without --sparse)"), data
+        if t in th.REGULAR:
+            return self._file(blocks, path, comp, name, mode, mtime_ns, size, data), data
+        if t == th.DIRECTORY:
+            return Member(name, KIND_DIR, mode, mtime_ns, where=path), data
+        if t == th.SYMLINK:
+            return Member(name, KIND_SYMLINK, mode, mtime_ns, target=link, where=path), data
+        if t == th.HARDLINK:
+            return Member(name, KIND_HARDLINK, mode, mtime_ns, target=link, where=path), data
+        what = _SPECIAL.get(t, f"entry of tar type {t!r}")
+        return Member(name, KIND_SPECIAL, mode, mtime_ns, where=path, special=what), data
 
-            return Member(name, KIND_FILE, mode, mtime, info.size, read=read, where=path)
-        if info.isdir():
-            return Member(name, KIND_DIR, mode, mtime, where=path)
-        if info.issym():
-            return Member(name, KIND_SYMLINK, mode, mtime, target=os.fsencode(info.linkname),
-                          where=path)
-        if info.islnk():
-            return Member(name, KIND_HARDLINK, mode, mtime, target=os.fsencode(info.linkname),
-                          where=path)
-        what = _SPECIAL.get(info.type, f"entry of tar type {info.type!r}")
-        return Member(name, KIND_SPECIAL, mode, mtime, where=path, special=what)
+    @staticmethod
+    def _file(blocks: _Blocks, path: str, comp: str, name: bytes, mode: int, mtime_ns: int,
+              size: int, data: _Data) -> Member:
+        def readinto(view) -> int:
+            n = min(len(view), data.left)
+            try:
+                got = blocks.readinto(view[:n]) if n else 0
+            except _STREAM_ERRORS as exc:
+                raise _broken(path, comp, blocks, exc) from None
+            data.left -= got
+            if got < n:
+                raise _broken(path, comp, blocks, _truncated())
+            return got
+
+        def read(n: int) -> bytes:
+            buf = bytearray(min(n, data.left))
+            got = readinto(memoryview(buf))
+            return bytes(buf[:got]) if got < len(buf) else bytes(buf)
+
+        return Member(name, KIND_FILE, mode, mtime_ns, size, read=read, readinto=readinto,
+                      where=path)

@@ -1,0 +1,389 @@
+"""Capacity: solid blocks (format v2), trained dictionaries, and the default pack.
+
+Solid stores are read through every reader the project has: the Python API on the store,
+the real FUSE mount, the API on the mount (the daemon's fetch), ``cat`` and ``verify``;
+damage to a solid chunk must fail exactly the files inside it. The default ``pack``
+(quick selection) is checked through the real CLI.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import re
+
+import numpy as np
+import pytest
+from helpers import (
+    assert_cli_error,
+    assert_no_traceback,
+    copy_store,
+    flip_bytes,
+    fuse_available,
+    os_error,
+    run_cli,
+)
+
+import fanstore
+from fanstore.errors import CorruptDataError
+from fanstore.format.index import read_index
+
+needs_fuse = pytest.mark.skipif(not fuse_available()[0], reason=fuse_available()[1])
+
+WORDS = ("person bicycle car dog cat horse sheep bus train truck boat bird bench kite "
+         "umbrella pizza sandwich laptop phone clock vase book chair couch bed").split()
+
+
+def _text_file(rng: random.Random, kind: str, i: int) -> bytes:
+    if kind == "json":
+        objs = [{"id": rng.randrange(10**6), "category": rng.choice(WORDS),
+                 "bbox": [round(rng.uniform(0, 600), 2) for _ in range(4)]}
+                for _ in range(rng.randrange(2, 9))]
+        return (json.dumps({"image_id": i, "file_name": f"{i:09d}.jpg", "width": 640,
+                            "height": 480, "annotations": objs}) + "\n").encode()
+    if kind == "txt":
+        return "".join(f"A {rng.choice(WORDS)} next to a {rng.choice(WORDS)} in the "
+                       f"{rng.choice(WORDS)}.\n" for _ in range(rng.randrange(5, 40))).encode()
+    rows = "".join(f"{f},{rng.randrange(10**7)},{rng.uniform(0, 900):.1f},"
+                   f"{rng.choice(WORDS)},{rng.random():.3f}\n" for f in range(rng.randrange(5, 60)))
+    return ("frame,timestamp_ms,x,label,confidence\n" + rows).encode()
+
+
+@pytest.fixture(scope="module")
+def text_tree(tmp_path_factory):
+    """(root, {rel: bytes}): 600 small text files of three kinds in 6 directories, one file
+    larger than a chunk, an empty file, a symlink."""
+    root = tmp_path_factory.mktemp("text") / "src"
+    rng = random.Random(13)
+    files: dict[str, bytes] = {}
+    for i in range(600):
+        kind = ("json", "txt", "csv")[i % 3]
+        files[f"c{i % 6}/{i:05d}.{kind}"] = _text_file(rng, kind, i)
+    files["big/large.bin"] = bytes(rng.randrange(7) for _ in range(300_000))  # 3 chunks of 128K
+    files["empty.txt"] = b""
+    for rel, data in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+    os.symlink("c0/00000.json", root / "link.json")
+    return root, files
+
+
+@pytest.fixture(scope="module")
+def solid_store(text_tree, tmp_path_factory):
+    """``text_tree`` packed with zstd:3 and solid blocks of 16 KiB (chunks of 128 KiB)."""
+    dest = tmp_path_factory.mktemp("solid") / "store"
+    run_cli("pack", text_tree[0], dest, "--codec", "zstd:3", "--solid-kb", "16",
+            "--chunk-kb", "128", "--partitions", "3", "--jobs", "2", "--no-progress",
+            check=True)
+    return dest
+
+
+def _solid_groups(store) -> dict[int, list[str]]:
+    """chunk -> paths of the files that share it (only chunks with several files)."""
+    index = read_index(str(store))
+    single = np.nonzero((index.e["kind"] == 0) & (index.e["count"] == 1))[0]
+    groups: dict[int, list[str]] = {}
+    for entry in single.tolist():
+        groups.setdefault(int(index.e["first"][entry]), []).append(
+            os.fsdecode(index.path(entry)))
+    return {k: v for k, v in groups.items() if len(v) > 1}
+
+
+# --------------------------------------------------------------------------- the store
+
+
+def test_solid_store_is_format_v2_and_shares_chunks(solid_store, text_tree):
+    index = read_index(str(solid_store))
+    assert index.version == 2 == index.meta["format_version"]
+    groups = _solid_groups(solid_store)
+    in_blocks = sum(len(v) for v in groups.values())
+    assert in_blocks >= 550  # nearly every small file shares a block
+    for paths in groups.values():  # one kind per block
+        assert len({p.rsplit(".", 1)[1] for p in paths}) == 1, paths
+    # Every block holds at most 16 KiB; its files lie back to back inside it.
+    for k, paths in groups.items():
+        raw = int(index.c["raw"][k])
+        assert raw <= 16 << 10
+        spans = sorted((int(index.e["offset"][index.resolve(p)]),
+                        int(index.e["size"][index.resolve(p)])) for p in paths)
+        assert spans[0][0] == 0
+        assert all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))
+        assert spans[-1][0] + spans[-1][1] == raw
+    big = index.resolve("big/large.bin")
+    assert int(index.e["count"][big]) == 3 and int(index.e["offset"][big]) == 0
+    proc = run_cli("info", solid_store, check=True)
+    assert re.search(rf"^solid blocks   {len(groups):,} chunks holding {in_blocks:,} files$",
+                     proc.stdout, re.M), proc.stdout
+    assert "format         v2 (fanstore " in proc.stdout
+
+
+def test_solid_store_is_smaller_than_per_file(solid_store, text_tree, tmp_path):
+    plain = tmp_path / "plain"
+    run_cli("pack", text_tree[0], plain, "--codec", "zstd:3", "--chunk-kb", "128",
+            "--partitions", "3", "--no-progress", check=True)
+    a = read_index(str(plain)).meta["counts"]["stored_bytes"]
+    b = read_index(str(solid_store)).meta["counts"]["stored_bytes"]
+    assert b < 0.9 * a, (a, b)
+    assert read_index(str(plain)).version == 1
+
+
+def test_solid_store_reads_through_the_api(solid_store, text_tree):
+    _, files = text_tree
+    with fanstore.open_store(str(solid_store), cache_mb=0) as store:
+        for rel, data in files.items():
+            assert store.read(rel) == data, rel
+            assert store.stat(rel).st_size == len(data)
+        assert store.read("link.json") == files["c0/00000.json"]
+        rng = random.Random(3)
+        for rel in rng.sample(sorted(files), 60):  # byte ranges, also past the end
+            data = files[rel]
+            for _ in range(4):
+                off = rng.randrange(len(data) + 10)
+                n = rng.randrange(1, 5000)
+                assert store.read_range(rel, off, n) == data[off : off + n], (rel, off, n)
+        with store.open("c1/00001.txt") as f:
+            f.seek(7)
+            assert f.read(11) == files["c1/00001.txt"][7:18]
+
+
+def test_cat_and_verify_of_a_solid_store(solid_store, text_tree):
+    _, files = text_tree
+    for rel in ("c2/00002.csv", "c5/00599.csv", "big/large.bin", "empty.txt"):
+        proc = run_cli("cat", solid_store, rel, text=False, check=True)
+        assert proc.stdout == files[rel], rel
+    proc = run_cli("verify", solid_store, "--no-progress", check=True)
+    assert f"verified {len(files):,} files" in proc.stderr and "all intact" in proc.stderr
+
+
+@needs_fuse
+def test_solid_store_reads_through_the_mount(frontend, mounted, solid_store, text_tree):
+    _, files = text_tree
+    mnt = mounted(solid_store, "--cache-mb", "1")
+    order = sorted(files)
+    random.Random(4).shuffle(order)  # random order: neighbours are not in the cache
+    for rel in order:
+        with open(mnt / rel, "rb", buffering=0) as f:
+            assert f.read() == files[rel], rel
+        assert os.stat(mnt / rel).st_size == len(files[rel])
+    fd = os.open(mnt / "c3/00003.json", os.O_RDONLY)
+    try:
+        data = files["c3/00003.json"]
+        for off in (0, 1, 100, len(data) - 1, len(data), len(data) + 50):
+            assert os.pread(fd, 64, off) == data[off : off + 64], off
+    finally:
+        os.close(fd)
+    # The API on the live mount reads the partitions staged on this node itself.
+    with fanstore.open_store(str(mnt)) as store:
+        for rel in order[:200]:
+            assert store.read(rel) == files[rel], rel
+
+
+@needs_fuse
+def test_damaged_solid_block_fails_exactly_its_files(frontend, mounted, solid_store, text_tree,
+                                                     tmp_path):
+    _, files = text_tree
+    store = copy_store(solid_store, tmp_path / "damaged")
+    groups = _solid_groups(store)
+    k, victims = sorted(groups.items())[len(groups) // 2]
+    index = read_index(str(store))
+    part = index.partitions[int(index.c["part"][k])].name
+    off, n = int(index.c["offset"][k]), int(index.c["stored"][k])
+    flip_bytes(store / part, off + n // 2, min(8, n))
+    # verify names exactly the files of that block
+    proc = run_cli("verify", store, "--no-progress")
+    assert proc.returncode == 1
+    assert_no_traceback(proc)
+    damaged = {ln.split(": ", 1)[0][len("DAMAGED "):] for ln in proc.stdout.splitlines()}
+    assert damaged == set(victims)
+    # the API and the mount: EIO (CorruptDataError) for them, right bytes for the others
+    with fanstore.open_store(str(store), cache_mb=0) as api:
+        for rel in victims:
+            with pytest.raises(CorruptDataError):
+                api.read(rel)
+    mnt = mounted(store)
+
+    def read(path):
+        with open(path, "rb", buffering=0) as f:
+            return f.read()
+
+    for rel in victims:
+        assert os_error(read, mnt / rel) == errno.EIO, rel
+    for rel in sorted(set(files) - set(victims))[:150]:
+        assert read(mnt / rel) == files[rel], rel
+
+
+# --------------------------------------------------------------------------- pack options
+
+
+def test_default_pack_runs_a_quick_selection(text_tree, tmp_path):
+    src, files = text_tree
+    dest = tmp_path / "default"
+    proc = run_cli("pack", src, dest, "--chunk-kb", "128", "--partitions", "2",
+                   "--no-progress", check=True)
+    assert_no_traceback(proc)
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert re.fullmatch(r"fanstore: codec: quick selection on a [\d.,]+ MB sample in "
+                        r"[\d.]+ s: .+ of the bytes; predicted ratio [\d.]+x \(--codec SPEC "
+                        r"pins one, --codec auto runs the full selector\)", lines[0]), lines[0]
+    index = read_index(str(dest))
+    sel = index.meta["selection"]
+    assert sel["quick"] is True and sel["mode"] == "quick"
+    assert set(sel["per_kind"]) == {"json/tiny", "txt/tiny", "csv/tiny", "bin/medium"}
+    # Small text files get a trained dictionary: smaller than the old default, zstd:3.
+    assert any("+dict" in label for label in sel["per_kind"].values())
+    assert any("dict" in cfg for cfg in index.codecs)
+    old = tmp_path / "zstd3"
+    run_cli("pack", src, old, "--codec", "zstd:3", "--chunk-kb", "128", "--partitions", "2",
+            "--no-progress", check=True)
+    size = lambda s: os.path.getsize(s / "fanstore.idx") + read_index(str(s)).meta[  # noqa
+        "counts"]["stored_bytes"]
+    assert size(dest) < 0.9 * size(old), (size(dest), size(old))
+    with fanstore.open_store(str(dest)) as store:
+        for rel, data in files.items():
+            assert store.read(rel) == data, rel
+    assert "quick" in run_cli("info", dest, check=True).stdout
+
+
+def test_pinned_codec_runs_no_selection(text_tree, tmp_path):
+    proc = run_cli("pack", text_tree[0], tmp_path / "s", "--codec", "lz4", "--no-progress",
+                   check=True)
+    assert proc.stderr == ""
+    index = read_index(str(tmp_path / "s"))
+    assert "selection" not in index.meta
+    assert {c["id"] for c in index.codecs} == {"none", "lz4"}
+
+
+def test_codec_with_dictionaries(text_tree, tmp_path):
+    src, files = text_tree
+    dest = tmp_path / "dict"
+    proc = run_cli("pack", src, dest, "--codec", "zstd:5+dict", "--no-progress", check=True)
+    assert proc.stderr == ""
+    index = read_index(str(dest))
+    with_dict = [c for c in index.codecs if "dict" in c]
+    assert with_dict and all(c["id"] == "zstd" and c["level"] == 5 for c in with_dict)
+    with fanstore.open_store(str(dest)) as store:
+        for rel, data in files.items():
+            assert store.read(rel) == data, rel
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--codec", "lz4+dict"), "only zstd:L takes a trained dictionary"),
+    (("--codec", "zstd:99+dict"), "--codec: invalid codec spec"),
+    (("--codec", "zstd:3", "--solid-kb", "2048"), "--solid-kb 2048 is larger than the chunk"),
+    (("--solid-kb", "-1"), "--solid-kb"),
+])
+def test_bad_capacity_options(text_tree, tmp_path, args, message):
+    proc = run_cli("pack", text_tree[0], tmp_path / "s", *args, "--no-progress")
+    assert_cli_error(proc, code=2, contains=message)
+    assert not (tmp_path / "s").exists()
+
+
+def test_solid_with_the_default_selection_and_dictionaries(text_tree, tmp_path):
+    src, files = text_tree
+    dest = tmp_path / "s"
+    run_cli("pack", src, dest, "--solid-kb", "32", "--chunk-kb", "128", "--no-progress",
+            check=True)
+    index = read_index(str(dest))
+    assert index.version == 2 and _solid_groups(dest)
+    with fanstore.open_store(str(dest), cache_mb=0) as store:
+        for rel, data in files.items():
+            assert store.read(rel) == data, rel
+
+
+@pytest.mark.parametrize("tree", ["nothing", "empty files"])
+def test_default_pack_of_a_tree_without_data(tmp_path, tree):
+    src = tmp_path / "src"
+    src.mkdir()
+    if tree == "empty files":
+        for i in range(5):
+            (src / f"e{i}").write_bytes(b"")
+    proc = run_cli("pack", src, tmp_path / "s", "--no-progress", check=True)
+    assert_no_traceback(proc)
+    with fanstore.open_store(str(tmp_path / "s")) as store:
+        assert sorted(store.files()) == ([f"e{i}" for i in range(5)] if tree != "nothing"
+                                         else [])
+
+
+# --------------------------------------------------------------------------- select
+
+
+def _select_json(src, *args, env=None, timeout=300):
+    proc = run_cli("select", src, "--json", "--sample-mb", "4", "--storage-mb-per-sec", "1000",
+                   *args, env=env, timeout=timeout)
+    assert_no_traceback(proc)
+    assert proc.returncode in (0, 3), proc.stderr
+    return json.loads(proc.stdout), proc
+
+
+@pytest.mark.parametrize("reader", ["api", pytest.param("mount", marks=needs_fuse)])
+def test_select_calibrates_the_reader(text_tree, tmp_path, reader):
+    """The read path is measured through the public interfaces on a temporary store, charged
+    per file, and reported; nothing of the calibration is left behind."""
+    work = tmp_path / "tmp"
+    work.mkdir()
+    doc, proc = _select_json(text_tree[0], "--reader", reader, env={"TMPDIR": str(work)})
+    r = doc["reader"]
+    assert r["reader"] == reader and r["readers"] == doc["budget"]["cores"]
+    assert r["files"] >= 64 and r["per_file_us"] > 0 and r["per_chunk_us"] >= 0
+    cands = {c["codec"]: c for c in doc["candidates"]}
+    # Every candidate's rates are the reader's: below what the per-file cost allows.
+    cap = doc["budget"]["cores"] / (r["per_file_us"] * 1e-6)
+    for c in cands.values():
+        assert 0 < c["files_per_s"] <= cap * 1.0001, c
+        assert c["files_per_s"] == c["node_files_per_s"]
+    # Dictionaries and solid blocks are candidates on small files; a solid block costs a
+    # random-order read its whole block.
+    assert {"zstd:3+dict", "zstd:19+dict", "zstd:3+solid64k"} <= set(cands)
+    assert cands["zstd:3+solid64k"]["read_amplification"] > 3
+    assert os.listdir(work) == []  # the temporary store (and mount point) are gone
+    with open("/proc/mounts") as f:
+        assert str(tmp_path) not in f.read()
+
+
+def test_select_without_a_reader_model_in_the_library(text_tree):
+    from fanstore.select import SelectionOptions, run_selection
+
+    res = run_selection(str(text_tree[0]), SelectionOptions(sample_mb=2, storage_mb_per_sec=1e3,
+                                                            progress=False))
+    assert res.reader is None and res.to_json()["reader"] is None
+
+
+@pytest.mark.parametrize("setup, args, message", [
+    ("files", ("--reader", "disk"), "argument --reader: invalid choice: 'disk'"),
+    ("nothing", (), "holds no files to sample"),
+    ("empty files", (), "holds no data to sample (5 files, all empty)"),
+    ("files", ("--sample-mb", "0"), "--sample-mb: must be positive"),
+])
+def test_select_bad_input(tmp_path, setup, args, message):
+    src = tmp_path / "src"
+    src.mkdir()
+    if setup == "empty files":
+        for i in range(5):
+            (src / f"e{i}").write_bytes(b"")
+    elif setup == "files":
+        (src / "a.txt").write_bytes(b"hello " * 1000)
+    proc = run_cli("select", src, *args)
+    assert_cli_error(proc, code=2, contains=message)
+    assert proc.stdout == ""
+
+
+def test_select_on_one_10_gb_file(tmp_path):
+    """One huge (sparse) file: the sample reads a few chunks of it, nothing divides by zero,
+    and the report is complete."""
+    src = tmp_path / "src"
+    src.mkdir()
+    with open(src / "huge.bin", "wb") as f:
+        f.truncate(10 << 30)
+    doc, proc = _select_json(src, "--reader", "api")
+    assert proc.returncode == 0
+    assert doc["sample"]["source_files"] == 1 and doc["sample"]["source_mb"] > 10_000
+    assert doc["predicted"]["ratio"] > 100 and doc["met"] is True
+    assert doc["reader"]["files"] >= 64  # the calibration repeats the one file's first chunk
+    proc = run_cli("select", src, "--sample-mb", "4", "--storage-mb-per-sec", "1000",
+                   "--reader", "api")
+    assert proc.returncode == 0 and "chosen:" in proc.stdout
+    assert_no_traceback(proc)
