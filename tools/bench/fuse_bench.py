@@ -419,15 +419,20 @@ def main(argv: list[str] | None = None) -> int:
                    "as backend pyfuse3-old (e.g. the commit before a change, for before/after)")
     p.add_argument("--reps", type=int, default=0, help="repetitions (default: the preset's)")
     p.add_argument("--label", default="")
+    p.add_argument("--section", default="",
+                   help="section of docs/benchmarks.md and results file name (default "
+                        "fuse_bench-PRESET); lets runs of one preset with other backends or "
+                        "passes keep their own table")
     p.add_argument("--no-docs", action="store_true")
     p.add_argument("--docs", default=common.DOCS)
     p.add_argument("--results", default=None)
     a = p.parse_args(raw_argv)
-    a.results = a.results or os.path.join(common.RESULTS_DIR, f"fuse_bench-{a.preset}.jsonl")
+    a.section = a.section or f"fuse_bench-{a.preset}"
+    a.results = a.results or os.path.join(common.RESULTS_DIR, f"{a.section}.jsonl")
     bench = Bench(a)
     ok = common.guarded_run(bench, log, lambda: [m for m in bench.mounted
                                                 if os.path.ismount(m)])
-    return common.publish(ok, bench, a, log, f"fuse_bench-{a.preset}", render,
+    return common.publish(ok, bench, a, log, a.section, render,
                           "tools/bench/fuse_bench.py", raw_argv)
 
 

@@ -166,7 +166,7 @@ def measure(data: str, name: str, a, rows: list[dict], emit) -> None:
     stored = common.dir_bytes(store)
 
     rng = random.Random(a.seed)
-    pick = rng.sample(rels, min(a.files, len(rels)))
+    pick = rng.sample(rels, min(a.files, len(rels)) if a.files > 0 else len(rels))
     list_file = os.path.join(work, "list.txt")
     with open(list_file, "w") as f:
         f.write("".join(r + "\n" for r in pick))
@@ -191,6 +191,7 @@ def measure(data: str, name: str, a, rows: list[dict], emit) -> None:
         for phase in ("cold", "warm"):
             emit({**base, "kind": "accuracy", "reader": reader, "phase": phase,
                   "codec": chosen, "ratio": raw / stored, "readers": a.readers,
+                  "files_read": len(pick),
                   "predicted_files_per_s": row["files_per_s"],
                   "measured_files_per_s": round(measured[reader, phase], 1),
                   "reader_calibration": doc.get("reader"),
@@ -205,9 +206,10 @@ def measure(data: str, name: str, a, rows: list[dict], emit) -> None:
 def render(rows: list[dict], a) -> str:
     out = [f"Measured by `tools/bench/select_accuracy.py` on {time.strftime('%Y-%m-%d')} "
            f"(commit {common.git_commit()}), "
-           f"{a.readers} readers = `--cores {a.readers}`, sync mode, default budget, "
-           f"{a.files:,} files in random order per pass; cold = page cache dropped, a fresh "
-           "mount; the mount is the default frontend.", "",
+           f"{a.readers} readers = `--cores {a.readers}`, sync mode, default budget; each "
+           "pass reads the files in random order (a sample, or every file: column 'files "
+           "read'); cold = page cache dropped, a fresh mount; the mount is the default "
+           "frontend. Each data set's latest run (column 'run').", "",
            "Capacity (stored bytes; ratio = raw / stored):", "",
            "| data set | files | raw MB | mksquashfs zstd-3 | fanstore pack (default) | "
            "default / mksquashfs | --codec auto | auto / mksquashfs |",
@@ -232,8 +234,9 @@ def render(rows: list[dict], a) -> str:
                    f"{common.ratio(au, sq) if au and sq else '-'} |")
     out += ["", "Predicted vs measured files/s for the codec `fanstore select --reader mount` "
             "chose (the api row is the api report's prediction for the same codec):", "",
-            "| data set | codec | reader | predicted files/s | measured cold | cold / "
-            "predicted | measured warm | warm / predicted |", "|---|---|---|---|---|---|---|---|"]
+            "| data set | run | codec | reader | files read | predicted files/s | measured "
+            "cold | cold / predicted | measured warm | warm / predicted |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for name in dict.fromkeys(r["dataset"] for r in rows):
         for reader in ("mount", "api"):
             acc = {r["phase"]: r for r in rows if r["dataset"] == name
@@ -242,7 +245,8 @@ def render(rows: list[dict], a) -> str:
                 continue
             p = acc["cold"]["predicted_files_per_s"]
             c, w = acc["cold"]["measured_files_per_s"], acc["warm"]["measured_files_per_s"]
-            out.append(f"| {name} | {acc['cold']['codec']} | {reader} | {common.num(p)} | "
+            out.append(f"| {name} | {acc['cold']['run_id']} | {acc['cold']['codec']} | "
+                       f"{reader} | {acc['cold'].get('files_read', 4000):,} | {common.num(p)} | "
                        f"{common.num(c)} | {common.ratio(c, p)} | {common.num(w)} | "
                        f"{common.ratio(w, p)} |")
     return "\n".join(out) + "\n"
@@ -253,7 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("data", nargs="+")
     p.add_argument("--work", required=True)
     p.add_argument("--readers", type=int, default=2)
-    p.add_argument("--files", type=int, default=4000)
+    p.add_argument("--files", type=int, default=4000,
+                   help="files read per pass, a random sample (0: every file, an epoch: "
+                        "needed where a few large files hold most bytes, since the model's "
+                        "files/s is bytes/s over the mean file size)")
     p.add_argument("--sample-mb", type=float, default=64.0)
     p.add_argument("--auto", default="", help="data set names also packed with --codec auto")
     p.add_argument("--seed", type=int, default=1)
@@ -277,7 +284,14 @@ def main(argv: list[str] | None = None) -> int:
 
     for data in a.data:
         measure(os.path.abspath(data), os.path.basename(os.path.normpath(data)), a, rows, emit)
-    text = render(rows, a)
+    # The table: each data set's latest run in the results file (a data set can be measured
+    # again alone, e.g. with --files 0, without losing the others).
+    latest: dict[str, str] = {}
+    with open(a.results) as f:
+        saved = [json.loads(line) for line in f if line.strip()]
+    for r in saved:
+        latest[r["dataset"]] = max(latest.get(r["dataset"], ""), r["run_id"])
+    text = render([r for r in saved if r["run_id"] == latest[r["dataset"]]], a)
     print(text)
     if not a.no_docs:
         common.replace_section("select_accuracy", text, path=SELECTION_MD)
