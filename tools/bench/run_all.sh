@@ -11,6 +11,14 @@
 #   4. tools/bench/prefetch_bench.py --preset full  raw / FUSE sync / FUSE prefetch / Python
 #                                                 API, read passes and DataLoader stalls
 #                                                 (~10-15 min)
+#   5. tools/bench/fuse_bench.py                  the two FUSE frontends next to squashfuse_ll
+#                                                 and raw: peers, 300,000 and 1,280,000 small
+#                                                 files, directory listing (~60 min)
+#   6. tools/bench/select_accuracy.py             capacity vs mksquashfs and the selector's
+#                                                 predictions vs real reads on three data sets
+#                                                 made by tools/gen_dataset.py (~30 min)
+#   7. tools/bench/sources_bench.py               pack from a tar vs extract + pack; S3
+#                                                 stage-in, 1 vs 8 streams (~15 min)
 # Each rewrites its own section of docs/benchmarks.md and its rows in tools/bench/results/.
 # Run it on an otherwise quiet machine: the numbers are only as good as the machine is idle.
 #
@@ -26,7 +34,9 @@ set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 PY=$REPO/.venv/bin/python
-ONLY=${ONLY:-mount_bench peers mpi_bench prefetch_bench}
+ONLY=${ONLY:-mount_bench peers mpi_bench prefetch_bench fuse_bench select_accuracy sources_bench}
+FUSE_WORK=${FUSE_BENCH_WORK:-/tmp/fuse-bench}
+SEL_WORK=${SELECT_ACCURACY_WORK:-/tmp/select-accuracy}
 
 [ "$(id -u)" = 0 ] || { echo "run_all.sh: run as root (mounts, drop_caches)" >&2; exit 1; }
 [ -x "$PY" ] || { echo "run_all.sh: no $PY; run 'make setup' first" >&2; exit 1; }
@@ -57,11 +67,42 @@ for step in $ONLY; do
         "$PY" "$HERE/prefetch_bench.py" ${PREFETCH_BENCH_ARGS:---preset full} \
             --work "${PREFETCH_BENCH_WORK:-/tmp/fanstore-prefetchbench}" || status=$?
         ;;
+    fuse_bench)
+        echo "[$(date +%T)] run_all: fuse_bench" >&2
+        "$PY" "$HERE/fuse_bench.py" --preset peers --work "$FUSE_WORK" \
+            --backends raw,squashfuse_ll,pyfuse3,kernel || status=$?
+        "$PY" "$HERE/fuse_bench.py" --preset peers --work "$FUSE_WORK" \
+            --backends kernel-w1,kernel-w2 --passes read --section fuse_bench-peers-workers \
+            || status=$?
+        "$PY" "$HERE/fuse_bench.py" --preset small300k --work "$FUSE_WORK" \
+            --backends raw,squashfuse_ll,kernel --passes read,find || status=$?
+        "$PY" "$HERE/fuse_bench.py" --preset small300k --work "$FUSE_WORK" \
+            --backends squashfuse_ll,kernel,kernel-noplus,kernel-autoplus --passes find,findread \
+            --section fuse_bench-small300k-dirs || status=$?
+        "$PY" "$HERE/fuse_bench.py" --preset small1280k --work "$FUSE_WORK" \
+            --backends squashfuse_ll,kernel --passes read,find || status=$?
+        ;;
+    select_accuracy)
+        echo "[$(date +%T)] run_all: select_accuracy" >&2
+        for set in small-text peers mixed; do
+            [ -d "$SEL_WORK/data/$set" ] || "$PY" "$REPO/tools/gen_dataset.py" \
+                "$SEL_WORK/data/$set" --preset "$set" || status=$?
+        done
+        "$PY" "$HERE/select_accuracy.py" "$SEL_WORK/data/small-text" "$SEL_WORK/data/peers" \
+            --work "$SEL_WORK/run" --readers 2 --files 4000 || status=$?
+        "$PY" "$HERE/select_accuracy.py" "$SEL_WORK/data/mixed" --work "$SEL_WORK/run" \
+            --readers 2 --files 0 || status=$?
+        ;;
+    sources_bench)
+        echo "[$(date +%T)] run_all: sources_bench" >&2
+        "$PY" "$HERE/sources_bench.py" || status=$?
+        ;;
     *) echo "run_all.sh: unknown step $step" >&2; exit 2 ;;
     esac
 done
 left=$(grep -F -e " ${MOUNT_BENCH_WORK:-/tmp/fanstore-bench}/mnt/" -e " ${PEERS_WORK:-/tmp/fsbench}/mnt/" \
     -e " ${MPI_BENCH_WORK:-/tmp/fanstore-mpibench}/" -e " ${PREFETCH_BENCH_WORK:-/tmp/fanstore-prefetchbench}/" \
+    -e " $FUSE_WORK/" -e " $SEL_WORK/" \
     /proc/mounts || true)
 if [ -n "$left" ]; then
     echo "run_all.sh: WARNING: still mounted:" >&2
