@@ -15,8 +15,9 @@ Measures what issue 12 asks of a node serving its GPUs, on one dataset per run:
 
 Backends (``--backends``): ``raw``, ``squashfuse_ll`` (mksquashfs zstd level 3, same as
 FanStore's default codec), ``pyfuse3``, ``kernel`` (``--workers``, default all cores),
-``kernel-wN`` for a given worker count, ``kernel-noplus`` (plain READDIR instead of
-READDIRPLUS), ``kernel-autoplus`` (READDIRPLUS_AUTO: the kernel chooses per call), and ``pyfuse3-old``: the mount of another FanStore
+``kernel-wN`` for a given worker count, ``kernel-noplus`` (plain READDIR, as the default
+``kernel``), ``kernel-plus`` (READDIRPLUS for every listing), ``kernel-autoplus``
+(READDIRPLUS with READDIRPLUS_AUTO: the kernel chooses per call), and ``pyfuse3-old``: the mount of another FanStore
 build (``--old-fanstore``), for before/after comparisons. Backends are interleaved within each repetition so
 drift on this shared machine hits them alike.
 
@@ -166,7 +167,8 @@ class Bench(common.RowLog):
                            "seconds": round(time.time() - t, 1),
                            "bytes": os.path.getsize(img)})
             self.img = img
-        if any(b in ("pyfuse3", "pyfuse3-old", "kernel", "kernel-noplus", "kernel-autoplus")
+        if any(b in ("pyfuse3", "pyfuse3-old", "kernel", "kernel-noplus", "kernel-plus",
+                     "kernel-autoplus")
                or b.startswith("kernel-w") for b in self.backends):
             store = os.path.join(self.work, f"store-{self.a.preset}")
             if not os.path.exists(os.path.join(store, "fanstore.idx")) or os.path.getmtime(
@@ -213,10 +215,12 @@ class Bench(common.RowLog):
         if b.startswith("kernel-w"):
             argv += ["--workers", b[len("kernel-w"):]]
         env = dict(os.environ)
-        if b == "kernel-noplus":  # plain READDIR instead of READDIRPLUS
+        if b == "kernel-noplus":  # plain READDIR (the default since 2026-11-23)
             env["FANSTORE_FUSE_FLAGS"] = "-DO_READDIRPLUS"
+        elif b == "kernel-plus":  # READDIRPLUS for every listing
+            env["FANSTORE_FUSE_FLAGS"] = "+DO_READDIRPLUS"
         elif b == "kernel-autoplus":  # the kernel picks READDIRPLUS or READDIR per call
-            env["FANSTORE_FUSE_FLAGS"] = "+READDIRPLUS_AUTO"
+            env["FANSTORE_FUSE_FLAGS"] = "+DO_READDIRPLUS,+READDIRPLUS_AUTO"
         subprocess.run(argv, check=True, env=env)
         self.mounted.add(mnt)
         from fanstore import runtime
