@@ -62,17 +62,17 @@ _ENTRY_OUT = struct.Struct("=QQQQII" + "QQQQQQIIIIIIIIII")
 _ATTR_OUT = struct.Struct("=QII" + "QQQQQQIIIIIIIIII")
 
 def init_flags() -> int:
-    """The INIT flags FanStore's kernel frontend asks for: the engine's defaults without
-    DO_READDIRPLUS. READDIRPLUS makes the kernel instantiate an inode for every entry it
-    lists; measured on 300,000 files (docs/benchmarks.md, fuse_bench-small300k-dirs), a cold
-    ``find`` took 1.70 s with it and 0.76 s with plain READDIR (squashfuse_ll 0.59 s), while
-    listing and then reading every file differed by 5%, within the noise. READDIRPLUS_AUTO
-    (the kernel's choice) behaved like always-plus for ``find``. ``FANSTORE_FUSE_FLAGS``
-    (e.g. ``+DO_READDIRPLUS``) edits these for experiments."""
+    """The INIT flags FanStore's kernel frontend asks for: the engine's defaults, READDIRPLUS
+    included. Measured on 300,000 files (docs/benchmarks.md, fuse_bench-small300k-dirs, 2
+    repetitions): listing the tree and then reading every file, as a training job's first
+    epoch does, took 1.8-2.1 s + 23-26 s with READDIRPLUS and 0.9-1.0 s + 37-38 s with plain
+    READDIR (each file then costs a LOOKUP); a bare cold ``find`` is the one thing plain
+    READDIR does faster (0.8-0.9 s vs 1.8-2.0 s: the kernel instantiates an inode per
+    listed entry). ``FANSTORE_FUSE_FLAGS=-DO_READDIRPLUS`` turns it off for metadata-only
+    work; the variable edits any flag (``+NAME,-NAME``)."""
     from fanstore.fuse.kernel.session import DEFAULT_INIT_FLAGS
-    from fanstore.fuse.kernel.proto import DO_READDIRPLUS
 
-    return DEFAULT_INIT_FLAGS & ~DO_READDIRPLUS
+    return DEFAULT_INIT_FLAGS
 
 
 #: Reader counters kept in each worker's row of the shared table (after the engine's).

@@ -15,8 +15,8 @@ Measures what issue 12 asks of a node serving its GPUs, on one dataset per run:
 
 Backends (``--backends``): ``raw``, ``squashfuse_ll`` (mksquashfs zstd level 3, same as
 FanStore's default codec), ``pyfuse3``, ``kernel`` (``--workers``, default all cores),
-``kernel-wN`` for a given worker count, ``kernel-noplus`` (plain READDIR, as the default
-``kernel``), ``kernel-plus`` (READDIRPLUS for every listing), ``kernel-autoplus``
+``kernel-wN`` for a given worker count, ``kernel-noplus`` (plain READDIR instead of the
+default READDIRPLUS), ``kernel-plus`` (READDIRPLUS, as the default), ``kernel-autoplus``
 (READDIRPLUS with READDIRPLUS_AUTO: the kernel chooses per call), and ``pyfuse3-old``: the mount of another FanStore
 build (``--old-fanstore``), for before/after comparisons. Backends are interleaved within each repetition so
 drift on this shared machine hits them alike.
@@ -215,7 +215,7 @@ class Bench(common.RowLog):
         if b.startswith("kernel-w"):
             argv += ["--workers", b[len("kernel-w"):]]
         env = dict(os.environ)
-        if b == "kernel-noplus":  # plain READDIR (the default since 2026-11-23)
+        if b == "kernel-noplus":  # plain READDIR instead of READDIRPLUS (the default)
             env["FANSTORE_FUSE_FLAGS"] = "-DO_READDIRPLUS"
         elif b == "kernel-plus":  # READDIRPLUS for every listing
             env["FANSTORE_FUSE_FLAGS"] = "+DO_READDIRPLUS"

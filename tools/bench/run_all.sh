@@ -77,7 +77,7 @@ for step in $ONLY; do
         "$PY" "$HERE/fuse_bench.py" --preset small300k --work "$FUSE_WORK" \
             --backends raw,squashfuse_ll,kernel --passes read,find || status=$?
         "$PY" "$HERE/fuse_bench.py" --preset small300k --work "$FUSE_WORK" \
-            --backends squashfuse_ll,kernel,kernel-plus,kernel-autoplus --passes find,findread \
+            --backends squashfuse_ll,kernel,kernel-noplus,kernel-autoplus --passes find,findread \
             --section fuse_bench-small300k-dirs || status=$?
         "$PY" "$HERE/fuse_bench.py" --preset small1280k --work "$FUSE_WORK" \
             --backends squashfuse_ll,kernel --passes read,find || status=$?
