@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import heapq
+import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from fanstore.kinds import file_kind
 
@@ -60,3 +61,40 @@ def plan_partitions(sizes: list[int], n: int) -> list[int]:
 def in_dir(rel: bytes, reldir: bytes) -> bool:
     reldir = reldir.strip(b"/")
     return rel == reldir or rel.startswith(reldir + b"/")
+
+
+class CodecTable:
+    """The store's codec table as a pack builds it: slot 0 is always ``none`` (chunks kept
+    raw), each distinct codec config gets the next slot. A policy's codec objects live
+    through the pack, so each one's slot is remembered by identity: a config with a
+    dictionary is ~150 kB of base64 to build and serialise, and a pack asks per file.
+    ``on_new(slot, config)`` is called for each new slot (the streaming packer hands the
+    config to its encoder workers)."""
+
+    def __init__(self, on_new: Callable[[int, dict], None] | None = None) -> None:
+        self.configs: list[dict[str, Any]] = [dict(NONE_CONFIG)]
+        self._by_key: dict[str, int] = {}
+        self._by_codec: dict[int, tuple[Any, int]] = {}  # id(codec) -> (codec, slot)
+        self._on_new = on_new
+
+    def slot(self, codec) -> int:
+        known = self._by_codec.get(id(codec))
+        if known is not None and known[0] is codec:
+            return known[1]
+        cfg = codec.get_config()
+        if cfg.get("id") == "none":
+            number = 0
+        else:
+            key = json.dumps(cfg, sort_keys=True)
+            number = self._by_key.get(key, -1)
+            if number < 0:
+                number = self._by_key[key] = len(self.configs)
+                self.configs.append(cfg)
+                if self._on_new is not None:
+                    self._on_new(number, cfg)
+        self._by_codec[id(codec)] = (codec, number)
+        return number
+
+
+#: The codec config of slot 0: chunks stored raw.
+NONE_CONFIG: dict[str, Any] = {"id": "none"}

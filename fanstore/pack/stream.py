@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import xxhash
@@ -45,7 +45,7 @@ from fanstore.format.index import KIND_DIR, KIND_FILE, KIND_SYMLINK
 from fanstore.format.partition import PartitionWriter, partition_name
 from fanstore.pack.dest import open_destination
 from fanstore.pack.encoders import EncoderPool
-from fanstore.pack.plan import CodecPolicy, in_dir
+from fanstore.pack.plan import CodecPolicy, CodecTable, in_dir
 from fanstore.pack.scan import show
 from fanstore.pack.sources.base import (
     KIND_HARDLINK,
@@ -57,10 +57,8 @@ from fanstore.pack.sources.base import (
     normalize_name,
 )
 from fanstore.pack.write import (
-    NONE_CONFIG,
     PackOptions,
     PackSummary,
-    _canon,
     _PartResult,
     build_index,
     check_options,
@@ -92,9 +90,9 @@ class StreamPacker:
         self.n_normal = options.partitions
         self.bcast_dirs = [os.fsencode(b.strip("/")) for b in options.broadcast]
         self.dest = open_destination(dest, self.options.notify)
-        self.configs: list[dict[str, Any]] = [NONE_CONFIG]
-        self._slot_of: dict[str, int] = {}
-        self._slot_of_codec: dict[int, tuple[Any, int]] = {}  # id(codec) -> (codec, slot)
+        # A new codec config goes to the encoder workers as soon as it gets its slot.
+        self.codecs = CodecTable(on_new=lambda slot, cfg: self.pool.add_codec(slot, cfg))
+        self.configs = self.codecs.configs
         self.files: list[_File] = []
         self.part_files: dict[int, list[int]] = {}
         self.writers: dict[int, PartitionWriter] = {}
@@ -108,23 +106,6 @@ class StreamPacker:
         self._bar_last = 0
 
     # ------------------------------------------------------------------ partitions
-    def _slot(self, codec) -> int:
-        known = self._slot_of_codec.get(id(codec))
-        if known is not None and known[0] is codec:
-            return known[1]
-        cfg = codec.get_config()
-        if cfg.get("id") == "none":
-            slot = 0
-        else:
-            key = _canon(cfg)
-            if key not in self._slot_of:
-                self._slot_of[key] = len(self.configs)
-                self.configs.append(cfg)
-                self.pool.add_codec(self._slot_of[key], cfg)
-            slot = self._slot_of[key]
-        self._slot_of_codec[id(codec)] = (codec, slot)
-        return slot
-
     def _writer(self, p: int) -> PartitionWriter:
         w = self.writers.get(p)
         if w is None:
@@ -148,7 +129,7 @@ class StreamPacker:
         a source may hold more than it announced)."""
         p = self._choose(rel, size)
         self._writer(p)
-        slot = self._slot(self.policy.codec_for(os.fsdecode(rel), size))
+        slot = self.codecs.slot(self.policy.codec_for(os.fsdecode(rel), size))
         f = _File(p, size, _EMPTY_SUM)
         fid = len(self.files)
         self.files.append(f)

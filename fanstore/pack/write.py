@@ -38,7 +38,7 @@ from fanstore.format.index import (
 )
 from fanstore.format.partition import PartitionWriter, partition_name
 from fanstore.kinds import file_kind
-from fanstore.pack.plan import CodecPolicy, in_dir, plan_partitions
+from fanstore.pack.plan import NONE_CONFIG, CodecPolicy, CodecTable, in_dir, plan_partitions  # noqa: F401
 from fanstore.pack.dest import (  # noqa: F401 - re-exported (tests, older imports)
     OLD_MARK,
     TMP_MARK,
@@ -51,7 +51,6 @@ from fanstore.storage import is_url
 
 log = logging.getLogger(__name__)
 
-NONE_CONFIG = {"id": "none"}
 
 
 @dataclass
@@ -114,13 +113,19 @@ def _mb(n: int) -> str:
 def check_arguments(src: str, dest: str, options: PackOptions) -> None:
     """Refuse a bad source, destination or option before any work (the CLI calls this
     before a codec selection that takes seconds; :func:`prepare` checks again)."""
+    destination = _open_checked(src, dest, options)
+    check_destination(src, getattr(destination, "dest", destination.url), options.force)
+
+
+def _open_checked(src: str, dest: str, options: PackOptions):
+    """The destination of a pack of the directory ``src``, after checking the source and
+    the options."""
     if not os.path.exists(src):
         raise UsageError(f"source {src} does not exist")
     if not os.path.isdir(src):
         raise UsageError(f"source {src} is not a directory")
     check_options(options)
-    destination = open_destination(dest, options.notify)
-    check_destination(src, getattr(destination, "dest", destination.url), options.force)
+    return open_destination(dest, options.notify)
 
 
 # --------------------------------------------------------------------------- workers
@@ -379,12 +384,7 @@ def prepare(
     options = options or PackOptions()
     policy = policy or CodecPolicy(parse_spec("zstd:3"))
     t0 = time.monotonic()
-    if not os.path.exists(src):
-        raise UsageError(f"source {src} does not exist")
-    if not os.path.isdir(src):
-        raise UsageError(f"source {src} is not a directory")
-    check_options(options)
-    destination = open_destination(dest, options.notify)
+    destination = _open_checked(src, dest, options)
     destination.prepare(src, options.force)
 
     if scan is None:
@@ -415,28 +415,9 @@ def prepare(
             [entries[i].size for i in bcast], n_bcast)]
     n_parts = n_normal + n_bcast
 
-    # Codec table: slot 0 is always "none" (stored raw).
-    configs: list[dict[str, Any]] = [NONE_CONFIG]
-    slot_of: dict[str, int] = {}
-    # The policy's codec objects live through the plan: remember each one's slot, since a
-    # config with a dictionary is ~150 kB of base64 to build and serialise, per file.
-    slot_of_codec: dict[int, tuple[Any, int]] = {}
-
-    def slot(codec) -> int:
-        known = slot_of_codec.get(id(codec))
-        if known is not None and known[0] is codec:
-            return known[1]
-        cfg = codec.get_config()
-        if cfg.get("id") == "none":
-            number = 0
-        else:
-            key = _canon(cfg)
-            if key not in slot_of:
-                slot_of[key] = len(configs)
-                configs.append(cfg)
-            number = slot_of[key]
-        slot_of_codec[id(codec)] = (codec, number)
-        return number
+    codecs = CodecTable()
+    configs = codecs.configs
+    slot = codecs.slot
 
     destination.create_tmp()
     tasks = [
@@ -532,12 +513,6 @@ def pack(
     except BaseException:
         plan.target.discard()
         raise
-
-
-def _canon(cfg: dict[str, Any]) -> str:
-    import json
-
-    return json.dumps(cfg, sort_keys=True)
 
 
 def run_tasks(tasks: list[_PartTask], options: PackOptions, total: int) -> list[_PartResult]:
