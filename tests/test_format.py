@@ -85,22 +85,22 @@ def _tiny_parts() -> dict:
     e["first"][2], e["count"][2], e["checksum"][2] = 0, 2, 111
     b.set_target(3, b"f")
     e["first"][4], e["count"][4], e["checksum"][4] = 2, 1, 222
+    return _parts_of(b, [(0, 64, 100, 4096, 1), (0, 164, 50, 904, 1), (1, 64, 10, 10, 0)],
+                     [{"size": 214, "checksum": "00", "files": 1, "raw_bytes": 5000},
+                      {"size": 74, "checksum": "11", "files": 1, "raw_bytes": 10}],
+                     {"files": 2, "dirs": 1, "symlinks": 1, "raw_bytes": 5010})
+
+
+def _parts_of(b: IndexBuilder, chunks, partitions: list[dict], counts: dict) -> dict:
+    """The ``encode_index`` inputs of builder ``b`` (its entries filled in) with ``chunks``
+    rows (partition, offset, stored, raw, codec slot; checksum 1000 + row), chunk size 4096
+    and codecs none / zstd:3."""
     c = b.c
-    for k, (part, off, stored, raw) in enumerate(
-        [(0, 64, 100, 4096), (0, 164, 50, 904), (1, 64, 10, 10)]
-    ):
+    for k, (part, off, stored, raw, codec) in enumerate(chunks):
         c["part"][k], c["offset"][k], c["stored"][k], c["raw"][k] = part, off, stored, raw
-        c["checksum"][k] = 1000 + k
-    c["codec"][:] = [1, 1, 0]
-    meta = {
-        "chunk_size": 4096,
-        "codecs": [{"id": "none"}, {"id": "zstd", "level": 3}],
-        "partitions": [
-            {"size": 214, "checksum": "00", "files": 1, "raw_bytes": 5000},
-            {"size": 74, "checksum": "11", "files": 1, "raw_bytes": 10},
-        ],
-        "counts": {"files": 2, "dirs": 1, "symlinks": 1, "raw_bytes": 5010},
-    }
+        c["codec"][k], c["checksum"][k] = codec, 1000 + k
+    meta = {"chunk_size": 4096, "codecs": [{"id": "none"}, {"id": "zstd", "level": 3}],
+            "partitions": partitions, "counts": counts}
     return {"meta": meta, "e": b.e, "c": b.c, "lookup": b.build_lookup(),
             "names": bytes(b.names), "targets": bytes(b.targets)}
 
@@ -621,24 +621,10 @@ def _tiny_v2_parts() -> dict:
     e["first"][3], e["count"][3], e["checksum"][3] = 2, 1, 222
     e["first"][4], e["count"][4], e["checksum"][4] = 2, 1, 333
     e["offset"][4] = 10
-    c = b.c
-    for k, (part, off, stored, raw) in enumerate(
-        [(0, 64, 100, 4096), (0, 164, 50, 904), (1, 64, 12, 30)]
-    ):
-        c["part"][k], c["offset"][k], c["stored"][k], c["raw"][k] = part, off, stored, raw
-        c["checksum"][k] = 1000 + k
-    c["codec"][:] = 1
-    meta = {
-        "chunk_size": 4096,
-        "codecs": [{"id": "none"}, {"id": "zstd", "level": 3}],
-        "partitions": [
-            {"size": 214, "checksum": "00", "files": 1, "raw_bytes": 5000},
-            {"size": 76, "checksum": "11", "files": 2, "raw_bytes": 30},
-        ],
-        "counts": {"files": 3, "dirs": 1, "symlinks": 0, "raw_bytes": 5030},
-    }
-    return {"meta": meta, "e": b.e, "c": b.c, "lookup": b.build_lookup(),
-            "names": bytes(b.names), "targets": bytes(b.targets)}
+    return _parts_of(b, [(0, 64, 100, 4096, 1), (0, 164, 50, 904, 1), (1, 64, 12, 30, 1)],
+                     [{"size": 214, "checksum": "00", "files": 1, "raw_bytes": 5000},
+                      {"size": 76, "checksum": "11", "files": 2, "raw_bytes": 30}],
+                     {"files": 3, "dirs": 1, "symlinks": 0, "raw_bytes": 5030})
 
 
 def test_v2_index_round_trip():
