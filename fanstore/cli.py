@@ -71,14 +71,6 @@ def cmd_pack(args) -> int:
     extra: dict[str, Any] = {}
     scanned: dict[str, Any] = {}
     kind = detect(args.src)[0]
-    if kind != "directory":
-        # The selectors and solid blocks sample and plan a tree; a streamed source is packed
-        # as it is read, with one codec.
-        if args.codec == "auto" or (args.codec or "").endswith("+dict") or args.solid_kb:
-            what = ("--codec auto" if args.codec == "auto" else
-                    "--solid-kb" if args.solid_kb else f"--codec {args.codec}")
-            raise UsageError(f"{what} needs a directory source; with a {kind} source give "
-                             "a codec (e.g. --codec zstd:3)")
 
     def make_policy():
         policy, meta = _pack_policy(args, scanned, kind)
@@ -136,11 +128,19 @@ def _pack_policy(args, scanned: dict[str, Any], source_kind: str = "directory"):
 
     spec = args.codec
     meta: dict[str, Any] = {}
-    if spec is None and source_kind != "directory":
-        print(f"fanstore: a {source_kind} source is packed with zstd:3 (the quick selection "
-              "samples a directory; --codec pins another)", file=sys.stderr)
-        policy = CodecPolicy(parse_spec("zstd:3"))
-    elif spec == "auto":
+    if source_kind != "directory":
+        # The selectors and solid blocks sample and plan a tree; a streamed source is packed
+        # as it is read, with one codec.
+        if spec == "auto" or (spec or "").endswith("+dict") or args.solid_kb:
+            what = ("--codec auto" if spec == "auto" else
+                    "--solid-kb" if args.solid_kb else f"--codec {spec}")
+            raise UsageError(f"{what} needs a directory source; with a {source_kind} source "
+                             "give a codec (e.g. --codec zstd:3)")
+        if spec is None:
+            print(f"fanstore: a {source_kind} source is packed with zstd:3 (the quick "
+                  "selection samples a directory; --codec pins another)", file=sys.stderr)
+            spec = "zstd:3"
+    if spec == "auto":
         policy, meta = _auto_policy(args)
     elif spec is None or spec.endswith("+dict"):
         from fanstore.select import quick

@@ -66,12 +66,15 @@ def verify_store(path: str, jobs: int = 0, progress: bool | None = None,
         else:
             wanted.append(p)
     parts, broken = LocalPartitions.available(data_dir, index, wanted)
-    # Files that share a solid chunk (format v2) are checked one after the other (todo is
-    # sorted by first chunk below) and a one-chunk file keeps its chunk in a small LRU: a
-    # shared chunk is decoded about once, not once per file in it.
-    reader = ChunkReader(index, parts, cache_bytes=min(64 << 20, 16 * index.chunk_size))
+    # Files that share a solid chunk (format v2 only) are checked one after the other (todo
+    # is sorted by first chunk below) and a one-chunk file keeps its chunk in a small LRU:
+    # a shared chunk is decoded about once, not once per file in it.
+    shared = index.version >= 2
+    reader = ChunkReader(index, parts,
+                         cache_bytes=min(64 << 20, 16 * index.chunk_size) if shared else 0)
     part_of = index.c["part"]
     sums = index.e["checksum"]
+    counts = index.e["count"]
 
     todo = []
     for entry in index.file_entries().tolist():
@@ -83,7 +86,8 @@ def verify_store(path: str, jobs: int = 0, progress: bool | None = None,
         elif p == -1 or parts.has(p):
             todo.append(entry)
 
-    todo.sort(key=lambda entry: reader.span(entry)[0])
+    if shared:
+        todo.sort(key=index.e["first"].__getitem__)
 
     show_bar = sys.stderr.isatty() if progress is None else progress
     bar = None
@@ -98,7 +102,7 @@ def verify_store(path: str, jobs: int = 0, progress: bool | None = None,
         h = xxhash.xxh3_64()
         size = 0
         try:
-            for data in reader.iter_file(entry, keep=reader.span(entry)[1] == 1):
+            for data in reader.iter_file(entry, keep=shared and int(counts[entry]) == 1):
                 h.update(data)
                 size += len(data)
         except FanStoreError as exc:

@@ -254,15 +254,16 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
     if not kinds:
         raise UsageError(f"{src}: no file could be read for the sample")
 
+    # Random-read latency: given, else measured with the bandwidth, else 0 (storage given).
+    given_latency = options.storage_latency_us
     if options.storage_mb_per_sec is not None:
-        storage, storage_from = options.storage_mb_per_sec * MB, "given"
-        latency = (options.storage_latency_us or 0.0) * 1e-6
+        storage, latency, storage_from = options.storage_mb_per_sec * MB, 0.0, "given"
     else:
         storage, latency, storage_from = bench.measure_storage_access(
-            options.storage_dir, options.n_cores)
+            options.storage_dir, 0 if given_latency is not None else options.n_cores)
         log.info("storage read bandwidth %.0f MB/s (%s)", storage / MB, storage_from)
-    if options.storage_latency_us is not None:
-        latency = options.storage_latency_us * 1e-6
+    if given_latency is not None:
+        latency = given_latency * 1e-6
 
     reader = None
     if options.reader is not None:
@@ -278,8 +279,7 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
     results = {k: KindResult(k, sample.kinds[k].files, sample.kinds[k].raw_bytes,
                              sample.kinds[k].sample_bytes, sample.kinds[k].typesize,
                              sample.kinds[k].typesize_from) for k in kinds}
-    path = _path_costs(files, sample, kinds, reader, options.chunk_size)
-    seeks = _seeks(files, sample, kinds)
+    path, seeks = _per_file_costs(files, sample, kinds, reader, options.chunk_size)
     for cand in cands:
         # A dictionary is stored once: charge it per raw byte of the kind(s) that use it.
         spread = cand.overhead / sum(sample.kinds[k].raw_bytes for k in measures[cand.label])
@@ -357,35 +357,28 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
     return result
 
 
-def _path_costs(files, sample: Sample, kinds: list[str], reader: ReaderCost | None,
-                chunk_size: int) -> dict[str, float]:
-    """The read path's own cost per raw byte of each kind: the calibrated cost of every file
-    of the kind (per file, and per chunk beyond its first) over the kind's bytes. Empty files
-    cost a reader an open too. (Files in solid blocks are one chunk each; the kinds that
-    get solid blocks have files of one chunk anyway.)"""
-    if reader is None:
-        return {}
+def _per_file_costs(files, sample: Sample, kinds: list[str], reader: ReaderCost | None,
+                    chunk_size: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Per raw byte of each kind: (the read path's own cost, random storage reads).
+
+    The path cost is the calibrated cost of every file of the kind (per file, and per chunk
+    beyond its first) over the kind's bytes, empty files included (they cost a reader an
+    open too; files in solid blocks are one chunk each, and the kinds that get solid blocks
+    have files of one chunk anyway); nothing without a calibrated ``reader``. Random reads:
+    one per file (files are read in random order; the rest of a large file follows
+    sequentially)."""
     from fanstore.kinds import file_kind
 
     seconds: dict[str, float] = {}
-    for f in files:
-        k = file_kind(f.rel, f.size)
-        seconds[k] = seconds.get(k, 0.0) + reader.file_cost(-(-f.size // chunk_size))
-    return {k: seconds.get(k, 0.0) / sample.kinds[k].raw_bytes for k in kinds
-            if sample.kinds[k].raw_bytes}
-
-
-def _seeks(files, sample: Sample, kinds: list[str]) -> dict[str, float]:
-    """Random storage reads per raw byte of each kind: one per file (files are read in
-    random order; the rest of a large file follows sequentially)."""
-    from fanstore.kinds import file_kind
-
     count: dict[str, int] = {}
     for f in files:
         k = file_kind(f.rel, f.size)
         count[k] = count.get(k, 0) + 1
-    return {k: count.get(k, 0) / sample.kinds[k].raw_bytes for k in kinds
-            if sample.kinds[k].raw_bytes}
+        if reader is not None:
+            seconds[k] = seconds.get(k, 0.0) + reader.file_cost(-(-f.size // chunk_size))
+    raw = {k: sample.kinds[k].raw_bytes for k in kinds if sample.kinds[k].raw_bytes}
+    path = {k: seconds.get(k, 0.0) / n for k, n in raw.items()} if reader is not None else {}
+    return path, {k: count.get(k, 0) / n for k, n in raw.items()}
 
 
 def _measure_all(sample: Sample, kinds: list[str], cands: list[Candidate],
