@@ -61,20 +61,6 @@ log = logging.getLogger(__name__)
 _ENTRY_OUT = struct.Struct("=QQQQII" + "QQQQQQIIIIIIIIII")
 _ATTR_OUT = struct.Struct("=QII" + "QQQQQQIIIIIIIIII")
 
-def init_flags() -> int:
-    """The INIT flags FanStore's kernel frontend asks for: the engine's defaults, READDIRPLUS
-    included. Measured on 300,000 files (docs/benchmarks.md, fuse_bench-small300k-dirs, 2
-    repetitions): listing the tree and then reading every file, as a training job's first
-    epoch does, took 1.8-2.1 s + 23-26 s with READDIRPLUS and 0.9-1.0 s + 37-38 s with plain
-    READDIR (each file then costs a LOOKUP); a bare cold ``find`` is the one thing plain
-    READDIR does faster (0.8-0.9 s vs 1.8-2.0 s: the kernel instantiates an inode per
-    listed entry). ``FANSTORE_FUSE_FLAGS=-DO_READDIRPLUS`` turns it off for metadata-only
-    work; the variable edits any flag (``+NAME,-NAME``)."""
-    from fanstore.fuse.kernel.session import DEFAULT_INIT_FLAGS
-
-    return DEFAULT_INIT_FLAGS
-
-
 #: Reader counters kept in each worker's row of the shared table (after the engine's).
 READ_COUNTERS = ("reads", "bytes_returned", "local_reads", "local_bytes", "remote_reads",
                  "remote_bytes", "refetched", "chunks_decoded", "errors", "decode_ns",
@@ -373,10 +359,15 @@ def frontend_main(spec_path: str) -> int:
         fs = FsOps(ns)
         mopts = kernel.MountOptions(fsname=spec["fsname"], subtype="fanstore", read_only=True,
                                     allow_other=bool(spec["allow_other"]))
-        from fanstore.fuse.kernel.session import parse_flags
+        from fanstore.fuse.kernel.session import DEFAULT_INIT_FLAGS, parse_flags
 
-        # FANSTORE_FUSE_FLAGS="+NAME,-NAME": INIT flag edits, for experiments and benchmarks
-        init = kernel.InitOptions(flags=parse_flags(spec.get("init_flags", ""), init_flags()))
+        # The engine's defaults, READDIRPLUS included: listing then reading 300,000 files (a
+        # first epoch) took 26.5 s with it and 38.2 s with plain READDIR, which costs a
+        # LOOKUP per file; only a bare cold `find` is faster without it (docs/benchmarks.md,
+        # fuse_bench-small300k-dirs). FANSTORE_FUSE_FLAGS="+NAME,-NAME" edits the flags
+        # (-DO_READDIRPLUS for metadata-only work; experiments and benchmarks).
+        init = kernel.InitOptions(flags=parse_flags(spec.get("init_flags", ""),
+                                                    DEFAULT_INIT_FLAGS))
         session = kernel.KernelSession(spec["mountpoint"], mopts, init,
                                        counters_path=spec["counters_path"])
         session.mount()

@@ -63,6 +63,10 @@ def in_dir(rel: bytes, reldir: bytes) -> bool:
     return rel == reldir or rel.startswith(reldir + b"/")
 
 
+#: The codec config of slot 0: chunks stored raw.
+NONE_CONFIG: dict[str, Any] = {"id": "none"}
+
+
 class CodecTable:
     """The store's codec table as a pack builds it: slot 0 is always ``none`` (chunks kept
     raw), each distinct codec config gets the next slot. A policy's codec objects live
@@ -95,6 +99,3 @@ class CodecTable:
         self._by_codec[id(codec)] = (codec, number)
         return number
 
-
-#: The codec config of slot 0: chunks stored raw.
-NONE_CONFIG: dict[str, Any] = {"id": "none"}

@@ -38,7 +38,7 @@ from fanstore.format.index import (
 )
 from fanstore.format.partition import PartitionWriter, partition_name
 from fanstore.kinds import file_kind
-from fanstore.pack.plan import NONE_CONFIG, CodecPolicy, CodecTable, in_dir, plan_partitions  # noqa: F401
+from fanstore.pack.plan import CodecPolicy, CodecTable, in_dir, plan_partitions
 from fanstore.pack.dest import (  # noqa: F401 - re-exported (tests, older imports)
     OLD_MARK,
     TMP_MARK,
