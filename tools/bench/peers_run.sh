@@ -8,7 +8,8 @@
 # then writes the table (with the issue's target ratios) between <!-- BEGIN peers --> and
 # <!-- END peers --> in docs/benchmarks.md and copies the raw rows to tools/bench/results/.
 #
-# peers.sh takes one custom backend per run, so each FanStore codec gets its own run:
+# peers.sh takes one custom backend per run, so each FanStore codec and frontend gets its own
+# run:
 #   run 1: PEER_BACKENDS + fanstore-<first codec>                      (builds every image)
 #   run k: raw + sqfs-<codec k>-squashfuse_ll + fanstore-<codec k>      (SKIP_BUILD=1: the
 #          dataset and the squashfs images of run 1 are reused; only the FanStore store of
@@ -21,7 +22,9 @@
 # WARM_REPS INSTALL SKIP_BUILD; PASS_LIMIT defaults to 120 s here instead of 30):
 #   PEERS_SH        [<repo>/../shared/bench/peers.sh]
 #   PEER_BACKENDS   [raw sqfs-zstd3-kernel sqfs-zstd3-squashfuse_ll sqfs-lz4-squashfuse_ll]
-#   FANSTORE_CODECS ["zstd:3 lz4"]   one FanStore backend (fanstore-zstd3, fanstore-lz4) each
+#   FANSTORE_CODECS ["zstd:3 lz4"]   FanStore codecs
+#   FANSTORE_FRONTENDS ["kernel pyfuse3"]  FUSE frontends (fanstore mount --frontend); one
+#                   FanStore backend per codec and frontend: fanstore-zstd3-kernel, ...
 #   PARTITIONS      [8]              fanstore pack --partitions
 #   FANSTORE        [<repo>/.venv/bin/fanstore]
 #   LABEL           note at the top of the docs section (default: a "smoke run" warning when
@@ -40,6 +43,7 @@ WORK=${1:-/tmp/fsbench}
 PEERS_SH=${PEERS_SH:-$(cd "$REPO/.." && pwd)/shared/bench/peers.sh}
 PEER_BACKENDS=${PEER_BACKENDS:-raw sqfs-zstd3-kernel sqfs-zstd3-squashfuse_ll sqfs-lz4-squashfuse_ll}
 FANSTORE_CODECS=${FANSTORE_CODECS:-zstd:3 lz4}
+FANSTORE_FRONTENDS=${FANSTORE_FRONTENDS:-kernel pyfuse3}
 PARTITIONS=${PARTITIONS:-8}
 FANSTORE=${FANSTORE:-$REPO/.venv/bin/fanstore}
 PY=$REPO/.venv/bin/python
@@ -81,15 +85,20 @@ trap 'log "interrupted"; exit 130' INT TERM
 # expansion at the first '}', so a literal '}' is appended to any CUSTOM_UMOUNT that is set
 # ("fanstore umount /x/mnt}" then fails and the mount stays). The trailing ' #' turns the
 # stray brace into a comment.
-name_of() { printf 'fanstore-%s' "${1//:/}"; }         # zstd:3 -> fanstore-zstd3
+name_of() { printf 'fanstore-%s-%s' "${1//:/}" "$2"; }  # zstd:3 kernel -> fanstore-zstd3-kernel
 peer_tag() { case $1 in zstd:3) echo zstd3 ;; lz4) echo lz4 ;; *) echo "" ;; esac; }
 
 T0=$(date +%s)
 RUN_FILES=()
 k=0
+VARIANTS=()
 for codec in $FANSTORE_CODECS; do
+    for frontend in $FANSTORE_FRONTENDS; do VARIANTS+=("$codec $frontend"); done
+done
+for variant in "${VARIANTS[@]}"; do
+    read -r codec frontend <<<"$variant"
     k=$((k + 1))
-    name=$(name_of "$codec")
+    name=$(name_of "$codec" "$frontend")
     tag=$(peer_tag "$codec")
     if [ "$k" = 1 ]; then
         # FanStore right after its same-codec squashfuse_ll peer (drift hits neighbours alike)
@@ -124,7 +133,7 @@ for codec in $FANSTORE_CODECS; do
     CUSTOM_NAME="$name" \
     CUSTOM_BUILD="$FANSTORE pack {data} {img}/$name --codec $codec --partitions $PARTITIONS --jobs $(nproc) --no-progress --force" \
     CUSTOM_ARTIFACT="{img}/$name" \
-    CUSTOM_MOUNT="$FANSTORE mount {img}/$name {mnt}" \
+    CUSTOM_MOUNT="$FANSTORE mount {img}/$name {mnt} --frontend $frontend" \
     CUSTOM_UMOUNT="$FANSTORE umount {mnt} #" \
     MERGE_RESULTS="${merge# }" RESULTS_MD="$md" \
         "$PEERS_SH" "$WORK"
@@ -134,7 +143,7 @@ for codec in $FANSTORE_CODECS; do
         echo "# peers.sh invocation:"
         echo "#   BACKENDS=\"$backends\" SKIP_BUILD=$skip N_SMALL=$N_SMALL N_LARGE=$N_LARGE LARGE_MIB=$LARGE_MIB REPS=$REPS WARM_REPS=$WARM_REPS \\"
         echo "#   CUSTOM_NAME=$name CUSTOM_BUILD='$FANSTORE pack {data} {img}/$name --codec $codec --partitions $PARTITIONS --jobs $(nproc) --no-progress --force' \\"
-        echo "#   CUSTOM_ARTIFACT='{img}/$name' CUSTOM_MOUNT='$FANSTORE mount {img}/$name {mnt}' CUSTOM_UMOUNT='$FANSTORE umount {mnt} #' \\"
+        echo "#   CUSTOM_ARTIFACT='{img}/$name' CUSTOM_MOUNT='$FANSTORE mount {img}/$name {mnt} --frontend $frontend' CUSTOM_UMOUNT='$FANSTORE umount {mnt} #' \\"
         echo "#   $PEERS_SH $WORK"
         cat "$WORK/commands.txt"
     } >"$WORK/fanstore-run$k.commands.txt"

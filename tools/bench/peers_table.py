@@ -77,10 +77,8 @@ def is_fanstore(backend: str) -> bool:
 
 def tag_of(backend: str) -> str | None:
     """zstd3 / lz4 for FanStore and squashfs backends."""
-    if is_fanstore(backend):
-        return backend.split("-", 1)[1] if "-" in backend else None
-    if backend.startswith("sqfs-"):
-        return backend.split("-")[1]
+    if is_fanstore(backend) or backend.startswith("sqfs-"):  # fanstore-zstd3[-kernel]
+        return backend.split("-")[1] if "-" in backend else None
     return None
 
 
