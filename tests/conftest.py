@@ -9,6 +9,8 @@ Fixtures (see each docstring):
 - ``s3_server`` (session): a real S3 endpoint (moto server) on 127.0.0.1.
 - ``mounted`` (function) and ``module_mounted`` (module): mount factories,
   ``mnt = mounted(store, *extra_args)``; teardown always unmounts and kills the daemon.
+- ``other_user`` (session): a second, unprivileged local user (``second_user.py``) for the
+  multi-user attack tests; skipped with the reason where one cannot be made.
 
 Tests marked ``@pytest.mark.fuse`` are skipped when /dev/fuse, fusermount3 or pyfuse3 is
 missing. At session end a safety net lazily unmounts any FUSE mount left under the pytest
@@ -204,6 +206,17 @@ def _daemon_pids_under(base: str) -> list[int]:
         if b"mount" in argv and any(a.startswith(base.encode() + b"/") for a in argv):
             found.append(int(name))
     return found
+
+
+@pytest.fixture(scope="session")
+def other_user():
+    """A second unprivileged user of this machine (see ``second_user.py``)."""
+    from second_user import other_user as make
+
+    user, why = make()
+    if user is None:
+        pytest.skip(f"no second user: {why}")
+    return user
 
 
 @pytest.fixture(scope="session", autouse=True)
