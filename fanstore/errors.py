@@ -96,6 +96,14 @@ class MountError(FanStoreError):
     """Mounting, unmounting or talking to a daemon failed."""
 
 
+class UnsafePathError(FanStoreError):
+    """A path FanStore would write or trust is not safe from other local users: a runtime
+    or local directory that is not ours or is open to others, a symlink where a file or
+    directory was expected (docs/reliability.md, "Multi-user nodes")."""
+
+    errno = _errno.EACCES
+
+
 class RemoteError(FanStoreError):
     """A peer daemon did not answer, answered with an error, or is gone."""
 

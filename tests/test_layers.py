@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 #: (MPI) and the FUSE frontends (kernel) share a layer but never import each other.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("codecs", ("compressors",)),
-    ("format", ("fanstore.version", "fanstore.errors", "fanstore.storage", "fanstore.format")),
+    ("format", ("fanstore.version", "fanstore.errors", "fanstore.safeio", "fanstore.storage",
+                "fanstore.format")),
     ("read core", ("fanstore.namespace", "fanstore.read", "fanstore.store", "fanstore.verify",
                    "fanstore.kinds")),
     ("services", ("fanstore.runtime", "fanstore.process", "fanstore.mounttable",

@@ -1,0 +1,152 @@
+"""Creating files and directories that no other local user can read, replace or redirect.
+
+Shared nodes have other accounts beside every mount (docs/reliability.md, "Multi-user
+nodes"). Every file FanStore writes outside a store it is packing goes through here:
+
+- :func:`private_dir` makes or checks a directory only this user may use: created 0700,
+  then ``lstat``-ed and refused unless it is a real directory (not a symlink) owned by this
+  uid with no group/other bits (tmux's rule for ``/tmp/tmux-<uid>``).
+- :func:`owned_dir` checks a directory this user writes into that others may read (a
+  node-local staging dir of a public store): a real directory owned by this uid, writable
+  by nobody else.
+- :func:`create_excl` opens a new file ``O_CREAT|O_EXCL|O_NOFOLLOW``: it never opens
+  something another user planted at that name, and never follows a symlink.
+- :func:`atomic_write` writes a fresh temporary file beside the target (a random name,
+  created exclusively) and renames it into place.
+- :func:`open_nofollow` opens an existing file for reading without following a symlink
+  and checks it is a regular file owned by an expected uid.
+
+Failures are :class:`~fanstore.errors.UnsafePathError` (one line naming the path and what
+is wrong with it), or the OSError of the system call for ordinary I/O failures.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+
+from fanstore.errors import UnsafePathError
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def _describe(st: os.stat_result) -> str:
+    kind = ("a symlink" if stat.S_ISLNK(st.st_mode) else
+            "not a directory" if not stat.S_ISDIR(st.st_mode) else "a directory")
+    return f"{kind} owned by uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}"
+
+
+def private_dir(path: str, create: bool = True, what: str = "runtime directory") -> str:
+    """Make (mode 0700, parents too) or check ``path``: a real directory owned by this uid
+    with no group or other permission bits. Returns ``path``; raises UnsafePathError."""
+    uid = os.geteuid()
+    if create:
+        parent = os.path.dirname(os.path.abspath(path))
+        if parent and not os.path.isdir(parent):
+            os.makedirs(parent, mode=0o700, exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise UnsafePathError(f"cannot create {what} {path}: {exc.strerror}") from None
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise UnsafePathError(f"cannot use {what} {path}: {exc.strerror}") from None
+    if (not stat.S_ISDIR(st.st_mode) or st.st_uid != uid
+            or stat.S_IMODE(st.st_mode) & 0o077):
+        raise UnsafePathError(
+            f"{what} {path} is unsafe ({_describe(st)}; it must be a directory owned by uid "
+            f"{uid} with mode 0700): remove it, or set FANSTORE_RUNTIME_DIR to a private "
+            "directory")
+    return path
+
+
+def owned_dir(path: str, what: str = "directory") -> os.stat_result:
+    """Check ``path`` is a real directory owned by this uid that no other user can write
+    to (group/other may read it). Returns its stat; raises UnsafePathError."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise UnsafePathError(f"cannot use {what} {path}: {exc.strerror}") from None
+    uid = os.geteuid()
+    if (not stat.S_ISDIR(st.st_mode) or st.st_uid != uid
+            or stat.S_IMODE(st.st_mode) & 0o022):
+        raise UnsafePathError(
+            f"{what} {path} is unsafe ({_describe(st)}; it must be a directory owned by uid "
+            f"{uid} that no other user can write to)")
+    return st
+
+
+def create_excl(path: str, mode: int = 0o600, flags: int = os.O_WRONLY) -> int:
+    """Open a new file at ``path`` (``O_CREAT|O_EXCL|O_NOFOLLOW``) with exactly ``mode``
+    (set again with fchmod: the umask may only narrow the create mode). Returns the fd."""
+    fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, mode)
+    try:
+        os.fchmod(fd, mode)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def temp_name(path: str) -> str:
+    """A fresh hidden name beside ``path`` for a file to be renamed onto it."""
+    head, tail = os.path.split(path)
+    return os.path.join(head, f".{tail}.{secrets.token_hex(6)}.tmp")
+
+
+def atomic_write(path: str, data: bytes, mode: int = 0o600, fsync: bool = False) -> None:
+    """Write ``data`` to a new exclusive temporary file beside ``path`` and rename it onto
+    ``path`` (readers see the old file or the new one, never a part)."""
+    for _ in range(8):
+        tmp = temp_name(path)
+        try:
+            fd = create_excl(tmp, mode)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise UnsafePathError(f"cannot create a temporary file beside {path}")
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        if fsync:
+            os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, path)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def open_nofollow(path: str, owner: int | None = None, what: str = "file") -> int:
+    """Open an existing regular file read-only without following a symlink; with
+    ``owner``, refuse a file owned by another uid. Returns the fd."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafePathError(f"{what} {path} is a symlink; refusing to follow it") \
+                from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or (owner is not None and st.st_uid != owner):
+        os.close(fd)
+        kind = "regular file" if stat.S_ISREG(st.st_mode) else "special file"
+        raise UnsafePathError(f"{what} {path} is unsafe (a {kind} owned by uid {st.st_uid}; "
+                              f"expected a regular file owned by uid {owner})")
+    os.set_blocking(fd, True)
+    return fd
