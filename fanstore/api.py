@@ -77,8 +77,10 @@ def open_store(path_or_mount: str, cache_mb: int = 64):
         return StoreReader(path, cache_mb=cache_mb)
     from fanstore import mounttable, runtime
 
-    if mounttable.mount_status(path) == "live" and os.path.exists(runtime.socket_path(path)):
-        return MountReader(path, cache_mb=cache_mb)
+    if mounttable.mount_status(path) == "live":
+        sock = runtime.socket_path(path)
+        if sock and os.path.exists(sock):
+            return MountReader(path, cache_mb=cache_mb)
     if not os.path.exists(path):
         raise NotFoundError(f"{path}: no such store or mount point")
     raise UsageError(f"{path}: neither a FanStore store nor a live FanStore mount")
@@ -200,15 +202,17 @@ class _BytesRaw(io.RawIOBase):
         return self._buf.tell()
 
 
-def _node_index(path: str | None):
+def _node_index(path: str | None, owner: int):
     """The node daemon's shared copy of the index (mapped, not read: every reader process
-    of the node shares its pages), or None if it cannot be used."""
+    of the node shares its pages), or None if it cannot be used. It must be a regular file
+    of the daemon's uid ``owner`` (never followed through a symlink) whose magic, sizes and
+    checksum are right."""
     from fanstore.format.index import map_index_body
 
-    if not path:
+    if not path or not isinstance(path, str):
         return None
     try:
-        return map_index_body(path)
+        return map_index_body(path, owner=owner)
     except (OSError, FanStoreError):
         return None
 
@@ -257,7 +261,8 @@ class MountReader(_Reader):
         self.store_path = info.get("store") or ""
         if not self.store_path:
             raise MountError(f"{mountpoint}: the daemon did not say which store it serves")
-        index = _node_index(info.get("index_copy")) or read_index(self.store_path)
+        server_uid = self.client.server[1] if self.client.server else os.geteuid()
+        index = _node_index(info.get("index_copy"), server_uid) or read_index(self.store_path)
         local = [int(p) for p in info.get("local_parts", [])]
         self._parts = LocalPartitions(info.get("data_dir") or self.store_path, index, local)
         remote = set(range(len(index.partitions))) - set(local)
@@ -268,7 +273,8 @@ class MountReader(_Reader):
     def read_entry(self, entry: int) -> bytes:
         if self.mode == "prefetch":  # the daemon may hold it decoded already
             self._after_fork()
-            return self.client.request({"op": "fetch", "entry": entry})[1]
+            return self.client.request({"op": "fetch", "entry": entry},
+                                       expect=self.ns.size(entry))[1]
         return super().read_entry(entry)
 
     def prefetch(self, paths, client: str | None = None) -> dict:

@@ -251,6 +251,7 @@ def cmd_umount(args) -> int:
     status = mounttable.mount_status(mnt)
     state = runtime.read_state(mnt) or {}
     pid = state.get("pid")
+    runtime.sweep_shared()  # shared-memory files of daemons that were killed
     if status == "none":
         if pid_alive(pid) and state.get("phase") not in ("stopped", "failed"):
             control.control(mnt, {"op": "shutdown", "reason": "fanstore umount"})

@@ -72,6 +72,12 @@ class SymlinkLoopError(FanStoreError):
     errno = _errno.ELOOP
 
 
+class PermissionDeniedError(FanStoreError):
+    """The asking user may not read this entry (its mode bits, as the mount enforces them)."""
+
+    errno = _errno.EACCES
+
+
 class ReadOnlyError(FanStoreError):
     """A write to the read-only file system."""
 

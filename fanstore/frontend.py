@@ -44,7 +44,8 @@ class MountContext:
     ``reader`` is the node process's read core (local partitions from disk, other nodes'
     over MPI). A frontend that serves from other processes builds a reader in each of them
     from ``store``, ``data_dir``, ``local_parts`` and ``replicated``, and asks the daemon at
-    ``socket_path`` for the rest (:class:`fanstore.control.NodeSource`).
+    ``socket_path`` for the rest (:class:`fanstore.control.NodeSource`). ``index_path`` is
+    the node's private index copy, owned by the daemon's uid.
     """
 
     mountpoint: str
@@ -61,6 +62,9 @@ class MountContext:
     request_stop: Callable[[str, bool], None]  # (reason, everywhere): thread/signal safe
     remote_timeout: float = 30.0
     extra_stats: dict[str, Any] = field(default_factory=dict)
+    #: the mount's private runtime directory (fanstore.runtime.MountRuntime): the only place
+    #: a frontend may create files (counters)
+    runtime: Any = None
 
 
 class Frontend(Protocol):

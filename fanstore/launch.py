@@ -77,22 +77,25 @@ def mount(options: NodeOptions, foreground: bool = False, debug: bool = False,
     notice = mounttable.prepare_mountpoint(options.mountpoint)
     if notice:
         notify(notice)
+    # The one place a single node's runtime directory is made and checked (an MPI rank's
+    # node makes its own, behind the start-up gate): an unsafe one stops us here.
+    rt = runtime.MountRuntime.create(options.mountpoint)
+    runtime.sweep_shared()  # what killed daemons of this user left in /dev/shm
     if foreground:
         process.setup_logging(debug, sys.stderr)
-        node = Node(options, World.solo(), factory)
+        node = Node(options, World.solo(), factory, runtime_=rt)
         node.catch_signals()
         node.run(lambda: notify(f"mounted {options.store} at {options.mountpoint} "
                                 "(foreground; Ctrl-C unmounts)"))
         return Outcome(0)
-    runtime.runtime_dir(options.mountpoint, create=True)
-    log_file = log_file or runtime.log_path(options.mountpoint)
+    log_fd = rt.open_log(log_file)
 
     def body(on_ready):
-        node = Node(options, World.solo(), factory)
+        node = Node(options, World.solo(), factory, runtime_=rt)
         node.catch_signals()
         return node.run(on_ready)
 
-    detached = process.daemonize(log_file, body, debug)
+    detached = process.daemonize(log_fd, body, debug, log_name=log_file or rt.log_path)
     if detached.child:
         return Outcome(detached.code, hard_exit=True)
     return Outcome(0)
@@ -108,6 +111,8 @@ def _mount_rank(options: NodeOptions, factory: FrontendFactory, debug: bool,
     if code is not None:
         return Outcome(code, hard_exit=True)
     world = World.from_mpi()
+    if world.rank == 0:
+        runtime.sweep_shared()
     process.setup_logging(debug, sys.stderr, fmt=(
         f"%(asctime)s fanstore[rank {world.rank}/{world.size}] %(levelname)s: %(message)s"))
     node = Node(options, world, factory)

@@ -106,6 +106,10 @@ class Namespace:
     def size(self, entry: int) -> int:
         return int(self._size[entry])
 
+    def mode(self, entry: int) -> int:
+        """Permission bits of an entry (no file-type bits)."""
+        return int(self._mode[entry])
+
     def children(self, entry: int) -> range:
         if int(self._kind[entry]) != KIND_DIR:
             raise NotADirectoryError_(f"{self.show(entry)}: not a directory")

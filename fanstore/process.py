@@ -73,15 +73,17 @@ class Detached:
         self.code = code
 
 
-def daemonize(log_file: str, body: Callable[[Callable[[], None]], object],
-              debug: bool = False) -> Detached:
+def daemonize(log_fd: int, body: Callable[[Callable[[], None]], object],
+              debug: bool = False, log_name: str = "the daemon's log") -> Detached:
     """Run ``body(on_ready)`` in a background child; the parent returns once the child
     called ``on_ready`` (or raises MountError with the child's error).
 
-    The child starts a new session, sends its output to ``log_file``, and reports a
-    FanStoreError (or an internal error, logged with its traceback) through the ready pipe
-    before it returns; both processes then return to the caller, which exits.
+    The child starts a new session, sends its output to ``log_fd`` (an open file the caller
+    made private, named ``log_name`` in messages), and reports a FanStoreError (or an
+    internal error, logged with its traceback) through the ready pipe before it returns;
+    both processes then return to the caller, which exits.
     """
+    log_file = log_name
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -89,7 +91,7 @@ def daemonize(log_file: str, body: Callable[[Callable[[], None]], object],
         code = 0
         try:
             os.setsid()
-            fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            fd = log_fd
             null = os.open(os.devnull, os.O_RDONLY)
             os.dup2(null, 0)
             os.dup2(fd, 1)
@@ -121,6 +123,7 @@ def daemonize(log_file: str, body: Callable[[Callable[[], None]], object],
                 pass
         return Detached(True, code)
     os.close(w)
+    os.close(log_fd)
     try:
         text = read_ready(r)
     finally:

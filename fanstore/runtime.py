@@ -1,12 +1,30 @@
-"""Per-mount runtime state shared by a daemon and the commands that talk to it.
+"""A mount's private runtime state: one directory per user, checked, and what lives in it.
 
-Each mount point has a runtime directory (``$FANSTORE_RUNTIME_DIR`` or
-``/tmp/fanstore-<uid>``, then a hash of the mount point's real path) holding:
+Layout (docs/architecture.md, "Runtime state"; docs/reliability.md, "Multi-user nodes")::
 
-- ``state.json``: pid, mount point, rank, phase (``starting``, ``mounting``, ``ready``,
-  ``draining``, ``stopped``, ``failed``) and, on failure, the error; written atomically.
-- ``ctl.sock``: the daemon's control socket (:mod:`fanstore.control`).
-- ``daemon.log``: the log of a daemon that runs in the background.
+    <root>                 $FANSTORE_RUNTIME_DIR, else $XDG_RUNTIME_DIR/fanstore, else
+                           /tmp/fanstore-<uid>; mode 0700, owned by this uid
+    <root>/<key>/          one per mount point (key: 16 hex digits of SHA-1 of the mount
+                           point's real path), mode 0700
+        state.json         pid, mount point, rank, phase (``starting``, ``mounting``,
+                           ``ready``, ``draining``, ``stopped``, ``failed``), the error, the
+                           index copy's path; replaced atomically
+        ctl.sock           the daemon's control socket (:mod:`fanstore.control`)
+        daemon.log         the log of a daemon that runs in the background (0600)
+        counters           the kernel frontend's per-worker counters (0600)
+    /dev/shm/fanstore-<uid>-<pid>-<random>.idx
+                           the node's decompressed index copy (0600, created exclusively
+                           under a random name; found through state.json and the daemon's
+                           ``info`` reply, never by guessing a name)
+
+:class:`MountRuntime` is the one place that derives, creates and checks these paths. The
+composition root (:func:`fanstore.launch.mount`) or the node makes it once with
+:meth:`MountRuntime.create` and hands it down; commands that talk to a running mount find
+it with :meth:`MountRuntime.find`. Both refuse a root or a mount directory that is not a
+real directory owned by this uid with no group/other bits (another user may have made it
+first, or planted a symlink): :class:`~fanstore.errors.UnsafePathError`, one line. Every
+file is created ``O_EXCL|O_NOFOLLOW`` or written to a fresh temporary name and renamed
+(:mod:`fanstore.safeio`), so nothing here follows a symlink.
 """
 
 from __future__ import annotations
@@ -14,12 +32,39 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import secrets
+import stat
 import time
 from typing import Any
 
+from fanstore import safeio
+from fanstore.errors import FanStoreError, UnsafePathError
+
+#: Where the node's shared-memory files go when it is usable (tmpfs: its pages are never
+#: dropped the way page-cache pages of a disk file are, e.g. by drop_caches).
+SHM_DIR = "/dev/shm"
+
+
+def candidate_roots() -> list[str]:
+    """Runtime roots in the order they are tried: an explicit ``$FANSTORE_RUNTIME_DIR``
+    alone; else ``$XDG_RUNTIME_DIR/fanstore`` (when set) and ``/tmp/fanstore-<uid>``.
+    A daemon uses the first; a command looking for a mount tries each (a login shell
+    may have XDG_RUNTIME_DIR where a Slurm step has none)."""
+    explicit = os.environ.get("FANSTORE_RUNTIME_DIR")
+    if explicit:
+        return [os.path.abspath(explicit)]
+    roots = []
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isabs(xdg):
+        roots.append(os.path.join(xdg, "fanstore"))
+    roots.append(f"/tmp/fanstore-{os.geteuid()}")
+    return roots
+
 
 def runtime_root() -> str:
-    return os.environ.get("FANSTORE_RUNTIME_DIR") or f"/tmp/fanstore-{os.getuid()}"
+    """The runtime root a daemon started now would use (not created or checked)."""
+    return candidate_roots()[0]
 
 
 def mount_key(mountpoint: str) -> str:
@@ -29,64 +74,200 @@ def mount_key(mountpoint: str) -> str:
     return os.path.join(os.path.realpath(os.path.dirname(absolute)), os.path.basename(absolute))
 
 
-def runtime_dir(mountpoint: str, create: bool = False) -> str:
+def _key(mountpoint: str) -> str:
     real = mount_key(mountpoint)
-    h = hashlib.sha1(real.encode("utf-8", "surrogateescape")).hexdigest()[:16]
-    path = os.path.join(runtime_root(), h)
-    if create:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-    return path
+    return hashlib.sha1(real.encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
 
-def state_path(mountpoint: str) -> str:
-    return os.path.join(runtime_dir(mountpoint), "state.json")
+class MountRuntime:
+    """The private runtime directory of one mount point and the files in it.
+
+    Attributes: ``mountpoint`` (its canonical path), ``root`` (this user's runtime root),
+    ``path`` (the mount's directory), and the paths of the files listed in the module
+    docstring.
+    """
+
+    def __init__(self, mountpoint: str, root: str) -> None:
+        self.mountpoint = mount_key(mountpoint)
+        self.root = root
+        self.path = os.path.join(root, _key(mountpoint))
+        self.state_path = os.path.join(self.path, "state.json")
+        self.socket_path = os.path.join(self.path, "ctl.sock")
+        self.log_path = os.path.join(self.path, "daemon.log")
+        self.counters_path = os.path.join(self.path, "counters")
+
+    def __repr__(self) -> str:
+        return f"MountRuntime({self.mountpoint!r}, {self.path!r})"
+
+    # ------------------------------------------------------------------ finding
+    @classmethod
+    def create(cls, mountpoint: str) -> MountRuntime:
+        """The runtime of ``mountpoint`` for a daemon: root and mount directory created
+        (0700) and checked. UnsafePathError if either is not private to this uid."""
+        self = cls(mountpoint, runtime_root())
+        safeio.private_dir(self.root, create=True, what="runtime directory")
+        safeio.private_dir(self.path, create=True, what="runtime directory")
+        return self
+
+    @classmethod
+    def find(cls, mountpoint: str) -> MountRuntime | None:
+        """The runtime of ``mountpoint`` if a daemon made one (checked, never created), or
+        None. UnsafePathError when what is there is not private to this uid."""
+        for root in candidate_roots():
+            self = cls(mountpoint, root)
+            try:
+                os.lstat(self.path)
+            except OSError:
+                continue
+            safeio.private_dir(self.root, create=False, what="runtime directory")
+            safeio.private_dir(self.path, create=False, what="runtime directory")
+            return self
+        return None
+
+    # ------------------------------------------------------------------ state
+    def write_state(self, **fields: Any) -> None:
+        """Update state.json (a new pid starts a fresh state), atomically."""
+        current = self.read_state() or {}
+        if fields.get("pid") not in (None, current.get("pid")):
+            current = {}
+        current.update(fields)
+        current["updated"] = time.time()
+        safeio.atomic_write(self.state_path, json.dumps(current).encode())
+
+    def read_state(self) -> dict[str, Any] | None:
+        try:
+            fd = safeio.open_nofollow(self.state_path, owner=os.geteuid(), what="state file")
+        except (OSError, FanStoreError):
+            return None
+        try:
+            with open(fd, "rb", closefd=True) as f:
+                state = json.loads(f.read(1 << 20))
+        except (OSError, ValueError):
+            return None
+        return state if isinstance(state, dict) else None
+
+    def open_log(self, path: str | None = None) -> int:
+        """An fd to append the daemon's log to (this runtime's daemon.log, or ``path``):
+        created 0600, never through a symlink."""
+        path = path or self.log_path
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            return os.open(path, flags, 0o600)
+        except OSError as exc:
+            raise UnsafePathError(f"cannot open the log file {path}: {exc.strerror}") from None
+
+    def new_counters_file(self) -> str:
+        """A fresh path for the kernel frontend's counters (any old file removed first:
+        the frontend creates it exclusively)."""
+        _unlink(self.counters_path)
+        return self.counters_path
+
+    # ------------------------------------------------------------------ shared memory
+    def create_shared(self, data_parts: list[bytes], suffix: str = "idx") -> str:
+        """A new file only this uid can read, holding ``data_parts``, for the processes of
+        this node to map: in /dev/shm when it is usable, else in the mount's directory.
+        Created exclusively under a random name that carries the daemon's pid (so a later
+        mount can remove what a killed daemon left: :func:`sweep_shared`)."""
+        base = _shm_dir() or self.path
+        for _ in range(16):
+            path = os.path.join(base, f"fanstore-{os.geteuid()}-{os.getpid()}-"
+                                      f"{secrets.token_hex(8)}.{suffix}")
+            try:
+                fd = safeio.create_excl(path, 0o600)
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise UnsafePathError(f"cannot create a private file in {base}")
+        try:
+            with open(fd, "wb", closefd=True) as f:
+                for part in data_parts:
+                    f.write(part)
+        except BaseException:
+            _unlink(path)
+            raise
+        return path
 
 
-def socket_path(mountpoint: str) -> str:
-    return os.path.join(runtime_dir(mountpoint), "ctl.sock")
+def _shm_dir() -> str | None:
+    """SHM_DIR if it is a real directory that is either sticky or writable only by its
+    owner (root or us), and we may create files in it; else None."""
+    shm = os.environ.get("FANSTORE_SHM_DIR", SHM_DIR)
+    try:
+        st = os.lstat(shm)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid not in (0, os.geteuid()):
+        return None
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        return None
+    return shm if os.access(shm, os.W_OK | os.X_OK) else None
 
 
-def log_path(mountpoint: str) -> str:
-    return os.path.join(runtime_dir(mountpoint), "daemon.log")
+_SHARED_NAME = re.compile(r"fanstore-(\d+)-(\d+)-[0-9a-f]{16}\.\w+\Z")
 
 
-def write_state(mnt: str, /, **fields: Any) -> None:
-    path = state_path(mnt)
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    current = read_state(mnt) or {}
-    if fields.get("pid") not in (None, current.get("pid")):
-        current = {}
-    current.update(fields)
-    current["updated"] = time.time()
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(current, f)
-    os.replace(tmp, path)
+def sweep_shared(keep: set[str] | None = None) -> list[str]:
+    """Remove this uid's shared-memory files whose daemon is gone (SIGKILLed daemons leave
+    them behind); returns the paths removed. Only regular files owned by this uid with our
+    naming pattern are touched, never through a symlink."""
+    from fanstore.process import pid_alive
+
+    shm = _shm_dir()
+    if shm is None:
+        return []
+    uid = os.geteuid()
+    removed = []
+    try:
+        names = os.listdir(shm)
+    except OSError:
+        return []
+    for name in names:
+        m = _SHARED_NAME.match(name)
+        if m is None or int(m.group(1)) != uid or pid_alive(int(m.group(2))):
+            continue
+        path = os.path.join(shm, name)
+        if keep and path in keep:
+            continue
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_uid == uid:
+            _unlink(path)
+            removed.append(path)
+    return removed
+
+
+def remove_shared(path: str | None) -> None:
+    """Remove a shared file this process created (only ours: name pattern and owner)."""
+    if not path or not _SHARED_NAME.match(os.path.basename(path)):
+        return
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+        _unlink(path)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+# --------------------------------------------------------------------------- commands
 
 
 def read_state(mountpoint: str) -> dict[str, Any] | None:
-    try:
-        with open(state_path(mountpoint)) as f:
-            return json.load(f)
-    except (FileNotFoundError, ValueError):
-        return None
+    """The state of the daemon serving ``mountpoint``, or None (no runtime, unreadable)."""
+    rt = MountRuntime.find(mountpoint)
+    return rt.read_state() if rt is not None else None
 
 
-def write_file(path: str, data) -> None:
-    """Write ``data`` to ``path`` atomically (a temp file renamed over it)."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
-def shared_memory_path(mountpoint: str, name: str) -> str:
-    """A path for a file the processes of a node share in memory: in ``/dev/shm`` (tmpfs:
-    its pages are never dropped from memory the way page-cache pages of a disk file are,
-    e.g. by ``drop_caches`` or memory pressure) when it is usable, else in the runtime
-    directory."""
-    shm = os.environ.get("FANSTORE_SHM_DIR", "/dev/shm")
-    key = os.path.basename(runtime_dir(mountpoint))
-    if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK):
-        return os.path.join(shm, f"fanstore-{os.getuid()}-{key}-{name}")
-    return os.path.join(runtime_dir(mountpoint, create=True), name)
+def socket_path(mountpoint: str) -> str | None:
+    """The control socket of ``mountpoint``'s daemon if it has a runtime, else None."""
+    rt = MountRuntime.find(mountpoint)
+    return rt.socket_path if rt is not None else None

@@ -5,7 +5,9 @@ nodes"). Every file FanStore writes outside a store it is packing goes through h
 
 - :func:`private_dir` makes or checks a directory only this user may use: created 0700,
   then ``lstat``-ed and refused unless it is a real directory (not a symlink) owned by this
-  uid with no group/other bits (tmux's rule for ``/tmp/tmux-<uid>``).
+  uid with no group/other bits (tmux's rule for ``/tmp/tmux-<uid>``). One of ours that
+  only others could read (0755, as older FanStore made them; nobody else could write into
+  it) is closed to 0700 instead of refused.
 - :func:`owned_dir` checks a directory this user writes into that others may read (a
   node-local staging dir of a public store): a real directory owned by this uid, writable
   by nobody else.
@@ -57,6 +59,20 @@ def private_dir(path: str, create: bool = True, what: str = "runtime directory")
         st = os.lstat(path)
     except OSError as exc:
         raise UnsafePathError(f"cannot use {what} {path}: {exc.strerror}") from None
+    if (stat.S_ISDIR(st.st_mode) and st.st_uid == uid and stat.S_IMODE(st.st_mode) & 0o077
+            and not stat.S_IMODE(st.st_mode) & 0o022):
+        # Ours, and nobody else could ever write into it (e.g. made 0755 by an older
+        # FanStore): nothing in it can be another user's, so close it and go on.
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC)
+            try:
+                if os.fstat(fd).st_ino == st.st_ino:
+                    os.fchmod(fd, 0o700)
+            finally:
+                os.close(fd)
+            st = os.lstat(path)
+        except OSError:
+            pass
     if (not stat.S_ISDIR(st.st_mode) or st.st_uid != uid
             or stat.S_IMODE(st.st_mode) & 0o077):
         raise UnsafePathError(

@@ -476,9 +476,9 @@ def daemon_log(mnt, limit: int = 4000) -> str:
     from fanstore import runtime
 
     try:
-        with open(runtime.log_path(os.fspath(mnt)), errors="replace") as f:
+        with open(runtime.MountRuntime.find(os.fspath(mnt)).log_path, errors="replace") as f:
             return f.read()[-limit:]
-    except OSError:
+    except (OSError, AttributeError):  # no runtime (None) or no log
         return "(no daemon log)"
 
 

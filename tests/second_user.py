@@ -71,27 +71,28 @@ class OtherUser:
         return self.run([SYSTEM_PYTHON, "-c", code, *args], timeout=timeout, env=env)
 
 
-def other_user() -> tuple[OtherUser | None, str]:
-    """The second user, created if missing; (None, why) when that is impossible here."""
+def other_user(name: str = NAME) -> tuple[OtherUser | None, str]:
+    """The second user (or another called ``name``), created if missing; (None, why) when
+    that is impossible here."""
     if os.geteuid() != 0:
         return None, "creating a second user needs root"
     if not os.path.exists(SYSTEM_PYTHON):
         return None, f"{SYSTEM_PYTHON} is missing"
     try:
-        pw = pwd.getpwnam(NAME)
+        pw = pwd.getpwnam(name)
     except KeyError:
         exe = shutil.which("useradd") or "/usr/sbin/useradd"
         if not os.path.exists(exe):
             return None, "useradd is not installed"
         proc = subprocess.run([exe, "--system", "--no-create-home", "--home-dir", "/",
-                               "--shell", "/usr/sbin/nologin", NAME],
+                               "--shell", "/usr/sbin/nologin", name],
                               capture_output=True, text=True)
         if proc.returncode not in (0, 9):  # 9: created meanwhile by another test process
             return None, f"useradd failed: {proc.stderr.strip()}"
-        pw = pwd.getpwnam(NAME)
+        pw = pwd.getpwnam(name)
     if pw.pw_uid == 0:
-        return None, f"{NAME} has uid 0"
-    return OtherUser(NAME, pw.pw_uid, pw.pw_gid), ""
+        return None, f"{name} has uid 0"
+    return OtherUser(name, pw.pw_uid, pw.pw_gid), ""
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ from helpers import (
     assert_cli_error,
     assert_same_tree,
     copy_store,
+    daemon_log,
     daemon_pid,
     damage_file,
     flip_bytes,
@@ -568,7 +569,7 @@ def test_sigterm_unmounts_cleanly(mounted, small_store):
     assert not is_mounted(m)
     assert mounttable.mount_status(str(m)) == "none"
     assert (runtime.read_state(str(m)) or {}).get("phase") == "stopped"
-    assert "signal SIGTERM" in open(runtime.log_path(str(m))).read()
+    assert "signal SIGTERM" in open(runtime.MountRuntime.find(str(m)).log_path).read()
 
 
 def _crash(m) -> None:
@@ -608,8 +609,7 @@ def test_a_killed_worker_is_replaced_and_reads_go_on(mounted, small_store, small
     serving = process_tree(pid)
     assert run_cli("umount", m).returncode == 0
     assert wait_until(lambda: not any(pid_alive(p) for p in serving), 15)
-    assert "replac" in open(__import__("fanstore.runtime", fromlist=["x"]).log_path(str(m))
-                            ).read().lower()
+    assert "replac" in daemon_log(m, limit=1 << 20).lower()
 
 
 def test_crashed_daemon_leaves_a_stale_mount_that_umount_cleans(mounted, small_store):

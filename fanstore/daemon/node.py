@@ -37,6 +37,7 @@ from fanstore.daemon import placement as pl
 from fanstore.daemon import protocol as P
 from fanstore.daemon.launcher import launcher_alive
 from fanstore.daemon.routing import PeerSource
+from fanstore.daemon.service import OWNER_OPS
 from fanstore.daemon.transport import node_name
 from fanstore.daemon.world import World, substitute
 from fanstore.errors import FanStoreError, FormatError, MountError
@@ -69,13 +70,18 @@ class NodeOptions:
 
 class Node:
     def __init__(self, options: NodeOptions, world: World, frontend_factory: FrontendFactory,
-                 transport_factory: Callable[..., Any] | None = None) -> None:
+                 transport_factory: Callable[..., Any] | None = None,
+                 runtime_: runtime.MountRuntime | None = None) -> None:
         self.options = options
         self.world = world
         self.rank, self.size = world.rank, world.size
         self.who = f"rank {self.rank} ({node_name()})"
         self.mountpoint = substitute(options.mountpoint, self.rank)
         self.mount_key = runtime.mount_key(self.mountpoint)
+        #: the mount's private runtime directory: made by the caller (a single node, so that
+        #: its errors reach the user before the daemon goes to the background) or in run()
+        self.runtime = runtime_
+        self.index_copy: str | None = None
         self.local_dir = substitute(options.local_dir, self.rank) if options.local_dir else None
         self.frontend_factory = frontend_factory
         self.transport_factory = transport_factory
@@ -204,13 +210,19 @@ class Node:
     def run(self, on_ready: Callable[[], None] | None = None) -> int:
         """Start, serve until stopped, drain, clean up. Raises FanStoreError on failure."""
         opts = self.options
-        runtime.write_state(self.mountpoint, pid=os.getpid(), rank=self.rank, ranks=self.size,
-                            mountpoint=self.mount_key, phase="starting")
+        early: FanStoreError | None = None
         try:
-            index, table, mine = self._start()
+            if self.runtime is None:
+                self.runtime = runtime.MountRuntime.create(self.mountpoint)
+            self.runtime.write_state(pid=os.getpid(), rank=self.rank, ranks=self.size,
+                                     mountpoint=self.mount_key, phase="starting")
+        except FanStoreError as exc:  # every rank must learn of it at the first gate
+            early = exc
+        try:
+            index, table, mine = self._start(early)
             index = self._connect(index, table, mine)
             self._mount()
-            runtime.write_state(self.mountpoint, phase="ready")
+            self.runtime.write_state(phase="ready")
             log.info("%s: serving %s at %s (%d entries, %d partitions here)", self.who,
                      opts.store, self.mountpoint, index.n_entries, len(mine))
             if on_ready is not None:
@@ -224,24 +236,28 @@ class Node:
             if self.stopping is None:
                 self.stopping = reason
             log.info("%s: unmounted (%s)", self.who, self.stopping)
-            runtime.write_state(self.mountpoint, phase="stopped")
+            self.runtime.write_state(phase="stopped")
         except FanStoreError as exc:
-            runtime.write_state(self.mountpoint, phase="failed", error=str(exc))
+            if self.runtime is not None:
+                self.runtime.write_state(phase="failed", error=str(exc))
             self._cleanup()
             self._finish_mpi(clean=self.peers is None or not self.peers.dead)
             raise
         self._drain()
         self._cleanup()
         self._finish_mpi(clean=not (self.peers and self.peers.dead) and not self.drain_incomplete)
-        runtime.write_state(self.mountpoint, phase="stopped")
+        self.runtime.write_state(phase="stopped")
         return 0
 
-    def _start(self):
-        """Index, placement, staging: each rank's own work, then a gate for all of them."""
+    def _start(self, early: FanStoreError | None = None):
+        """Index, placement, staging: each rank's own work, then a gate for all of them
+        (``early``: an error before this point, reported through the gate)."""
         opts = self.options
         error: FanStoreError | None = None
         index = table = mine = None
         try:
+            if early is not None:
+                raise early
             index = self.load_index()
             replicas = opts.replicas
             if replicas > self.size:
@@ -294,28 +310,33 @@ class Node:
             store=opts.store if "://" in opts.store else os.path.abspath(opts.store),
             data_dir=os.path.abspath(self.data_dir),
             local_parts=list(mine), replicated=replicated,
-            socket_path=runtime.socket_path(self.mountpoint), index_path=index_copy,
+            socket_path=self.runtime.socket_path, index_path=index_copy, runtime=self.runtime,
             request_stop=self.request_stop, remote_timeout=opts.remote_timeout)
         self.frontend = self.frontend_factory(self.ctx)
         from fanstore.daemon.service import handlers
 
-        self.server = ControlServer(self.ctx.socket_path, handlers(self))
+        self.server = ControlServer(self.ctx.socket_path, handlers(self),
+                                    owner_ops=OWNER_OPS)
         self.server.start()
+        server = self.server
+        self.stats.extra["control_refused"] = lambda: server.refused
         return index
 
     def _share_index(self, index):
-        """Write the decompressed index body to the runtime directory and use a shared
+        """Write the decompressed index body to a private shared-memory file and use a
         read-only mapping of it from now on: the frontend process, its workers and API
-        readers map the same pages, so the namespace costs its size once per node."""
-        from fanstore.format.index import map_index_body, write_index_body
+        readers map the same pages, so the namespace costs its size once per node. The
+        file has a random name (0600, created exclusively); its path is in state.json
+        (for clean-up after a SIGKILL) and in the ``info`` reply (for readers)."""
+        from fanstore.format.index import index_body_parts, map_index_body
 
-        self.index_copy = runtime.shared_memory_path(self.mountpoint, "index.body")
-        write_index_body(self.index_copy, index)
+        self.index_copy = self.runtime.create_shared(index_body_parts(index))
+        self.runtime.write_state(index_copy=self.index_copy)
         self.index_bytes = None
-        return map_index_body(self.index_copy, check=False)
+        return map_index_body(self.index_copy, check=False, owner=os.geteuid())
 
     def _mount(self) -> None:
-        runtime.write_state(self.mountpoint, phase="mounting")
+        self.runtime.write_state(phase="mounting")
         error: FanStoreError | None = None
         try:
             self.frontend.mount()
@@ -377,7 +398,7 @@ class Node:
         if self.transport is None:
             return
         others = [r for r in range(self.size) if r != self.rank]
-        runtime.write_state(self.mountpoint, phase="draining")
+        self.runtime.write_state(phase="draining")
         self.transport.send_control(P.Control.DONE, others, "unmounted")
         self.terminated = 0
         grace_end = time.monotonic() + DRAIN_GRACE
@@ -417,11 +438,7 @@ class Node:
         if self.server is not None:
             self.server.close()
             self.server = None
-        if self.ctx is not None:
-            try:
-                os.unlink(self.ctx.index_path)
-            except OSError:
-                pass
+        runtime.remove_shared(self.index_copy)
         if self.transport is not None and self.transport.running:
             self.transport.stop()
         if self.parts is not None:

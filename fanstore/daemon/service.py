@@ -10,12 +10,38 @@ import os
 import time
 from typing import Any
 
-from fanstore.errors import MountError, NotFoundError, RemoteError, UsageError
+from fanstore.errors import (
+    MountError,
+    NotFoundError,
+    PermissionDeniedError,
+    RemoteError,
+    UsageError,
+)
 from fanstore.format.index import KIND_FILE
 
 
+#: Requests only the mount's owner (its uid, or root) may make.
+OWNER_OPS = frozenset({"shutdown", "prefetch"})
+
+
+def _int(req: dict[str, Any], key: str, default: int | None = None) -> int:
+    value = req.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise UsageError(f"{req.get('op')}: {key!r} must be an integer")
+    return value
+
+
+def _str(req: dict[str, Any], key: str, default: str = "", limit: int = 4096) -> str:
+    value = req.get(key, default)
+    if not isinstance(value, str) or len(value) > limit:
+        raise UsageError(f"{req.get('op')}: {key!r} must be a string of at most {limit} "
+                         "characters")
+    return value
+
+
 def handlers(node) -> dict[str, Any]:
-    """The request handlers of ``node`` (a :class:`fanstore.daemon.node.Node` that serves)."""
+    """The request handlers of ``node`` (a :class:`fanstore.daemon.node.Node` that serves).
+    Each checks the types of the fields it uses; ``_uid`` is the asking process's uid."""
 
     def ping(req):
         return {"ok": True, "pid": os.getpid()}
@@ -32,55 +58,57 @@ def handlers(node) -> dict[str, Any]:
         return node.stats_json()
 
     def shutdown(req):
-        node.request_stop(str(req.get("reason", "shutdown requested")),
-                          bool(req.get("everywhere", False)))
+        everywhere = req.get("everywhere", False)
+        if not isinstance(everywhere, bool):
+            raise UsageError("shutdown: 'everywhere' must be true or false")
+        node.request_stop(_str(req, "reason", "shutdown requested", 512), everywhere)
         return {"ok": True}
 
     def prefetch(req):
         """The access order of a reader's next epoch: ``paths`` (relative to the mount
-        root) or ``list`` (a file with one path per line, read here); ``client`` names the
-        reader (one order per training process; a new order replaces that client's)."""
+        root; the client reads any list file itself: the daemon never opens a path it is
+        given); ``client`` names the reader (one order per training process; a new order
+        replaces that client's)."""
         paths = req.get("paths")
-        if paths is None and req.get("list"):
-            try:
-                with open(req["list"], "rb") as f:
-                    paths = [os.fsdecode(line.rstrip(b"\n")) for line in f if line.strip()]
-            except OSError as exc:
-                raise MountError(f"{req['list']}: cannot read: {exc.strerror}") from None
-        if not isinstance(paths, list):
-            raise UsageError("prefetch needs 'paths' (a list) or 'list' (a file of paths)")
+        if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+            raise UsageError("prefetch needs 'paths': a list of path strings")
         index = node.ctx.index
         entries, unknown = [], 0
         for p in paths:
-            entry = index.resolve(os.fsencode(str(p)))
+            entry = index.resolve(os.fsencode(p))
             if entry is None:
                 unknown += 1
             else:
                 entries.append(entry)
-        n = node.frontend.set_order(entries, str(req.get("client") or "default"))
+        n = node.frontend.set_order(entries, _str(req, "client", "default", 256) or "default")
         return {"ok": True, "files": n, "unknown": unknown}
 
     def fetch(req):
-        """A whole file, decoded and checked (prefetch-mode API readers)."""
+        """A whole file, decoded and checked (prefetch-mode API readers), if the asking
+        uid may read it through the mount (its mode bits, as default_permissions does)."""
         ns = node.ctx.ns
         entry = req.get("entry")
-        if not isinstance(entry, int) or not 0 <= entry < ns.n_entries:
-            entry = node.ctx.index.resolve(os.fsencode(str(req.get("path", ""))))
+        if not isinstance(entry, int) or isinstance(entry, bool) \
+                or not 0 <= entry < ns.n_entries:
+            entry = node.ctx.index.resolve(os.fsencode(_str(req, "path")))
             if entry is None:
                 raise NotFoundError(f"{req.get('path')}: no such file in the store")
         if ns.kind(entry) != KIND_FILE:
             raise MountError(f"{ns.show(entry)}: not a regular file")
+        if not may_read(ns, entry, req["_uid"]):
+            raise PermissionDeniedError(f"{ns.show(entry)}: permission denied")
         return {"ok": True, "entry": entry}, node.frontend.fetch(entry)
 
     def read_stored(req):
         """Stored bytes of a partition held by another node, for a reader process here."""
-        part, offset, length = int(req["part"]), int(req["offset"]), int(req["length"])
+        part, offset, length = _int(req, "part"), _int(req, "offset"), _int(req, "length")
         index = node.ctx.index
         if not 0 <= part < len(index.partitions) or offset < 0 or length < 0 \
                 or offset + length > index.partitions[part].size:
             raise UsageError(f"read_stored: no such range in partition {part}")
         entry = req.get("entry")
-        entry = entry if isinstance(entry, int) and 0 <= entry < index.n_entries else None
+        entry = entry if isinstance(entry, int) and not isinstance(entry, bool) \
+            and 0 <= entry < index.n_entries else None
         if node.peers is None:
             raise RemoteError(f"partition {part} is held by no other node of this job")
         t0 = time.perf_counter()
@@ -93,3 +121,21 @@ def handlers(node) -> dict[str, Any]:
 
     return {"ping": ping, "info": info, "stats": stats, "shutdown": shutdown,
             "prefetch": prefetch, "fetch": fetch, "read_stored": read_stored}
+
+
+def may_read(ns, entry: int, uid: int) -> bool:
+    """Whether ``uid`` may read ``entry`` through the mount: the kernel's
+    default_permissions check on the index's mode bits (every file shows the daemon's
+    uid as its owner): search permission on each directory above it, read permission on
+    the file. Root may read everything."""
+    if uid == 0:
+        return True
+    owner = uid == os.geteuid()
+    read_bit, search_bit = (0o400, 0o100) if owner else (0o004, 0o001)
+    if not ns.mode(entry) & read_bit:
+        return False
+    while entry != 0:  # the root is entry 0
+        entry = ns.parent(entry)
+        if not ns.mode(entry) & search_bit:
+            return False
+    return True

@@ -497,26 +497,42 @@ _BODY_MAGIC = b"FANSTIDB"
 _BODY_HEADER = struct.Struct("<8sQQQQ")
 
 
-def write_index_body(path: str, index: Index) -> None:
-    """Write ``index``'s decompressed body to ``path`` (atomically) for :func:`map_index_body`."""
+def index_body_parts(index: Index) -> list[bytes]:
+    """The header and body of ``index``'s node-local copy, for :func:`map_index_body` (the
+    runtime writes them to a private file: :meth:`fanstore.runtime.MountRuntime.create_shared`)."""
     body = index.body
     head = _BODY_HEADER.pack(_BODY_MAGIC, len(body), xxhash.xxh3_64_intdigest(body),
                              index.stored_size, index.version)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(head)
-        f.write(body)
-    os.replace(tmp, path)
+    return [head, bytes(body) if not isinstance(body, bytes) else body]
 
 
-def map_index_body(path: str, check: bool = True, validate: bool = False) -> Index:
-    """The index whose body :func:`write_index_body` wrote to ``path``, its arrays views of a
-    read-only shared mapping of the file. The body is checksummed (``check``): it is the
-    very body a validated index had, so validating it again is optional (``validate``)."""
+def write_index_body(path: str, index: Index) -> None:
+    """Write ``index``'s node-local copy to a new file ``path`` (0600, created exclusively)."""
+    from fanstore.safeio import create_excl
+
+    with open(create_excl(path, 0o600), "wb") as f:
+        for part in index_body_parts(index):
+            f.write(part)
+
+
+def map_index_body(path: str, check: bool = True, validate: bool = False,
+                   owner: int | None = None) -> Index:
+    """The index whose body :func:`index_body_parts` made, in the file ``path``, its arrays
+    views of a read-only shared mapping of the file. The file is opened without following a
+    symlink and, with ``owner``, must belong to that uid (the daemon's). Magic, sizes and
+    the body's checksum (``check``) are verified before anything is parsed: it is the very
+    body a validated index had, so validating it again is optional (``validate``)."""
     import mmap
 
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    from fanstore.safeio import open_nofollow
+
+    fd = open_nofollow(path, owner=owner, what="index copy")
+    try:
+        if os.fstat(fd).st_size < _BODY_HEADER.size:
+            raise FormatError(f"{path}: truncated index copy")
+        mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
     if len(mm) < _BODY_HEADER.size:
         raise FormatError(f"{path}: truncated index copy")
     magic, size, digest, stored, version = _BODY_HEADER.unpack_from(mm)

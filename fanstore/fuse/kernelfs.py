@@ -325,9 +325,26 @@ def _make_handler_factory(spec: dict[str, Any], index, fs: FsOps, session):
     return factory
 
 
-def frontend_main(spec_path: str) -> int:
-    """``python -m fanstore.fuse.kernelfs SPEC``: the frontend process (see the module
-    docstring). Reports "ready" or "error: ..." on the pipe fd named in the spec."""
+def read_spec(fd: int, limit: int = 64 << 20) -> dict[str, Any]:
+    """The frontend's spec, a JSON object read to EOF from the pipe ``fd`` the daemon
+    wrote it to (never a file another user could swap)."""
+    data = bytearray()
+    with open(fd, "rb", closefd=True) as f:
+        while len(data) <= limit:
+            chunk = f.read(1 << 16)
+            if not chunk:
+                break
+            data += chunk
+    spec = json.loads(bytes(data)) if len(data) <= limit else None
+    if not isinstance(spec, dict):
+        raise MountError("the kernel frontend's spec is not a JSON object")
+    return spec
+
+
+def frontend_main(spec_fd: int) -> int:
+    """``python -m fanstore.fuse.kernelfs --spec-fd N``: the frontend process (see the
+    module docstring). Reads its spec from the pipe ``spec_fd``; reports "ready" or
+    "error: ..." on the pipe fd named in the spec."""
     import ctypes
 
     from fanstore.format.index import map_index_body
@@ -335,8 +352,7 @@ def frontend_main(spec_path: str) -> int:
     from fanstore.namespace import Namespace
     from fanstore.process import setup_logging
 
-    with open(spec_path) as f:
-        spec = json.load(f)
+    spec = read_spec(spec_fd)
     ready_fd = int(spec["ready_fd"])
     setup_logging(spec.get("debug", False), sys.stderr,
                   fmt=spec.get("log_format") or None)
@@ -354,7 +370,7 @@ def frontend_main(spec_path: str) -> int:
 
     session = None
     try:
-        index = map_index_body(spec["index_path"])
+        index = map_index_body(spec["index_path"], owner=os.geteuid())
         ns = Namespace(index)
         fs = FsOps(ns)
         mopts = kernel.MountOptions(fsname=spec["fsname"], subtype="fanstore", read_only=True,
@@ -403,9 +419,8 @@ class KernelFrontend:
 
         self.ctx = ctx
         self.proc: subprocess.Popen | None = None
-        rdir = runtime.runtime_dir(ctx.mountpoint, create=True)
-        self.spec_path = os.path.join(rdir, "kernel-frontend.json")
-        self.counters_path = os.path.join(rdir, "counters")
+        rt = ctx.runtime or runtime.MountRuntime.create(ctx.mountpoint)
+        self.counters_path = rt.counters_path
         self._counters = None
         self._reason: str | None = None
         # Every read is served by the workers, whose caches share --cache-mb; the daemon's
@@ -420,11 +435,13 @@ class KernelFrontend:
             raise MountError("--mode prefetch is served by the pyfuse3 frontend for now: "
                              "mount with --frontend pyfuse3")
         r, w = os.pipe()
+        spec_r, spec_w = os.pipe()
         spec = {
             "mountpoint": ctx.mountpoint, "index_path": ctx.index_path, "store": ctx.store,
             "data_dir": ctx.data_dir, "local_parts": ctx.local_parts,
             "replicated": ctx.replicated, "socket_path": ctx.socket_path,
-            "counters_path": self.counters_path, "workers": opts.worker_count(),
+            "counters_path": self.counters_path,
+            "workers": opts.worker_count(),
             "cache_bytes": (opts.cache_mb << 20) // max(1, opts.worker_count()),
             "allow_other": opts.allow_other, "fsname": opts.fsname,
             "remote_timeout": ctx.remote_timeout, "ready_fd": w, "daemon_pid": os.getpid(),
@@ -432,17 +449,22 @@ class KernelFrontend:
             "log_format": _log_format(),
             "init_flags": os.environ.get("FANSTORE_FUSE_FLAGS", ""),
         }
-        from fanstore import runtime
-
-        runtime.write_file(self.spec_path, json.dumps(spec).encode())
+        if ctx.runtime is not None:
+            ctx.runtime.new_counters_file()  # the frontend creates it anew, exclusively
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPIR_", "OMPI_"))}
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "fanstore.fuse.kernelfs", self.spec_path],
-                pass_fds=(w,), env=env, stdin=subprocess.DEVNULL)
+                [sys.executable, "-m", "fanstore.fuse.kernelfs", "--spec-fd", str(spec_r)],
+                pass_fds=(w, spec_r), env=env, stdin=subprocess.DEVNULL)
         finally:
             os.close(w)
+            os.close(spec_r)
+        try:  # the spec goes through a pipe: nothing on disk for anyone to read or swap
+            with open(spec_w, "wb", closefd=True) as f:
+                f.write(json.dumps(spec).encode())
+        except BrokenPipeError:
+            pass  # the frontend died at once: the ready pipe below says so
         try:
             text = read_ready(r)
         finally:
@@ -534,4 +556,6 @@ def create(ctx: MountContext) -> KernelFrontend:
 
 
 if __name__ == "__main__":
-    sys.exit(frontend_main(sys.argv[1]))
+    if len(sys.argv) != 3 or sys.argv[1] != "--spec-fd":
+        sys.exit("usage: python -m fanstore.fuse.kernelfs --spec-fd N (started by the daemon)")
+    sys.exit(frontend_main(int(sys.argv[2])))

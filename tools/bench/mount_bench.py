@@ -417,7 +417,7 @@ def _log_tail(mnt: str, lines: int = 5) -> list[str]:
     try:
         from fanstore import runtime
 
-        with open(runtime.log_path(mnt)) as f:
+        with open(runtime.MountRuntime.find(mnt).log_path) as f:
             return [x.rstrip() for x in f.readlines()[-lines:]]
     except Exception:  # noqa: BLE001 - best effort
         return []

@@ -56,7 +56,14 @@ class RequestCounters:
         if path is None:
             self._mm = mmap.mmap(-1, size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
         else:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            # A fresh file only this uid can read: never one planted at the name, never
+            # through a symlink (a stale file of a killed frontend is removed first).
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600)
             try:
                 os.ftruncate(fd, size)
                 self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
@@ -69,8 +76,11 @@ class RequestCounters:
     def attach(cls, path: str) -> RequestCounters:
         """Map an existing counters file read-only (another process owns it)."""
         self = cls.__new__(cls)
-        with open(path, "rb") as f:
-            self._mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            self._mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
         magic, version, rows, cols = _HEADER.unpack_from(self._mm, 0)
         if magic != _MAGIC or version != _VERSION or cols != COLS:
             raise ValueError(f"{path}: not a request counters file")

@@ -1,0 +1,483 @@
+"""Another local user attacks a live mount: nothing may be read, redirected or broken.
+
+Shared nodes have other accounts beside every mount (docs/reliability.md, "Multi-user
+nodes"). A second, unprivileged user (``second_user.py``) tries each attack of the review
+against a real mount of the first (root here, the riskiest owner: a daemon that follows a
+planted symlink as root can overwrite any file). Every attempt must fail, the mount must go
+on serving the source's bytes, and the owner's mount, stats and umount must still work.
+
+The attacks on the packed data and the staged copies (file modes at rest) are in
+``test_access.py``; hostile archives and stores in ``test_hostile_input.py``.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import stat
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import (
+    assert_cli_error,
+    daemon_pid,
+    is_mounted,
+    pid_alive,
+    process_tree,
+    run_cli,
+    wait_until,
+)
+from second_user import fuse_device_for_all, reachable_for_others, shared_test_dir
+
+pytestmark = pytest.mark.fuse
+
+ROOT = os.geteuid() == 0
+
+# A client of the control socket in the system Python (stdlib only), run as the other
+# user: connects, sends each request line, prints what came back (or the error).
+SOCKET_CLIENT = r"""
+import json, socket, sys
+path, lines = sys.argv[1], json.loads(sys.argv[2])
+out = []
+try:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(path)
+except OSError as exc:
+    print(json.dumps({"connect_error": exc.errno}))
+    sys.exit(0)
+for line in lines:
+    try:
+        s.sendall(line.encode() + b"\n")
+        data = s.recv(65536)
+        out.append(data.decode(errors="replace"))
+    except OSError as exc:
+        out.append(f"oserror {exc.errno}")
+print(json.dumps({"replies": out}))
+"""
+
+
+def _read_all(root: Path, files: dict[str, bytes]) -> None:
+    for rel, data in files.items():
+        with open(root / rel, "rb", buffering=0) as f:
+            assert f.read() == data, rel
+
+
+def _old_shm_name(mnt: Path) -> str:
+    """The predictable name older FanStore gave the index copy (the attack's target)."""
+    from fanstore import runtime
+
+    key = hashlib.sha1(runtime.mount_key(str(mnt)).encode()).hexdigest()[:16]
+    return f"/dev/shm/fanstore-{os.geteuid()}-{key}-index.body"
+
+
+def _owner_request(sock_path: str, line: bytes, timeout: float = 10.0) -> dict:
+    """One request line from the owner (this process); the reply object."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(sock_path)
+        s.sendall(line + b"\n")
+        f = s.makefile("rb")
+        reply = f.readline()
+    assert reply.endswith(b"\n"), f"no reply to {line[:60]!r}"
+    return json.loads(reply)
+
+
+# ============================================================================ runtime directory
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root to act as a second user")
+@pytest.mark.parametrize("planted", ["open-dir", "their-dir", "symlink"])
+def test_runtime_dir_made_first_by_another_user_is_refused(planted, monkeypatch, other_user,
+                                                           small_store, small_tree, mounted,
+                                                           tmp_path):
+    """The other user makes the runtime root before the owner's first mount (an open
+    directory, a private one of theirs, or a symlink to their directory): the mount is
+    refused with one line naming it, nothing is written where they can see it, and once
+    it is gone the owner mounts, reads, asks stats and unmounts as usual."""
+    root = f"/tmp/fanstore-mu-rt-{secrets.token_hex(4)}"
+    trap = f"/tmp/fanstore-mu-trap-{secrets.token_hex(4)}"
+    monkeypatch.setenv("FANSTORE_RUNTIME_DIR", root)
+    try:
+        if planted == "open-dir":
+            other_user.run(["mkdir", "-m", "0777", root], check=True)
+            watched = root
+        elif planted == "their-dir":
+            other_user.run(["mkdir", "-m", "0700", root], check=True)
+            watched = root
+        else:
+            other_user.run(["mkdir", "-m", "0777", trap], check=True)
+            other_user.run(["ln", "-s", trap, root], check=True)
+            watched = trap
+        mnt = tmp_path / "mnt"
+        mnt.mkdir()
+        proc = run_cli("mount", small_store, mnt)
+        line = assert_cli_error(proc, contains="unsafe")
+        assert root in line
+        assert not is_mounted(mnt)
+        assert os.listdir(watched) == [], "the daemon wrote into the other user's directory"
+    finally:
+        for p in (root, trap):
+            if os.path.islink(p):
+                os.unlink(p)
+            elif os.path.isdir(p):
+                shutil.rmtree(p)
+    # The planted directory is gone: the owner's mount, stats and umount work.
+    files = small_tree[1]
+    m = mounted(small_store, mnt=tmp_path / "mnt2")
+    _read_all(m, files)
+    st = os.lstat(root)
+    assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
+    assert st.st_uid == os.geteuid()
+    stats = run_cli("stats", m, "--json", check=True)
+    assert json.loads(stats.stdout)["reads"] >= 0
+    run_cli("umount", m, check=True)
+    assert not is_mounted(m)
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root")
+def test_runtime_root_that_only_others_could_read_is_closed_not_refused(monkeypatch,
+                                                                        small_store, mounted,
+                                                                        tmp_path):
+    """A root of ours that is 0755 (as older FanStore made /tmp/fanstore-<uid>): nobody else
+    could have written into it, so it is closed to 0700 and used."""
+    root = tmp_path / "rt"
+    root.mkdir(mode=0o755)
+    os.chmod(root, 0o755)
+    monkeypatch.setenv("FANSTORE_RUNTIME_DIR", str(root))
+    mounted(small_store, mnt=tmp_path / "mnt")
+    assert stat.S_IMODE(os.lstat(root).st_mode) == 0o700
+
+
+# ============================================================================ shared memory
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root to act as a second user")
+def test_index_copy_is_private_unpredictable_and_removed_after_sigkill(other_user,
+                                                                       small_store,
+                                                                       small_tree, mounted,
+                                                                       tmp_path, frontend):
+    """The node's index copy in /dev/shm: the other user pre-creates the name older versions
+    used (to read or swap it): the mount uses a random name instead, 0600, which they cannot
+    read; after SIGKILL of every daemon process the copy is left, and ``fanstore umount``
+    removes it (but not the other user's file)."""
+    mnt = tmp_path / "mnt"
+    old = _old_shm_name(mnt)
+    other_user.run(["/bin/sh", "-c",
+                    f"printf junk > {old} && chmod 0666 {old}"], check=True)
+    try:
+        m = mounted(small_store, mnt=mnt)
+        _read_all(m, small_tree[1])
+        from fanstore import runtime
+
+        copy = (runtime.read_state(str(m)) or {}).get("index_copy")
+        assert copy and copy != old
+        st = os.lstat(copy)
+        assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+        assert st.st_uid == os.geteuid()
+        r = other_user.run(["cat", copy])
+        assert r.returncode != 0 and "Permission denied" in r.stderr
+        assert open(old, "rb").read() == b"junk"  # theirs, untouched
+        # SIGKILL every process of the daemon: the copy stays behind ...
+        pid = daemon_pid(m)
+        for p in process_tree(pid):
+            os.kill(p, signal.SIGKILL)
+        assert wait_until(lambda: not pid_alive(pid), 10)
+        assert os.path.exists(copy)
+        # ... until the owner's umount cleans up after the dead daemon.
+        proc = run_cli("umount", m)
+        assert proc.returncode == 0, proc.stderr
+        assert not os.path.exists(copy)
+        assert not is_mounted(m)
+        assert open(old, "rb").read() == b"junk"
+    finally:
+        if os.path.lexists(old):
+            os.unlink(old)
+
+
+# ============================================================================ control socket
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root to act as a second user")
+def test_control_socket_refuses_another_user_even_when_reachable(other_user, small_store,
+                                                                 small_tree, mounted,
+                                                                 tmp_path):
+    """The other user cannot reach the socket (a 0700 directory); and when the directory is
+    opened up by mistake, the daemon itself refuses them (SO_PEERCRED): shutdown, info and a
+    read of stored bytes get nothing, and the mount keeps serving."""
+    from fanstore import runtime
+
+    m = mounted(small_store, mnt=tmp_path / "mnt")
+    rt = runtime.MountRuntime.find(str(m))
+    attack = [json.dumps({"op": "shutdown", "reason": "x", "everywhere": True}),
+              json.dumps({"op": "info"}),
+              json.dumps({"op": "read_stored", "part": 0, "offset": 0, "length": 16})]
+    r = other_user.python(SOCKET_CLIENT, rt.socket_path, json.dumps(attack))
+    assert json.loads(r.stdout) == {"connect_error": errno.EACCES}, r.stdout + r.stderr
+    modes = [(p, stat.S_IMODE(os.lstat(p).st_mode)) for p in (rt.root, rt.path,
+                                                               rt.socket_path)]
+    try:
+        os.chmod(rt.root, 0o711)
+        os.chmod(rt.path, 0o711)
+        os.chmod(rt.socket_path, 0o666)
+        r = other_user.python(SOCKET_CLIENT, rt.socket_path, json.dumps(attack))
+        out = json.loads(r.stdout)
+        assert "connect_error" not in out, out
+        assert all(reply in ("", f"oserror {errno.EPIPE}", f"oserror {errno.ECONNRESET}")
+                   for reply in out["replies"]), out
+    finally:
+        for p, mode in modes:
+            os.chmod(p, mode)
+    time.sleep(0.5)
+    assert is_mounted(m) and pid_alive(daemon_pid(m))
+    _read_all(m, small_tree[1])
+    stats = json.loads(run_cli("stats", m, "--json", check=True).stdout)
+    assert stats.get("control_refused", 0) >= 1
+
+
+def test_control_socket_answers_malformed_requests_and_keeps_serving(small_store,
+                                                                     small_tree, mounted,
+                                                                     tmp_path):
+    """Each malformed request gets an error reply on the same connection; none stops the
+    daemon; the mount still reads right."""
+    from fanstore import runtime
+
+    m = mounted(small_store, mnt=tmp_path / "mnt")
+    sock = runtime.MountRuntime.find(str(m)).socket_path
+    bad = [
+        b'{"op":[1]}',
+        b'{"op":{"a":1}}',
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"op":"info","x":[[[[[[1]]]]]]}',
+        b'{"op":"read_stored","part":"x","offset":0,"length":1}',
+        b'{"op":"read_stored","part":0,"offset":-1,"length":1}',
+        b'{"op":"read_stored","part":0,"offset":0,"length":1e300}',
+        b'{"op":"fetch","entry":true,"path":[1]}',
+        b'{"op":"shutdown","everywhere":"yes"}',
+        b'{"op":"prefetch","list":"/etc/shadow"}',
+        b'{"op":"prefetch","paths":[1,2]}',
+        b"\xff\xfe not json",
+        b'"just a string"',
+        b'{"op":"no-such-op"}',
+    ]
+    for line in bad:
+        reply = _owner_request(sock, line)
+        assert "error" in reply and reply.get("errno") in (errno.EINVAL, errno.EIO), \
+            (line[:60], reply)
+        assert "internal error" not in reply["error"], (line[:60], reply)
+    # many requests on one connection, malformed and good mixed
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(sock)
+        f = s.makefile("rb")
+        for line in (b'{"op":[1]}', b'{"op":"ping"}', b"nope", b'{"op":"ping"}'):
+            s.sendall(line + b"\n")
+            reply = json.loads(f.readline())
+            assert ("error" in reply) == (b"ping" not in line), (line, reply)
+    assert pid_alive(daemon_pid(m))
+    _read_all(m, small_tree[1])
+
+
+def _connect(path: str) -> socket.socket:
+    """A connected client socket (retrying while the listen backlog is full)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            s.connect(path)
+            return s
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
+def test_control_socket_bounds_connections(small_store, small_tree, mounted, tmp_path):
+    """More connections than the daemon serves at once: the surplus gets an error reply and
+    is closed; once they go, new connections are served."""
+    from fanstore import control, runtime
+
+    m = mounted(small_store, mnt=tmp_path / "mnt")
+    sock = runtime.MountRuntime.find(str(m)).socket_path
+    held = []
+    try:
+        for _ in range(control.MAX_CONNECTIONS):
+            held.append(_connect(sock))
+        # one request on the last held connection proves they are all being served
+        held[-1].sendall(b'{"op":"ping"}\n')
+        assert b'"ok": true' in held[-1].recv(4096)
+        extra = _connect(sock)
+        reply = json.loads(extra.makefile("rb").readline())
+        assert "at most" in reply["error"]
+        extra.close()
+    finally:
+        for s in held:
+            s.close()
+    assert wait_until(lambda: "ok" in _owner_request(sock, b'{"op":"ping"}'), 10)
+    _read_all(m, small_tree[1])
+
+
+def test_control_server_bounds_line_size_and_time(tmp_path, monkeypatch):
+    """In-process: a request line over the size bound, and one that stops half-way, get an
+    error reply and the connection is dropped; the server goes on."""
+    from fanstore import control
+
+    monkeypatch.setattr(control, "MAX_LINE", 4096)
+    monkeypatch.setattr(control, "REQUEST_TIMEOUT", 0.6)
+    path = str(tmp_path / "c.sock")
+    server = control.ControlServer(path, {"ping": lambda req: {"ok": True}})
+    server.start()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(path)
+            s.sendall(b'{"op":"ping","pad":"' + b"x" * 10_000)
+            reply = json.loads(s.makefile("rb").readline())
+            assert "longer than 4096" in reply["error"]
+            assert s.recv(10) == b""  # dropped
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(path)
+            t0 = time.monotonic()
+            s.sendall(b'{"op":"pi')
+            reply = json.loads(s.makefile("rb").readline())
+            assert "not finished within" in reply["error"]
+            assert time.monotonic() - t0 < 5
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:  # idle is fine
+            s.settimeout(10)
+            s.connect(path)
+            time.sleep(1.0)
+            s.sendall(b'{"op":"ping"}\n')
+            assert json.loads(s.makefile("rb").readline()) == {"ok": True}
+    finally:
+        server.close()
+
+
+def test_client_refuses_oversized_replies(tmp_path):
+    """The client never believes a reply's size: more than asked is an error, at once (no
+    allocation of what the other side announced)."""
+    from fanstore import control
+    from fanstore.errors import MountError
+
+    path = str(tmp_path / "fake.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(4)
+
+    def serve():
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            conn.makefile("rb").readline()
+            conn.sendall(b'{"ok": true, "size": 1099511627776}\n')
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        client = control.ControlClient("fake", timeout=5, path=path)
+        with pytest.raises(MountError, match="announced 1099511627776 bytes"):
+            client.request({"op": "read_stored"}, expect=100)
+        client = control.ControlClient("fake", timeout=5, path=path)
+        with pytest.raises(MountError, match="at most"):
+            client.request({"op": "stats"})
+    finally:
+        srv.close()
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root to act as a second user")
+def test_client_refuses_a_socket_served_by_another_user(other_user, tmp_path):
+    """An impostor daemon of another uid at the socket path: the client refuses to talk to
+    it (a reader would otherwise trust its ``info`` and read where it says)."""
+    from fanstore import control
+    from fanstore.errors import UnsafePathError
+
+    with shared_test_dir() as d:
+        os.chmod(d, 0o777)
+        path = os.path.join(d, "imp.sock")
+        fake = other_user.popen(["/usr/bin/python3", "-c", (
+            "import socket,sys\n"
+            "s=socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(4)\n"
+            "import os; os.chmod(sys.argv[1], 0o666); print('up', flush=True)\n"
+            "while True:\n"
+            "    c,_=s.accept(); c.makefile('rb').readline()\n"
+            "    c.sendall(b'{\"ok\": true, \"store\": \"/etc\", \"data_dir\": \"/etc\"}\\n')\n"
+        ), path], stdout=__import__("subprocess").PIPE, text=True)
+        try:
+            assert fake.stdout.readline().strip() == "up"
+            client = control.ControlClient("imp", timeout=5, path=path)
+            with pytest.raises(UnsafePathError, match=f"uid {other_user.uid}"):
+                client.request({"op": "info"})
+        finally:
+            fake.kill()
+            fake.wait()
+
+
+# ============================================================================ an unprivileged owner
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root to make a second user")
+def test_unprivileged_owner_mounts_and_fetch_follows_file_modes(other_user, tmp_path):
+    """A mount made by an unprivileged user (fusermount3): their own private runtime
+    directory; and the daemon's ``fetch`` (prefetch-mode API reads) gives a file only to
+    whom the mount would: a file of mode 0200 is EACCES through the mount and through the
+    API alike, a 0644 one reads."""
+    import subprocess
+
+    repo = Path(__file__).resolve().parent.parent
+    with shared_test_dir() as d, fuse_device_for_all(), \
+            reachable_for_others(os.path.realpath(sys.executable), repo, sys.prefix):
+        src = Path(d) / "src"
+        (src / "d").mkdir(parents=True)
+        (src / "d" / "open.txt").write_bytes(b"open\n" * 100)
+        (src / "d" / "wo.txt").write_bytes(b"write-only\n")
+        os.chmod(src / "d" / "wo.txt", 0o200)
+        store = Path(d) / "store"
+        run_cli("pack", src, store, "--codec", "zstd:3", "--no-progress", "--jobs", "1",
+                check=True)
+        for p in [store, *store.iterdir()]:
+            os.chmod(p, 0o755 if p.is_dir() else 0o644)
+        mnt = Path(d) / "mnt"
+        mnt.mkdir()
+        os.chown(mnt, other_user.uid, other_user.gid)
+        env = other_user.env(PYTHONPATH=os.environ.get("PYTHONPATH", ""),
+                             FANSTORE_FRONTEND="pyfuse3")
+        fs = [sys.executable, "-m", "fanstore.cli"]
+        r = other_user.run([*fs, "mount", store, mnt, "--mode", "prefetch"], env=env,
+                           timeout=120)
+        try:
+            assert r.returncode == 0, r.stderr
+            rt_root = f"/tmp/fanstore-{other_user.uid}"
+            st = os.lstat(rt_root)
+            assert st.st_uid == other_user.uid and stat.S_IMODE(st.st_mode) == 0o700
+            code = (
+                "import sys, fanstore\n"
+                "s = fanstore.open_store(sys.argv[1])\n"
+                "print(s.read('d/open.txt') == b'open\\n' * 100)\n"
+                "try:\n"
+                "    s.read('d/wo.txt'); print('read')\n"
+                "except Exception as e: print(type(e).__name__, getattr(e, 'errno', None))\n"
+                "try:\n"
+                "    open(sys.argv[1] + '/d/wo.txt', 'rb').read(); print('read')\n"
+                "except OSError as e: print('OSError', e.errno)\n")
+            r2 = other_user.run([sys.executable, "-c", code, mnt], env=env)
+            assert r2.stdout.split("\n")[:3] == [
+                "True", f"PermissionDeniedError {errno.EACCES}",
+                f"OSError {errno.EACCES}"], r2.stdout + r2.stderr
+        finally:
+            other_user.run([*fs, "umount", mnt], env=env, timeout=60)
+            if is_mounted(mnt):
+                subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+            shutil.rmtree(f"/tmp/fanstore-{other_user.uid}", ignore_errors=True)
