@@ -15,8 +15,14 @@ nodes"). Every file FanStore writes outside a store it is packing goes through h
   something another user planted at that name, and never follows a symlink.
 - :func:`atomic_write` writes a fresh temporary file beside the target (a random name,
   created exclusively) and renames it into place.
-- :func:`open_nofollow` opens an existing file for reading without following a symlink
-  and checks it is a regular file owned by an expected uid.
+- :func:`open_nofollow` opens an existing file for reading (or writing) without following
+  a symlink and checks it is a regular file owned by an expected uid.
+- :func:`trusted_path` checks that no other user can replace a directory on the way to a
+  path (every existing directory on it is owned by root or this uid and writable by nobody
+  else, unless sticky like /tmp), and :func:`make_dirs` creates what is missing of a
+  directory path one ``mkdir`` at a time, never through a symlink planted at a name.
+- :func:`current_umask` and :func:`umask_mode`: the modes a file or directory of data
+  others may share gets (what ``open``/``mkdir`` would give), as an exact mode.
 
 Failures are :class:`~fanstore.errors.UnsafePathError` (one line naming the path and what
 is wrong with it), or the OSError of the system call for ordinary I/O failures.
@@ -148,11 +154,14 @@ def atomic_write(path: str, data: bytes, mode: int = 0o600, fsync: bool = False)
         raise
 
 
-def open_nofollow(path: str, owner: int | None = None, what: str = "file") -> int:
-    """Open an existing regular file read-only without following a symlink; with
-    ``owner``, refuse a file owned by another uid. Returns the fd."""
+def open_nofollow(path: str, owner: int | None = None, what: str = "file",
+                  write: bool = False) -> int:
+    """Open an existing regular file read-only (``write``: write-only, not truncated)
+    without following a symlink; with ``owner``, refuse a file owned by another uid.
+    Returns the fd."""
+    access = os.O_WRONLY if write else os.O_RDONLY
     try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(path, access | _NOFOLLOW | _CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise UnsafePathError(f"{what} {path} is a symlink; refusing to follow it") \
@@ -166,3 +175,95 @@ def open_nofollow(path: str, owner: int | None = None, what: str = "file") -> in
                               f"expected a regular file owned by uid {owner})")
     os.set_blocking(fd, True)
     return fd
+
+
+# --------------------------------------------------------------------------- modes and paths
+
+
+def current_umask() -> int:
+    """This process's umask, read without changing it (``/proc/self/status``; else the
+    classic set-and-restore, which is not thread-safe)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def umask_mode(mode: int) -> int:
+    """``mode`` narrowed by the umask: what ``open(..., mode)`` or ``mkdir(..., mode)``
+    would give (0o666 for files, 0o777 for directories), as an exact mode for fchmod."""
+    return mode & ~current_umask() & 0o7777
+
+
+def _trusted(st: os.stat_result, uid: int) -> bool:
+    """Nobody but root or ``uid`` can replace what lies in (or at) this node: owned by
+    one of them, and a directory open for writing to others only if it is sticky."""
+    if st.st_uid not in (0, uid):
+        return False
+    if stat.S_ISDIR(st.st_mode) and st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        return False
+    return True
+
+
+def trusted_path(path: str, what: str = "directory") -> None:
+    """Refuse ``path`` when another user could swap a directory on the way to it: every
+    existing component of it, as written and resolved, must be owned by root or this uid,
+    and a directory writable by others must be sticky (as /tmp). A symlink on the way must
+    be owned by root or this uid too. Components that do not exist yet are not checked
+    (:func:`make_dirs` creates them). Raises UnsafePathError."""
+    uid = os.geteuid()
+    absolute = os.path.abspath(path)
+    chains = [absolute]
+    real = os.path.realpath(absolute)
+    if real != absolute:
+        chains.append(real)
+    for chain in chains:
+        parts = chain.split(os.sep)
+        for i in range(1, len(parts) + 1):
+            p = os.sep.join(parts[:i]) or os.sep
+            try:
+                st = os.lstat(p)
+            except (FileNotFoundError, NotADirectoryError):
+                break  # not there (yet): nothing below it to swap
+            except OSError as exc:
+                raise UnsafePathError(f"cannot use {what} {path}: {p}: {exc.strerror}") \
+                    from None
+            if not _trusted(st, uid):
+                raise UnsafePathError(
+                    f"{what} {path} is unsafe: {p} is {_describe(st)}, so another user could "
+                    f"replace what lies below it; use a path whose directories are owned by "
+                    f"root or uid {uid} and writable by no other user (or sticky, as /tmp)")
+
+
+def make_dirs(path: str, mode: int, parent_mode: int = 0o700,
+              what: str = "directory") -> bool:
+    """Create the missing directories of ``path``, top down, each with ``mkdir`` (which
+    never follows a symlink at the name it creates): ``path`` itself with ``mode``, missing
+    parents with ``parent_mode``. Each is ``lstat``-checked as a real directory owned by
+    this uid afterwards (someone may have been faster). Returns whether ``path`` was
+    created. Raises UnsafePathError, or the OSError of a mkdir that failed otherwise."""
+    absolute = os.path.abspath(path)
+    missing = []
+    p = absolute
+    while not os.path.lexists(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, mode if d == absolute else parent_mode)
+        except FileExistsError:
+            pass  # raced: checked below like anything else found there
+        st = os.lstat(d)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise UnsafePathError(f"{what} {d} is unsafe ({_describe(st)}; it appeared while "
+                                  "FanStore was creating it)")
+    return bool(missing)
