@@ -87,6 +87,7 @@ def cmd_pack(args) -> int:
         progress=None if not args.no_progress else False,
         extra_meta=extra,
         notify=lambda text: print(f"fanstore: {text}", file=sys.stderr, flush=True),
+        shared=args.shared,
     )
     if args.solid_kb is not None and args.solid_kb * 1024 > options.chunk_size:
         raise UsageError(f"--solid-kb {args.solid_kb} is larger than the chunk size "
@@ -399,6 +400,10 @@ def cmd_info(args) -> int:
     print(f"index bytes    {info['index_bytes']:,} ({info['index_bytes_per_entry']:.0f} B/entry "
           f"on disk, {info['memory_bytes_per_entry']:.0f} B/entry in memory)")
     print(f"chunk size     {info['chunk_size']:,}")
+    if info.get("access"):
+        print(f"access         {info['access']}" + (
+            " (only its owner may read it: directory 0700, files 0600)"
+            if info["access"] == "private" else ""))
     bc = sum(1 for p in info["partitions"] if p["broadcast"])
     print(f"partitions     {len(info['partitions'])}" + (f" ({bc} broadcast)" if bc else ""))
     for spec, n in info["codec_chunks"].items():
@@ -460,6 +465,7 @@ def _store_info(index) -> dict[str, Any]:
         "files_in_solid_chunks": solid_files,
         "pack": index.meta.get("pack", {}),
         "selection": index.meta.get("selection"),
+        "access": index.meta.get("access"),
     }
 
 
@@ -566,6 +572,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--skip-unreadable", action="store_true",
                    help="leave out entries that cannot be packed instead of failing")
     s.add_argument("--force", action="store_true", help="replace an existing store at DEST")
+    s.add_argument("--shared", action="store_true",
+                   help="let other users read the store as the umask allows even though the "
+                        "source holds entries they may not read (or is in S3); without it "
+                        "such a store is private to you (directory 0700, files 0600)")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_storage_args(s)
     _add_select_budget_args(s, for_pack=True)

@@ -53,7 +53,10 @@ def read_partition_header(buf: bytes, where: str = "partition") -> int:
 class PartitionWriter:
     """Append-only writer of one partition file; ``append`` returns the blob's offset."""
 
-    def __init__(self, path: str, number: int, buffer_size: int = 4 << 20) -> None:
+    def __init__(self, path: str, number: int, buffer_size: int = 4 << 20,
+                 mode: int = 0o666) -> None:
+        """A new partition at ``path`` (a file created exclusively, never through a
+        symlink, with ``mode`` narrowed by the umask; an object-store URL: an upload)."""
         self.path = path
         self.number = number
         self._remote = None
@@ -61,7 +64,9 @@ class PartitionWriter:
             parent, _, name = path.rstrip("/").rpartition("/")
             self._remote = self._f = open_location(parent).open_write(name)
         else:
-            self._f = open(path, "wb", buffering=buffer_size)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, mode)
+            self._f = open(fd, "wb", buffering=buffer_size)
         self._hash = xxhash.xxh3_128()
         self.size = 0
         self._write(encode_partition_header(number))

@@ -5,7 +5,9 @@ index is written last.
 
 - Local (``LocalDestination``): everything goes into a temporary sibling directory
   ``DEST.fanstore-tmp-<pid>``, which is fsynced and renamed onto DEST; an existing store
-  (``--force``) is replaced by the rename and removed afterwards.
+  (``--force``) is replaced by the rename and removed afterwards. The temporary directory
+  is 0700 and every file in it 0600 while it is written; a shared store
+  (``fanstore.pack.access``) gets the umask's modes just before the rename.
 - S3 (``S3Destination``): partitions are uploaded (multipart) under a temporary sibling
   prefix ``DEST.fanstore-tmp-<host>-<pid>/``. Installing removes an old store's index
   first (from then on the old store is incomplete, never half-new), copies the partitions
@@ -26,8 +28,10 @@ import socket
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+from fanstore import safeio
 from fanstore.errors import PackError, StoreExistsError, UsageError
-from fanstore.format.index import INDEX_NAME, write_index
+from fanstore.format.index import INDEX_NAME
+from fanstore.pack.access import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE
 from fanstore.process import pid_alive
 from fanstore.storage import S3Location, is_url, open_location, split_parent
 
@@ -136,8 +140,11 @@ class LocalDestination:
         os.makedirs(os.path.dirname(self.dest), exist_ok=True)
         clean_stale_siblings(self.dest, self.notify)
 
+    #: Mode of the partition files while they are written (see install()).
+    file_mode = PRIVATE_FILE_MODE
+
     def create_tmp(self) -> None:
-        os.mkdir(self.tmp)
+        os.mkdir(self.tmp, PRIVATE_DIR_MODE)  # private until install(): see access.py
 
     def partition_path(self, name: str) -> str:
         return os.path.join(self.tmp, name)
@@ -145,13 +152,22 @@ class LocalDestination:
     def write_index(self, data: bytes) -> None:
         path = os.path.join(self.tmp, INDEX_NAME)
         try:
-            write_index(path, data)
+            safeio.atomic_write(path, data, PRIVATE_FILE_MODE, fsync=True)
         except OSError as exc:  # name the file: a bare "No space left on device" says nothing
             if exc.errno == errno.ENOSPC:
                 raise PackError(f"no space left on device while writing {path}") from None
             raise PackError(f"cannot write {path}: {exc.strerror}") from None
 
-    def install(self) -> None:
+    def install(self, shared: bool = False) -> None:
+        """Rename the finished store onto DEST: private (0700, files 0600) as it was
+        written, or with the umask's modes when ``shared``."""
+        dir_mode, file_mode = PRIVATE_DIR_MODE, PRIVATE_FILE_MODE
+        if shared:
+            dir_mode, file_mode = safeio.umask_mode(0o777), safeio.umask_mode(0o666)
+        # Our own 0700 directory: nobody else can have put a name (or a symlink) in it.
+        for name in os.listdir(self.tmp):
+            os.chmod(os.path.join(self.tmp, name), file_mode)
+        os.chmod(self.tmp, dir_mode)
         fsync_dir(self.tmp)
         install_dir(self.tmp, self.dest)
 
@@ -230,7 +246,9 @@ class S3Destination:
 
     _index: bytes = b""
 
-    def install(self, jobs: int = 8) -> None:
+    def install(self, shared: bool = False, jobs: int = 8) -> None:
+        """Copy the partitions onto DEST, index last (object storage has no modes:
+        ``shared`` changes nothing here, the index records the decision)."""
         loc, tmp = self.loc, self.tmp_loc
         new = sorted(tmp.list())
         old = loc.list()

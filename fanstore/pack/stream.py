@@ -24,6 +24,11 @@ A tar stream cannot be listed before it is read, so nothing is planned ahead:
 Problems (refused names, device or FIFO entries, escaping symlinks) are collected while
 reading and reported together at the end; the pack then fails (nothing installed) unless
 ``--skip-unreadable``.
+
+Access (``fanstore.pack.access``): only known once every member has been read, so the store
+is written private and opened up at install time when the members' modes and the
+archives' own modes let every user read them (an S3 source has no modes: private unless
+``--shared``).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from compressors import parse_spec
 from fanstore.errors import PackError, UsageError
 from fanstore.format.index import KIND_DIR, KIND_FILE, KIND_SYMLINK
 from fanstore.format.partition import PartitionWriter, partition_name
+from fanstore.pack.access import PRIVATE_FILE_MODE, decide_stream
 from fanstore.pack.dest import open_destination
 from fanstore.pack.encoders import EncoderPool
 from fanstore.pack.plan import CodecPolicy, CodecTable, in_dir
@@ -109,7 +115,8 @@ class StreamPacker:
     def _writer(self, p: int) -> PartitionWriter:
         w = self.writers.get(p)
         if w is None:
-            w = PartitionWriter(self.dest.partition_path(partition_name(p)), p)
+            w = PartitionWriter(self.dest.partition_path(partition_name(p)), p,
+                                mode=PRIVATE_FILE_MODE)
             self.writers[p] = w
             self.part_files.setdefault(p, [])
         return w
@@ -337,10 +344,15 @@ class StreamPacker:
                 raise PackError(f"cannot write {w.path}: {exc.strerror}") from None
             fids = [fid for fid in self.part_files[p] if fid in entry_of]
             results.append(_part_result(p, w.size, checksum, fids, self.files, entry_of))
+        source = self.source
+        access = decide_stream(source.url, scan.entries, options.shared,
+                               source.local_files(), source.has_modes)
+        if access.private:
+            options.notify(access.why)
         data, stored = build_index(scan, results, self.configs, options, self.n_normal,
-                                   self.source.url)
+                                   source.url, access=access.value)
         self.dest.write_index(data)
-        self.dest.install()
+        self.dest.install(shared=not access.private)
         kinds = [e.kind for e in scan.entries]
         return PackSummary(
             dest=self.dest.url, files=kinds.count(KIND_FILE), dirs=kinds.count(KIND_DIR) - 1,

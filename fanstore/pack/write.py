@@ -7,6 +7,10 @@ partition file and returns only the chunk rows. Nothing bulky crosses the proces
 Atomicity: everything is written into a temporary sibling directory, fsynced, and renamed
 onto the destination at the end; the index, whose presence makes a store, is written last.
 An interrupted pack leaves at most a temporary directory, which the next pack removes.
+
+Access: a source with anything other users may not read gives a private store (0700, files
+0600), else the umask decides (``fanstore.pack.access``); the temporary directory is
+private either way until the store is installed.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from fanstore.format.index import (
 )
 from fanstore.format.partition import PartitionWriter, partition_name
 from fanstore.kinds import file_kind
+from fanstore.pack.access import PRIVATE_FILE_MODE, Access, decide_tree
 from fanstore.pack.plan import CodecPolicy, CodecTable, in_dir, plan_partitions
 from fanstore.pack.dest import (  # noqa: F401 - re-exported (tests, older imports)
     OLD_MARK,
@@ -63,6 +68,9 @@ class PackOptions:
     broadcast: list[str] = field(default_factory=list)
     progress: bool | None = None  # None: on a terminal only
     extra_meta: dict[str, Any] = field(default_factory=dict)
+    #: the owner means to share the store: the umask decides its modes even when the
+    #: source holds entries other users may not read (``--shared``; see pack.access)
+    shared: bool = False
     #: shows one line to the user (the CLI prints it; the default logs a warning)
     notify: Callable[[str], None] = field(default=lambda text: log.warning("%s", text))
 
@@ -230,7 +238,7 @@ def _pack_partition(task: _PartTask) -> _PartResult:
     counts = np.zeros(n_files, "<u4")
     firsts = np.zeros(n_files, "<u8")
     offsets = np.zeros(n_files, "<u4")
-    writer = PartitionWriter(task.path, task.number)
+    writer = PartitionWriter(task.path, task.number, mode=PRIVATE_FILE_MODE)
     rows = _Rows(writer, n_est)
     buf = bytearray(task.chunk_size)
     view = memoryview(buf)
@@ -367,6 +375,7 @@ class PackPlan:
     skipped: list[str]
     t0: float
     target: Any = None  # a pack.dest destination (local directory or S3 prefix)
+    access: Access = field(default_factory=lambda: Access(False))
 
 
 def prepare(
@@ -390,6 +399,9 @@ def prepare(
     if scan is None:
         scan = scan_tree(src)
     skipped = report_problems(scan.problems, options)
+    access = decide_tree(src, scan.entries, options.shared)
+    if access.private:
+        options.notify(access.why)
 
     entries = scan.entries
     files = scan.files
@@ -438,7 +450,7 @@ def prepare(
     for t in tasks:
         t.files.sort(key=lambda f: f[0])  # scan (breadth-first) order: neighbours together
     return PackPlan(os.path.abspath(src), destination.url, scan, tasks, configs, n_normal,
-                    destination.tmp, skipped, t0, destination)
+                    destination.tmp, skipped, t0, destination, access)
 
 
 def check_options(options: PackOptions) -> None:
@@ -478,9 +490,9 @@ def finish(plan: PackPlan, results: list[_PartResult], options: PackOptions) -> 
     if [r.number for r in results] != list(range(len(plan.tasks))):
         raise PackError("internal error: partitions missing from the workers' results")
     data, stored = build_index(plan.scan, results, plan.configs, options, plan.n_normal,
-                               plan.src)
+                               plan.src, access=plan.access.value)
     plan.target.write_index(data)
-    plan.target.install()
+    plan.target.install(shared=not plan.access.private)
     index_bytes = len(data)
     kinds = [e.kind for e in plan.scan.entries]
     return PackSummary(
@@ -567,9 +579,10 @@ def run_tasks(tasks: list[_PartTask], options: PackOptions, total: int) -> list[
 
 
 def build_index(scan: ScanResult, results: list[_PartResult], configs, options: PackOptions,
-                n_normal: int, src: str) -> tuple[bytes, int]:
+                n_normal: int, src: str, access: str | None = None) -> tuple[bytes, int]:
     """The index bytes of a store made of ``results`` (one per partition, in number order)
-    for the tree ``scan``; and the stored bytes of all partitions."""
+    for the tree ``scan``; and the stored bytes of all partitions. ``access``: "private"
+    or "shared", recorded in the metadata (``pack.access``)."""
     entries = scan.entries
     n_chunks = sum(len(r.chunks["part"]) for r in results)
     b = IndexBuilder(len(entries), n_chunks)
@@ -629,6 +642,8 @@ def build_index(scan: ScanResult, results: list[_PartResult], configs, options: 
             "tool": f"fanstore {__version__}",
         },
     }
+    if access is not None:
+        meta["access"] = access
     meta.update(options.extra_meta)
     data = encode_index(meta, b.e, b.c, b.build_lookup(), bytes(b.names), bytes(b.targets))
     return data, stored

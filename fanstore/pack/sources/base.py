@@ -72,6 +72,13 @@ class Source:
     total_bytes: int = 0
     #: Noun for messages ("tar archive", "zip archive", "S3 prefix").
     what: str = "source"
+    #: The members carry modes of their own (S3 objects do not): see pack.access.
+    has_modes: bool = True
+
+    def local_files(self) -> list[str]:
+        """The local files this source reads (archives, shards), whose own modes count for
+        who may read the store (pack.access)."""
+        return []
 
     def members(self) -> Iterator[Member]:
         raise NotImplementedError

@@ -25,6 +25,7 @@ RANGE = 8 << 20
 
 class S3Source(Source):
     what = "S3 prefix"
+    has_modes = False  # every object would say 0644: the store is private unless --shared
 
     def __init__(self, url: str, streams: int = 8, block: int = RANGE,
                  window: int | None = None) -> None:

@@ -358,6 +358,9 @@ class TarSource(Source):
     def bytes_read(self) -> int:
         return self._done + (self._raw.count if self._raw else 0)
 
+    def local_files(self) -> list[str]:
+        return list(self.paths)
+
     def members(self) -> Iterator[Member]:
         for shard, path in enumerate(self.paths):
             yield from self._one(shard, path)

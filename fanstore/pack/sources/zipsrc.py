@@ -79,6 +79,9 @@ class ZipSource(Source):
     def bytes_read(self) -> int:
         return self._done
 
+    def local_files(self) -> list[str]:
+        return [self.url]
+
     def _fail(self, exc: BaseException, member: bytes | None = None) -> PackError:
         detail = " ".join(str(exc).split()) or type(exc).__name__
         what = "truncated or corrupt" if member is None else "corrupt"

@@ -1,0 +1,267 @@
+"""Data at rest keeps the source's access; staging, secrets and unmounting are safe from the
+other users of a node (docs/reliability.md, "Multi-user nodes").
+
+- Packing: a source with anything other users may not read gives a private store (0700,
+  files 0600) and one line saying so; a public one follows the umask; ``--shared`` opts
+  out; tar/zip members, the archive's own mode, S3 sources and MPI packs follow the same
+  rule. A second user (``second_user.py``) tries to read a private store with the
+  ``fanstore`` command and by opening its files.
+- Staging (``mount --local-dir``): copies follow the store; nothing is written through a
+  symlink; a local directory another user owns, can write to or can swap is refused with
+  one line.
+- Secrets: S3 credentials from the environment or a file work and never show up in any
+  FanStore process's command line; credentials on the command line give a warning.
+- Unmounting: a mount point whose name starts with ``-`` unmounts (``fusermount3 -u --``).
+
+The attacks on a live mount (runtime directory, control socket, index copy) are in
+``test_multiuser.py``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import secrets
+import shutil
+import stat
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from helpers import (
+    assert_cli_error,
+    assert_no_traceback,
+    cleanup_mount,
+    daemon_pid,
+    is_mounted,
+    process_tree,
+    run_cli,
+)
+from second_user import reachable_for_others, shared_test_dir
+
+ROOT = os.geteuid() == 0
+REPO = Path(__file__).resolve().parent.parent
+SECRET = b"the secret of d/secret.txt\n" * 40
+PUBLIC = b"public bytes\n" * 100
+PACK = ("--codec", "zstd:3", "--no-progress", "--jobs", "1", "--partitions", "2")
+PRIVATE_LINE = "is not readable by other users, so the store is private"
+
+# Run as the other user with the system Python: open each path, print the errno (0: opened).
+OPEN_EACH = r"""
+import json, sys
+out = {}
+for p in sys.argv[1:]:
+    try:
+        open(p, "rb").close()
+        out[p] = 0
+    except OSError as exc:
+        out[p] = exc.errno
+print(json.dumps(out))
+"""
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _tree(root: Path, secret_mode: int = 0o600, dir_mode: int = 0o755) -> Path:
+    (root / "d").mkdir(parents=True)
+    (root / "d" / "secret.txt").write_bytes(SECRET)
+    (root / "pub.txt").write_bytes(PUBLIC)
+    os.chmod(root / "pub.txt", 0o644)
+    os.chmod(root / "d" / "secret.txt", secret_mode)
+    os.chmod(root / "d", dir_mode)
+    os.chmod(root, 0o755)
+    return root
+
+
+def _modes(store: Path) -> tuple[int, set[int]]:
+    """(mode of the store directory, the set of modes of the files in it)."""
+    return (stat.S_IMODE(os.stat(store).st_mode),
+            {stat.S_IMODE(os.stat(p).st_mode) for p in store.iterdir()})
+
+
+def _access(store) -> str | None:
+    from fanstore.format.index import read_index
+
+    return read_index(str(store)).meta.get("access")
+
+
+def _private_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    return [ln for ln in proc.stderr.splitlines() if "private" in ln]
+
+
+def _assert_private(store: Path) -> None:
+    assert _modes(store) == (0o700, {0o600}), _modes(store)
+    assert _access(store) == "private"
+
+
+def _assert_shared(store: Path) -> None:
+    mask = _umask()
+    assert _modes(store) == (0o777 & ~mask, {0o666 & ~mask}), _modes(store)
+    assert _access(store) == "shared"
+
+
+class _Other:
+    """The other user running FanStore (the venv's interpreter and this source tree)."""
+
+    def __init__(self, user) -> None:
+        self.user = user
+        self.env = user.env(PYTHONPATH=str(REPO))
+
+    def fanstore(self, *args, text: bool = True) -> subprocess.CompletedProcess:
+        return self.user.run([sys.executable, "-m", "fanstore.cli", *map(str, args)],
+                             env=self.env, timeout=120, text=text)
+
+    def open_each(self, *paths) -> dict[str, int]:
+        r = self.user.python(OPEN_EACH, *map(str, paths))
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+
+@pytest.fixture
+def other(other_user):
+    with reachable_for_others(os.path.realpath(sys.executable), REPO, sys.prefix):
+        yield _Other(other_user)
+
+
+# ============================================================================ packing
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root to make a second user")
+def test_a_0600_file_makes_a_store_no_other_user_can_read(other):
+    """Before: every store was world-readable, and ``fanstore cat STORE d/secret.txt`` as
+    another user printed the secret."""
+    with shared_test_dir() as d:
+        src = _tree(Path(d) / "src")
+        store = Path(d) / "store"
+        proc = run_cli("pack", src, store, *PACK, check=True)
+        lines = _private_lines(proc)
+        assert len(lines) == 1, proc.stderr  # said once, with an example and the way out
+        assert lines[0].startswith("fanstore: ") and PRIVATE_LINE in lines[0]
+        assert "d/secret.txt (mode 0600)" in lines[0] and "--shared" in lines[0]
+        _assert_private(store)
+
+        r = other.fanstore("cat", store, "d/secret.txt", text=False)
+        assert r.returncode == 1 and r.stdout == b""
+        err = r.stderr.decode()
+        assert "Traceback" not in err
+        assert [ln for ln in err.splitlines() if ln.startswith("fanstore: error:")] == \
+            [ln for ln in err.splitlines() if ln.strip()], err  # one line, nothing else
+        assert "Permission denied" in err, err
+        files = [store / "fanstore.idx", store / "part-00000.fsp", store / "part-00001.fsp"]
+        assert other.open_each(*files) == {str(p): errno.EACCES for p in files}
+        # the owner still reads it
+        assert run_cli("cat", store, "d/secret.txt", text=False, check=True).stdout == SECRET
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root to make a second user")
+def test_a_public_tree_stays_shareable_and_shared_opts_out(other):
+    """A public tree follows the umask (as mksquashfs and tar do) and says nothing; so does a
+    private one packed with --shared (before: no --shared, no recorded decision)."""
+    with shared_test_dir() as d:
+        for name, secret_mode, extra in (("public", 0o644, ()), ("opted", 0o600, ("--shared",))):
+            src = _tree(Path(d) / f"src-{name}", secret_mode)
+            store = Path(d) / f"store-{name}"
+            proc = run_cli("pack", src, store, *PACK, *extra, check=True)
+            assert _private_lines(proc) == [], proc.stderr
+            _assert_shared(store)
+            r = other.fanstore("cat", store, "pub.txt", text=False)
+            assert r.returncode == 0 and r.stdout == PUBLIC, r.stderr
+            assert set(other.open_each(store / "fanstore.idx").values()) == {0}
+
+
+@pytest.mark.parametrize("case", ["0700 directory", "0640 file", "0700 source root"])
+def test_anything_others_may_not_read_makes_the_store_private(tmp_path, case):
+    src = _tree(tmp_path / "src", secret_mode=0o640 if case == "0640 file" else 0o644,
+                dir_mode=0o700 if case == "0700 directory" else 0o755)
+    if case == "0700 source root":
+        os.chmod(src, 0o700)
+    store = tmp_path / "store"
+    proc = run_cli("pack", src, store, *PACK, check=True)
+    lines = _private_lines(proc)
+    assert len(lines) == 1, proc.stderr
+    expect = {"0700 directory": "directory d (mode 0700)", "0640 file": "d/secret.txt (mode 0640)",
+              "0700 source root": f"the source {src} itself (mode 0700)"}[case]
+    assert expect in lines[0]
+    _assert_private(store)
+
+
+def _archive(tmp: Path, kind: str, member_mode: int, archive_mode: int) -> Path:
+    src = _tree(tmp / "tree", secret_mode=member_mode)
+    if kind == "tar":
+        path = tmp / "ds.tar"
+        with tarfile.open(path, "w") as tf:
+            tf.add(src, arcname=".")
+    else:
+        path = tmp / "ds.zip"
+        with zipfile.ZipFile(path, "w") as zf:
+            for p in sorted(src.rglob("*")):
+                zf.write(p, p.relative_to(src).as_posix())
+    os.chmod(path, archive_mode)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["tar", "zip"])
+@pytest.mark.parametrize("member_mode,archive_mode,why", [
+    (0o644, 0o600, "archive"), (0o600, 0o644, "member"), (0o644, 0o644, None)])
+def test_a_streamed_source_follows_its_members_and_its_own_mode(tmp_path, kind, member_mode,
+                                                               archive_mode, why):
+    archive = _archive(tmp_path, kind, member_mode, archive_mode)
+    store = tmp_path / "store"
+    proc = run_cli("pack", archive, store, *PACK, check=True)
+    lines = _private_lines(proc)
+    if why is None:
+        assert lines == [], proc.stderr
+        _assert_shared(store)
+        return
+    assert len(lines) == 1, proc.stderr
+    if why == "archive":
+        assert f"the archive {archive} (mode 0600)" in lines[0]
+    else:
+        assert "d/secret.txt (mode 0600)" in lines[0]
+    _assert_private(store)
+
+
+def test_an_s3_source_gives_a_private_store_unless_shared(s3_server, tmp_path):
+    """S3 objects carry no modes: the store is private, with one line; --shared opts out."""
+    bucket = s3_server.new_bucket()
+    fs = s3_server.fs()
+    fs.pipe(f"{bucket}/raw/a.txt", PUBLIC)
+    fs.pipe(f"{bucket}/raw/b/c.txt", PUBLIC)
+    url = f"s3://{bucket}/raw"
+    proc = run_cli("pack", url, tmp_path / "private", *PACK, env=s3_server.env, check=True)
+    lines = _private_lines(proc)
+    assert len(lines) == 1 and "object storage carries no file modes" in lines[0], proc.stderr
+    _assert_private(tmp_path / "private")
+    proc = run_cli("pack", url, tmp_path / "shared", *PACK, "--shared", env=s3_server.env,
+                   check=True)
+    assert _private_lines(proc) == [], proc.stderr
+    _assert_shared(tmp_path / "shared")
+
+
+@pytest.mark.mpi
+def test_an_mpi_pack_of_a_private_tree_is_private_and_says_so_once(tmp_path):
+    from mpi_helpers import MPIEXEC, mpi_available
+
+    ok, why = mpi_available()
+    if not ok:
+        pytest.skip(why)
+    from helpers import FANSTORE
+
+    src = _tree(tmp_path / "src")
+    store = tmp_path / "store"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run([MPIEXEC, "-n", "2", FANSTORE, "pack", str(src), str(store), *PACK],
+                          capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert len(_private_lines(proc)) == 1, proc.stderr
+    _assert_private(store)
