@@ -590,14 +590,15 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 def tmpfs(path, size: str):
     """A tmpfs of ``size`` (``mount -o size=``, e.g. ``"1m"``) mounted at ``path`` (created)
     for the block; always unmounted afterwards. Skips the test when it cannot be mounted
-    (not root, no mount permission)."""
+    (not root, no mount permission). Mode 0755 (tmpfs's default is 1777, which staging
+    refuses as a local directory: other users could write into it)."""
     import pytest
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
         pytest.skip("needs root to mount a small tmpfs")
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)],
                          capture_output=True, text=True)
     if res.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")

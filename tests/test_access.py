@@ -265,3 +265,152 @@ def test_an_mpi_pack_of_a_private_tree_is_private_and_says_so_once(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert len(_private_lines(proc)) == 1, proc.stderr
     _assert_private(store)
+
+
+# ============================================================================ staging
+
+
+def _stage(store, local, numbers=None, **kw):
+    from fanstore.daemon.staging import stage_partitions
+    from fanstore.format.index import read_index
+
+    index = read_index(str(store))
+    numbers = list(range(len(index.partitions))) if numbers is None else numbers
+    return stage_partitions(str(store), str(local), index, numbers, jobs=1, who="rank 0 (t)",
+                            **kw)
+
+
+def test_staged_copies_follow_the_store(tmp_path):
+    """Before: copies and records were 0644 and the local directory 0755 whatever the
+    store's modes, so a private store became readable on every node it was staged on."""
+    mask = _umask()
+    for name, secret_mode in (("private", 0o600), ("shared", 0o644)):
+        src = _tree(tmp_path / f"src-{name}", secret_mode)
+        store = tmp_path / f"store-{name}"
+        run_cli("pack", src, store, *PACK, check=True)
+        local = tmp_path / f"node-{name}" / "local"  # neither exists yet
+        report = _stage(store, local)
+        assert len(report.copied) == 2
+        files = sorted(local.iterdir())
+        assert [p.name for p in files] == ["part-00000.fsp", "part-00000.fsp.ok",
+                                           "part-00001.fsp", "part-00001.fsp.ok"]
+        dir_mode = stat.S_IMODE(os.stat(local).st_mode)
+        file_modes = {stat.S_IMODE(os.stat(p).st_mode) for p in files}
+        parent_mode = stat.S_IMODE(os.stat(local.parent).st_mode)
+        if name == "private":
+            assert (dir_mode, file_modes) == (0o700, {0o600})
+        else:
+            assert (dir_mode, file_modes) == (0o777 & ~mask, {0o666 & ~mask})
+        assert parent_mode == 0o700  # a missing parent is made private
+    # A copy left 0644 by an older FanStore is reused, and closed, for a private store.
+    local = tmp_path / "node-private" / "local"
+    for p in local.iterdir():
+        os.chmod(p, 0o644)
+    report = _stage(tmp_path / "store-private", local)
+    assert report.reused == [0, 1] and report.copied == []
+    assert {stat.S_IMODE(os.stat(p).st_mode) for p in local.iterdir()} == {0o600}
+
+
+def test_staging_never_writes_through_a_planted_symlink(tmp_path):
+    """Symlinks at the names staging writes (a copy's temporary name, a record's temporary
+    name, the copy itself): each is replaced or removed, never followed; their targets are
+    untouched. Before: the .ok record was written through ``part-NNNNN.fsp.ok.tmp``."""
+    src = _tree(tmp_path / "src", 0o644)
+    store = tmp_path / "store"
+    run_cli("pack", src, store, *PACK, check=True)
+    local = tmp_path / "local"
+    local.mkdir(mode=0o755)
+    victims = {}
+    for i, name in enumerate(["part-00000.fsp.ok.tmp", ".part-00000.fsp.partial",
+                              "part-00001.fsp.ok.tmp", "part-00001.fsp"]):
+        victim = tmp_path / f"victim{i}"
+        victim.write_bytes(b"do not touch %d\n" % i)
+        victims[victim] = victim.read_bytes()
+        os.symlink(victim, local / name)
+    report = _stage(store, local)
+    assert report.copied == [0, 1]
+    for victim, data in victims.items():
+        assert victim.read_bytes() == data, victim
+    from fanstore.format.index import read_index
+    from fanstore.format.partition import file_checksum
+
+    for p in read_index(str(store)).partitions:
+        assert not os.path.islink(local / p.name)
+        assert file_checksum(str(local / p.name)) == p.checksum
+
+
+def test_a_planted_partial_copy_is_never_resumed_through_a_symlink(s3_server, tmp_path,
+                                                                  monkeypatch):
+    """A stage-in from S3 resumes a ``.partial`` whose record matches. Before: a symlink
+    planted there (to a file of the partition's size) was opened for writing and the
+    partition's bytes went into its target."""
+    src = _tree(tmp_path / "src", 0o644)
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}/ds.fs"
+    run_cli("pack", src, url, *PACK, env=s3_server.env, check=True)
+    from fanstore.format.index import read_index
+
+    for k, v in s3_server.env.items():
+        monkeypatch.setenv(k, v)
+    index = read_index(url)
+    local = tmp_path / "local"
+    local.mkdir(mode=0o700)
+    info = index.partitions[0]
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"v" * info.size)
+    os.symlink(victim, local / f".{info.name}.partial")
+    (local / f".{info.name}.partial.json").write_text(json.dumps(
+        {"size": info.size, "checksum": info.checksum, "block": 8 << 20, "done": []}))
+    report = _stage(url, local, block=8 << 20)
+    assert sorted(report.copied) == [0, 1]
+    assert victim.read_bytes() == b"v" * info.size
+    assert not os.path.islink(local / info.name)
+
+
+@pytest.mark.fuse
+@pytest.mark.skipif(not ROOT, reason="needs root to make a second user")
+@pytest.mark.parametrize("attack", [
+    "made by the other user", "a symlink of the other user", "below the other user's dir",
+    "writable by others"])
+def test_a_local_dir_another_user_controls_is_refused(other_user, attack):
+    """``fanstore mount --local-dir`` in a world-writable (sticky) directory where the other
+    user got there first. Before: the copies went into their directory, or through their
+    symlink into a directory of root's. Now: one line, exit 1, nothing written."""
+    with shared_test_dir() as d:
+        d = Path(d)
+        os.chmod(d, 0o1777)  # like /tmp
+        src = _tree(d / "src", 0o644)
+        store = d / "store"
+        run_cli("pack", src, store, *PACK, check=True)
+        local = d / "local"
+        victim = d / "root-dir"
+        victim.mkdir()  # root's: the other user cannot write here, but could make root do it
+        (victim / "keep").write_bytes(b"keep")
+        if attack == "made by the other user":
+            r = other_user.python("import os, sys; os.mkdir(sys.argv[1], 0o777); "
+                                  "os.chmod(sys.argv[1], 0o777)", str(local))
+        elif attack == "a symlink of the other user":
+            r = other_user.python("import os, sys; os.symlink(sys.argv[2], sys.argv[1])",
+                                  str(local), str(victim))
+        elif attack == "below the other user's dir":
+            r = other_user.python("import os, sys; os.mkdir(sys.argv[1], 0o755)", str(local))
+            local = local / "node0"
+        else:
+            local.mkdir()
+            os.chmod(local, 0o777)
+            r = subprocess.CompletedProcess([], 0, "", "")
+        assert r.returncode == 0, r.stderr
+        before = sorted(os.listdir(local)) if local.is_dir() else None
+        mnt = d / "mnt"
+        mnt.mkdir()
+        proc = run_cli("mount", store, mnt, "--local-dir", local, timeout=60)
+        try:
+            line = assert_cli_error(proc, code=1, contains="is unsafe")
+            assert f"local directory {local}" in line
+            assert not is_mounted(mnt)
+            assert sorted(os.listdir(victim)) == ["keep"]
+            if before is not None:
+                assert sorted(os.listdir(local)) == before
+        finally:
+            if is_mounted(mnt) or daemon_pid(mnt):
+                cleanup_mount(mnt, daemon_pid(mnt))

@@ -11,6 +11,21 @@ The store may also live in object storage (``s3://``): see "object storage" belo
   record is missing or stale is re-hashed and copied again only if it is damaged.
 - Free space is checked before copying; a full disk is a clear error naming the node and
   the bytes needed.
+
+Other users of the node (docs/reliability.md, "Multi-user nodes"):
+
+- The local directory is checked before anything is written in it: an existing one must
+  be a real directory owned by this uid that nobody else can write to
+  (:func:`fanstore.safeio.owned_dir`), and no directory on the way to it may be
+  replaceable by another user (:func:`fanstore.safeio.trusted_path`). A missing one is
+  created with ``mkdir`` (parents 0700), never through a symlink planted at its name.
+- Copies follow the store (:func:`store_is_private`, the index's ``access``): a private
+  store's copies and records are 0600 and a local directory FanStore creates is 0700; a
+  shared store's get the umask's modes.
+- Every file is created ``O_CREAT|O_EXCL|O_NOFOLLOW`` (the ``.partial`` copy) or written
+  to a fresh temporary name and renamed into place (``.ok`` and ``.partial.json``
+  records); a file that is reused (a valid copy, a partial copy to resume, a record) is
+  opened without following symlinks and must be a regular file owned by this uid.
 """
 
 from __future__ import annotations
@@ -28,9 +43,10 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from fanstore.errors import FanStoreError, StageError
-from fanstore.format.index import Index
-from fanstore.format.partition import file_checksum, partition_name
+from fanstore import safeio
+from fanstore.errors import FanStoreError, StageError, UnsafePathError
+from fanstore.format.index import INDEX_NAME, Index
+from fanstore.format.partition import partition_name
 from fanstore.storage import is_url, open_location
 
 log = logging.getLogger(__name__)
@@ -46,6 +62,8 @@ class StageReport:
     bytes_copied: int = 0
     bytes_local: int = 0
     seconds: float = 0.0
+    #: the local directory did not exist and staging created it
+    created: bool = False
 
     @property
     def mb_per_s(self) -> float:
@@ -63,42 +81,116 @@ class StageReport:
                 "stage_mb_per_s": round(self.mb_per_s, 1)}
 
 
+@dataclass(frozen=True)
+class _Modes:
+    """Modes of what staging writes: ``file`` for copies and records, ``dir`` for a local
+    directory it creates."""
+
+    file: int
+    dir: int
+
+    @classmethod
+    def of(cls, private: bool) -> "_Modes":
+        if private:
+            return cls(0o600, 0o700)
+        return cls(safeio.umask_mode(0o666), safeio.umask_mode(0o777))
+
+
+_PRIVATE_MODES = _Modes(0o600, 0o700)
+
+
+def store_is_private(store_dir: str, index: Index) -> bool:
+    """Whether copies of this store must be private: its index says so (``access``), or,
+    for a store written before the key existed, its own modes do (a directory or index
+    other users cannot read); a store in object storage without the key counts as
+    private (it has no modes to go by)."""
+    access = index.meta.get("access")
+    if access in ("private", "shared"):
+        return access == "private"
+    if access is not None or is_url(store_dir):
+        return True
+    try:
+        d = os.stat(store_dir).st_mode
+        i = os.stat(os.path.join(store_dir, INDEX_NAME)).st_mode
+    except OSError:
+        return True
+    return (d & 0o005) != 0o005 or not i & 0o004
+
+
 def _ok_path(path: str) -> str:
     return path + ".ok"
 
 
-def _record_ok(path: str, checksum: str) -> None:
-    st = os.stat(path)
-    tmp = _ok_path(path) + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"size": st.st_size, "mtime_ns": st.st_mtime_ns, "checksum": checksum}, f)
-    os.replace(tmp, _ok_path(path))
+def _record_ok(path: str, checksum: str, modes: _Modes = _PRIVATE_MODES) -> None:
+    st = os.lstat(path)
+    record = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "checksum": checksum}
+    safeio.atomic_write(_ok_path(path), json.dumps(record).encode(), modes.file)
 
 
-def _valid_copy(path: str, size: int, checksum: str) -> bool:
-    """Is ``path`` a complete, undamaged copy? Cheap when its .ok record is current."""
+def _regular_ours(st: os.stat_result) -> bool:
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+
+
+def _read_json(path: str) -> dict | None:
+    """A small JSON record of ours (a regular file owned by this uid, never read through a
+    symlink), or None when it is missing, foreign or not a JSON object."""
     try:
-        st = os.stat(path)
+        fd = safeio.open_nofollow(path, owner=os.geteuid(), what="staging record")
+    except (OSError, UnsafePathError):
+        return None
+    try:
+        with open(fd, "rb") as f:
+            rec = json.loads(f.read(1 << 20))
+        return rec if isinstance(rec, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _narrow_mode(path: str, mode: int) -> None:
+    """Take away permission bits ``mode`` does not have (a copy staged by an older
+    FanStore, 0644, for a private store), without following a symlink."""
+    try:
+        fd = safeio.open_nofollow(path, owner=os.geteuid())
+    except (OSError, UnsafePathError):
+        return
+    try:
+        have = stat.S_IMODE(os.fstat(fd).st_mode)
+        if have & ~mode:
+            os.fchmod(fd, have & mode)
+    finally:
+        os.close(fd)
+
+
+def _valid_copy(path: str, size: int, checksum: str, modes: _Modes = _PRIVATE_MODES) -> bool:
+    """Is ``path`` a complete, undamaged copy? Cheap when its .ok record is current. Only a
+    regular file owned by this uid counts (a symlink in its place is copied over)."""
+    try:
+        st = os.lstat(path)
     except FileNotFoundError:
         return False
-    if st.st_size != size:
+    if not _regular_ours(st) or st.st_size != size:
         return False
+    rec = _read_json(_ok_path(path))
+    if rec is not None and (rec.get("size"), rec.get("mtime_ns"),
+                            rec.get("checksum")) == (size, st.st_mtime_ns, checksum):
+        _narrow_mode(path, modes.file)
+        _narrow_mode(_ok_path(path), modes.file)
+        return True
+    # no record, or a damaged one: hash the copy
     try:
-        with open(_ok_path(path)) as f:
-            rec = json.load(f)
-        if isinstance(rec, dict) and (rec.get("size"), rec.get("mtime_ns"),
-                                      rec.get("checksum")) == (size, st.st_mtime_ns, checksum):
-            return True
-    except (OSError, ValueError):
-        pass  # no record, or a damaged one: hash the copy
-    try:
-        intact = file_checksum(path) == checksum
-    except OSError as exc:  # an unreadable copy is copied again
-        log.warning("%s: cannot read the staged copy (%s); copying it again", path, exc.strerror)
+        fd = safeio.open_nofollow(path, owner=os.geteuid(), what="staged copy")
+        try:
+            intact = _fd_checksum(fd) == checksum
+        finally:
+            os.close(fd)
+    except (OSError, UnsafePathError) as exc:  # an unreadable copy is copied again
+        log.warning("%s: cannot read the staged copy (%s); copying it again", path,
+                    getattr(exc, "strerror", None) or exc)
         return False
     if intact:
+        _narrow_mode(path, modes.file)
         try:
-            _record_ok(path, checksum)
+            _record_ok(path, checksum, modes)
         except OSError as exc:  # the record only saves a re-hash next time
             log.warning("%s: cannot write its .ok record: %s", path, exc.strerror)
         return True
@@ -106,12 +198,38 @@ def _valid_copy(path: str, size: int, checksum: str) -> bool:
     return False
 
 
-def _copy(src: str, dst: str, size: int, checksum: str, who: str) -> int:
+def _fd_checksum(fd: int, block: int = BLOCK) -> str:
+    """XXH3-128 (hex) of the whole file open at ``fd`` (as ``file_checksum``)."""
+    h = xxhash.xxh3_128()
+    buf = bytearray(block)
+    view = memoryview(buf)
+    offset = 0
+    while True:
+        n = os.preadv(fd, [buf], offset)
+        if not n:
+            return h.hexdigest()
+        h.update(view[:n])
+        offset += n
+
+
+def _create_new(path: str, mode: int) -> int:
+    """A new file at ``path``, created exclusively (never through a symlink); a leftover
+    at that name (ours: the directory is checked) is removed first."""
+    try:
+        return safeio.create_excl(path, mode)
+    except FileExistsError:
+        _unlink(path)  # unlink never follows a symlink: a link is removed, not its target
+        return safeio.create_excl(path, mode)
+
+
+def _copy(src: str, dst: str, size: int, checksum: str, who: str,
+          modes: _Modes = _PRIVATE_MODES) -> int:
     tmp = os.path.join(os.path.dirname(dst), "." + os.path.basename(dst) + ".partial")
     h = xxhash.xxh3_128()
     done = 0
     buf = bytearray(BLOCK)
     view = memoryview(buf)
+    created = False
     try:
         # O_NONBLOCK: a FIFO in a partition's place is refused instead of blocking the node.
         fd = os.open(src, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -119,32 +237,38 @@ def _copy(src: str, dst: str, size: int, checksum: str, who: str) -> int:
             os.close(fd)
             raise StageError(f"{who}: partition {src} on the shared store is not a regular "
                              "file")
-        with open(fd, "rb", buffering=0) as fin, open(tmp, "wb", buffering=0) as fout:
-            try:
-                os.posix_fadvise(fin.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            except (AttributeError, OSError):
-                pass
-            while True:
-                n = fin.readinto(buf)
-                if not n:
-                    break
-                chunk = view[:n]
-                h.update(chunk)
-                written = 0
-                while written < n:
-                    written += fout.write(chunk[written:])
-                done += n
-            fout.flush()
-            os.fsync(fout.fileno())
+        with open(fd, "rb", buffering=0) as fin:
+            os.set_blocking(fd, True)
+            out = _create_new(tmp, modes.file)
+            created = True
+            with open(out, "wb", buffering=0) as fout:
+                try:
+                    os.posix_fadvise(fin.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                except (AttributeError, OSError):
+                    pass
+                while True:
+                    n = fin.readinto(buf)
+                    if not n:
+                        break
+                    chunk = view[:n]
+                    h.update(chunk)
+                    written = 0
+                    while written < n:
+                        written += fout.write(chunk[written:])
+                    done += n
+                fout.flush()
+                os.fsync(fout.fileno())
     except OSError as exc:
-        _unlink(tmp)
+        if created:
+            _unlink(tmp)
         if exc.errno == errno.ENOSPC:
             raise StageError(f"{who}: local storage full while staging {os.path.basename(dst)} "
                              f"({size:,} bytes needed) into {os.path.dirname(dst)}") from None
         raise StageError(f"{who}: cannot stage {os.path.basename(dst)}: {exc.strerror} "
                          f"({exc.filename or src})") from None
     except BaseException:
-        _unlink(tmp)
+        if created:
+            _unlink(tmp)
         raise
     if done != size or h.hexdigest() != checksum:
         _unlink(tmp)
@@ -153,7 +277,7 @@ def _copy(src: str, dst: str, size: int, checksum: str, who: str) -> int:
                          "repack or restore it")
     try:
         os.replace(tmp, dst)
-        _record_ok(dst, checksum)
+        _record_ok(dst, checksum, modes)
     except OSError as exc:  # e.g. ENOSPC for the record on a disk the copy just filled
         _unlink(tmp)
         raise StageError(f"{who}: cannot stage {os.path.basename(dst)} into "
@@ -168,21 +292,50 @@ def _unlink(path: str) -> None:
         pass
 
 
+def prepare_local_dir(local_dir: str, private: bool, who: str = "node") -> bool:
+    """Check (or create) the node-local directory before anything is written in it; see
+    the module docstring. Returns whether it was created. Raises UnsafePathError for a
+    directory another user could read into, write into or swap, StageError when it cannot
+    be used at all (a file in the way, a read-only file system)."""
+    what = "local directory"
+    try:
+        safeio.trusted_path(local_dir, what=what)
+        try:
+            created = safeio.make_dirs(local_dir, _Modes.of(private).dir, 0o700, what=what)
+        except OSError as exc:  # a file in the way, a read-only or missing mount, ...
+            raise StageError(f"{who}: cannot use local storage {local_dir}: "
+                             f"{exc.strerror}") from None
+        st = os.lstat(local_dir)
+        if not stat.S_ISDIR(st.st_mode) and not stat.S_ISLNK(st.st_mode):
+            raise StageError(f"{who}: cannot use local storage {local_dir}: "
+                             f"{os.strerror(errno.EEXIST)}")
+        safeio.owned_dir(local_dir, what=what)
+    except UnsafePathError as exc:
+        raise UnsafePathError(f"{who}: {exc}") from None
+    return created
+
+
 def stage_partitions(store_dir: str, local_dir: str, index: Index, numbers: list[int],
-                     jobs: int = 4, who: str = "node", block: int = BLOCK) -> StageReport:
+                     jobs: int = 4, who: str = "node", block: int = BLOCK,
+                     private: bool | None = None) -> StageReport:
     """Make ``local_dir`` hold valid copies of partitions ``numbers``; return what was done.
 
     ``store_dir`` may be an object-store URL (``s3://bucket/ds.fs``): partitions are then
     fetched with ``jobs`` parallel range reads of ``block`` bytes, resumably (see
-    :func:`_fetch_all`).
+    :func:`_fetch_all`). ``private``: whether the copies must be private (default: as the
+    store, :func:`store_is_private`). Raises StageError, or UnsafePathError for a local
+    directory other users could read into, write into or swap.
     """
     t0 = time.monotonic()
     report = StageReport(partitions=sorted(numbers))
     remote = is_url(store_dir)
+    if private is None:
+        private = store_is_private(store_dir, index)
+    modes = _Modes.of(private)
+    report.created = prepare_local_dir(local_dir, private, who)
     try:
-        os.makedirs(local_dir, exist_ok=True)
         names = os.listdir(local_dir)
-    except OSError as exc:  # a file in the way, a read-only or missing mount, ...
+    except OSError as exc:  # a read-only or vanished mount, ...
         raise StageError(f"{who}: cannot use local storage {local_dir}: {exc.strerror}") \
             from None
     resumable = _resumable(local_dir, index, numbers, block) if remote else set()
@@ -190,11 +343,13 @@ def stage_partitions(store_dir: str, local_dir: str, index: Index, numbers: list
         if name.startswith(".") and name.endswith(".partial") and name not in resumable:
             _unlink(os.path.join(local_dir, name))
             _unlink(os.path.join(local_dir, name + ".json"))
+        elif name.startswith(".part-") and name.endswith(".tmp"):  # a record half-written
+            _unlink(os.path.join(local_dir, name))
     todo = []
     for p in report.partitions:
         info = index.partitions[p]
         dst = os.path.join(local_dir, partition_name(p))
-        if _valid_copy(dst, info.size, info.checksum):
+        if _valid_copy(dst, info.size, info.checksum, modes):
             report.reused.append(p)
         else:
             todo.append(p)
@@ -212,10 +367,10 @@ def stage_partitions(store_dir: str, local_dir: str, index: Index, numbers: list
     def one(p: int) -> int:
         info = index.partitions[p]
         return _copy(os.path.join(store_dir, info.name), os.path.join(local_dir, info.name),
-                     info.size, info.checksum, who)
+                     info.size, info.checksum, who, modes)
 
     if todo and remote:
-        for p, n in _fetch_all(store_dir, local_dir, index, todo, jobs, who, block):
+        for p, n in _fetch_all(store_dir, local_dir, index, todo, jobs, who, block, modes):
             report.copied.append(p)
             report.bytes_copied += n
     elif todo:
@@ -230,9 +385,18 @@ def stage_partitions(store_dir: str, local_dir: str, index: Index, numbers: list
 
 def _size(path: str) -> int:
     try:
-        return os.stat(path).st_size
+        return os.lstat(path).st_size
     except FileNotFoundError:
         return 0
+
+
+def _own_size(path: str) -> int:
+    """Size of a regular file of ours at ``path`` (not through a symlink), else -1."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return -1
+    return st.st_size if _regular_ours(st) else -1
 
 
 # --------------------------------------------------------------------------- object storage
@@ -252,15 +416,6 @@ def _partial(local_dir: str, name: str) -> str:
     return os.path.join(local_dir, "." + name + ".partial")
 
 
-def _read_record(path: str) -> dict | None:
-    try:
-        with open(path) as f:
-            rec = json.load(f)
-        return rec if isinstance(rec, dict) else None
-    except (OSError, ValueError):
-        return None
-
-
 def _resumable(local_dir: str, index: Index, numbers: list[int], block: int) -> set[str]:
     """Names of ``.partial`` files whose record says they belong to the same partition
     (size, checksum, range size): those are continued, not removed."""
@@ -268,9 +423,9 @@ def _resumable(local_dir: str, index: Index, numbers: list[int], block: int) -> 
     for p in numbers:
         info = index.partitions[p]
         tmp = _partial(local_dir, info.name)
-        rec = _read_record(tmp + ".json")
+        rec = _read_json(tmp + ".json")
         if rec and (rec.get("size"), rec.get("checksum"), rec.get("block")) == (
-                info.size, info.checksum, block) and _size(tmp) == info.size:
+                info.size, info.checksum, block) and _own_size(tmp) == info.size:
             keep.add(os.path.basename(tmp))
     return keep
 
@@ -278,8 +433,10 @@ def _resumable(local_dir: str, index: Index, numbers: list[int], block: int) -> 
 class _Download:
     """One partition being fetched: its partial file, the ranges done, the record."""
 
-    def __init__(self, local_dir: str, name: str, size: int, checksum: str, block: int) -> None:
+    def __init__(self, local_dir: str, name: str, size: int, checksum: str, block: int,
+                 modes: _Modes = _PRIVATE_MODES) -> None:
         self.name = name
+        self.modes = modes
         self.size = size
         self.checksum = checksum
         self.block = block
@@ -287,9 +444,9 @@ class _Download:
         self.tmp = _partial(local_dir, name)
         self.rec_path = self.tmp + ".json"
         self.lock = threading.Lock()
-        rec = _read_record(self.rec_path)
+        rec = _read_json(self.rec_path)
         if rec and (rec.get("size"), rec.get("checksum"), rec.get("block")) == (
-                size, checksum, block) and _size(self.tmp) == size:
+                size, checksum, block) and _own_size(self.tmp) == size:
             self.done = {int(k) for k in rec.get("done", []) if isinstance(k, int)}
         else:
             self.done = set()
@@ -300,10 +457,12 @@ class _Download:
     def open(self) -> None:
         if not self.done:
             _unlink(self.rec_path)
-            fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            fd = _create_new(self.tmp, self.modes.file)
             os.ftruncate(fd, self.size)  # sparse until the ranges arrive
-        else:
-            fd = os.open(self.tmp, os.O_WRONLY | os.O_CLOEXEC)
+        else:  # ours, checked when the record was read; never through a symlink
+            fd = safeio.open_nofollow(self.tmp, owner=os.geteuid(), what="partial copy",
+                                      write=True)
+            os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) & self.modes.file)
         self.fd = fd
 
     def missing(self) -> list[tuple[int, int, int]]:
@@ -322,11 +481,9 @@ class _Download:
             self._save()
 
     def _save(self) -> None:
-        tmp = self.rec_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"size": self.size, "checksum": self.checksum, "block": self.block,
-                       "done": sorted(self.done)}, f)
-        os.replace(tmp, self.rec_path)
+        record = {"size": self.size, "checksum": self.checksum, "block": self.block,
+                  "done": sorted(self.done)}
+        safeio.atomic_write(self.rec_path, json.dumps(record).encode(), self.modes.file)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -335,12 +492,12 @@ class _Download:
 
 
 def _fetch_all(url: str, local_dir: str, index: Index, todo: list[int], jobs: int, who: str,
-               block: int):
+               block: int, modes: _Modes = _PRIVATE_MODES):
     """Fetch partitions ``todo`` from object storage; yield (partition, bytes fetched) as
     each is verified and installed."""
     loc = open_location(url)
     downloads = {p: _Download(local_dir, index.partitions[p].name, index.partitions[p].size,
-                              index.partitions[p].checksum, block) for p in todo}
+                              index.partitions[p].checksum, block, modes) for p in todo}
     pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="stage-fetch")
     futures: dict[int, list[Future]] = {}
 
@@ -356,6 +513,8 @@ def _fetch_all(url: str, local_dir: str, index: Index, todo: list[int], jobs: in
         for p in todo:
             try:
                 submit(p)
+            except UnsafePathError as exc:
+                raise UnsafePathError(f"{who}: {exc}") from None
             except OSError as exc:
                 raise _local_error(exc, who, downloads[p], local_dir) from None
         for p in todo:
@@ -371,7 +530,7 @@ def _fetch_all(url: str, local_dir: str, index: Index, todo: list[int], jobs: in
                 except OSError as exc:
                     raise _local_error(exc, who, d, local_dir) from None
                 d.close()
-                if file_checksum(d.tmp) == d.checksum:
+                if _partial_checksum(d.tmp) == d.checksum:
                     break
                 if not d.resumed:
                     _unlink(d.tmp)
@@ -383,14 +542,16 @@ def _fetch_all(url: str, local_dir: str, index: Index, todo: list[int], jobs: in
                 d.done, d.resumed = set(), False
                 submit(p)
             try:
-                fd = os.open(d.tmp, os.O_RDONLY)
+                fd = safeio.open_nofollow(d.tmp, owner=os.geteuid(), what="partial copy")
                 try:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
                 os.replace(d.tmp, d.dst)
                 _unlink(d.rec_path)
-                _record_ok(d.dst, d.checksum)
+                _record_ok(d.dst, d.checksum, d.modes)
+            except UnsafePathError as exc:
+                raise UnsafePathError(f"{who}: {exc}") from None
             except OSError as exc:
                 raise _local_error(exc, who, d, local_dir) from None
             yield p, d.fetched
@@ -401,6 +562,14 @@ def _fetch_all(url: str, local_dir: str, index: Index, todo: list[int], jobs: in
         pool.shutdown(wait=True, cancel_futures=True)
         for d in downloads.values():
             d.close()
+
+
+def _partial_checksum(path: str) -> str:
+    fd = safeio.open_nofollow(path, owner=os.geteuid(), what="partial copy")
+    try:
+        return _fd_checksum(fd)
+    finally:
+        os.close(fd)
 
 
 def _local_error(exc: OSError, who: str, d: _Download, local_dir: str) -> StageError:
