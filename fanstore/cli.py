@@ -237,11 +237,24 @@ def cmd_mount(args) -> int:
 
 
 def _storage_setup(args) -> None:
-    """Object-storage settings of this command (inherited by forked workers and daemons)."""
+    """Object-storage settings of this command (inherited by forked workers and daemons),
+    with a warning when they expose credentials (given on the command line, or in a file
+    other users may read)."""
     from fanstore import storage
 
-    storage.set_default_options(storage.parse_storage_options(
-        getattr(args, "storage_options", None)))
+    text = getattr(args, "storage_options", None)
+    options = storage.parse_storage_options(text)
+    warnings = storage.exposure_warnings(text, options) if text else []
+    env = os.environ.get("FANSTORE_STORAGE_OPTIONS")
+    if not text and env and env.startswith("@"):
+        try:  # a bad one is reported where it is used (not every command uses S3)
+            env_options = storage.parse_storage_options(env, "$FANSTORE_STORAGE_OPTIONS")
+        except UsageError:
+            env_options = {}
+        warnings = storage.exposure_warnings(env, env_options, on_command_line=False)
+    for line in warnings:
+        print(f"fanstore: warning: {line}", file=sys.stderr, flush=True)
+    storage.set_default_options(options)
 
 
 def cmd_umount(args) -> int:
@@ -693,11 +706,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_storage_args(s) -> None:
-    s.add_argument("--storage-options", metavar="JSON",
+    s.add_argument("--storage-options", metavar="JSON|@FILE",
                    help="object-storage settings beyond the AWS environment (AWS_ENDPOINT_URL, "
-                        "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION): s3fs keyword "
-                        "arguments, plus 'retries' (default 5) and 'timeout' (seconds, "
-                        "default 30), e.g. '{\"timeout\": 10}'")
+                        "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, "
+                        "AWS_REGION, AWS_SHARED_CREDENTIALS_FILE): s3fs keyword arguments, "
+                        "plus 'retries' (default 5) and 'timeout' (seconds, default 30), "
+                        "e.g. '{\"timeout\": 10}'; @FILE reads the JSON from FILE. Keep "
+                        "credentials out of it: every user of the node can read a command "
+                        "line (use the environment or a 0600 @FILE)")
 
 
 def _add_select_budget_args(s, for_pack: bool) -> None:

@@ -11,12 +11,19 @@ it needs and an install hint, imported on first use (s3fs is the optional extra
 
 S3 configuration follows the standard AWS environment (``AWS_ENDPOINT_URL`` or
 ``AWS_ENDPOINT_URL_S3``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
-``AWS_SESSION_TOKEN``, ``AWS_REGION`` or ``AWS_DEFAULT_REGION``, ``AWS_PROFILE``), then the
-storage options (``--storage-options JSON``, or ``$FANSTORE_STORAGE_OPTIONS``): keyword
+``AWS_SESSION_TOKEN``, ``AWS_REGION`` or ``AWS_DEFAULT_REGION``, ``AWS_PROFILE``,
+``AWS_SHARED_CREDENTIALS_FILE``), then the storage options (``--storage-options JSON``, or
+``$FANSTORE_STORAGE_OPTIONS``; either may be ``@FILE``, a file holding the JSON): keyword
 arguments of ``s3fs.S3FileSystem``, plus FanStore's own ``retries`` (attempts after the
 first, default 5), ``timeout`` (connect and read timeout in seconds, default 30; an upload
 may take that plus 1 s per MiB it sends) and ``part_size_mb`` (multipart upload part size,
 default 16).
+
+Credentials never need the command line, where every user of the node can read them
+(``ps``, ``/proc/PID/cmdline``): the environment and files are private to their owner.
+:func:`exposure_warnings` gives the lines the CLI shows when a secret (``key``,
+``secret``, ``token``, a password...) is given in argv anyway, or sits in a file others may
+read.
 
 Every request is retried on transient errors (timeouts, refused connections, 5xx) with an
 exponential backoff (0.5 s doubling, at most 10 s), each retry logged as a warning; then it
@@ -68,18 +75,102 @@ def scheme_of(url: str) -> str:
     return m.group(1).lower() if m else ""
 
 
-def parse_storage_options(text: str | None) -> dict[str, Any]:
-    """``--storage-options`` JSON (an object) as a dict; a clear UsageError otherwise."""
+#: Largest options file read (the JSON of a few keyword arguments).
+_MAX_OPTIONS_FILE = 1 << 20
+
+
+def _read_options_file(path: str, where: str) -> str:
+    if not path:
+        raise UsageError(f"{where}: '@' must be followed by the name of a file holding the "
+                         "JSON")
+    try:
+        with open(os.path.expanduser(path), "rb") as f:
+            data = f.read(_MAX_OPTIONS_FILE + 1)
+    except OSError as exc:
+        raise UsageError(f"{where}: cannot read {path}: {exc.strerror}") from None
+    if len(data) > _MAX_OPTIONS_FILE:
+        raise UsageError(f"{where}: {path} is larger than {_MAX_OPTIONS_FILE >> 20} MiB")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"{where}: {path} is not UTF-8 text") from None
+
+
+def parse_storage_options(text: str | None, where: str = "--storage-options") -> dict[str, Any]:
+    """Storage options as a dict: ``text`` is a JSON object, or ``@FILE`` naming a file
+    that holds one (credentials stay out of the command line); a clear UsageError
+    otherwise. ``where`` names the setting in messages."""
     if not text:
         return {}
+    if text.startswith("@"):
+        where = f"{where} {text}"
+        text = _read_options_file(text[1:], where)
     try:
         value = json.loads(text)
     except ValueError as exc:
-        raise UsageError(f"--storage-options: not valid JSON ({exc})") from None
+        raise UsageError(f"{where}: not valid JSON ({exc})") from None
     if not isinstance(value, dict):
-        raise UsageError("--storage-options: expected a JSON object, e.g. "
+        raise UsageError(f"{where}: expected a JSON object, e.g. "
                          '\'{"timeout": 10, "retries": 3}\'')
     return value
+
+
+#: Option names (any level, any case) that hold credentials: s3fs's ``key``/``secret``/
+#: ``token``, botocore's ``aws_secret_access_key``/``aws_session_token``, passwords...
+_SECRET_WORDS = ("secret", "token", "password", "passwd", "credential", "access_key",
+                 "api_key", "apikey", "private_key")
+_SECRET_NAMES = frozenset({"key", "pass", "authorization"})
+
+
+def secret_names(options: Any) -> list[str]:
+    """The names of options (nested ones as ``outer.inner``) that look like credentials."""
+    found: list[str] = []
+
+    def walk(value: Any, prefix: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                name = str(k)
+                low = name.lower()
+                if low in _SECRET_NAMES or any(w in low for w in _SECRET_WORDS):
+                    if v not in (None, "", {}, []):
+                        found.append(prefix + name)
+                else:
+                    walk(v, f"{prefix}{name}.")
+        elif isinstance(value, list):
+            for v in value:
+                walk(v, prefix)
+
+    walk(options, "")
+    return found
+
+
+def exposure_warnings(text: str | None, options: dict[str, Any],
+                      on_command_line: bool = True) -> list[str]:
+    """Lines for the user when the storage options given as ``text`` expose a secret:
+    inline on the command line (readable by every user of the node), or in an ``@FILE``
+    that other users may read. ``on_command_line``: False for the environment (private
+    to its owner; only an ``@FILE`` there is checked)."""
+    names = secret_names(options)
+    if not text or not names:
+        return []
+    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    if not text.startswith("@"):
+        if not on_command_line:
+            return []
+        return [f"--storage-options on the command line holds credentials ({shown}), which "
+                "every user of this node can read (ps, /proc/PID/cmdline) while FanStore "
+                "runs; put them in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+                "AWS_SESSION_TOKEN), a credentials file (AWS_SHARED_CREDENTIALS_FILE) or a "
+                "file of your own (--storage-options @FILE, mode 0600)"]
+    path = os.path.expanduser(text[1:])
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return []
+    if mode & 0o077:
+        return [f"{text[1:]} holds credentials ({shown}) but other users may read it (mode "
+                f"{mode & 0o7777:04o}); chmod 600 {text[1:]}"]
+    return []
 
 
 def set_default_options(options: dict[str, Any] | None) -> None:
@@ -92,7 +183,8 @@ def set_default_options(options: dict[str, Any] | None) -> None:
 def default_options() -> dict[str, Any]:
     if _default_options is not None:
         return dict(_default_options)
-    return parse_storage_options(os.environ.get("FANSTORE_STORAGE_OPTIONS"))
+    return parse_storage_options(os.environ.get("FANSTORE_STORAGE_OPTIONS"),
+                                 where="$FANSTORE_STORAGE_OPTIONS")
 
 
 def open_location(url: str, options: dict[str, Any] | None = None) -> "Location":

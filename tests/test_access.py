@@ -414,3 +414,125 @@ def test_a_local_dir_another_user_controls_is_refused(other_user, attack):
         finally:
             if is_mounted(mnt) or daemon_pid(mnt):
                 cleanup_mount(mnt, daemon_pid(mnt))
+
+
+# ============================================================================ secrets
+
+
+def _no_credentials_env(monkeypatch, server, tmp_path) -> None:
+    """The endpoint but no credentials anywhere botocore looks (a fresh HOME, no instance
+    metadata)."""
+    for k, v in server.env.items():
+        if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            monkeypatch.setenv(k, v)
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+              "AWS_PROFILE", "FANSTORE_STORAGE_OPTIONS"):
+        monkeypatch.delenv(k, raising=False)
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(home / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(home / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def _cmdlines(pids) -> list[bytes]:
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                out.append(f.read())
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.fuse
+def test_credentials_from_a_file_work_and_never_reach_a_command_line(
+        s3_server, tmp_path, monkeypatch, mounted):
+    """``--storage-options @FILE`` (and ``$FANSTORE_STORAGE_OPTIONS=@FILE``) instead of the
+    JSON in argv: pack to S3 and mount from it work, and the secret is in no FanStore
+    process's /proc/PID/cmdline (the pack and its workers while it runs; the mount's daemon
+    and its frontend processes). Before: no @FILE, so a secret had to be in argv."""
+    _no_credentials_env(monkeypatch, s3_server, tmp_path)
+    secret = "S3CR3T-" + secrets.token_hex(12)
+    creds = tmp_path / "s3.json"
+    creds.write_text(json.dumps({"key": "fanstore-test", "secret": secret}))
+    os.chmod(creds, 0o600)
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = __import__("random").Random(3)
+    for i in range(6):
+        (src / f"r{i}.bin").write_bytes(rng.randbytes(4 << 20))
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}/ds.fs"
+
+    # Without the file there are no credentials at all: the file is what makes it work.
+    proc = run_cli("pack", src, url, *PACK)
+    assert_cli_error(proc, contains="access denied")
+
+    from helpers import FANSTORE
+
+    cmd = [FANSTORE, "pack", str(src), url, "--codec", "zstd:1", "--no-progress",
+           "--jobs", "2", "--partitions", "2", "--storage-options", f"@{creds}"]
+    pack = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: list[bytes] = []
+    while pack.poll() is None:
+        seen += _cmdlines(process_tree(pack.pid))
+        time.sleep(0.01)
+    out, err = pack.communicate()
+    assert pack.returncode == 0, err
+    assert "warning" not in err, err
+    assert any(f"@{creds}".encode() in c for c in seen), seen  # sampled while it ran
+    assert not [c for c in seen if secret.encode() in c]
+
+    monkeypatch.setenv("FANSTORE_STORAGE_OPTIONS", f"@{creds}")
+    mnt = mounted(url, "--local-dir", tmp_path / "local")
+    assert (mnt / "r3.bin").read_bytes() == (src / "r3.bin").read_bytes()
+    pids = process_tree(daemon_pid(mnt))
+    lines = _cmdlines(pids)
+    assert len(lines) >= 2, lines  # the daemon and its frontend
+    assert not [c for c in lines if secret.encode() in c]
+
+
+def test_credentials_in_argv_work_with_one_warning(s3_server, tmp_path, monkeypatch):
+    """A secret inside --storage-options JSON is accepted, with one warning line that every
+    user of the node can read it (pack and mount); an @FILE that others may read gets one
+    too. Before: no warning."""
+    _no_credentials_env(monkeypatch, s3_server, tmp_path)
+    secret = "S3CR3T-" + secrets.token_hex(12)
+    inline = json.dumps({"key": "fanstore-test", "client_kwargs": {}, "secret": secret})
+    src = _tree(tmp_path / "src", 0o644)
+    url = f"s3://{s3_server.new_bucket()}/ds.fs"
+    proc = run_cli("pack", src, url, *PACK, "--storage-options", inline, check=True)
+    warnings = [ln for ln in proc.stderr.splitlines() if ln.startswith("fanstore: warning:")]
+    assert len(warnings) == 1, proc.stderr
+    assert "--storage-options on the command line holds credentials (key, secret)" in \
+        warnings[0] and "every user of this node can read" in warnings[0]
+    assert secret not in proc.stderr
+    # mount prints it too (here before refusing a mount without --local-dir)
+    proc = run_cli("mount", url, tmp_path / "mnt", "--storage-options", inline)
+    assert_cli_error(proc, code=2, contains="needs --local-dir")
+    assert proc.stderr.count("fanstore: warning: --storage-options on the command line") == 1
+    # no secret, no warning
+    proc = run_cli("ls", url, "--storage-options", json.dumps({"timeout": 10}))
+    assert "warning" not in proc.stderr
+    # a file with the secret that others may read
+    creds = tmp_path / "s3.json"
+    creds.write_text(inline)
+    os.chmod(creds, 0o644)
+    proc = run_cli("ls", url, "--storage-options", f"@{creds}", check=True)
+    assert proc.stderr.count("fanstore: warning:") == 1, proc.stderr
+    assert f"{creds} holds credentials (key, secret) but other users may read it (mode " \
+           f"0644); chmod 600 {creds}" in proc.stderr
+    assert_no_traceback(proc)
+
+
+def test_a_bad_options_file_is_one_line(tmp_path):
+    proc = run_cli("ls", "s3://bucket/ds.fs", "--storage-options", f"@{tmp_path}/missing")
+    assert_cli_error(proc, code=2,
+                     contains=f"--storage-options @{tmp_path}/missing: cannot read "
+                              f"{tmp_path}/missing: No such file or directory")
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    proc = run_cli("ls", "s3://bucket/ds.fs", "--storage-options", f"@{tmp_path}/bad.json")
+    assert_cli_error(proc, code=2, contains="expected a JSON object")
