@@ -63,17 +63,23 @@ def mount_status(mountpoint: str) -> str:
     return "live"
 
 
+def unmount_command(mountpoint: str, lazy: bool = False,
+                    tool: str = "fusermount3") -> list[str]:
+    """The argv that unmounts ``mountpoint`` with ``tool`` (fusermount3 or umount): the
+    path always after ``--``, so a mount point named like an option ("-z", "--help") is
+    never taken for one."""
+    if tool == "umount":
+        return ["umount"] + (["-l"] if lazy else []) + ["--", mountpoint]
+    return [tool, "-u"] + (["-z"] if lazy else []) + ["--", mountpoint]
+
+
 def fusermount_unmount(mountpoint: str, lazy: bool = False) -> tuple[bool, str]:
-    cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [mountpoint]
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        res = subprocess.run(unmount_command(mountpoint, lazy), capture_output=True, text=True,
+                             timeout=60)
     except FileNotFoundError:
-        cmd[0] = "umount"
-        if lazy:
-            cmd = ["umount", "-l", mountpoint]
-        else:
-            cmd = ["umount", mountpoint]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        res = subprocess.run(unmount_command(mountpoint, lazy, "umount"), capture_output=True,
+                             text=True, timeout=60)
     return res.returncode == 0, (res.stderr or res.stdout).strip()
 
 

@@ -496,7 +496,7 @@ def kill_pid(pid: int | None, timeout: float = 5.0) -> None:
 
 
 def lazy_unmount(mnt) -> None:
-    subprocess.run(["fusermount3", "-u", "-z", os.fspath(mnt)], capture_output=True,
+    subprocess.run(["fusermount3", "-u", "-z", "--", os.fspath(mnt)], capture_output=True,
                    timeout=30)
 
 
@@ -605,7 +605,7 @@ def tmpfs(path, size: str):
     try:
         yield path
     finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+        subprocess.run(["umount", "-l", "--", str(path)], capture_output=True)
 
 
 def vm_rss_kb(pid: int | None) -> int | None:

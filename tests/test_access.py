@@ -536,3 +536,18 @@ def test_a_bad_options_file_is_one_line(tmp_path):
     (tmp_path / "bad.json").write_text("[1, 2]")
     proc = run_cli("ls", "s3://bucket/ds.fs", "--storage-options", f"@{tmp_path}/bad.json")
     assert_cli_error(proc, code=2, contains="expected a JSON object")
+
+
+# ============================================================================ unmounting
+
+
+@pytest.mark.fuse
+def test_a_mount_point_named_like_an_option_unmounts(small_store, tmp_path, mounted):
+    """``fanstore umount -- -z``: fusermount3 gets ``--`` before the path. Before: it read
+    the path as options (``-z`` ...) and the unmount failed."""
+    mnt = mounted(small_store, mnt=tmp_path / "-z")
+    assert is_mounted(mnt)
+    proc = run_cli("umount", "--", "-z", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert not is_mounted(mnt)
+    assert shutil.which("fusermount3")

@@ -14,7 +14,7 @@ rm -rf "$WORK"
 mkdir -p "$WORK" "$MNT"
 cleanup() {
     if grep -qs " $(realpath "$MNT") fuse" /proc/self/mounts; then
-        "$FS" umount "$MNT" || fusermount3 -u -z "$MNT" || true
+        "$FS" umount "$MNT" || fusermount3 -u -z -- "$MNT" || true
     fi
 }
 trap cleanup EXIT

@@ -125,7 +125,7 @@ def calibrate(files, reader: str, readers: int, chunk_size: int, seed: int = 0,
         _warm(store)
         if reader == "mount":
             os.mkdir(mnt)
-            _cli("mount", store, mnt)
+            _cli("mount", "--", store, mnt)
             mounted = True
             root = mnt
         else:
@@ -136,8 +136,8 @@ def calibrate(files, reader: str, readers: int, chunk_size: int, seed: int = 0,
         t_small = _timed_pass(reader, root, [order[r::n] for r in range(n)])
         t_big = _timed_pass(reader, root, [[b] for b in big])
     finally:
-        if mounted and _cli("umount", mnt, check=False) != 0:
-            _cli("umount", "--lazy", mnt, check=False)  # never leave a mount behind
+        if mounted and _cli("umount", "--", mnt, check=False) != 0:
+            _cli("umount", "--lazy", "--", mnt, check=False)  # never leave a mount behind
         if not os.path.ismount(mnt):  # (never delete through a mount)
             shutil.rmtree(tmp, ignore_errors=True)
     per_byte = _copy_and_checksum_cost()

@@ -115,7 +115,7 @@ class Bench(common.RowLog):
             self.job.wait()
         self.job = None
         for r in range(self.a.ranks):
-            subprocess.run(["fusermount3", "-u", "-z", self.mnt(r)], capture_output=True)
+            subprocess.run(["fusermount3", "-u", "-z", "--", self.mnt(r)], capture_output=True)
 
     def local_files(self) -> list[str]:
         from fanstore.format.index import KIND_FILE, read_index

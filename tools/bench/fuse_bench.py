@@ -232,7 +232,7 @@ class Bench(common.RowLog):
             return
         mnt = self.root_of(b)
         if b == "squashfuse_ll":
-            subprocess.run(["fusermount3", "-u", mnt], capture_output=True)
+            subprocess.run(["fusermount3", "-u", "--", mnt], capture_output=True)
             proc = self.procs.pop(b, None)
             if proc is not None:
                 proc.wait(30)
@@ -326,7 +326,7 @@ class Bench(common.RowLog):
 
     def cleanup(self) -> None:
         for mnt in list(self.mounted):
-            subprocess.run(["fusermount3", "-u", "-z", mnt], capture_output=True)
+            subprocess.run(["fusermount3", "-u", "-z", "--", mnt], capture_output=True)
         for proc in self.procs.values():
             proc.kill()
 

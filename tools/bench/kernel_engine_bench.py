@@ -131,7 +131,7 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         if is_mounted(self.mnt):
-            subprocess.run(["umount", "-l", self.mnt], check=False)
+            subprocess.run(["umount", "-l", "--", self.mnt], check=False)
 
 
 def read_pass(paths: list[str], readers: int, mode: str, size: int, work: str) -> dict:

@@ -205,7 +205,7 @@ class Bench(common.RowLog):
                            timeout=90)
         if p.returncode != 0 or is_mounted(mnt):
             log(f"  fanstore umount {mnt} failed ({p.stderr.strip()}); lazy fusermount3 -u -z")
-            subprocess.run(["fusermount3", "-u", "-z", mnt], capture_output=True)
+            subprocess.run(["fusermount3", "-u", "-z", "--", mnt], capture_output=True)
         self._wait_gone(self.pids.get(backend))
         self.mounted.discard(mnt)
 
@@ -378,7 +378,7 @@ class Bench(common.RowLog):
             except Exception as exc:  # noqa: BLE001 - keep cleaning the others
                 log(f"  cleanup of {b} failed: {exc}")
         for mnt in list(self.mounted):
-            subprocess.run(["fusermount3", "-u", "-z", mnt], capture_output=True)
+            subprocess.run(["fusermount3", "-u", "-z", "--", mnt], capture_output=True)
         for b in self.backends[1:]:
             try:
                 os.rmdir(self.root_of(b))

@@ -297,7 +297,7 @@ class Job:
                     pass
         for r in range(self.ranks):
             if is_mounted(self.mnt(r)):
-                subprocess.run(["fusermount3", "-u", "-z", self.mnt(r)], capture_output=True)
+                subprocess.run(["fusermount3", "-u", "-z", "--", self.mnt(r)], capture_output=True)
             shutil.rmtree(self.local(r), ignore_errors=True)
         if self._logf is not None:
             self._logf.close()

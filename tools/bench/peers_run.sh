@@ -74,7 +74,7 @@ cleanup() {
         [ -d "$m" ] || continue
         if mountpoint -q "$m"; then
             log "cleanup: unmounting $m"
-            "$FANSTORE" umount "$m" >/dev/null 2>&1 || fusermount3 -u -z "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true
+            "$FANSTORE" umount "$m" >/dev/null 2>&1 || fusermount3 -u -z -- "$m" 2>/dev/null || umount -l -- "$m" 2>/dev/null || true
         fi
     done
 }

@@ -387,7 +387,7 @@ class Bench(common.RowLog):
                            timeout=90)
         if p.returncode != 0 or is_mounted(mnt):
             log(f"  fanstore umount {mnt} failed ({p.stderr.strip()}); lazy fusermount3 -u -z")
-            subprocess.run(["fusermount3", "-u", "-z", mnt], capture_output=True)
+            subprocess.run(["fusermount3", "-u", "-z", "--", mnt], capture_output=True)
         deadline = time.monotonic() + 30
         while pid and pid_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -630,7 +630,7 @@ class Bench(common.RowLog):
             except Exception as exc:  # noqa: BLE001
                 log(f"  cleanup of {kind} failed: {exc}")
             if is_mounted(self.mnt(kind)):
-                subprocess.run(["fusermount3", "-u", "-z", self.mnt(kind)], capture_output=True)
+                subprocess.run(["fusermount3", "-u", "-z", "--", self.mnt(kind)], capture_output=True)
             try:
                 os.rmdir(self.mnt(kind))
             except OSError:
