@@ -16,7 +16,7 @@ from typing import Callable
 
 from fanstore import mounttable, process, runtime
 from fanstore.daemon.node import Node, NodeOptions
-from fanstore.daemon.world import World, launcher_world_size
+from fanstore.daemon.world import World, launcher_world_size, substitute
 from fanstore.errors import FanStoreError, MountError, UsageError
 from fanstore.frontend import FrontendFactory
 
@@ -72,6 +72,10 @@ def mount(options: NodeOptions, foreground: bool = False, debug: bool = False,
     factory = frontend_factory(options.mount.frontend)
     if launcher_world_size() is not None:
         return _mount_rank(options, factory, debug, notify)
+    # A world of one is rank 0: {rank} and {host} mean the same here as in a job.
+    options.mountpoint = substitute(options.mountpoint, 0)
+    if options.local_dir:
+        options.local_dir = substitute(options.local_dir, 0)
     # Here, before going to the background: a stale mount's clean-up and a bad mount point
     # must reach the user, not the daemon's log.
     notice = mounttable.prepare_mountpoint(options.mountpoint)

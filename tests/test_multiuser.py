@@ -134,15 +134,19 @@ def test_runtime_dir_made_first_by_another_user_is_refused(planted, monkeypatch,
                 shutil.rmtree(p)
     # The planted directory is gone: the owner's mount, stats and umount work.
     files = small_tree[1]
-    m = mounted(small_store, mnt=tmp_path / "mnt2")
-    _read_all(m, files)
-    st = os.lstat(root)
-    assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
-    assert st.st_uid == os.geteuid()
-    stats = run_cli("stats", m, "--json", check=True)
-    assert json.loads(stats.stdout)["reads"] >= 0
-    run_cli("umount", m, check=True)
-    assert not is_mounted(m)
+    try:
+        m = mounted(small_store, mnt=tmp_path / "mnt2")
+        _read_all(m, files)
+        st = os.lstat(root)
+        assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
+        assert st.st_uid == os.geteuid()
+        stats = run_cli("stats", m, "--json", check=True)
+        assert json.loads(stats.stdout)["reads"] >= 0
+        run_cli("umount", m, check=True)
+        assert not is_mounted(m)
+    finally:
+        mounted.close()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.skipif(not ROOT, reason="needs root")

@@ -200,10 +200,11 @@ class Node:
 
         if not self.local_dir:
             return self.options.store
-        if not os.path.isdir(self.local_dir):
-            self.created_local = True
         self.stage_report = stage_partitions(self.options.store, self.local_dir, index, mine,
                                              jobs=self.options.stage_jobs, who=self.who)
+        # only a directory staging itself created is removed at exit (never one another
+        # user made in between)
+        self.created_local = self.stage_report.created
         log.info("%s", self.stage_report.line(self.who))
         return self.local_dir
 
