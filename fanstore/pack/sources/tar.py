@@ -27,9 +27,9 @@ import zlib
 from typing import BinaryIO, Iterator
 
 from fanstore.errors import PackError
-from fanstore.format.index import KIND_DIR, KIND_FILE, KIND_SYMLINK
+from fanstore.format.index import KIND_DIR, KIND_FILE, KIND_SYMLINK, clamp_mtime_ns
 from fanstore.pack.sources import tarheader as th
-from fanstore.pack.sources.base import KIND_HARDLINK, KIND_SPECIAL, Member, Source
+from fanstore.pack.sources.base import KIND_HARDLINK, KIND_SPECIAL, MAX_PATH, Member, Source
 
 MAGICS = {
     b"\x1f\x8b": "gzip",
@@ -430,6 +430,8 @@ class TarSource(Source):
                start: int) -> tuple[Member | None, _Data | None]:
         longname = longlink = None
         pax: dict[bytes, bytes] = {}
+        too_long: dict[bytes, str] = {}  # GNU long names and links skipped unread
+        run = 0
         while True:
             block = blocks.read(th.BLOCK)
             if len(block) < th.BLOCK:
@@ -439,19 +441,39 @@ class TarSource(Source):
                 raise PackError(f"{path}: truncated tar archive: it ends after {start:,} "
                                 "bytes without its end-of-archive marker")
             if block == th.ZERO_BLOCK:
-                if longname is not None or longlink is not None or pax:
+                if longname is not None or longlink is not None or pax or too_long:
                     raise th.TarFormatError("a long-name or pax header is followed by the "
                                             "end of the archive")
                 return None, None
             hdr = th.parse_header(block)
             t = hdr.type
             if t in (th.GNU_LONGNAME, th.GNU_LONGLINK, th.PAX_GLOBAL) or t in th.PAX_LOCAL:
-                if hdr.size > th.MAX_META:
-                    raise th.TarFormatError(f"a {hdr.size:,}-byte long-name or pax header")
+                run += 1
+                if run > th.MAX_META_RUN:
+                    raise th.TarFormatError(f"more than {th.MAX_META_RUN} extended headers "
+                                            "in a row")
+                # Bounded before anything is read: a GNU long name or link target longer
+                # than a path can be is skipped unread and the member refused by name; a
+                # pax header beyond MAX_PAX refuses the archive (it may say the next
+                # member's size: it cannot be skipped).
+                if t in (th.GNU_LONGNAME, th.GNU_LONGLINK) and hdr.size > MAX_PATH + 1:
+                    todo = hdr.size + -hdr.size % th.BLOCK
+                    if blocks.skip(todo) < todo:
+                        raise _broken(path, comp, blocks, _truncated())
+                    what = "name" if t == th.GNU_LONGNAME else "link target"
+                    too_long[t] = (f"{what} longer than {MAX_PATH} bytes (a GNU long {what} "
+                                   f"of {hdr.size:,} bytes)")
+                    continue
+                if hdr.size > th.MAX_PAX:
+                    raise PackError(f"{path}: tar archive refused: a {hdr.size:,}-byte pax "
+                                    f"header at byte {blocks.offset - th.BLOCK:,} of the tar "
+                                    f"stream (more than the {th.MAX_PAX >> 20} MiB FanStore "
+                                    "reads)")
                 body = blocks.read(hdr.size)
                 if len(body) < hdr.size or blocks.skip(-hdr.size % th.BLOCK) < \
                         -hdr.size % th.BLOCK:
                     raise _broken(path, comp, blocks, _truncated())
+                too_long.pop(t, None)
                 if t == th.GNU_LONGNAME:
                     longname = th.cstring(body)
                 elif t == th.GNU_LONGLINK:
@@ -479,6 +501,8 @@ class TarSource(Source):
                 mtime_ns = mtime_ns if ns is None else ns
         else:
             ext = pax
+        # Base-256 numbers and pax times can say anything: the index holds i64 ns.
+        mtime_ns = clamp_mtime_ns(mtime_ns)
         mode = hdr.mode & 0o7777
         if hdr.extended:  # GNU sparse map continued in further blocks
             more = True
@@ -490,6 +514,9 @@ class TarSource(Source):
         if t == b"\0" and name.endswith(b"/"):
             t = th.DIRECTORY  # a v7 directory
         data = _Data(0 if t in th.NO_DATA else size)
+        if too_long:
+            return Member(name, KIND_SPECIAL, mode, mtime_ns, where=path,
+                          problem=next(iter(too_long.values()))), data
         if t == th.GNU_SPARSE or th.is_sparse_pax(ext):
             name = ext.get(b"GNU.sparse.name", name)  # pax 1.0 puts a made-up one in path
             return Member(name, KIND_SPECIAL, mode, mtime_ns, where=path,
