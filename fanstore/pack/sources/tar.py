@@ -29,7 +29,14 @@ from typing import BinaryIO, Iterator
 from fanstore.errors import PackError
 from fanstore.format.index import KIND_DIR, KIND_FILE, KIND_SYMLINK, clamp_mtime_ns
 from fanstore.pack.sources import tarheader as th
-from fanstore.pack.sources.base import KIND_HARDLINK, KIND_SPECIAL, MAX_PATH, Member, Source
+from fanstore.pack.sources.base import (
+    KIND_HARDLINK,
+    KIND_SPECIAL,
+    MAX_DECODER_MEMORY,
+    MAX_PATH,
+    Member,
+    Source,
+)
 
 MAGICS = {
     b"\x1f\x8b": "gzip",
@@ -285,7 +292,56 @@ class _Blocks:
         return done
 
 
-def _open_stream(raw: _Counting, comp: str):
+class _XzStream:
+    """An xz stream (or several, one after another) decompressed with a memory limit:
+    ``lzma.LZMAFile`` has none, so an archive whose header asks for a 1.5 GiB dictionary
+    would get one (and fill it with as little as a few hundred KB of input). Trailing
+    bytes that are not an xz stream are ignored, as LZMAFile ignores them."""
+
+    def __init__(self, raw: _Counting, path: str, limit: int = MAX_DECODER_MEMORY) -> None:
+        self._raw = raw
+        self._path = path
+        self._limit = limit
+        self._d = self._new()
+        self._done = False
+
+    def _new(self) -> lzma.LZMADecompressor:
+        return lzma.LZMADecompressor(lzma.FORMAT_XZ, memlimit=self._limit)
+
+    def read(self, n: int) -> bytes:
+        while not self._done:
+            data = b""
+            if self._d.eof:
+                data = self._d.unused_data or self._raw.read(1 << 16)
+                if not data:
+                    self._done = True
+                    break
+                self._d = self._new()
+                try:
+                    out = self._d.decompress(data, n)
+                except lzma.LZMAError:
+                    self._done = True  # trailing garbage: not an xz stream
+                    break
+            else:
+                if self._d.needs_input:
+                    data = self._raw.read(1 << 16)
+                    if not data:
+                        raise EOFError("compressed file ended before the end-of-stream "
+                                       "marker was reached")
+                try:
+                    out = self._d.decompress(data, n)
+                except lzma.LZMAError as exc:
+                    if "memory" in str(exc).lower():
+                        raise PackError(f"{self._path}: xz archive refused: it needs more "
+                                        f"than {self._limit >> 20} MiB of memory to "
+                                        "decompress (its dictionary is that large)") from None
+                    raise
+            if out:
+                return out
+        return b""
+
+
+def _open_stream(raw: _Counting, comp: str, path: str):
     if comp == "tar":
         return raw
     if comp == "gzip":
@@ -293,7 +349,7 @@ def _open_stream(raw: _Counting, comp: str):
     if comp == "bzip2":
         return bz2.BZ2File(raw, "rb")
     if comp == "xz":
-        return lzma.LZMAFile(raw, "rb")
+        return _XzStream(raw, path)
     if comp == "zstd":
         import zstandard
 
@@ -383,7 +439,7 @@ class TarSource(Source):
         blocks = None
         stream = None
         try:
-            stream = raw if comp == "tar" else _Prefetch(_open_stream(raw, comp))
+            stream = raw if comp == "tar" else _Prefetch(_open_stream(raw, comp, path))
             blocks = _Blocks(stream)
             glob: dict[bytes, bytes] = {}
             k = 0
