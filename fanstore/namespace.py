@@ -149,7 +149,7 @@ class Namespace:
         """
         if isinstance(path, str):
             path = os.fsencode(path)
-        todo = [(p, False) for p in reversed(path.split(b"/")) if p not in (b"", b".")]
+        todo = [(p, False) for p in reversed(components(path))]
         entry = 0
         links = 0
         kind = self._kind
@@ -157,6 +157,8 @@ class Namespace:
             name, from_link = todo.pop()
             if int(kind[entry]) != KIND_DIR:
                 raise NotADirectoryError_(f"{_show(path)}: not a directory")
+            if name == b".":  # as the kernel: only a directory has one (``f/.``, ``f/``)
+                continue
             if name == b"..":
                 if entry == 0 and from_link:
                     raise FormatError(f"{_show(path)}: a symlink on the way leads outside the "

@@ -62,9 +62,14 @@ class Resolved(Generic[N]):
     culprit: N | None = None
 
 
-def components(target: bytes) -> list[bytes]:
-    """The components of a relative target, ``.`` and empty ones dropped."""
-    return [p for p in target.split(b"/") if p not in (b"", b".")]
+def components(path: bytes) -> list[bytes]:
+    """The components of a relative path as the kernel walks them: empty ones dropped,
+    ``.`` kept (it needs a directory: ``f/.`` is ENOTDIR for a file f), a trailing slash
+    read as a last ``.``."""
+    parts = [p for p in path.split(b"/") if p]
+    if parts and path.endswith(b"/"):
+        parts.append(b".")
+    return parts
 
 
 class _Frame:
@@ -104,6 +109,9 @@ class Resolver(Generic[N]):
                 if not tree.is_dir(fr.cur):  # ENOTDIR, ``..`` included
                     result = Resolved(DANGLING)
                     break
+                if name == b".":
+                    fr.i += 1
+                    continue
                 if name == b"..":
                     if fr.cur == tree.root:
                         result = Resolved(ESCAPES, culprit=fr.link)

@@ -207,10 +207,12 @@ class VirtualTree:
                 continue
             children.setdefault(parent, []).append(rel)
         # Symlinks: each on its own (target, lexically inside), then walked through the
-        # tree (loops, chains that climb out), as scan_tree walks a real tree. The walk
-        # sees the tree without the symlinks refused on their own, as the store will be.
+        # tree (loops, chains that climb out), as scan_tree walks a real tree: the walk
+        # sees every symlink, those refused on their own too (a directory scan sees them
+        # on disk), so a chain is judged the same in an archive and in a directory.
         links = [rel for rel, node in nodes.items()
                  if rel not in bad and node.kind == KIND_SYMLINK]
+        resolver = Resolver(_TreeView(nodes, set(bad)))
         walk = []
         for rel in links:
             msg = nodes[rel].problem or self._check_target(rel, nodes[rel].target)
@@ -219,7 +221,6 @@ class VirtualTree:
                 bad.add(rel)
             else:
                 walk.append(rel)
-        resolver = Resolver(_TreeView(nodes, set(bad)))
         for rel in walk:
             msg = judge(resolver.resolve(rel))
             if msg:
