@@ -870,7 +870,7 @@ def validate_index(
 
 def clamp_mtime_ns(ns: int) -> int:
     """A modification time (ns) as the index can hold it: clamped to the i64 range."""
-    return MTIME_MIN_NS if ns < MTIME_MIN_NS else MTIME_MAX_NS if ns > MTIME_MAX_NS else ns
+    return max(MTIME_MIN_NS, min(ns, MTIME_MAX_NS))
 
 
 class _IndexTree:

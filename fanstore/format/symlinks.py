@@ -17,8 +17,9 @@ of the targets whatever the chains (no recursion, no re-walking a shared chain).
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Generic, Hashable, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 #: Symlinks followed in one path lookup before it fails with ELOOP (Linux's MAXSYMLINKS).
 MAX_HOPS = 40
@@ -73,7 +74,7 @@ def components(path: bytes) -> list[bytes]:
 
 
 class _Frame:
-    __slots__ = ("link", "parts", "i", "cur", "hops")
+    __slots__ = ("cur", "hops", "i", "link", "parts")
 
     def __init__(self, link, parts: list[bytes], cur) -> None:
         self.link = link

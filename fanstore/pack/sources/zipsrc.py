@@ -19,6 +19,7 @@ overlap (a "zip bomb" of many entries pointing at the same bytes) refuse the arc
 from __future__ import annotations
 
 import bz2
+import itertools
 import lzma
 import os
 import stat
@@ -26,7 +27,8 @@ import struct
 import time
 import zipfile
 import zlib
-from typing import BinaryIO, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import BinaryIO
 
 from fanstore.errors import PackError
 from fanstore.format.index import KIND_DIR, KIND_FILE, KIND_SYMLINK, MAX_TARGET
@@ -209,9 +211,8 @@ def _check_overlaps(infos: list[zipfile.ZipInfo]) -> None:
     """Refuse members whose local header and data overlap another's (at least 30 bytes
     of header and the compressed size): the "overlapping files" zip bomb lets thousands
     of entries share one deflate stream, each expanding to its full size."""
-    order = sorted(range(len(infos)), key=lambda k: infos[k].header_offset)
-    for k, j in zip(order, order[1:]):
-        a, b = infos[k], infos[j]
+    order = sorted(infos, key=lambda i: i.header_offset)
+    for a, b in itertools.pairwise(order):
         if b.header_offset < a.header_offset + _LOCAL.size + a.compress_size:
             raise zipfile.BadZipFile(f"members {a.filename!r} and {b.filename!r} overlap")
 
@@ -242,10 +243,9 @@ class ZipSource(Source):
             with zipfile.ZipFile(self.url) as zf:  # the central directory, nothing else
                 infos = zf.infolist()
             _check_overlaps(infos)
-            f = open(self.url, "rb")
         except _ERRORS as exc:
             raise self._fail(exc) from None
-        with f:
+        with open(self.url, "rb") as f:
             for k, info in enumerate(infos):
                 m = self._member(f, info)
                 m.ordinal = k
