@@ -754,12 +754,19 @@ def validate_index(
             raise bad("a symlink target is over-long")
         if np.any(e["size"][links] != count[links]):
             raise bad("a symlink's size differs from its target length")
+        # Depth of every directory (parents come first): a symlink's own path is needed
+        # only to name it (building it for each symlink cost O(depth): a hostile index
+        # of 4,000 nested directories and 4,000 symlinks took 11 s to validate).
+        par = parent.tolist()
+        depth = [0] * n
+        for i in range(1, n):
+            depth[i] = depth[par[i]] + 1
         upward = []
         for entry in links.tolist():
             target = index.target(entry)
             if b"\0" in target:
                 raise bad("a symlink target contains NUL")
-            if not target_stays_inside(index.path(entry), target):
+            if not _stays_inside(depth[par[entry]], target):
                 raise bad(
                     f"symlink {os.fsdecode(index.path(entry))!r} points outside the store"
                 )
@@ -896,6 +903,21 @@ class _IndexTree:
         if int(self._kind[node]) != KIND_SYMLINK:
             return None
         return self.index.target(node)
+
+
+def _stays_inside(depth: int, target: bytes) -> bool:
+    """``target_stays_inside`` for a symlink whose directory is ``depth`` levels below the
+    root: lexically, ``..`` never climbs above the root."""
+    if target.startswith(b"/"):
+        return False
+    for part in target.split(b"/"):
+        if part == b"..":
+            depth -= 1
+            if depth < 0:
+                return False
+        elif part not in (b"", b"."):
+            depth += 1
+    return True
 
 
 def target_stays_inside(link_path: bytes, target: bytes) -> bool:
