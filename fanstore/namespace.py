@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import stat as stat_mod
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -192,9 +193,9 @@ class Namespace:
 
     def walk_files(self, root: int = 0):
         """Yield every file entry below ``root`` in breadth-first order."""
-        stack = [root]
+        stack = deque([root])  # (a list's pop(0) made this quadratic in directories)
         while stack:
-            d = stack.pop(0)
+            d = stack.popleft()
             for child in self.children(d):
                 k = int(self._kind[child])
                 if k == KIND_DIR:
