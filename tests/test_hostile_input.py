@@ -326,6 +326,32 @@ def test_long_symlink_targets_are_not_kept(tmp_path):
     assert "l399: symlink target longer than 4095 bytes" in proc.stderr
 
 
+def test_xz_dictionary_larger_than_the_decoder_limit_is_refused(tmp_path):
+    """A 46 KB .tar.xz of 300 MiB of zeros whose block header asks for a 1.5 GiB
+    dictionary: LZMAFile has no memory limit and filled 300 MiB of it (RSS 402 MiB; as
+    much as the dictionary for more data); now the archive is refused in one line."""
+    import lzma
+
+    c = lzma.LZMACompressor(lzma.FORMAT_XZ, filters=[
+        {"id": lzma.FILTER_LZMA2, "preset": 0, "dict_size": MiB}])
+    size = 300 * MiB
+    parts = [c.compress(_header(b"zero", b"0", size))]
+    parts += [c.compress(bytes(MiB)) for _ in range(size // MiB)]
+    parts += [c.compress(END), c.flush()]
+    data = bytearray(b"".join(parts))
+    end = 12 + (data[12] + 1) * 4  # the first block header: size byte, flags, filter
+    assert data[13] & 0xC0 == 0 and data[14:16] == b"\x21\x01"  # LZMA2, 1 property byte
+    data[16] = 37  # dictionary 3 << 29: 1.5 GiB
+    data[end - 4:end] = zlib.crc32(bytes(data[12:end - 4])).to_bytes(4, "little")
+    archive = tmp_path / "dict.tar.xz"
+    archive.write_bytes(bytes(data))
+    proc, rss = pack_measured(archive, tmp_path / "store")
+    assert_bounded(proc, rss)
+    line = assert_cli_error(proc, code=1, contains="xz archive refused: it needs more than "
+                                                   "256 MiB of memory")
+    assert str(archive) in line
+
+
 # --------------------------------------------------------------------------- timestamps
 
 
