@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import os
 import stat as stat_mod
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
 from fanstore.errors import (
+    FormatError,
     IsADirectoryError_,
     NotADirectoryError_,
     NotFoundError,
     SymlinkLoopError,
 )
 from fanstore.format.index import KIND_DIR, KIND_FILE, KIND_SYMLINK, Index
+from fanstore.format.symlinks import MAX_HOPS, components
 
 _TYPE_BITS = {KIND_FILE: stat_mod.S_IFREG, KIND_DIR: stat_mod.S_IFDIR,
               KIND_SYMLINK: stat_mod.S_IFLNK}
@@ -35,7 +38,7 @@ def metadata_bytes(index: Index) -> int:
 
 
 #: Symlinks followed in one path lookup before giving up (Linux's limit).
-MAX_SYMLINKS = 40
+MAX_SYMLINKS = MAX_HOPS
 
 
 def _show(path: bytes) -> str:
@@ -144,19 +147,27 @@ class Namespace:
         not, like ``lstat``). Raises NotFoundError, NotADirectoryError_ or SymlinkLoopError.
 
         This is FanStore's one symlink rule, used by the Python API, ``cat`` and ``ls``;
-        targets are relative and stay inside the store (the index validation refuses others).
+        targets are relative and stay inside the store, through any chain of symlinks (the
+        index validation refuses others). ``..`` at the root stays at the root when the
+        path itself says it (as ``/..`` is ``/``); a symlink target that climbs above the
+        root (an index that was not validated) is a FormatError, never a way out.
         """
         if isinstance(path, str):
             path = os.fsencode(path)
-        todo = [p for p in reversed(path.split(b"/")) if p not in (b"", b".")]
+        todo = [(p, False) for p in reversed(components(path))]
         entry = 0
         links = 0
         kind = self._kind
         while todo:
-            name = todo.pop()
+            name, from_link = todo.pop()
             if int(kind[entry]) != KIND_DIR:
                 raise NotADirectoryError_(f"{_show(path)}: not a directory")
+            if name == b".":  # as the kernel: only a directory has one (``f/.``, ``f/``)
+                continue
             if name == b"..":
+                if entry == 0 and from_link:
+                    raise FormatError(f"{_show(path)}: a symlink on the way leads outside the "
+                                      "store (damaged or hostile index)")
                 entry = int(self._parent[entry])
                 continue
             child = self.index.lookup(entry, name)
@@ -167,7 +178,10 @@ class Namespace:
                 if links > MAX_SYMLINKS:
                     raise SymlinkLoopError(f"{_show(path)}: too many levels of symbolic links")
                 target = self.index.target(child)
-                todo.extend(p for p in reversed(target.split(b"/")) if p not in (b"", b"."))
+                if not target or target.startswith(b"/") or b"\0" in target:
+                    raise FormatError(f"{_show(path)}: a symlink on the way has an empty, "
+                                      "absolute or NUL target (damaged or hostile index)")
+                todo.extend((p, True) for p in reversed(components(target)))
                 continue  # the target is relative to the link's directory: ``entry``
             entry = child
         return entry
@@ -183,9 +197,9 @@ class Namespace:
 
     def walk_files(self, root: int = 0):
         """Yield every file entry below ``root`` in breadth-first order."""
-        stack = [root]
+        stack = deque([root])  # (a list's pop(0) made this quadratic in directories)
         while stack:
-            d = stack.pop(0)
+            d = stack.popleft()
             for child in self.children(d):
                 k = int(self._kind[child])
                 if k == KIND_DIR:

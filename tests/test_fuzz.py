@@ -772,3 +772,162 @@ def test_protocol_round_trips_and_server_range_checks(base):
     finally:
         server.parts.close()
 
+
+
+# --------------------------------------------------------------------------- symlink chains
+
+#: A fixed tree (breadth-first, children sorted by name bytes) whose six symlinks get
+#: fuzzed targets. Directories: the root, a, b, a/c; files f and a/c/g (empty).
+_CHAIN_TREE = [
+    (b"", KIND_DIR), (b"L0", KIND_SYMLINK), (b"L1", KIND_SYMLINK), (b"a", KIND_DIR),
+    (b"b", KIND_DIR), (b"f", KIND_FILE), (b"a/L2", KIND_SYMLINK), (b"a/L3", KIND_SYMLINK),
+    (b"a/c", KIND_DIR), (b"b/L5", KIND_SYMLINK), (b"a/c/L4", KIND_SYMLINK),
+    (b"a/c/g", KIND_FILE),
+]
+_CHAIN_LINKS = [p for p, k in _CHAIN_TREE if k == KIND_SYMLINK]
+_CHAIN_WORDS = [b"..", b".", b"", b"a", b"b", b"c", b"f", b"g", b"zz"] + \
+    [b"L%d" % k for k in range(6)]
+#: Relative targets (b"" makes "a//b" and trailing slashes: ENOTDIR after a file).
+_CHAIN_TARGET = st.lists(st.sampled_from(_CHAIN_WORDS), min_size=1, max_size=6).map(
+    lambda words: b"/".join(words).lstrip(b"/") or b".")
+
+
+def _chain_index(targets: list[bytes]) -> bytes:
+    """The index of _CHAIN_TREE with these targets for its symlinks (in order)."""
+    from fanstore.format.index import IndexBuilder
+
+    row = {p: i for i, (p, _) in enumerate(_CHAIN_TREE)}
+    b = IndexBuilder(len(_CHAIN_TREE), 0)
+    e = b.e
+    it = iter(targets)
+    for i, (path, kind) in enumerate(_CHAIN_TREE):
+        e["kind"][i] = kind
+        e["mode"][i] = 0o777 if kind == KIND_SYMLINK else 0o755
+        if i:
+            e["parent"][i] = row[path.rpartition(b"/")[0]]
+            b.set_name(i, path.rpartition(b"/")[2])
+        if kind == KIND_SYMLINK:
+            t = next(it)
+            b.set_target(i, t)
+            e["size"][i] = len(t)
+    for i, (path, kind) in enumerate(_CHAIN_TREE):
+        if kind == KIND_DIR:
+            kids = [j for j in range(1, len(_CHAIN_TREE)) if e["parent"][j] == i]
+            e["first"][i], e["count"][i] = (kids[0], len(kids)) if kids else (0, 0)
+    meta = {"chunk_size": 4096, "codecs": [{"id": "none"}], "partitions": [],
+            "counts": {"files": 2, "dirs": 3, "symlinks": 6, "raw_bytes": 0}}
+    return encode_index(meta, b.e, b.c, b.build_lookup(), bytes(b.names), bytes(b.targets))
+
+
+def _kernel(root: str, rel: bytes) -> tuple:
+    """Where the kernel resolves ``root/rel`` (every symlink followed): ("ok", path
+    inside root), ("out",) or the errno's name."""
+    import errno
+
+    try:
+        fd = os.open(os.path.join(os.fsencode(root), rel), os.O_PATH | os.O_CLOEXEC)
+    except OSError as exc:
+        return ({errno.ENOENT: "noent", errno.ENOTDIR: "notdir", errno.ELOOP: "loop"}
+                [exc.errno],)
+    try:
+        real = os.readlink(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
+    if real == root:
+        return ("ok", b"")
+    if real.startswith(root + "/"):
+        return ("ok", os.fsencode(real[len(root) + 1:]))
+    return ("out",)
+
+
+def _fanstore(ns, rel: bytes) -> tuple:
+    """The same through FanStore's one rule (``Namespace.resolve``)."""
+    from fanstore.errors import NotADirectoryError_, NotFoundError, SymlinkLoopError
+
+    try:
+        return ("ok", ns.path(ns.resolve(rel, follow=True)))
+    except NotFoundError:
+        return ("noent",)
+    except NotADirectoryError_:
+        return ("notdir",)
+    except SymlinkLoopError:
+        return ("loop",)
+
+
+def _chain_case(workdir: str, targets: list[bytes]) -> str:
+    """One fuzzed tree. The tree is made for real too, deep below directories holding
+    nothing else (a walk that climbs out can only end outside or fail), and the kernel
+    resolves every symlink: a symlink the kernel resolves outside means the index is
+    refused; an accepted index resolves every symlink as the kernel does. The directory
+    scan and the archive namespace keep the same symlinks, never one that leads out."""
+    import tempfile
+
+    from fanstore.format.index import read_index_bytes as load
+    from fanstore.namespace import Namespace
+    from fanstore.pack.scan import scan_tree
+    from fanstore.pack.sources.base import Node, VirtualTree
+
+    try:
+        index = load(_chain_index(targets))
+    except FanStoreError:
+        index = None
+    top = tempfile.mkdtemp(dir=workdir)
+    try:
+        root = os.path.join(top, "x1", "x2", "ROOT")
+        links = dict(zip(_CHAIN_LINKS, targets))
+        tree = VirtualTree()
+        for path, kind in _CHAIN_TREE:
+            full = os.path.join(os.fsencode(root), path)
+            if kind == KIND_DIR:
+                os.makedirs(full)
+                tree.add(path, Node(KIND_DIR, 0o755, 0))
+            elif kind == KIND_FILE:
+                open(full, "wb").close()
+                tree.add(path, Node(KIND_FILE, 0o644, 0, file_id=0))
+            else:
+                os.symlink(links[path], full)
+                tree.add(path, Node(KIND_SYMLINK, 0o777, 0, target=links[path]))
+        seen = {p: _kernel(root, p) for p in _CHAIN_LINKS}
+        if any(k == ("out",) for k in seen.values()):
+            assert index is None, (targets, seen)
+        if index is not None:
+            ns = Namespace(index)
+            for p in _CHAIN_LINKS:
+                assert _fanstore(ns, p) == seen[p], (targets, p)
+        scanned = scan_tree(root)
+        kept = {e.rel for e in scanned.entries if e.kind == KIND_SYMLINK}
+        built = tree.build(b"archive")
+        assert kept == {e.rel for e in built.entries if e.kind == KIND_SYMLINK}, (
+            targets, scanned.problems, tree.problems)
+        assert all(seen[p] != ("out",) for p in kept), (targets, seen)
+        if kept == set(_CHAIN_LINKS):  # a tree the packer keeps whole: its index is fine
+            assert index is not None, targets
+    finally:
+        shutil.rmtree(top)
+    return "accepted" if index is not None else "refused"
+
+
+def _chains(workdir: str, name: str, outcomes: dict):
+    def make(s):
+        @s
+        @given(targets=st.lists(_CHAIN_TARGET, min_size=6, max_size=6))
+        def t(targets):
+            _count(name)
+            outcome = _chain_case(workdir, targets)
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        return t
+    return make
+
+
+def test_fuzz_symlink_chains(tmp_path):
+    outcomes: dict[str, int] = {}
+    _run("symlink chains", _chains(str(tmp_path), "symlink chains", outcomes), FAST, slow=False)
+    assert outcomes.get("refused", 0) > FAST // 20 and outcomes.get("accepted", 0) > FAST // 3, \
+        outcomes
+
+
+@pytest.mark.slow
+def test_fuzz_symlink_chains_slow(tmp_path):
+    outcomes: dict[str, int] = {}
+    _run("symlink chains", _chains(str(tmp_path), "symlink chains", outcomes), SLOW, slow=True)
+    print(f"\nsymlink chain fuzzing outcomes: {outcomes}")

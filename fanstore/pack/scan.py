@@ -13,7 +13,14 @@ import stat
 from collections import deque
 from dataclasses import dataclass, field
 
-from fanstore.format.index import KIND_DIR, KIND_FILE, KIND_SYMLINK, target_stays_inside
+from fanstore.format.index import (
+    KIND_DIR,
+    KIND_FILE,
+    KIND_SYMLINK,
+    clamp_mtime_ns,
+    target_stays_inside,
+)
+from fanstore.format.symlinks import Resolver, judge
 
 
 @dataclass
@@ -43,12 +50,21 @@ class ScanResult:
         return sum(e.size for e in self.entries if e.kind == KIND_FILE)
 
 
+#: Longest path a message shows whole (a hostile archive's names can be megabytes long).
+SHOW_MAX = 1024
+
+
 def show(path: bytes) -> str:
-    """A path as users should see it in a one-line message (newlines and odd bytes escaped)."""
+    """A path as users should see it in a one-line message (newlines and odd bytes escaped;
+    beyond SHOW_MAX bytes cut, with the length said)."""
+    more = ""
+    if len(path) > SHOW_MAX:
+        more = f"... ({len(path):,} bytes)"
+        path = path[:SHOW_MAX]
     text = os.fsdecode(path)
     if text.isprintable():
-        return text
-    return repr(text)[1:-1]
+        return text + more
+    return repr(text)[1:-1] + more
 
 
 def scan_tree(root: str, skip_problems: bool = False, exclude: str | None = None) -> ScanResult:
@@ -63,9 +79,10 @@ def scan_tree(root: str, skip_problems: bool = False, exclude: str | None = None
     result = ScanResult(root=root_b)
     st = os.stat(root_b)
     result.entries.append(
-        ScanEntry(b"", KIND_DIR, stat.S_IMODE(st.st_mode), 0, st.st_mtime_ns)
+        ScanEntry(b"", KIND_DIR, stat.S_IMODE(st.st_mode), 0, clamp_mtime_ns(st.st_mtime_ns))
     )
     exclude_b = os.fsencode(exclude) if exclude else None
+    links = Resolver(_FsTree(root_b, real_root))
     queue: deque[int] = deque([0])
     while queue:
         d = queue.popleft()
@@ -90,7 +107,8 @@ def scan_tree(root: str, skip_problems: bool = False, exclude: str | None = None
                 result.problems.append(f"{show(path)}: cannot stat: {exc.strerror}")
                 continue
             mode = st.st_mode
-            entry = ScanEntry(rel, KIND_FILE, stat.S_IMODE(mode), 0, st.st_mtime_ns, parent=d)
+            entry = ScanEntry(rel, KIND_FILE, stat.S_IMODE(mode), 0,
+                              clamp_mtime_ns(st.st_mtime_ns), parent=d)
             if stat.S_ISDIR(mode):
                 entry.kind = KIND_DIR
             elif stat.S_ISREG(mode):
@@ -99,7 +117,7 @@ def scan_tree(root: str, skip_problems: bool = False, exclude: str | None = None
                     result.problems.append(f"{show(path)}: unreadable file (permission denied)")
                     continue
             elif stat.S_ISLNK(mode):
-                problem, target = _check_symlink(path, rel, real_root)
+                problem, target = _check_symlink(path, rel, real_root, links)
                 if problem:
                     result.problems.append(f"{show(path)}: {problem}")
                     continue
@@ -133,30 +151,86 @@ def _special_kind(mode: int) -> str:
     return "special file"
 
 
-def _check_symlink(path: bytes, rel: bytes, real_root: bytes) -> tuple[str | None, bytes]:
+def _stored_target(target: bytes, rel: bytes, real_root: bytes) -> bytes | None:
+    """The target as the store will keep it: an absolute one inside the source rewritten
+    relative (so it still works on the mount); None for an absolute one outside."""
+    if not target.startswith(b"/"):
+        return target
+    real_target = os.path.normpath(target)
+    if real_target == real_root or real_target.startswith(real_root + b"/"):
+        return os.path.relpath(real_target, os.path.dirname(os.path.join(real_root, rel)))
+    return None
+
+
+class _Unresolvable(Exception):
+    """A component of a symlink's way could not be looked at (permissions, ...)."""
+
+
+class _FsTree:
+    """The source directory as a tree for :class:`fanstore.format.symlinks.Resolver`:
+    nodes are paths relative to the root, looked at with lstat (nothing is followed by
+    the OS; the resolver follows symlinks itself, so ``..`` above the root is seen even
+    when the walk would come back in)."""
+
+    root = b""
+
+    def __init__(self, root_b: bytes, real_root: bytes) -> None:
+        self.root_b = root_b
+        self.real_root = real_root
+        self._mode: dict[bytes, int] = {b"": stat.S_IFDIR}
+
+    def _lstat(self, rel: bytes) -> int | None:
+        mode = self._mode.get(rel)
+        if mode is None:
+            try:
+                mode = os.lstat(os.path.join(self.root_b, rel)).st_mode
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+            except OSError as exc:
+                raise _Unresolvable(exc.strerror) from None
+            self._mode[rel] = mode
+        return mode
+
+    def parent(self, node: bytes) -> bytes:
+        return node.rpartition(b"/")[0]
+
+    def child(self, node: bytes, name: bytes) -> bytes | None:
+        rel = node + b"/" + name if node else name
+        return None if self._lstat(rel) is None else rel
+
+    def is_dir(self, node: bytes) -> bool:
+        return stat.S_ISDIR(self._lstat(node) or 0)
+
+    def link_target(self, node: bytes) -> bytes | None:
+        if not stat.S_ISLNK(self._lstat(node) or 0):
+            return None
+        try:
+            target = os.readlink(os.path.join(self.root_b, node))
+        except OSError as exc:
+            raise _Unresolvable(exc.strerror) from None
+        stored = _stored_target(target, node, self.real_root)
+        return b"/" if stored is None else stored  # absolute: outside
+
+
+def _check_symlink(path: bytes, rel: bytes, real_root: bytes,
+                   links: Resolver) -> tuple[str | None, bytes]:
     """Return (problem, target to store)."""
     try:
         target = os.readlink(path)
     except OSError as exc:
         return f"cannot read symlink: {exc.strerror}", b""
-    if target.startswith(b"/"):
-        # Absolute, but maybe inside the source: store it relative so it works when mounted.
-        real_target = os.path.normpath(target)
-        if real_target == real_root or real_target.startswith(real_root + b"/"):
-            target = os.path.relpath(real_target, os.path.dirname(os.path.join(real_root, rel)))
-        else:
-            return f"symlink points outside the source ({show(target)})", b""
+    stored = _stored_target(target, rel, real_root)
+    if stored is None:
+        return f"symlink points outside the source ({show(target)})", b""
+    target = stored
     if not target_stays_inside(rel, target):
         return f"symlink points outside the source ({show(target)})", b""
-    # Resolve for real: catches loops and chains that escape through other symlinks.
+    # Walk it through the tree, other symlinks followed: loops, chains that climb out
+    # (even when they would come back in: on the mount, out is the mount's parent).
     try:
-        resolved = os.path.realpath(path, strict=True)
-    except FileNotFoundError:
-        return None, target  # dangling but inside: kept as it is
-    except OSError as exc:
-        if exc.errno == 40:  # ELOOP
-            return "symlink loop", b""
-        return f"cannot resolve symlink: {exc.strerror}", b""
-    if not (resolved == real_root or resolved.startswith(real_root + b"/")):
-        return f"symlink resolves outside the source ({show(resolved)})", b""
+        problem = judge(links.resolve(rel))
+    except _Unresolvable as exc:
+        return f"cannot resolve symlink: {exc}", b""
+    if problem:
+        return problem, b""
     return None, target

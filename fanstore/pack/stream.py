@@ -61,6 +61,7 @@ from fanstore.pack.sources.base import (
     Source,
     VirtualTree,
     normalize_name,
+    target_problem,
 )
 from fanstore.pack.write import (
     PackOptions,
@@ -207,8 +208,11 @@ class StreamPacker:
         if m.kind == KIND_DIR:
             tree.add(rel, Node(KIND_DIR, m.mode, m.mtime_ns, ordinal=m.ordinal))
         elif m.kind == KIND_SYMLINK:
-            tree.add(rel, Node(KIND_SYMLINK, m.mode, m.mtime_ns, target=m.target,
-                               ordinal=m.ordinal))
+            # A target that cannot be kept is not kept, not even until the end: a hostile
+            # archive's thousands of 16 MiB targets would all be held by the tree.
+            bad = target_problem(m.target)
+            tree.add(rel, Node(KIND_SYMLINK, m.mode, m.mtime_ns, target=b"" if bad else m.target,
+                               ordinal=m.ordinal, problem=bad or ""))
         elif m.kind == KIND_HARDLINK:
             self._hard_link(m, rel)
         else:
@@ -226,7 +230,7 @@ class StreamPacker:
             return
         if node.kind == KIND_SYMLINK:
             self.tree.add(rel, Node(KIND_SYMLINK, node.mode, m.mtime_ns, target=node.target,
-                                    ordinal=m.ordinal))
+                                    ordinal=m.ordinal, problem=node.problem))
             return
         copy = Node(KIND_FILE, m.mode, m.mtime_ns, node.size, ordinal=node.ordinal)
         self.tree.add(rel, copy)

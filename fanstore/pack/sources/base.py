@@ -23,6 +23,7 @@ from fanstore.format.index import (
     MAX_TARGET,
     target_stays_inside,
 )
+from fanstore.format.symlinks import Resolver, judge
 from fanstore.pack.scan import ScanEntry, ScanResult, show
 
 # Member kinds besides the three the format stores.
@@ -31,8 +32,14 @@ KIND_SPECIAL = 11
 
 #: Mode of directories a source never listed (and of the root when it is not listed).
 IMPLICIT_DIR_MODE = 0o755
-#: Symlinks followed before a path counts as a loop (as Linux's MAXSYMLINKS).
-MAX_HOPS = 40
+#: Longest member name (a whole path) a source may give, as Linux's PATH_MAX; a longer
+#: one is refused by name. Sources bound what they read by it (a tar's GNU long name, a
+#: pax path), so that a hostile archive's name costs no more than this.
+MAX_PATH = 4096
+#: Memory a decompressor may need for one archive (an xz or LZMA dictionary; gzip, bzip2
+#: and zstd need far less): xz -9 needs 65 MiB. A stream that asks for more is refused
+#: before it is decoded, not allowed to fill a dictionary the archive chose.
+MAX_DECODER_MEMORY = 256 << 20
 
 
 @dataclass
@@ -97,9 +104,23 @@ class Source:
         pass
 
 
+def target_problem(target: bytes) -> str | None:
+    """What is wrong with a symlink target on its own (None: nothing), checked as the
+    member arrives, before the target is kept anywhere."""
+    if not target:
+        return "symlink with an empty target"
+    if len(target) > MAX_TARGET:
+        return f"symlink target longer than {MAX_TARGET} bytes"
+    if b"\0" in target:
+        return "symlink target contains NUL"
+    return None
+
+
 def normalize_name(name: bytes) -> tuple[bytes | None, str | None]:
     """(relative path, problem). ``./a//b/`` -> ``a/b``; the root is b"". Absolute names
     and names with a ``..`` component are refused: they would point outside the store."""
+    if len(name) > MAX_PATH:  # before anything splits it (a name of 8 MiB of "a/")
+        return None, f"name longer than {MAX_PATH} bytes"
     if name.startswith(b"/"):
         return None, "absolute member name refused (it would point outside the store)"
     parts = [p for p in name.split(b"/") if p not in (b"", b".")]
@@ -124,6 +145,9 @@ class Node:
     explicit: bool = True  # listed by the source (else an implied directory)
     ordinal: int = 0
     extra: Any = None
+    #: why this entry is refused, decided when its member arrived (a symlink target too
+    #: long to keep, which is not kept); reported by ``build``
+    problem: str = ""
 
 
 @dataclass
@@ -189,12 +213,23 @@ class VirtualTree:
                 bad.add(rel)
                 continue
             children.setdefault(parent, []).append(rel)
-        # Symlinks: lexically inside, then resolved inside the tree (loops, escapes through
-        # other symlinks), as scan_tree does on a real tree.
-        for rel, node in nodes.items():
-            if rel in bad or node.kind != KIND_SYMLINK:
-                continue
-            msg = self._check_symlink(rel, node.target)
+        # Symlinks: each on its own (target, lexically inside), then walked through the
+        # tree (loops, chains that climb out), as scan_tree walks a real tree: the walk
+        # sees every symlink, those refused on their own too (a directory scan sees them
+        # on disk), so a chain is judged the same in an archive and in a directory.
+        links = [rel for rel, node in nodes.items()
+                 if rel not in bad and node.kind == KIND_SYMLINK]
+        resolver = Resolver(_TreeView(nodes, set(bad)))
+        walk = []
+        for rel in links:
+            msg = nodes[rel].problem or self._check_target(rel, nodes[rel].target)
+            if msg:
+                self.problem(where, rel, msg)
+                bad.add(rel)
+            else:
+                walk.append(rel)
+        for rel in walk:
+            msg = judge(resolver.resolve(rel))
             if msg:
                 self.problem(where, rel, msg)
                 bad.add(rel)
@@ -235,40 +270,36 @@ class VirtualTree:
         result.file_ids = file_ids  # type: ignore[attr-defined] - entry order of files
         return result
 
-    def _check_symlink(self, rel: bytes, target: bytes) -> str | None:
-        if not target:
-            return "symlink with an empty target"
-        if len(target) > MAX_TARGET:
-            return "symlink target longer than 4095 bytes"
-        if b"\0" in target:
-            return "symlink target contains NUL"
-        if target.startswith(b"/"):
+    @staticmethod
+    def _check_target(rel: bytes, target: bytes) -> str | None:
+        msg = target_problem(target)
+        if msg:
+            return msg
+        if target.startswith(b"/") or not target_stays_inside(rel, target):
             return f"symlink points outside the source ({show(target)})"
-        if not target_stays_inside(rel, target):
-            return f"symlink points outside the source ({show(target)})"
-        # Resolve through the tree: other symlinks may lead out, or round in a loop.
-        stack: list[bytes] = []
-        todo = rel.split(b"/")
-        hops = 0
-        while todo:
-            c = todo.pop(0)
-            if c in (b"", b"."):
-                continue
-            if c == b"..":
-                if not stack:
-                    return "symlink resolves outside the source"
-                stack.pop()
-                continue
-            node = self.nodes.get(b"/".join(stack + [c]))
-            if node is None:
-                return None  # dangling but inside: kept as it is
-            if node.kind == KIND_SYMLINK:
-                hops += 1
-                if hops > MAX_HOPS:
-                    return "symlink loop"
-                if node.target.startswith(b"/"):
-                    return f"symlink resolves outside the source ({show(node.target)})"
-                todo = node.target.split(b"/") + todo
-                continue
-            stack.append(c)
         return None
+
+
+class _TreeView:
+    """A VirtualTree's nodes as a tree for :class:`fanstore.format.symlinks.Resolver`
+    (nodes are paths; ``absent`` ones are not there)."""
+
+    root = b""
+
+    def __init__(self, nodes: dict[bytes, Node], absent: set[bytes]) -> None:
+        self.nodes = nodes
+        self.absent = absent
+
+    def parent(self, node: bytes) -> bytes:
+        return node.rpartition(b"/")[0]
+
+    def child(self, node: bytes, name: bytes) -> bytes | None:
+        rel = node + b"/" + name if node else name
+        return rel if rel in self.nodes and rel not in self.absent else None
+
+    def is_dir(self, node: bytes) -> bool:
+        return self.nodes[node].kind == KIND_DIR
+
+    def link_target(self, node: bytes) -> bytes | None:
+        n = self.nodes[node]
+        return n.target if n.kind == KIND_SYMLINK else None

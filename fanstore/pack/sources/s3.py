@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator
 
 from fanstore.errors import PackError
-from fanstore.format.index import KIND_FILE
+from fanstore.format.index import KIND_FILE, clamp_mtime_ns
 from fanstore.pack.sources.base import Member, Source
 from fanstore.storage import open_location
 
@@ -82,8 +82,8 @@ class S3Source(Source):
                     return out
 
                 fill()
-                yield Member(name.encode("utf-8", "surrogateescape"), KIND_FILE, 0o644, mtime,
-                             size, read=read, where=self.url, ordinal=i)
+                yield Member(name.encode("utf-8", "surrogateescape"), KIND_FILE, 0o644,
+                             clamp_mtime_ns(mtime), size, read=read, where=self.url, ordinal=i)
                 # Skip whatever the packer did not read (a refused name, say).
                 while pending and pending[0][0] == i:
                     _, length, fut = pending.popleft()

@@ -27,9 +27,16 @@ import zlib
 from typing import BinaryIO, Iterator
 
 from fanstore.errors import PackError
-from fanstore.format.index import KIND_DIR, KIND_FILE, KIND_SYMLINK
+from fanstore.format.index import KIND_DIR, KIND_FILE, KIND_SYMLINK, clamp_mtime_ns
 from fanstore.pack.sources import tarheader as th
-from fanstore.pack.sources.base import KIND_HARDLINK, KIND_SPECIAL, Member, Source
+from fanstore.pack.sources.base import (
+    KIND_HARDLINK,
+    KIND_SPECIAL,
+    MAX_DECODER_MEMORY,
+    MAX_PATH,
+    Member,
+    Source,
+)
 
 MAGICS = {
     b"\x1f\x8b": "gzip",
@@ -285,7 +292,56 @@ class _Blocks:
         return done
 
 
-def _open_stream(raw: _Counting, comp: str):
+class _XzStream:
+    """An xz stream (or several, one after another) decompressed with a memory limit:
+    ``lzma.LZMAFile`` has none, so an archive whose header asks for a 1.5 GiB dictionary
+    would get one (and fill it with as little as a few hundred KB of input). Trailing
+    bytes that are not an xz stream are ignored, as LZMAFile ignores them."""
+
+    def __init__(self, raw: _Counting, path: str, limit: int = MAX_DECODER_MEMORY) -> None:
+        self._raw = raw
+        self._path = path
+        self._limit = limit
+        self._d = self._new()
+        self._done = False
+
+    def _new(self) -> lzma.LZMADecompressor:
+        return lzma.LZMADecompressor(lzma.FORMAT_XZ, memlimit=self._limit)
+
+    def read(self, n: int) -> bytes:
+        while not self._done:
+            data = b""
+            if self._d.eof:
+                data = self._d.unused_data or self._raw.read(1 << 16)
+                if not data:
+                    self._done = True
+                    break
+                self._d = self._new()
+                try:
+                    out = self._d.decompress(data, n)
+                except lzma.LZMAError:
+                    self._done = True  # trailing garbage: not an xz stream
+                    break
+            else:
+                if self._d.needs_input:
+                    data = self._raw.read(1 << 16)
+                    if not data:
+                        raise EOFError("compressed file ended before the end-of-stream "
+                                       "marker was reached")
+                try:
+                    out = self._d.decompress(data, n)
+                except lzma.LZMAError as exc:
+                    if "memory" in str(exc).lower():
+                        raise PackError(f"{self._path}: xz archive refused: it needs more "
+                                        f"than {self._limit >> 20} MiB of memory to "
+                                        "decompress (its dictionary is that large)") from None
+                    raise
+            if out:
+                return out
+        return b""
+
+
+def _open_stream(raw: _Counting, comp: str, path: str):
     if comp == "tar":
         return raw
     if comp == "gzip":
@@ -293,7 +349,7 @@ def _open_stream(raw: _Counting, comp: str):
     if comp == "bzip2":
         return bz2.BZ2File(raw, "rb")
     if comp == "xz":
-        return lzma.LZMAFile(raw, "rb")
+        return _XzStream(raw, path)
     if comp == "zstd":
         import zstandard
 
@@ -386,7 +442,7 @@ class TarSource(Source):
         blocks = None
         stream = None
         try:
-            stream = raw if comp == "tar" else _Prefetch(_open_stream(raw, comp))
+            stream = raw if comp == "tar" else _Prefetch(_open_stream(raw, comp, path))
             blocks = _Blocks(stream)
             glob: dict[bytes, bytes] = {}
             k = 0
@@ -433,6 +489,8 @@ class TarSource(Source):
                start: int) -> tuple[Member | None, _Data | None]:
         longname = longlink = None
         pax: dict[bytes, bytes] = {}
+        too_long: dict[bytes, str] = {}  # GNU long names and links skipped unread
+        run = 0
         while True:
             block = blocks.read(th.BLOCK)
             if len(block) < th.BLOCK:
@@ -442,19 +500,39 @@ class TarSource(Source):
                 raise PackError(f"{path}: truncated tar archive: it ends after {start:,} "
                                 "bytes without its end-of-archive marker")
             if block == th.ZERO_BLOCK:
-                if longname is not None or longlink is not None or pax:
+                if longname is not None or longlink is not None or pax or too_long:
                     raise th.TarFormatError("a long-name or pax header is followed by the "
                                             "end of the archive")
                 return None, None
             hdr = th.parse_header(block)
             t = hdr.type
             if t in (th.GNU_LONGNAME, th.GNU_LONGLINK, th.PAX_GLOBAL) or t in th.PAX_LOCAL:
-                if hdr.size > th.MAX_META:
-                    raise th.TarFormatError(f"a {hdr.size:,}-byte long-name or pax header")
+                run += 1
+                if run > th.MAX_META_RUN:
+                    raise th.TarFormatError(f"more than {th.MAX_META_RUN} extended headers "
+                                            "in a row")
+                # Bounded before anything is read: a GNU long name or link target longer
+                # than a path can be is skipped unread and the member refused by name; a
+                # pax header beyond MAX_PAX refuses the archive (it may say the next
+                # member's size: it cannot be skipped).
+                if t in (th.GNU_LONGNAME, th.GNU_LONGLINK) and hdr.size > MAX_PATH + 1:
+                    todo = hdr.size + -hdr.size % th.BLOCK
+                    if blocks.skip(todo) < todo:
+                        raise _broken(path, comp, blocks, _truncated())
+                    what = "name" if t == th.GNU_LONGNAME else "link target"
+                    too_long[t] = (f"{what} longer than {MAX_PATH} bytes (a GNU long {what} "
+                                   f"of {hdr.size:,} bytes)")
+                    continue
+                if hdr.size > th.MAX_PAX:
+                    raise PackError(f"{path}: tar archive refused: a {hdr.size:,}-byte pax "
+                                    f"header at byte {blocks.offset - th.BLOCK:,} of the tar "
+                                    f"stream (more than the {th.MAX_PAX >> 20} MiB FanStore "
+                                    "reads)")
                 body = blocks.read(hdr.size)
                 if len(body) < hdr.size or blocks.skip(-hdr.size % th.BLOCK) < \
                         -hdr.size % th.BLOCK:
                     raise _broken(path, comp, blocks, _truncated())
+                too_long.pop(t, None)
                 if t == th.GNU_LONGNAME:
                     longname = th.cstring(body)
                 elif t == th.GNU_LONGLINK:
@@ -482,6 +560,8 @@ class TarSource(Source):
                 mtime_ns = mtime_ns if ns is None else ns
         else:
             ext = pax
+        # Base-256 numbers and pax times can say anything: the index holds i64 ns.
+        mtime_ns = clamp_mtime_ns(mtime_ns)
         mode = hdr.mode & 0o7777
         if hdr.extended:  # GNU sparse map continued in further blocks
             more = True
@@ -493,6 +573,9 @@ class TarSource(Source):
         if t == b"\0" and name.endswith(b"/"):
             t = th.DIRECTORY  # a v7 directory
         data = _Data(0 if t in th.NO_DATA else size)
+        if too_long:
+            return Member(name, KIND_SPECIAL, mode, mtime_ns, where=path,
+                          problem=next(iter(too_long.values()))), data
         if t == th.GNU_SPARSE or th.is_sparse_pax(ext):
             name = ext.get(b"GNU.sparse.name", name)  # pax 1.0 puts a made-up one in path
             return Member(name, KIND_SPECIAL, mode, mtime_ns, where=path,

@@ -26,8 +26,20 @@ import struct
 
 BLOCK = 512
 ZERO_BLOCK = bytes(BLOCK)
-#: GNU long names, long links and pax headers larger than this are taken as damage.
-MAX_META = 16 << 20
+#: A pax header larger than this is not read: the archive is refused (a pax header may
+#: change the size of the member after it, so it cannot be skipped). Real ones hold a
+#: path, a few times, xattrs: kilobytes.
+MAX_PAX = 1 << 20
+#: Extended headers (pax, GNU long names and links) in a row before a member, at most.
+MAX_META_RUN = 64
+#: The pax keys the packer uses; every other record is dropped as it is parsed (a hostile
+#: header of a million tiny records costs no memory). ``GNU.sparse.*`` keys other than
+#: ``GNU.sparse.name`` are kept as one marker key: they only say "sparse".
+PAX_KEYS = frozenset((b"path", b"linkpath", b"size", b"mtime", b"GNU.sparse.name"))
+SPARSE_MARK = b"GNU.sparse."
+#: Digits of a pax number (size, whole seconds) read at most; more is out of any range
+#: (and Python refuses to convert more than 4300 digits).
+MAX_DIGITS = 40
 
 POSIX_MAGIC = b"ustar\x0000"
 
@@ -116,8 +128,9 @@ def parse_header(block: bytes) -> Header:
 
 
 def parse_pax(data: bytes) -> dict[bytes, bytes]:
-    """The records of a pax extended header: ``"%d %s=%s\\n"``, the length counting the
-    whole record. Values stay bytes (pax says UTF-8; ``hdrcharset=BINARY`` says raw)."""
+    """The records of a pax extended header that the packer uses (``PAX_KEYS``, the
+    sparse marker): ``"%d %s=%s\\n"``, the length counting the whole record. Values stay
+    bytes (pax says UTF-8; ``hdrcharset=BINARY`` says raw)."""
     out: dict[bytes, bytes] = {}
     pos = 0
     end = len(data)
@@ -129,16 +142,22 @@ def parse_pax(data: bytes) -> dict[bytes, bytes]:
             length = 0
         if length < 5 or pos + length > end or data[pos + length - 1] != 0x0A:
             raise TarFormatError("malformed pax extended header")
-        key, eq, value = data[sp + 1:pos + length - 1].partition(b"=")
-        if not eq or not key:
+        eq = data.find(b"=", sp + 1, pos + length - 1)
+        if eq <= sp + 1:
             raise TarFormatError("malformed pax extended header")
-        out[key] = value
+        key = data[sp + 1:eq]
+        if key in PAX_KEYS:
+            out[key] = data[eq + 1:pos + length - 1]
+        elif key.startswith(SPARSE_MARK):
+            out[SPARSE_MARK] = b""
         pos += length
     return out
 
 
 def pax_number(value: bytes, key: str) -> int:
     try:
+        if len(value.strip()) > MAX_DIGITS:
+            raise ValueError
         n = int(value)
     except ValueError:
         raise TarFormatError(f"invalid pax {key} {value[:30]!r}") from None
@@ -149,7 +168,9 @@ def pax_number(value: bytes, key: str) -> int:
 
 def pax_mtime_ns(value: bytes) -> int | None:
     """A pax time (decimal seconds, maybe negative, maybe with a fraction) in ns,
-    truncated; None if it is not a number (the header's own mtime is used then)."""
+    truncated; None if it is not a number (the header's own mtime is used then). A time
+    of more than MAX_DIGITS digits comes back as +-10**(MAX_DIGITS + 9): beyond any
+    range, for the caller to clamp."""
     text = value.decode("ascii", "replace").strip()
     sign = -1 if text.startswith("-") else 1
     whole, _, frac = text[1:].partition(".") if text[:1] in "+-" and text else \
@@ -157,8 +178,11 @@ def pax_mtime_ns(value: bytes) -> int | None:
     if not (whole or frac) or (whole and not whole.isdigit()) or \
             (frac and not frac.isdigit()):
         return None
-    return sign * (int(whole or "0") * 1_000_000_000 + int((frac + "000000000")[:9]))
+    whole = whole.lstrip("0")
+    if len(whole) > MAX_DIGITS:
+        return sign * 10 ** (MAX_DIGITS + 9)
+    return sign * (int(whole or "0") * 1_000_000_000 + int((frac[:9] + "000000000")[:9]))
 
 
 def is_sparse_pax(pax: dict[bytes, bytes]) -> bool:
-    return any(k.startswith(b"GNU.sparse.") for k in pax)
+    return SPARSE_MARK in pax or b"GNU.sparse.name" in pax
