@@ -634,3 +634,21 @@ def test_next_mount_reports_the_stale_mount(small_store, tmp_path, mounted):
     mounted.mounts.append((m, daemon_pid(m)))  # clean up whatever this mount left
     assert proc.returncode == 0, proc.stderr
     assert "stale mount" in proc.stderr
+
+
+def test_times_before_1970_stat_without_a_listing_first(mounted, tmp_path):
+    """A file whose mtime is before 1970 stats right on a fresh mount (a LOOKUP, not the
+    listing's READDIRPLUS, answers it): the kernel frontend packs the u64 seconds field
+    the kernel reads as signed."""
+    src = tmp_path / "src"
+    src.mkdir()
+    old = src / "old.txt"
+    old.write_bytes(b"1938\n")
+    when_ns = -1_000_000_000 * 1_000_000_000 + 123  # 1938-04-24, with nanoseconds
+    os.utime(old, ns=(when_ns, when_ns))
+    store = tmp_path / "store"
+    run_cli("pack", src, store, "--codec", "zstd:3", "--no-progress", check=True)
+    m = mounted(store)
+    st = os.stat(m / "old.txt")  # no listing first
+    assert st.st_mtime_ns == when_ns
+    assert _read(m / "old.txt") == b"1938\n"

@@ -103,6 +103,7 @@ class KernelHandler:
     def _attr_fields(self, entry: int) -> tuple:
         ino, mode, nlink, size, blocks, mtime = self.fs.attr(entry)
         sec, nsec = divmod(mtime, 1_000_000_000)
+        sec &= 0xFFFF_FFFF_FFFF_FFFF  # a u64 field the kernel reads as signed: before 1970
         return (ino, size, blocks, sec, sec, sec, nsec, nsec, nsec, mode, nlink, self._uid,
                 self._gid, 0, BLKSIZE, 0)
 
