@@ -9,6 +9,7 @@ test failed.
 from __future__ import annotations
 
 import ctypes
+import contextlib
 import errno
 import hashlib
 import json
@@ -1109,16 +1110,24 @@ def test_crash_loop_stops_the_mount_with_a_message(tmp_path):
 @pytest.mark.fuse
 @pytest.mark.skipif(not ROOT, reason="needs root to switch to an unprivileged user")
 def test_unprivileged_mount_through_fusermount(memmount):
+    from second_user import fuse_device_for_all, reachable_for_others
+
     nobody = 65534
     as_nobody = lambda: (os.setgid(nobody), os.setuid(nobody))
-    try:
+    repo = Path(__file__).resolve().parent.parent
+    with contextlib.ExitStack() as stack:
+        # the venv's interpreter may sit under a 0700 home, /dev/fuse may be 0600 here
+        stack.enter_context(reachable_for_others(os.path.realpath(sys.executable), repo,
+                                                 sys.prefix))
+        stack.enter_context(fuse_device_for_all())
         ok = subprocess.run([sys.executable, "-c", "import fanstore.fuse.kernel.memfs"],
                             capture_output=True, preexec_fn=as_nobody,
                             check=False).returncode == 0
-    except PermissionError:
-        ok = False
-    if not ok:
-        pytest.skip("this Python or FanStore's source is not readable by user nobody")
+        assert ok, "the interpreter is not usable by user nobody even made reachable"
+        _unprivileged_mount_as(memmount, nobody, as_nobody)
+
+
+def _unprivileged_mount_as(memmount, nobody, as_nobody):
     m = memmount("--workers", "2", user=nobody)
     line = next(ln for ln in Path("/proc/self/mounts").read_text().splitlines()
                 if f" {m.mnt} " in ln)
