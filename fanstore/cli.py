@@ -34,6 +34,18 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
+def _ranks_per_node(text: str):
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected auto or a positive integer, got {text!r}")
+    return value
+
+
 def _number(kind, minimum, strict: bool):
     """An argparse type: ``kind`` (int or float) at least (or above) ``minimum``."""
     what = "a whole number" if kind is int else "a number"
@@ -220,7 +232,8 @@ def cmd_mount(args) -> int:
                            allow_other=args.allow_other, mode=args.mode,
                            prefetch_mb=args.prefetch_mb),
         local_dir=args.local_dir, replicas=args.replicas, remote_timeout=args.remote_timeout,
-        keep_local=args.keep_local, stage_jobs=args.stage_jobs)
+        keep_local=args.keep_local, stage_jobs=args.stage_jobs,
+        ranks_per_node=args.ranks_per_node)
 
     def notify(text: str) -> None:
         print(f"fanstore: {text}", file=sys.stderr, flush=True)
@@ -610,7 +623,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "auto (kernel; pyfuse3 with --mode prefetch); default "
                         f"$FANSTORE_FRONTEND or {DEFAULT_FRONTEND}")
     s.add_argument("--workers", type=_nonneg_int, default=0,
-                   help="FUSE worker processes of the kernel frontend (default: the cores)")
+                   help="FUSE worker processes of the kernel frontend (default: the cores); "
+                        "in an MPI job, the worker ranks each node spawns (mpiexec, one "
+                        "rank per node) to serve its mount and its remote reads")
+    s.add_argument("--ranks-per-node", type=_ranks_per_node, default="auto",
+                   help="in an MPI job, how launched ranks form nodes: auto (the tasks of "
+                        "one Slurm node share it; elsewhere every rank is a node) or K "
+                        "consecutive ranks (mpiexec -n N*K on one machine); a node's ranks "
+                        "after its first serve its mount and its remote reads")
     s.add_argument("--threads", type=_nonneg_int, default=0,
                    help="decode threads (default: 2 per core, at least 4)")
     s.add_argument("--allow-other", action="store_true",
@@ -623,7 +643,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory for files decoded ahead in prefetch mode (default 1024)")
     s.add_argument("--log", help="log file of a background daemon")
     s.add_argument("--local-dir", help="node-local directory to stage partitions into "
-                                       "({rank} and {host} are substituted)")
+                                       "({node} or {rank}, and {host} are substituted)")
     s.add_argument("--replicas", type=_positive_int, default=1,
                    help="copies of each partition on consecutive ranks (default 1)")
     s.add_argument("--remote-timeout", type=_positive_float, default=30.0,

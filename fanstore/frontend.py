@@ -65,6 +65,9 @@ class MountContext:
     #: the mount's private runtime directory (fanstore.runtime.MountRuntime): the only place
     #: a frontend may create files (counters)
     runtime: Any = None
+    #: worker ranks of this node that serve the mount (MPI processes that join the
+    #: frontend: fanstore.noderank); 0: the frontend forks its own workers
+    external_workers: int = 0
 
 
 class Frontend(Protocol):

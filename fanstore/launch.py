@@ -111,18 +111,41 @@ def _mount_rank(options: NodeOptions, factory: FrontendFactory, debug: bool,
     from fanstore.daemon.launcher import shim
 
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # hydra's "a peer died"; handled once serving
+    # With the kernel frontend the mount is served by worker ranks (fanstore.noderank):
+    # launched with the node (--ranks-per-node K, srun --ntasks-per-node=K), or spawned
+    # here when every node was launched with one rank under hydra (mpiexec -n N).
+    spawn = options.mount.worker_count() if options.mount.frontend == "kernel" else 0
     code = shim()  # under hydra: continue in a forked daemon (see launcher.py)
     if code is not None:
         return Outcome(code, hard_exit=True)
-    world = World.from_mpi()
+    world = World.from_mpi(options.ranks_per_node, spawn_workers=spawn,
+                           spawn_command=["-m", "fanstore.noderank"]
+                           + (["--debug"] if debug else []))
+    job = world.job
+    if not job.is_leader:  # a launched worker rank (K tasks per node)
+        from fanstore import noderank
+
+        code, clean = noderank.run_worker(world, debug)
+        return Outcome(code, hard_exit=not noderank.finish(world, clean))
+    if job.workers_of(job.node) and options.mount.frontend != "kernel":
+        from fanstore.daemon.nodegroup import LeaderSide
+
+        msg = ("the pyfuse3 frontend serves a node from one process: launch one rank per "
+               "node, or mount with --frontend kernel")
+        group = LeaderSide(job)
+        group.hello(os.getpid())
+        group.failed(msg)
+        group.exit(True)
+        world.finish_job()
+        raise UsageError(msg)
     if world.rank == 0:
         runtime.sweep_shared()
     process.setup_logging(debug, sys.stderr, fmt=(
-        f"%(asctime)s fanstore[rank {world.rank}/{world.size}] %(levelname)s: %(message)s"))
+        f"%(asctime)s fanstore[node {world.rank}/{world.size}] %(levelname)s: %(message)s"))
     node = Node(options, world, factory)
     node.catch_signals()
     try:
-        code = node.run(lambda: notify(f"rank {world.rank}: mounted at {node.mountpoint}"))
+        code = node.run(lambda: notify(f"node {world.rank}: mounted at {node.mountpoint}"))
     except FanStoreError as exc:
         if not node.skip_finalize:
             raise

@@ -48,7 +48,7 @@ def mpi_available() -> tuple[bool, str]:
 class MpiJob:
     def __init__(self, store, tmp, ranks: int = 4, extra=(), timeout: float = 90,
                  local: bool = True, wait: bool = True, env: dict | None = None,
-                 keep_local: bool = False) -> None:
+                 keep_local: bool = False, ranks_per_node: int | None = None) -> None:
         self.store = store if "://" in str(store) else Path(store)  # s3://... stays a URL
         self.tmp = Path(tmp)
         self.ranks = ranks
@@ -58,6 +58,9 @@ class MpiJob:
         self.wait_ready = wait
         self.env = env
         self.keep_local = keep_local  # leave the local dirs for the next job (restart tests)
+        #: launch ``ranks`` nodes of this many ranks each (``--ranks-per-node``); None: one
+        #: rank per node (the kernel frontend then spawns each node's worker ranks)
+        self.ranks_per_node = ranks_per_node
         self.proc: subprocess.Popen | None = None
         self.log = self.tmp / "mpiexec.log"
         self._pids: dict[int, int] = {}
@@ -75,6 +78,25 @@ class MpiJob:
             DAEMON_PIDS.add(pid)
         return pid
 
+    def node_pids(self, rank: int) -> list[int]:
+        """The daemon of node ``rank`` and its worker ranks (their pids are in its state)."""
+        from fanstore import runtime
+
+        pid = self.pid(rank)
+        state = runtime.read_state(str(self.mnt(rank))) or {}
+        return [p for p in [pid, *state.get("worker_pids", [])] if p]
+
+    def kill_node(self, rank: int, sig: int = signal.SIGKILL) -> list[int]:
+        """Send ``sig`` to every process of node ``rank`` (what a node crash or hang does);
+        returns their pids."""
+        pids = self.node_pids(rank)
+        for p in pids:
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+        return pids
+
     def output(self) -> str:
         try:
             return self.log.read_text(errors="replace")
@@ -88,8 +110,11 @@ class MpiJob:
     def start(self) -> "MpiJob":
         for r in range(self.ranks):
             self.mnt(r).mkdir(parents=True, exist_ok=True)
-        cmd = [MPIEXEC, "-n", str(self.ranks), FANSTORE, "mount", str(self.store),
+        n = self.ranks * (self.ranks_per_node or 1)
+        cmd = [MPIEXEC, "-n", str(n), FANSTORE, "mount", str(self.store),
                str(self.tmp / "mnt{rank}")]
+        if self.ranks_per_node:
+            cmd += ["--ranks-per-node", str(self.ranks_per_node)]
         if self.local:
             cmd += ["--local-dir", str(self.tmp / "local{rank}")]
         cmd += self.extra

@@ -29,7 +29,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                   "fanstore.pack", "fanstore.select")),
     ("daemon", ("fanstore.daemon",)),
     ("fuse", ("fanstore.fuse",)),
-    ("cli", ("fanstore.cli", "fanstore.launch", "fanstore.select.cli", "fanstore")),
+    ("cli", ("fanstore.cli", "fanstore.launch", "fanstore.noderank", "fanstore.select.cli",
+             "fanstore")),
 ]
 SIBLINGS = {"daemon": 4, "fuse": 4}  # same rank
 #: Third-party libraries only one part of the code may import.

@@ -229,14 +229,16 @@ def test_replicas_survive_a_killed_daemon(dataset, tmp_path):
     src, store = dataset
     with MpiJob(store, tmp_path, ranks=4,
                 extra=["--replicas", "2", "--remote-timeout", "3"]) as job:
-        victim = job.pid(2)
-        os.kill(victim, signal.SIGKILL)
-        assert wait_until(lambda: not pid_alive(victim), 10)
+        victims = job.kill_node(2)  # the daemon and the node's worker ranks
+        assert wait_until(lambda: not any(pid_alive(p) for p in victims), 10)
         for rank in (0, 1, 3):
             ok, wrong, errors = read_tree_bytes(src, job.mnt(rank))
             assert (wrong, errors) == ([], []), job.output()
             assert ok == 242
-        assert 2 in job.stats(0)["dead_ranks"] or 2 in job.stats(1)["dead_ranks"]
+        # the survivors noticed: the dead node's ranks were marked dead and its files
+        # read from the replicas (by the daemon's own reader or its worker ranks)
+        seen = [job.stats(r) for r in (0, 1)]
+        assert any(2 in s["dead_ranks"] or s["remote_failovers"] > 0 for s in seen), seen
         # Stopping the survivors still works and leaves no mount of theirs behind.
         os.kill(job.pid(0), signal.SIGTERM)
         assert wait_gone([job.mnt(r) for r in (0, 1, 3)], 60), job.output()
@@ -254,7 +256,8 @@ def test_without_replicas_a_dead_ranks_files_give_eio_within_the_timeout(dataset
     src, store = dataset
     timeout = 2.0
     with MpiJob(store, tmp_path, ranks=4, extra=["--remote-timeout", str(timeout)]) as job:
-        os.kill(job.pid(3), signal.SIGKILL)
+        victims = job.kill_node(3)
+        assert wait_until(lambda: not any(pid_alive(p) for p in victims), 10)
         index = read_index(str(store))
         dead_parts = {3, 7}
         slowest = 0.0

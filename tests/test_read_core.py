@@ -112,7 +112,7 @@ def test_a_dead_owner_without_replica_is_eio_for_its_files_only(routed_store, sm
         with pytest.raises(RemoteError) as info:
             reader.read_all(job.entry(rel))
         assert info.value.errno == errno.EIO
-        assert "a.txt: the ranks holding partition" in str(info.value)
+        assert "a.txt: the nodes holding partition" in str(info.value)
         others = [r for r in small_tree[1] if _owner(routed_store, r) != part]
         for r in others:
             assert reader.read_all(job.entry(r)) == small_tree[1][r]

@@ -30,7 +30,10 @@ launcher_pid: int | None = None
 
 
 def under_hydra() -> bool:
-    return bool(os.environ.get(HYDRA_ENV))
+    """Started by hydra: as a launched rank (its control fd) or as a rank spawned by
+    MPI_Comm_spawn (a spawned process has no control fd, only its PMI fd)."""
+    return bool(os.environ.get(HYDRA_ENV)) or (
+        os.environ.get("PMI_SPAWNED") == "1" and bool(os.environ.get("PMI_FD")))
 
 
 def shim() -> int | None:

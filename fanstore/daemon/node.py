@@ -36,6 +36,7 @@ from fanstore.control import ControlServer
 from fanstore.daemon import placement as pl
 from fanstore.daemon import protocol as P
 from fanstore.daemon.launcher import launcher_alive
+from fanstore.daemon.nodegroup import LeaderSide
 from fanstore.daemon.routing import PeerSource
 from fanstore.daemon.service import OWNER_OPS
 from fanstore.daemon.transport import node_name
@@ -66,6 +67,9 @@ class NodeOptions:
     remote_timeout: float = 30.0
     keep_local: bool = False
     stage_jobs: int = 4
+    #: how launched ranks form nodes: "auto" (Slurm tasks of one node; else one node per
+    #: rank) or K consecutive ranks (see fanstore.daemon.world)
+    ranks_per_node: str | int = "auto"
 
 
 class Node:
@@ -74,7 +78,10 @@ class Node:
                  runtime_: runtime.MountRuntime | None = None) -> None:
         self.options = options
         self.world = world
-        self.rank, self.size = world.rank, world.size
+        self.rank, self.size = world.rank, world.size  # this node's index, the node count
+        self.job = world.job  # the rank-level layout (None for a world of one)
+        self.group = LeaderSide(self.job)  # this node's worker ranks, if any
+        self.workers = len(self.job.workers_of(self.job.node)) if self.job else 0
         self.who = f"rank {self.rank} ({node_name()})"
         self.mountpoint = substitute(options.mountpoint, self.rank)
         self.mount_key = runtime.mount_key(self.mountpoint)
@@ -154,7 +161,7 @@ class Node:
         if everywhere:
             self.job_stopping = True
             if self.transport is not None and self.stopping is None:
-                others = [r for r in range(self.size) if r != self.rank]
+                others = self._other_leaders()
                 # In a thread: the caller may be a frontend that must not wait on MPI.
                 threading.Thread(target=self.transport.send_control,
                                  args=(P.Control.SHUTDOWN, others, reason), daemon=True).start()
@@ -167,12 +174,14 @@ class Node:
 
     def on_control(self, msg: P.ControlMsg) -> None:
         """Transport thread: a peer asks everyone to stop, or says it is done."""
+        node = self.job.node_of[msg.rank] if self.job and 0 <= msg.rank < self.job.size \
+            else msg.rank
         if msg.kind == P.Control.SHUTDOWN:
-            log.info("rank %d asks every rank to stop: %s", msg.rank, msg.reason)
+            log.info("node %d asks every node to stop: %s", node, msg.reason)
             self.job_stopping = True
-            self.request_stop(f"rank {msg.rank}: {msg.reason}")
+            self.request_stop(f"node {node}: {msg.reason}")
         elif msg.kind == P.Control.DONE and self.peers is not None:
-            self.peers.done.add(msg.rank)
+            self.peers.done.add(node)
 
     # ------------------------------------------------------------------ phases
     def load_index(self):
@@ -212,11 +221,13 @@ class Node:
         """Start, serve until stopped, drain, clean up. Raises FanStoreError on failure."""
         opts = self.options
         early: FanStoreError | None = None
+        self.group.hello(os.getpid())
         try:
             if self.runtime is None:
                 self.runtime = runtime.MountRuntime.create(self.mountpoint)
             self.runtime.write_state(pid=os.getpid(), rank=self.rank, ranks=self.size,
-                                     mountpoint=self.mount_key, phase="starting")
+                                     mountpoint=self.mount_key, phase="starting",
+                                     worker_pids=self.group.worker_pids)
         except FanStoreError as exc:  # every rank must learn of it at the first gate
             early = exc
         try:
@@ -241,12 +252,17 @@ class Node:
         except FanStoreError as exc:
             if self.runtime is not None:
                 self.runtime.write_state(phase="failed", error=str(exc))
+            clean = self.peers is None or not self.peers.dead
+            self.group.failed(str(exc))
+            self.group.exit(clean)
             self._cleanup()
-            self._finish_mpi(clean=self.peers is None or not self.peers.dead)
+            self._finish_mpi(clean)
             raise
         self._drain()
+        clean = not (self.peers and self.peers.dead) and not self.drain_incomplete
+        self.group.exit(clean)  # the worker ranks stop serving peers and finalize with us
         self._cleanup()
-        self._finish_mpi(clean=not (self.peers and self.peers.dead) and not self.drain_incomplete)
+        self._finish_mpi(clean)
         self.runtime.write_state(phase="stopped")
         return 0
 
@@ -296,11 +312,13 @@ class Node:
             else:
                 from fanstore.daemon.transport import MpiTransport
 
-                self.transport = MpiTransport(self.world.comm, self.parts, self.on_control)
+                self.transport = MpiTransport(self.job.comm, self.parts, self.on_control)
             self.transport.start()
             self.peers = PeerSource(self.transport, table, self.rank, self.size,
                                     opts.remote_timeout, self.stats,
-                                    show=lambda e: ns.show(e))
+                                    show=lambda e: ns.show(e),
+                                    ranks_of=self.job.ranks_of if self.job else None,
+                                    me=self.job.rank if self.job else None)
         reader = ChunkReader(index, RoutedSource(self.parts, self.peers),
                              cache_bytes=opts.mount.cache_mb << 20, stats=self.stats)
         self.stats.extra.update(self._static_stats(index, mine))
@@ -312,8 +330,17 @@ class Node:
             data_dir=os.path.abspath(self.data_dir),
             local_parts=list(mine), replicated=replicated,
             socket_path=self.runtime.socket_path, index_path=index_copy, runtime=self.runtime,
-            request_stop=self.request_stop, remote_timeout=opts.remote_timeout)
+            request_stop=self.request_stop, remote_timeout=opts.remote_timeout,
+            external_workers=self.workers)
         self.frontend = self.frontend_factory(self.ctx)
+        if self.workers:
+            # what the worker ranks serve; they then join the frontend's worker socket
+            self.group.spec({
+                "data_dir": self.ctx.data_dir, "local_parts": list(mine), "table": table,
+                "index_copy": index_copy, "remote_timeout": opts.remote_timeout,
+                "worker_socket": getattr(self.frontend, "worker_socket", ""),
+                "cache_bytes": (opts.mount.cache_mb << 20) // max(1, self.workers),
+            })
         from fanstore.daemon.service import handlers
 
         self.server = ControlServer(self.ctx.socket_path, handlers(self),
@@ -381,44 +408,52 @@ class Node:
             self._probe(only_dead=not everyone)
 
     def _probe(self, only_dead: bool = False) -> None:
+        """Ping the ranks of the other nodes (only those marked dead, or all)."""
         if self.transport is None or self.peers is None:
             return
         timeout = min(5.0, self.options.remote_timeout)
-        for r in range(self.size):
-            if r == self.rank or r in self.peers.done:
+        for node in range(self.size):
+            if node == self.rank or node in self.peers.done:
                 continue
-            if only_dead and r not in self.peers.dead:
-                continue
-            if self.transport.ping(r, timeout):
-                self.peers.revive(r)
-            else:
-                self.peers.mark_dead(r, f"no answer to a ping within {timeout:g} s")
+            for r in self.peers.ranks_of(node):
+                if only_dead and r not in self.peers.dead:
+                    continue
+                if self.transport.ping(r, timeout):
+                    self.peers.revive(r)
+                else:
+                    self.peers.mark_dead(r, f"no answer to a ping within {timeout:g} s")
+
+    def _other_leaders(self) -> list[int]:
+        """The transport ranks of the other nodes' daemons."""
+        if self.job is None:
+            return [r for r in range(self.size) if r != self.rank]
+        return [r for n, r in enumerate(self.job.leaders) if n != self.rank]
 
     def _drain(self) -> None:
         """After unmounting: keep serving peers until every rank is done or dead."""
         if self.transport is None:
             return
-        others = [r for r in range(self.size) if r != self.rank]
+        others = [n for n in range(self.size) if n != self.rank]
         self.runtime.write_state(phase="draining")
-        self.transport.send_control(P.Control.DONE, others, "unmounted")
+        self.transport.send_control(P.Control.DONE, self._other_leaders(), "unmounted")
         self.terminated = 0
         grace_end = time.monotonic() + DRAIN_GRACE
         try:
             last_probe = 0.0  # probe at once: a peer may have died while nobody asked it
             announced = False
             while not self.terminated and launcher_alive():
-                waiting = {r for r in others if r not in self.peers.done
-                           and r not in self.peers.dead}
+                waiting = {n for n in others if n not in self.peers.done
+                           and not self.peers.node_dead(n)}
                 if not waiting:
                     break
                 if self.job_stopping and time.monotonic() > grace_end:
                     # Exit without MPI_Finalize: it could wait on them past SIGKILL.
                     self.drain_incomplete = sorted(waiting)
-                    log.info("%s: the job is stopping; not waiting longer for ranks %s",
+                    log.info("%s: the job is stopping; not waiting longer for nodes %s",
                              self.who, self.drain_incomplete)
                     break
                 if not announced:
-                    log.info("%s: unmounted; serving peers until ranks %s are done", self.who,
+                    log.info("%s: unmounted; serving peers until nodes %s are done", self.who,
                              sorted(waiting))
                     announced = True
                 if self._probe_now.is_set() or time.monotonic() - last_probe > PROBE_INTERVAL:
@@ -452,17 +487,21 @@ class Node:
 
     def _finish_mpi(self, clean: bool) -> None:
         """Finalize MPI when every peer is alive and done; otherwise leave it (finalizing
-        with a dead peer hangs or aborts) and tell the caller to exit without it."""
+        with a dead peer hangs or aborts) and tell the caller to exit without it. Either
+        way this node's worker ranks end first (see LeaderSide.wait_workers_gone)."""
         if not self.world.is_mpi:
             return
         MPI = self.world.MPI
         if clean and not MPI.Is_finalized():
-            try:
-                self.world.comm.Free()
-            except Exception:  # noqa: BLE001 - freeing is a courtesy
-                pass
-            MPI.Finalize()
+            if self.transport is not None and self.transport.running:
+                self.transport.stop()
+            if not self.world.finish_job():
+                log.warning("%s: not every rank reached the end of the job; exiting without "
+                            "MPI_Finalize", self.who)
+                self.skip_finalize = True
+            self.group.wait_workers_gone()
         elif not clean:
+            self.group.wait_workers_gone()
             log.warning("%s: exiting without MPI_Finalize (a peer is gone or did not finish)",
                         self.who)
             self.skip_finalize = True
@@ -489,4 +528,5 @@ class Node:
         if self.peers is not None:
             peers = self.peers
             out["dead_ranks"] = lambda: sorted(peers.dead)
+            out["dead_nodes"] = lambda: peers.dead_nodes()
         return out

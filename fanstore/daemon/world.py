@@ -1,24 +1,43 @@
-"""This process's place in the job: an MPI world of N ranks, or a world of one.
+"""This process's place in the job: which node it serves, and the communicators it uses.
 
-``World.solo()`` is a single node without MPI; ``World.from_mpi()`` initialises MPI
-itself (thread level, netmod choice for the PyPI MPICH, Slurm task-count check) and works
-on a ``Dup()`` of the world communicator. Collectives here never spin: every wait is a
-``Test`` with back-off (MPICH's blocking calls busy-poll a core).
+``World.solo()`` is a single node without MPI. Under an MPI launcher the ranks are grouped
+into *nodes* (:func:`group_nodes`): the ranks of one node share its mount, its node-local
+partitions and its remote service. Each node has a *leader* (its lowest rank: the node
+daemon, :mod:`fanstore.daemon.node`) and, with the kernel frontend, *worker ranks* that
+serve the mount's FUSE requests and answer other nodes' reads of this node's partitions
+directly over MPI (:mod:`fanstore.noderank`): no single process of a node is on the
+remote path. Worker ranks are either launched with the leader (``srun
+--ntasks-per-node=K``, or ``mpiexec -n N*K ... --ranks-per-node K``) or, when each node
+was launched with one rank under MPICH's hydra (``mpiexec -n N``), spawned by the leaders
+at start (``MPI_Comm_spawn_multiple``, placed on the leader's host).
+
+Three communicators, all ``Dup``/``Split`` of the job's world, so nothing the user's code
+does on COMM_WORLD can match FanStore's messages:
+
+- ``World.comm``: the leaders (one rank per node): index broadcast and start-up gates.
+- ``Job.comm``: every rank: the data plane (requests and replies) and control messages.
+- ``Job.node_comm``: the ranks of this node: the leader hands its workers what to serve
+  and, at the end, when to exit.
+
+Collectives here never spin: every wait is a ``Test`` with back-off (MPICH's blocking calls
+busy-poll a core).
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from fanstore.daemon.transport import Backoff, node_name, wait_request
-from fanstore.errors import MountError
+from fanstore.errors import MountError, UsageError
 
 HYDRA_MARKERS = ("HYDI_CONTROL_FD", "HYDRA_CONTROL_FD")
-
-
-# --------------------------------------------------------------------------- world
 
 
 def choose_netmod(library_version: str, environ) -> str | None:
@@ -40,54 +59,160 @@ def choose_netmod(library_version: str, environ) -> str | None:
     return None
 
 
-class World:
-    """This process's place in the job: rank, size, and collective helpers that never spin."""
+# --------------------------------------------------------------------------- grouping
 
-    def __init__(self, rank: int = 0, size: int = 1, comm=None, mpi=None) -> None:
+
+def group_nodes(keys: list[str], ranks_per_node: int | None) -> list[int]:
+    """The node index of each launched rank. ``ranks_per_node``: blocks of that many
+    consecutive ranks form a node; None: ranks with the same ``keys`` entry (a host name)
+    form a node, nodes numbered in order of their first rank."""
+    if ranks_per_node is not None:
+        if ranks_per_node < 1 or len(keys) % ranks_per_node:
+            raise UsageError(f"--ranks-per-node {ranks_per_node} does not divide the "
+                             f"{len(keys)} ranks of this job")
+        return [r // ranks_per_node for r in range(len(keys))]
+    index: dict[str, int] = {}
+    return [index.setdefault(k, len(index)) for k in keys]
+
+
+def node_key(ranks_per_node: str | int) -> str:
+    """What this rank groups by under ``--ranks-per-node auto``: the Slurm node name under
+    ``srun`` (tasks of one node share a mount); elsewhere (hydra on one machine, the form
+    of the tests) the rank itself, so every launched rank is a node of its own."""
+    if ranks_per_node == "auto" and os.environ.get("SLURM_STEP_ID") is not None \
+            and not any(os.environ.get(m) for m in HYDRA_MARKERS):
+        return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    return ""  # filled with the rank by the caller
+
+
+@dataclass
+class Job:
+    """Every rank of the job and the node each serves (see the module docstring).
+
+    Attributes: ``comm`` (all ranks), ``rank`` (this process in it), ``node_of`` (rank ->
+    node index), ``leaders`` (node index -> its leader's rank), ``node_comm`` (this node's
+    ranks, the leader first), ``spawned`` (worker ranks were spawned by the leaders).
+    """
+
+    comm: Any
+    rank: int
+    node_of: list[int]
+    leaders: list[int]
+    node_comm: Any
+    spawned: bool = False
+    _ranks: dict[int, list[int]] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return len(self.node_of)
+
+    @property
+    def node(self) -> int:
+        return self.node_of[self.rank]
+
+    @property
+    def nodes(self) -> int:
+        return len(self.leaders)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leaders[self.node] == self.rank
+
+    def ranks_of(self, node: int) -> list[int]:
+        """The ranks serving ``node`` (its leader first)."""
+        ranks = self._ranks.get(node)
+        if ranks is None:
+            ranks = sorted((r for r, n in enumerate(self.node_of) if n == node),
+                           key=lambda r: (r != self.leaders[node], r))
+            self._ranks[node] = ranks
+        return ranks
+
+    def workers_of(self, node: int) -> list[int]:
+        return self.ranks_of(node)[1:]
+
+
+class World:
+    """The node-level world a node daemon sees: ``rank`` is this node's index, ``size`` the
+    number of nodes, ``comm`` the leaders' communicator, and collective helpers over it
+    that never spin. ``job`` is the rank-level layout (None for a world of one)."""
+
+    def __init__(self, rank: int = 0, size: int = 1, comm=None, mpi=None,
+                 job: Job | None = None) -> None:
         self.rank = rank
         self.size = size
         self.comm = comm
         self.MPI = mpi
+        self.job = job
 
     @classmethod
     def solo(cls) -> "World":
         return cls()
 
     @classmethod
-    def from_mpi(cls) -> "World":
-        try:
-            import mpi4py
-        except ImportError:
-            raise MountError("running under an MPI launcher but mpi4py is not installed: pip "
-                             "install 'fanstore[mpi]' (on clusters, build it against the site "
-                             "MPI)") from None
-        mpi4py.rc.initialize = False  # MPI_Init below, once the netmod is chosen
-        mpi4py.rc.finalize = False  # we finalize ourselves, and only when every peer is alive
-        from mpi4py import MPI
-
-        if not MPI.Is_initialized():
-            netmod = choose_netmod(MPI.Get_library_version(), os.environ)
-            if netmod:
-                os.environ["MPIR_CVAR_CH4_NETMOD"] = netmod
-            provided = MPI.Init_thread(MPI.THREAD_MULTIPLE)
-        else:
-            provided = MPI.Query_thread()
+    def from_mpi(cls, ranks_per_node: str | int = "auto", spawn_workers: int = 0,
+                 spawn_command: list[str] | None = None) -> "World":
+        """Initialise MPI, group the launched ranks into nodes and, when every node was
+        launched with one rank under hydra and ``spawn_workers`` > 0, spawn that many
+        worker ranks per node running ``spawn_command`` (argv after the interpreter)."""
+        MPI = _init_mpi()
         world = MPI.COMM_WORLD
-        if provided < MPI.THREAD_MULTIPLE:
-            names = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED",
-                     MPI.THREAD_SERIALIZED: "SERIALIZED"}
-            raise MountError(
-                f"the MPI library provides only MPI_THREAD_{names.get(provided, provided)}; "
-                "FanStore needs MPI_THREAD_MULTIPLE (its server thread and its readers call "
-                "MPI at the same time): use an MPI built with thread support")
         expected = _slurm_tasks()
         if expected is not None and world.Get_size() != expected:
             raise MountError(
                 f"MPI world size is {world.Get_size()} but Slurm started {expected} tasks: "
                 "launch with 'srun --mpi=pmi2' (without an MPI plugin every task is its own "
                 "1-rank world and would silently serve only its own partitions)")
-        comm = world.Dup()
-        return cls(comm.Get_rank(), comm.Get_size(), comm, MPI)
+        launched = world.Dup()
+        rank, n = launched.Get_rank(), launched.Get_size()
+        key = node_key(ranks_per_node) or f"rank{rank}"
+        keys = _allgather_str(launched, key, MPI)
+        fixed = ranks_per_node if isinstance(ranks_per_node, int) else None
+        node_of = group_nodes(keys, fixed)
+        nodes = max(node_of) + 1
+        one_each = nodes == n
+        spawned = bool(spawn_workers and one_each and n > 1 and _under_hydra())
+        link = None
+        if spawned:
+            comm, link = _spawn(launched, spawn_workers, spawn_command or [], MPI)
+            launched.Free()
+            node_of = node_of + [node for node in range(nodes) for _ in range(spawn_workers)]
+        else:
+            comm = launched
+        return cls._from_layout(comm, MPI, node_of, spawned, link)
+
+    @classmethod
+    def for_spawned_worker(cls) -> "World":
+        """A worker rank started by :meth:`from_mpi`'s spawn: join the parents' job."""
+        MPI = _init_mpi()
+        parent = MPI.Comm.Get_parent()
+        if parent == MPI.COMM_NULL:
+            raise MountError("this worker rank was not spawned by a FanStore node")
+        merged = parent.Merge(high=True)
+        comm = merged.Dup()
+        merged.Free()
+        node_of = _allgather_int(comm, -1, MPI)  # the parents say; children send -1
+        return cls._from_layout(comm, MPI, _fill_spawned(node_of), True, parent)
+
+    @classmethod
+    def _from_layout(cls, comm, MPI, node_of: list[int], spawned: bool,
+                     link=None) -> "World":
+        rank = comm.Get_rank()
+        leaders: list[int] = []
+        for r, node in enumerate(node_of):
+            if node == len(leaders):
+                leaders.append(r)
+        node = node_of[rank]
+        is_leader = leaders[node] == rank
+        leaders_comm = comm.Split(0 if is_leader else MPI.UNDEFINED, rank)
+        node_comm = comm.Split(node, 0 if is_leader else 1 + rank)
+        job = Job(comm, rank, node_of, leaders, node_comm, spawned)
+        if is_leader:
+            world = cls(leaders_comm.Get_rank(), leaders_comm.Get_size(), leaders_comm, MPI,
+                        job)
+        else:
+            world = cls(node, len(leaders), None, MPI, job)
+        world._link = link  # the spawn's intercommunicator (parents and children)
+        return world
 
     @property
     def is_mpi(self) -> bool:
@@ -120,6 +245,61 @@ class World:
         return buf  # no second copy: the index is parsed straight from this buffer
 
 
+    _link = None
+
+    def release(self) -> None:
+        """Before MPI_Finalize: free every communicator and disconnect the spawn link.
+        MPICH's hydra ends the whole job (SIGKILL) when a process finalizes and exits while
+        it still holds communicators shared with processes that run on (measured with
+        MPICH 5.0.2: ranks exiting a second apart were killed unless they freed their
+        duplicates first, and spawned ranks unless both sides disconnected)."""
+        comms = [self.comm]
+        if self.job is not None:
+            comms += [self.job.node_comm, self.job.comm]
+        for c in comms:
+            if c is not None:
+                try:
+                    c.Free()
+                except Exception:  # noqa: BLE001 - freeing is a courtesy
+                    pass
+        self.comm = None
+        if self._link is not None:
+            try:
+                self._link.Disconnect()  # collective with the other side of the spawn
+            except Exception:  # noqa: BLE001
+                pass
+            self._link = None
+
+    def end_job(self, timeout: float = 30.0) -> bool:
+        """Every rank of the job meets here before MPI_Finalize, once it has stopped its
+        transport (no receive from ANY_SOURCE left posted): a process that finalizes and
+        exits while another still waits on such a receive makes that receive fail in
+        MPICH, and spawned ranks share no MPI_COMM_WORLD barrier with their parents.
+        False when not every rank came within ``timeout`` (some left without finalizing:
+        the caller must not finalize either)."""
+        if self.job is None or self.MPI is None or self.MPI.Is_finalized():
+            return True
+        return wait_request(self.job.comm.Ibarrier(), time.monotonic() + timeout,
+                            Backoff(100e-6, 20e-3))
+
+    def finish_job(self) -> bool:
+        """The end of a rank that served: meet every rank (:meth:`end_job`), release the
+        communicators, MPI_Finalize. False (and nothing finalized) when not every rank
+        came: the caller exits without MPI_Finalize."""
+        if self.MPI is None or self.MPI.Is_finalized():
+            return True
+        import logging
+        lg = logging.getLogger("fanstore.world")
+        lg.debug("end of job: barrier")
+        if not self.end_job():
+            return False
+        lg.debug("end of job: release")
+        self.release()
+        lg.debug("end of job: finalize")
+        self.MPI.Finalize()
+        lg.debug("end of job: finalized")
+        return True
+
     def finalize(self) -> None:
         """End MPI once every rank got here: a polled barrier first, so that no rank leaves
         while a peer's last message to it is still in flight (with MPICH's OFI netmod a send
@@ -127,6 +307,7 @@ class World:
         if not self.is_mpi or self.MPI.Is_finalized():
             return
         self._wait(self.comm.Ibarrier())
+        self.release()
         self.MPI.Finalize()
 
     def gather_bytes(self, data: bytes) -> list[bytes] | None:
@@ -159,6 +340,102 @@ _GATHER_TAG = 21
 _PIECE = 1 << 30
 
 
+def _init_mpi():
+    try:
+        import mpi4py
+    except ImportError:
+        raise MountError("running under an MPI launcher but mpi4py is not installed: pip "
+                         "install 'fanstore[mpi]' (on clusters, build it against the site "
+                         "MPI)") from None
+    mpi4py.rc.initialize = False  # MPI_Init below, once the netmod is chosen
+    mpi4py.rc.finalize = False  # we finalize ourselves, and only when every peer is alive
+    from mpi4py import MPI
+
+    if not MPI.Is_initialized():
+        netmod = choose_netmod(MPI.Get_library_version(), os.environ)
+        if netmod:
+            os.environ["MPIR_CVAR_CH4_NETMOD"] = netmod
+        provided = MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    else:
+        provided = MPI.Query_thread()
+    if provided < MPI.THREAD_MULTIPLE:
+        names = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED",
+                 MPI.THREAD_SERIALIZED: "SERIALIZED"}
+        raise MountError(
+            f"the MPI library provides only MPI_THREAD_{names.get(provided, provided)}; "
+            "FanStore needs MPI_THREAD_MULTIPLE (its server thread and its readers call "
+            "MPI at the same time): use an MPI built with thread support")
+    return MPI
+
+
+def _wait(req) -> None:
+    wait_request(req, None, Backoff(50e-6, 5e-3))
+
+
+def _allgather_int(comm, value: int, MPI) -> list[int]:
+    mine = np.array([value], dtype=np.int64)
+    out = np.zeros(comm.Get_size(), dtype=np.int64)
+    _wait(comm.Iallgather(mine, out))
+    return [int(v) for v in out]
+
+
+def _allgather_str(comm, text: str, MPI, width: int = 256) -> list[str]:
+    raw = text.encode()[:width].ljust(width, b"\0")
+    mine = np.frombuffer(raw, dtype=np.uint8).copy()
+    out = np.zeros(comm.Get_size() * width, dtype=np.uint8)
+    _wait(comm.Iallgather(mine, out))
+    return [bytes(out[i * width:(i + 1) * width]).rstrip(b"\0").decode()
+            for i in range(comm.Get_size())]
+
+
+def _under_hydra() -> bool:
+    return any(os.environ.get(m) for m in HYDRA_MARKERS)
+
+
+def _spawn(launched, per_node: int, command: list[str], MPI):
+    """Spawn ``per_node`` worker ranks for every launched rank (each a node), on the
+    launched rank's host; returns the merged communicator (launched ranks first, then
+    node 0's workers, node 1's, ...). Collective over ``launched``."""
+    hosts = _allgather_str(launched, socket.gethostname(), MPI)
+    n = launched.Get_size()
+    infos = []
+    for host in hosts:
+        info = MPI.Info.Create()
+        info.Set("host", host)
+        infos.append(info)
+    try:
+        inter = launched.Spawn_multiple([sys.executable] * n, [command] * n, [per_node] * n,
+                                        infos, root=0)
+    except MPI.Exception as exc:
+        raise MountError(f"could not start {per_node} worker ranks per node "
+                         f"(MPI_Comm_spawn_multiple: {exc.Get_error_string()}); launch "
+                         "with --ranks-per-node, or mount with --workers 0") from None
+    finally:
+        for info in infos:
+            info.Free()
+    merged = inter.Merge(high=False)
+    comm = merged.Dup()
+    merged.Free()
+    node_of = list(range(n))  # the parents: one node each, in rank order
+    _allgather_int(comm, node_of[comm.Get_rank()] if comm.Get_rank() < n else -1, MPI)
+    return comm, inter
+
+
+def _fill_spawned(node_of: list[int]) -> list[int]:
+    """The node of every rank after a spawn: parents said theirs, children sent -1 and
+    come in node order, ``per_node`` each."""
+    parents = [x for x in node_of if x >= 0]
+    children = len(node_of) - len(parents)
+    per_node = children // max(1, len(parents))
+    out = list(node_of)
+    k = 0
+    for i, x in enumerate(out):
+        if x < 0:
+            out[i] = k // per_node
+            k += 1
+    return out
+
+
 def _slurm_tasks() -> int | None:
     """Number of tasks of this Slurm step, if srun (not mpiexec) launched us."""
     if os.environ.get("SLURM_STEP_ID") is None:
@@ -169,8 +446,11 @@ def _slurm_tasks() -> int | None:
     return int(value) if value and value.isdigit() else None
 
 
-def substitute(path: str, rank: int) -> str:
-    return path.replace("{rank}", str(rank)).replace("{host}", node_name())
+def substitute(path: str, node: int) -> str:
+    """``{node}`` and ``{rank}`` (its older name: a rank was a node) become the node's
+    index in the job, ``{host}`` the node's name."""
+    return (path.replace("{node}", str(node)).replace("{rank}", str(node))
+            .replace("{host}", node_name()))
 
 
 def launcher_world_size() -> int | None:

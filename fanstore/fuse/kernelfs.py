@@ -64,7 +64,8 @@ _ATTR_OUT = struct.Struct("=QII" + "QQQQQQIIIIIIIIII")
 #: Reader counters kept in each worker's row of the shared table (after the engine's).
 READ_COUNTERS = ("reads", "bytes_returned", "local_reads", "local_bytes", "remote_reads",
                  "remote_bytes", "refetched", "chunks_decoded", "errors", "decode_ns",
-                 "cache_hits", "cache_misses", "cache_bytes", "cache_budget")
+                 "cache_hits", "cache_misses", "cache_bytes", "cache_budget",
+                 "served_requests", "served_bytes", "remote_failovers")
 READ_COL0 = 96
 
 
@@ -258,10 +259,11 @@ class RowPublisher:
     into its row of the shared counters table (columns READ_COL0..), where the daemon sums
     every worker's; called after each request that read data (a dozen 8-byte stores)."""
 
-    def __init__(self, row, stats, cache) -> None:
+    def __init__(self, row, stats, cache, served=None) -> None:
         self.row = row
         self.stats = stats
         self.cache = cache
+        self.served = served  # a worker rank's MPI transport: what it served other nodes
 
     def publish(self) -> None:
         s, c, row = self.stats, self.cache, self.row
@@ -279,6 +281,14 @@ class RowPublisher:
         row[READ_COL0 + 11] = c.misses
         row[READ_COL0 + 12] = c.used
         row[READ_COL0 + 13] = c.budget
+        row[READ_COL0 + 16] = s.remote_failovers
+        if self.served is not None:
+            self.publish_served()
+
+    def publish_served(self) -> None:
+        row, t = self.row, self.served
+        row[READ_COL0 + 14] = t.served_requests
+        row[READ_COL0 + 15] = t.served_bytes
 
 
 _COL = {name: READ_COL0 + i for i, name in enumerate(READ_COUNTERS)}
@@ -292,6 +302,8 @@ def summed_stats(counters) -> dict[str, Any]:
     out: dict[str, Any] = {name: sums[col] for name, col in _COL.items()}
     out["decode_seconds"] = round(out.pop("decode_ns") / 1e9, 6)
     out["refetched_from_replica"] = out.pop("refetched")
+    out["worker_served_requests"] = out.pop("served_requests")
+    out["worker_served_bytes"] = out.pop("served_bytes")
     out["requests"] = sum(sums[:OP_COLS])
     out["requests_by_op"] = counters.requests_by_op
     out["fuse_events"] = {k: v for k, v in counters.events.items()
@@ -324,6 +336,38 @@ def _make_handler_factory(spec: dict[str, Any], index, fs: FsOps, session):
         return KernelHandler(fs, reader, publish=publisher.publish)
 
     return factory
+
+
+def serve_worker(socket_path: str, index, reader, timeout: float = 300.0,
+                 alive=lambda: True, served=None) -> str:
+    """An external worker (an MPI worker rank of a node, :mod:`fanstore.noderank`): join
+    the kernel frontend at ``socket_path`` (:mod:`fanstore.fuse.kernel.handoff`), serve
+    FUSE requests with ``reader`` (this node's partitions from disk, other nodes' over
+    MPI) until the mount goes away, then tell the frontend. Returns why it stopped."""
+    from fanstore.fuse.kernel import RequestCounters, handoff
+    from fanstore.fuse.kernel.dispatch import Dispatcher
+    from fanstore.namespace import Namespace
+
+    grant, sock = handoff.join(socket_path, timeout, alive)
+    counters = RequestCounters.attach(grant.counters, writable=True) if grant.counters \
+        else None
+    row = counters.row(grant.slot) if counters is not None else None
+    publisher = RowPublisher(row, reader.stats, reader.cache, served) if row is not None \
+        else None
+    if publisher is not None:
+        publisher.publish()
+        if served is not None:
+            served.on_served = publisher.publish_served
+    handler = KernelHandler(FsOps(Namespace(index)), reader,
+                            publish=publisher.publish if publisher else None)
+    try:
+        Dispatcher(grant.fd, handler, bufsize=grant.bufsize, row=row).run()
+    finally:
+        if publisher is not None:
+            publisher.publish()
+        os.close(grant.fd)
+        handoff.say_gone(sock)
+    return "unmounted"
 
 
 def read_spec(fd: int, limit: int = 64 << 20) -> dict[str, Any]:
@@ -393,9 +437,14 @@ def frontend_main(spec_fd: int) -> int:
             report("ready\n")
             os.close(ready_fd)  # the daemon stops reading here; EOF if we die before
 
-        factory = _make_handler_factory(spec, index, fs, session)
-        reason = session.serve(factory, workers=int(spec["workers"]),
-                               on_ready=on_ready)
+        if int(spec.get("external_workers") or 0):
+            # MPI worker ranks serve (noderank.py): they connect and get the connection
+            reason = session.serve_external(spec["worker_socket"],
+                                            int(spec["external_workers"]), on_ready=on_ready)
+        else:
+            factory = _make_handler_factory(spec, index, fs, session)
+            reason = session.serve(factory, workers=int(spec["workers"]),
+                                   on_ready=on_ready)
         log.info("kernel frontend: %s", reason)
         return 0
     except FanStoreError as exc:
@@ -422,6 +471,7 @@ class KernelFrontend:
         self.proc: subprocess.Popen | None = None
         rt = ctx.runtime or runtime.MountRuntime.create(ctx.mountpoint)
         self.counters_path = rt.counters_path
+        self.worker_socket = os.path.join(rt.path, "workers.sock")
         self._counters = None
         self._reason: str | None = None
         # Every read is served by the workers, whose caches share --cache-mb; the daemon's
@@ -443,6 +493,8 @@ class KernelFrontend:
             "replicated": ctx.replicated, "socket_path": ctx.socket_path,
             "counters_path": self.counters_path,
             "workers": opts.worker_count(),
+            "external_workers": ctx.external_workers,
+            "worker_socket": self.worker_socket,
             "cache_bytes": (opts.cache_mb << 20) // max(1, opts.worker_count()),
             "allow_other": opts.allow_other, "fsname": opts.fsname,
             "remote_timeout": ctx.remote_timeout, "ready_fd": w, "daemon_pid": os.getpid(),

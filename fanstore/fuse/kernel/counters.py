@@ -73,12 +73,18 @@ class RequestCounters:
         self._table = memoryview(self._mm)[_HEADER.size:].cast("Q")
 
     @classmethod
-    def attach(cls, path: str) -> RequestCounters:
-        """Map an existing counters file read-only (another process owns it)."""
+    def attach(cls, path: str, writable: bool = False) -> RequestCounters:
+        """Map an existing counters file read-only (another process owns it), or, for a
+        worker that was not forked by the session (``writable``: it writes its own row),
+        read-write; never through a symlink."""
         self = cls.__new__(cls)
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW
+                     | os.O_CLOEXEC)
         try:
-            self._mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            if writable:
+                self._mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED)
+            else:
+                self._mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
         magic, version, rows, cols = _HEADER.unpack_from(self._mm, 0)

@@ -255,6 +255,7 @@ class KernelSession:
         self._serving = False
         self._supervisor_pid = 0
         self._mounted = False
+        self._granted: list[int] = []
 
     # ----------------------------------------------------------------------------------------
     # mount / unmount
@@ -439,6 +440,123 @@ class KernelSession:
         if result.reason == "crash-loop":
             raise MountError(result.message)
         return result.reason
+
+    def serve_external(self, socket_path: str, workers: int, *,
+                       on_ready: Callable[[KernelSession], None] | None = None,
+                       handle_signals: bool | None = None,
+                       connect_timeout: float = 300.0) -> str:
+        """Answer INIT, then hand the connection to ``workers`` processes that connect to
+        ``socket_path`` (:mod:`.handoff`: processes this one must not fork, such as MPI
+        ranks), and supervise them until the mount ends.
+
+        Returns "unmounted" (removed from outside: a worker says its connection is gone),
+        or "stopped" (signal or :meth:`stop`). Raises MountError when the workers do not
+        all connect within ``connect_timeout`` or every one of them is gone.
+        """
+        from .handoff import HandoffServer
+
+        if self.fd < 0:
+            raise MountError("mount() first")
+        if workers < 1:
+            raise MountError(f"workers must be at least 1, not {workers}")
+        in_main = threading.current_thread() is threading.main_thread()
+        handle_signals = in_main if handle_signals is None else handle_signals
+        self._serving = True
+        self._stop_requested = False
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        old_handlers: dict[int, Any] = {}
+        server = None
+        try:
+            if handle_signals:
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                    old_handlers[sig] = signal.signal(sig, self._on_signal)
+            self.negotiate()
+            self.counters = RequestCounters(1 + workers, self.counters_path)
+            self.counters.row(0)[Op.INIT] += 1
+            server = HandoffServer(socket_path)
+            info = {"bufsize": self._bufsize(), "counters": self.counters_path,
+                    "minor": self.conn.minor, "flags": self.conn.flags}
+            server.accept(workers, self._grant, info, connect_timeout,
+                          stop=lambda: self._stop_requested)
+            self._set_read_ahead()
+            if on_ready is not None:
+                on_ready(self)
+            reason = self._supervise_external(server)
+        except BaseException:
+            if self._mounted:
+                with contextlib.suppress(MountError):
+                    self.unmount(lazy=True)
+            raise
+        finally:
+            if server is not None:
+                server.close()
+            for sig, h in old_handlers.items():
+                signal.signal(sig, h)
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
+            self._wake_r = self._wake_w = -1
+            self._serving = False
+        self.exit_reason = reason
+        return reason
+
+    def _grant(self, slot: int) -> int:
+        """A descriptor for an external worker (sent, then closed here: the worker holds
+        the only reference, so its death ends what it had read)."""
+        fd = self._clone() if self.clone_fd else -1
+        if fd < 0:
+            fd = os.dup(self.fd)
+        self._granted.append(fd)
+        return fd
+
+    def _supervise_external(self, server) -> str:
+        for fd in self._granted:
+            os.close(fd)  # sent: the workers hold them now
+        self._granted.clear()
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        by_fd = {}
+        for slot, conn in server.workers.items():
+            poller.register(conn.fileno(), select.POLLIN)
+            by_fd[conn.fileno()] = (slot, conn)
+        while True:
+            if self._stop_requested:
+                self.unmount_quietly()
+                return "stopped"
+            for fd, _ev in poller.poll():
+                if fd == self._wake_r:
+                    with contextlib.suppress(BlockingIOError):
+                        while os.read(self._wake_r, 64):
+                            pass
+                    continue
+                slot, conn = by_fd[fd]
+                try:
+                    data = conn.recv(16)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                poller.unregister(fd)
+                del by_fd[fd]
+                if data.startswith(b"U"):
+                    log.info("%s: unmounted from outside", self.mountpoint)
+                    self._mounted = False
+                    return "unmounted"
+                log.warning("%s: worker rank in slot %d is gone", self.mountpoint, slot)
+                if self.conn.kernel_flags & _notify.HAS_RESEND:
+                    _notify.notify_resend(self.fd)
+                if not by_fd:
+                    self.unmount_quietly()
+                    raise MountError(f"{self.mountpoint}: every worker rank is gone; "
+                                     "unmounted")
+
+    def unmount_quietly(self) -> None:
+        if self._mounted:
+            try:
+                self.unmount()
+            except MountError as exc:
+                log.warning("%s; unmounting lazily", exc)
+                with contextlib.suppress(MountError):
+                    self.unmount(lazy=True)
 
     def _set_read_ahead(self) -> None:
         kb = self.init.read_ahead_kb

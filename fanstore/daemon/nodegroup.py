@@ -1,0 +1,161 @@
+"""What a node's leader tells its worker ranks, over the node's communicator.
+
+Three messages, each a polled ``Ibcast`` from the leader (rank 0 of ``Job.node_comm``) to
+the node's worker ranks, in this order:
+
+1. **hello**: the leader's pid (a worker exits when its leader is gone, whatever MPI
+   does), sent as soon as the job is laid out.
+2. **spec**: what to serve (JSON: the node's data directory, its partitions, the
+   placement table, the index copy, the kernel frontend's worker socket, timeouts and
+   budgets) or ``{"ok": false, "error": ...}`` when the node failed to start.
+3. **exit**: the node is done (drained): stop serving and finalize MPI (``clean``) or
+   leave without MPI_Finalize (a peer died).
+
+JSON, never pickle; sizes travel first as an int64. Waits never spin (``Test`` with a
+growing sleep) and give up when the leader's process is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from fanstore.daemon.transport import Backoff
+from fanstore.errors import MountError
+from fanstore.process import pid_alive
+
+
+def _wait(req, alive: Callable[[], bool] | None = None, backoff: Backoff | None = None,
+          deadline: float | None = None) -> bool:
+    backoff = backoff or Backoff(100e-6, 20e-3)
+    while not req.Test():
+        if alive is not None and not alive():
+            return False
+        if deadline is not None and time.monotonic() > deadline:
+            return False
+        backoff.sleep()
+    return True
+
+
+def _bcast_bytes(comm, data: bytes | None, alive=None) -> bytes | None:
+    """Leader (data given) or worker (None): one message; None if the leader died."""
+    n = np.array([len(data) if data is not None else 0], dtype=np.int64)
+    if not _wait(comm.Ibcast(n, root=0), alive):
+        return None
+    buf = bytearray(data) if data is not None else bytearray(int(n[0]))
+    if len(buf) and not _wait(comm.Ibcast([buf, len(buf), _byte(comm)], root=0), alive):
+        return None
+    return bytes(buf)
+
+
+def _byte(comm):
+    from mpi4py import MPI
+
+    return MPI.BYTE
+
+
+class LeaderSide:
+    """The leader's half (no-ops when the node has no worker ranks)."""
+
+    def __init__(self, job) -> None:
+        self.job = job
+        self.active = job is not None and len(job.workers_of(job.node)) > 0
+        self.spec_sent = False
+        self.exit_sent = False
+        self.worker_pids: list[int] = []
+
+    def hello(self, pid: int) -> None:
+        """Tell the workers our pid; learn theirs (to wait for them at the end)."""
+        if self.active:
+            _bcast_bytes(self.job.node_comm, json.dumps({"pid": pid}).encode())
+            pids = np.zeros(self.job.node_comm.Get_size(), dtype=np.int64)
+            _wait(self.job.node_comm.Igather(np.array([pid], dtype=np.int64), pids, root=0))
+            self.worker_pids = [int(p) for p in pids[1:]]
+
+    def wait_workers_gone(self, timeout: float = 15.0) -> bool:
+        """After MPI_Finalize: wait (bounded) until every worker rank's process has exited,
+        so that the launcher sees the workers end before their leader (hydra tears the
+        job down, SIGKILL included, when the launched ranks are gone while spawned ones
+        still run)."""
+        deadline = time.monotonic() + timeout
+        backoff = Backoff(1e-3, 50e-3)
+        while any(pid_alive(p) for p in self.worker_pids):
+            if time.monotonic() > deadline:
+                return False
+            backoff.sleep()
+        return True
+
+    def spec(self, spec: dict[str, Any]) -> None:
+        if self.active and not self.spec_sent:
+            self.spec_sent = True
+            _bcast_bytes(self.job.node_comm, json.dumps(dict(spec, ok=True)).encode())
+
+    def failed(self, error: str) -> None:
+        """The node did not start: workers exit (if the spec was not sent yet)."""
+        if self.active and not self.spec_sent:
+            self.spec_sent = True
+            _bcast_bytes(self.job.node_comm, json.dumps({"ok": False,
+                                                         "error": error}).encode())
+
+    def exit(self, clean: bool) -> None:
+        if self.active and not self.exit_sent:
+            self.exit_sent = True
+            _bcast_bytes(self.job.node_comm, json.dumps({"clean": clean}).encode())
+
+
+class WorkerSide:
+    """A worker rank's half."""
+
+    def __init__(self, job) -> None:
+        self.job = job
+        self.leader_pid = 0
+        self.finished = False  # the exit message came: the leader may go
+        self._exit_req = None
+        self._exit_n = np.zeros(1, dtype=np.int64)
+
+    def leader_alive(self) -> bool:
+        return self.leader_pid == 0 or pid_alive(self.leader_pid)
+
+    def hello(self) -> None:
+        from fanstore.daemon.launcher import launcher_alive
+
+        data = _bcast_bytes(self.job.node_comm, None, launcher_alive)
+        if data is None:
+            raise MountError("the MPI launcher is gone")
+        self.leader_pid = int(json.loads(data)["pid"])
+        _wait(self.job.node_comm.Igather(np.array([os.getpid()], dtype=np.int64), None,
+                                         root=0))
+
+    def spec(self) -> dict[str, Any]:
+        """The leader's spec; MountError when the node failed or the leader died."""
+        data = _bcast_bytes(self.job.node_comm, None, self.leader_alive)
+        if data is None:
+            raise MountError("the node's daemon died before it was ready")
+        spec = json.loads(data)
+        if not spec.get("ok"):
+            raise MountError(str(spec.get("error", "the node's daemon failed to start")))
+        return spec
+
+    def exit_posted(self) -> bool:
+        """Poll (without waiting) for the leader's exit message: True once it came. The
+        first call posts the receive."""
+        if self._exit_req is None:
+            self._exit_req = self.job.node_comm.Ibcast(self._exit_n, root=0)
+        return bool(self._exit_req.Test())
+
+    def exit(self) -> bool | None:
+        """Wait for the exit message; returns ``clean``, or None if the leader died."""
+        if self._exit_req is None:
+            self._exit_req = self.job.node_comm.Ibcast(self._exit_n, root=0)
+        if not _wait(self._exit_req, self.leader_alive):
+            return None
+        size = int(self._exit_n[0])
+        buf = bytearray(size)
+        if size and not _wait(self.job.node_comm.Ibcast([buf, size, _byte(self.job.node_comm)],
+                                                        root=0), self.leader_alive):
+            return None
+        return bool(json.loads(bytes(buf)).get("clean"))

@@ -1,0 +1,175 @@
+"""A node's worker ranks: FUSE serving and remote service spread over MPI processes.
+
+With the kernel frontend in a multi-node job, the FUSE requests of a node's mount are
+served by its *worker ranks*, MPI processes of their own (launched with the leader, or
+spawned by it under hydra: :mod:`fanstore.daemon.world`). Each worker rank
+
+- receives from its leader (:mod:`fanstore.daemon.nodegroup`) what to serve: the node's
+  data directory and partitions, the placement table, the index copy (mapped, shared with
+  every process of the node), the kernel frontend's worker socket;
+- answers other nodes' reads of this node's partitions with its own MPI server thread
+  (:class:`~fanstore.daemon.transport.MpiTransport`: pread + Isend from the buffer);
+- joins the kernel frontend (:func:`fanstore.fuse.kernelfs.serve_worker`: the /dev/fuse
+  descriptor arrives by ``SCM_RIGHTS``) and serves READs with its own read core: this
+  node's chunks by pread + decode, other nodes' straight over MPI from a rank of the
+  holder node (:class:`~fanstore.daemon.routing.PeerSource`);
+- after the unmount keeps serving its peers until the leader says the job is done, then
+  finalizes MPI with everyone (or leaves without it when a peer died).
+
+So neither side of a remote read crosses a single per-node process: K readers of a node
+ask K different ranks of the holder. A worker rank ignores SIGTERM/SIGINT (its leader
+coordinates the stop) and exits at once if its leader's process is gone.
+
+This is the composition of the daemon layer (MPI) and the FUSE layer (kernel protocol),
+so it lives beside :mod:`fanstore.launch`. ``python -m fanstore.noderank`` is what a
+leader spawns.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import sys
+import threading
+import time
+
+from fanstore.daemon.launcher import launcher_alive, shim
+from fanstore.daemon.nodegroup import WorkerSide
+from fanstore.daemon.world import World
+from fanstore.errors import FanStoreError
+from fanstore.process import setup_logging
+
+log = logging.getLogger("fanstore.noderank")
+
+
+def run_worker(world: World, debug: bool = False) -> tuple[int, bool]:
+    """Serve as a worker rank of ``world.job``'s node until the leader says the job is
+    done. Returns (exit status, whether MPI may be finalized)."""
+    job = world.job
+    setup_logging(debug, sys.stderr, fmt=(
+        f"%(asctime)s fanstore[node {job.node} worker rank {job.rank}] %(levelname)s: "
+        "%(message)s"))
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+        signal.signal(s, signal.SIG_IGN)
+    side = WorkerSide(job)
+    side.hello()
+    log.debug("leader pid %d", side.leader_pid)
+    threading.Thread(target=_watch_leader, args=(side,), name="fanstore-leader-watch",
+                     daemon=True).start()
+    try:
+        spec = side.spec()
+    except FanStoreError as exc:
+        log.info("not serving: %s", exc)
+        clean = side.exit()
+        side.finished = True
+        return 1, bool(clean)
+    transport = parts = None
+    try:
+        transport, parts, reader = _build(job, spec)
+        from fanstore.fuse import kernelfs
+
+        reason = kernelfs.serve_worker(spec["worker_socket"], reader.index, reader,
+                                       timeout=float(spec.get("connect_timeout", 300)),
+                                       alive=lambda: side.leader_alive()
+                                       and not side.exit_posted(),
+                                       served=transport)
+        log.debug("FUSE serving ended (%s); serving peers until the node is done", reason)
+    except FanStoreError as exc:
+        log.error("%s", exc)
+    log.debug("waiting for the node's exit")
+    clean = side.exit()
+    side.finished = True  # the leader may exit from now on: stop watching it
+    log.debug("exit (clean %s)", clean)
+    if transport is not None:
+        transport.stop()
+    if parts is not None:
+        parts.close()
+    if clean is None:
+        log.warning("the node's daemon is gone; leaving without MPI_Finalize")
+        return 1, False
+    return 0, clean
+
+
+def _build(job, spec):
+    from fanstore.daemon.routing import PeerSource
+    from fanstore.daemon.transport import MpiTransport
+    from fanstore.format.index import map_index_body
+    from fanstore.namespace import Namespace
+    from fanstore.read import ChunkReader, LocalPartitions, ReadStats, RoutedSource
+
+    index = map_index_body(spec["index_copy"], owner=os.geteuid())
+    parts = LocalPartitions(spec["data_dir"], index, [int(p) for p in spec["local_parts"]])
+    transport = MpiTransport(job.comm, parts, on_control=lambda msg: None,
+                             idle_sleep=float(spec.get("idle_sleep", 2e-3)))
+    transport.start()
+    stats = ReadStats()
+    ns = Namespace(index)
+    peers = PeerSource(transport, spec["table"], job.node, job.nodes,
+                       float(spec["remote_timeout"]), stats, show=ns.show,
+                       ranks_of=job.ranks_of, me=job.rank)
+    reader = ChunkReader(index, RoutedSource(parts, peers),
+                         cache_bytes=int(spec["cache_bytes"]), stats=stats)
+    return transport, parts, reader
+
+
+def _watch_leader(side: WorkerSide) -> None:
+    """A worker never outlives its leader (nor the launcher): it sleeps on a pidfd of the
+    leader (woken the moment the leader's process ends), checking the launcher now and
+    then."""
+    try:
+        pidfd = os.pidfd_open(side.leader_pid)
+    except OSError:
+        pidfd = -1
+    while not side.finished:
+        if pidfd >= 0:
+            ready, _, _ = select.select([pidfd], [], [], 2.0)
+            gone = bool(ready)
+        else:
+            time.sleep(0.5)
+            gone = not side.leader_alive()
+        if side.finished:
+            return
+        if gone or not launcher_alive():
+            log.error("the node's daemon (pid %d) is gone; exiting", side.leader_pid)
+            os._exit(1)
+
+
+def spawned_main() -> int:
+    """``python -m fanstore.noderank``: a worker rank spawned by the leaders."""
+    code = shim()  # under hydra: continue in a forked process of its own process group
+    if code is not None:
+        sys.exit(code)
+    debug = "--debug" in sys.argv[1:]
+    try:
+        world = World.for_spawned_worker()
+    except FanStoreError as exc:
+        print(f"fanstore: error: {exc}", file=sys.stderr, flush=True)
+        os._exit(1)
+    code, clean = run_worker(world, debug)
+    finalized = finish(world, clean)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if finalized:
+        sys.exit(code)
+    os._exit(code)
+
+
+def finish(world: World, clean: bool) -> bool:
+    """MPI_Finalize with the whole job (after its last barrier), or nothing when a peer
+    died (finalizing with a dead peer hangs or aborts). Returns whether MPI was finalized:
+    only then may the process exit normally (the C library's exit handlers run: MPICH's
+    hydra ends the job when a process leaves with _exit after MPI_Finalize, measured);
+    otherwise it must leave at once (os._exit: nothing may wait on a dead peer)."""
+    if not clean:
+        return False
+    if not world.finish_job():
+        log.warning("not every rank reached the end of the job; leaving without "
+                    "MPI_Finalize")
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    spawned_main()
