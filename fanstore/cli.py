@@ -59,6 +59,30 @@ _nonneg_int = _number(int, 0, strict=False)
 _positive_float = _number(float, 0.0, strict=True)
 
 
+def _size(text: str) -> int:
+    """An argparse type: a size in bytes (500G, 1.5T, 800M, 123456: fanstore.units)."""
+    from fanstore.units import parse_size
+
+    try:
+        value = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, got {text!r}")
+    return value
+
+
+def _replicas(text: str) -> int | str:
+    """An argparse type: a number of copies, or ``auto``."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of copies (at least 1) or "
+                                         f"'auto', got {text!r}") from None
+
+
 # --------------------------------------------------------------------------- pack
 
 
@@ -213,14 +237,21 @@ def cmd_mount(args) -> int:
     if is_url(args.store) and not args.local_dir:
         raise UsageError(f"{args.store} is in object storage: mounting it needs --local-dir "
                          "(node-local storage to stage its partitions into)")
+    if args.local_capacity is not None and args.replicas != "auto":
+        raise UsageError("--local-capacity sizes --replicas auto: give --replicas auto, or "
+                         "leave --local-capacity out")
+    if args.local_capacity is not None and not args.local_dir:
+        raise UsageError("--local-capacity is the room for staged partitions: it needs "
+                         "--local-dir")
     options = NodeOptions(
         store=args.store, mountpoint=args.mountpoint,
         mount=MountOptions(frontend=args.frontend, cache_mb=args.cache_mb,
                            threads=args.threads, workers=args.workers,
                            allow_other=args.allow_other, mode=args.mode,
                            prefetch_mb=args.prefetch_mb),
-        local_dir=args.local_dir, replicas=args.replicas, remote_timeout=args.remote_timeout,
-        keep_local=args.keep_local, stage_jobs=args.stage_jobs)
+        local_dir=args.local_dir, replicas=args.replicas, local_capacity=args.local_capacity,
+        remote_timeout=args.remote_timeout, keep_local=args.keep_local,
+        stage_jobs=args.stage_jobs)
 
     def notify(text: str) -> None:
         print(f"fanstore: {text}", file=sys.stderr, flush=True)
@@ -624,8 +655,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log", help="log file of a background daemon")
     s.add_argument("--local-dir", help="node-local directory to stage partitions into "
                                        "({rank} and {host} are substituted)")
-    s.add_argument("--replicas", type=_positive_int, default=1,
-                   help="copies of each partition on consecutive ranks (default 1)")
+    s.add_argument("--replicas", type=_replicas, default=1, metavar="K|auto",
+                   help="copies of each partition on consecutive ranks (default 1); 'auto': "
+                        "as many as fit in --local-capacity (or else the free space of "
+                        "--local-dir, less 5%% of its file system up to 1 GiB) on every "
+                        "node, every partition on every node when the store fits, so that "
+                        "every read is local (without --local-dir: 1)")
+    s.add_argument("--local-capacity", type=_size, default=None, metavar="SIZE",
+                   help="room for this store on each node's --local-dir with --replicas auto, "
+                        "e.g. 500G, 1.5T, 800M (K, M, G, T: powers of 1024; KB, MB, GB, TB: of "
+                        "1000) or bytes; 'fanstore info STORE --local-capacity SIZE' shows "
+                        "how many copies fit")
     s.add_argument("--remote-timeout", type=_positive_float, default=30.0,
                    help="seconds before an unanswered remote read fails with EIO (default 30)")
     s.add_argument("--keep-local", action="store_true",

@@ -36,6 +36,7 @@ from fanstore.control import ControlServer
 from fanstore.daemon import placement as pl
 from fanstore.daemon import protocol as P
 from fanstore.daemon.launcher import launcher_alive
+from fanstore.daemon.replicas import decide as decide_replicas
 from fanstore.daemon.routing import PeerSource
 from fanstore.daemon.service import OWNER_OPS
 from fanstore.daemon.transport import node_name
@@ -62,7 +63,10 @@ class NodeOptions:
     mountpoint: str
     mount: MountOptions = field(default_factory=MountOptions)
     local_dir: str | None = None
-    replicas: int = 1
+    #: copies of each partition, or "auto": as many as fit (fanstore.daemon.replicas)
+    replicas: int | str = 1
+    #: bytes per node for --replicas auto (None: the free space of local_dir)
+    local_capacity: int | None = None
     remote_timeout: float = 30.0
     keep_local: bool = False
     stage_jobs: int = 4
@@ -260,11 +264,9 @@ class Node:
             if early is not None:
                 raise early
             index = self.load_index()
-            replicas = opts.replicas
-            if replicas > self.size:
-                log.warning("--replicas %d is more than the %d ranks; using %d", replicas,
-                            self.size, self.size)
-                replicas = self.size
+            # collective under --replicas auto: after load_index, before anything can fail
+            replicas = decide_replicas(opts.replicas, index, self.world, self.rank, self.size,
+                                       self.local_dir, opts.local_capacity, self.who)
             self.replicas = replicas
             table = pl.placement([p.broadcast for p in index.partitions], self.size, replicas)
             mine = pl.local_partitions(table, self.rank)
