@@ -429,8 +429,12 @@ def cmd_info(args) -> int:
     from fanstore.format.index import read_index
 
     _storage_setup(args)
+    if args.nodes is not None and args.local_capacity is None:
+        raise UsageError("--nodes goes with --local-capacity (how many copies fit on N nodes)")
     index = read_index(args.store)
     info = _store_info(index)
+    if args.local_capacity is not None:
+        info["local_capacity"] = _capacity_fits(index, args.local_capacity, args.nodes)
     if args.json:
         print(json.dumps(info, indent=2, sort_keys=True))
         return 0
@@ -458,7 +462,44 @@ def cmd_info(args) -> int:
     if info.get("selection"):
         print(f"selection      {info['selection'].get('chosen')} "
               f"(mode {info['selection'].get('mode')})")
+    if "local_capacity" in info:
+        for line in _capacity_lines(info["local_capacity"]):
+            print(line)
     return 0
+
+
+#: Node counts of the ``info --local-capacity`` table (without --nodes).
+CAPACITY_NODES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _capacity_fits(index, capacity: int, nodes: int | None) -> dict[str, Any]:
+    """How many copies of the store fit in ``capacity`` bytes per node, per node count."""
+    from fanstore.daemon.replicas import fit
+
+    sizes = [p.size for p in index.partitions]
+    flags = [p.broadcast for p in index.partitions]
+    counts = (nodes,) if nodes else CAPACITY_NODES
+    return {"bytes": capacity,
+            "fits": [fit(sizes, flags, n, capacity).to_json() for n in counts]}
+
+
+def _capacity_lines(doc: dict[str, Any]) -> list[str]:
+    from fanstore.units import show_size
+
+    lines = [(f"local capacity {show_size(doc['bytes'])} per node: copies that fit "
+              "(--replicas auto)"),
+             f"  {'nodes':>6}  {'copies':>6}  fullest node holds"]
+    for f in doc["fits"]:
+        k, n = f["replicas"], f["nodes"]
+        if k == 0:
+            what = f"nothing fits: one copy needs {show_size(f['one_copy_node_bytes'])}"
+        elif f["every_partition_on_every_node"]:
+            what = f"{show_size(f['node_bytes'])} (every partition on every node)"
+        else:
+            what = (f"{show_size(f['node_bytes'])} ({k + 1} copies would need "
+                    f"{show_size(f['next_copy_node_bytes'])})")
+        lines.append(f"  {n:>6}  {k:>6}  {what}")
+    return lines
 
 
 def _show_store(store: str) -> str:
@@ -719,6 +760,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("info", parents=[common], help="describe a store")
     s.add_argument("store", metavar="STORE")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--local-capacity", type=_size, default=None, metavar="SIZE",
+                   help="also show how many copies of the store fit in SIZE per node "
+                        "(--replicas auto), for 1 to 64 nodes or --nodes N")
+    s.add_argument("--nodes", type=_positive_int, default=None, metavar="N",
+                   help="the node count for --local-capacity (default: a table of 1, 2, 4, "
+                        "8, 16, 32, 64)")
     _add_storage_args(s)
     s.set_defaults(func=cmd_info)
 
@@ -739,6 +786,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "ratio that meets the decompression budget.")
     s.add_argument("src", metavar="SRC")
     _add_select_budget_args(s, for_pack=False)
+    s.add_argument("--local-capacity", type=_size, default=None, metavar="SIZE",
+                   help="also say how many copies of the store packed with the chosen codec "
+                        "fit in SIZE per node (500G, 1.5T, 800M or bytes)")
     s.add_argument("--json", action="store_true", help="print the report as JSON")
     s.add_argument("--plot", metavar="FILE", help="draw ratio vs decode rate (matplotlib)")
     s.set_defaults(func=cmd_select)
