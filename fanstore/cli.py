@@ -71,6 +71,30 @@ _nonneg_int = _number(int, 0, strict=False)
 _positive_float = _number(float, 0.0, strict=True)
 
 
+def _size(text: str) -> int:
+    """An argparse type: a size in bytes (500G, 1.5T, 800M, 123456: fanstore.units)."""
+    from fanstore.units import parse_size
+
+    try:
+        value = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, got {text!r}")
+    return value
+
+
+def _replicas(text: str) -> int | str:
+    """An argparse type: a number of copies, or ``auto``."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of copies (at least 1) or "
+                                         f"'auto', got {text!r}") from None
+
+
 # --------------------------------------------------------------------------- pack
 
 
@@ -225,15 +249,21 @@ def cmd_mount(args) -> int:
     if is_url(args.store) and not args.local_dir:
         raise UsageError(f"{args.store} is in object storage: mounting it needs --local-dir "
                          "(node-local storage to stage its partitions into)")
+    if args.local_capacity is not None and args.replicas != "auto":
+        raise UsageError("--local-capacity sizes --replicas auto: give --replicas auto, or "
+                         "leave --local-capacity out")
+    if args.local_capacity is not None and not args.local_dir:
+        raise UsageError("--local-capacity is the room for staged partitions: it needs "
+                         "--local-dir")
     options = NodeOptions(
         store=args.store, mountpoint=args.mountpoint,
         mount=MountOptions(frontend=args.frontend, cache_mb=args.cache_mb,
                            threads=args.threads, workers=args.workers,
                            allow_other=args.allow_other, mode=args.mode,
                            prefetch_mb=args.prefetch_mb),
-        local_dir=args.local_dir, replicas=args.replicas, remote_timeout=args.remote_timeout,
-        keep_local=args.keep_local, stage_jobs=args.stage_jobs,
-        ranks_per_node=args.ranks_per_node)
+        local_dir=args.local_dir, replicas=args.replicas, local_capacity=args.local_capacity,
+        remote_timeout=args.remote_timeout, keep_local=args.keep_local,
+        stage_jobs=args.stage_jobs, ranks_per_node=args.ranks_per_node)
 
     def notify(text: str) -> None:
         print(f"fanstore: {text}", file=sys.stderr, flush=True)
@@ -411,8 +441,12 @@ def cmd_info(args) -> int:
     from fanstore.format.index import read_index
 
     _storage_setup(args)
+    if args.nodes is not None and args.local_capacity is None:
+        raise UsageError("--nodes goes with --local-capacity (how many copies fit on N nodes)")
     index = read_index(args.store)
     info = _store_info(index)
+    if args.local_capacity is not None:
+        info["local_capacity"] = _capacity_fits(index, args.local_capacity, args.nodes)
     if args.json:
         print(json.dumps(info, indent=2, sort_keys=True))
         return 0
@@ -440,7 +474,44 @@ def cmd_info(args) -> int:
     if info.get("selection"):
         print(f"selection      {info['selection'].get('chosen')} "
               f"(mode {info['selection'].get('mode')})")
+    if "local_capacity" in info:
+        for line in _capacity_lines(info["local_capacity"]):
+            print(line)
     return 0
+
+
+#: Node counts of the ``info --local-capacity`` table (without --nodes).
+CAPACITY_NODES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _capacity_fits(index, capacity: int, nodes: int | None) -> dict[str, Any]:
+    """How many copies of the store fit in ``capacity`` bytes per node, per node count."""
+    from fanstore.daemon.replicas import fit
+
+    sizes = [p.size for p in index.partitions]
+    flags = [p.broadcast for p in index.partitions]
+    counts = (nodes,) if nodes else CAPACITY_NODES
+    return {"bytes": capacity,
+            "fits": [fit(sizes, flags, n, capacity).to_json() for n in counts]}
+
+
+def _capacity_lines(doc: dict[str, Any]) -> list[str]:
+    from fanstore.units import show_size
+
+    lines = [(f"local capacity {show_size(doc['bytes'])} per node: copies that fit "
+              "(--replicas auto)"),
+             f"  {'nodes':>6}  {'copies':>6}  fullest node holds"]
+    for f in doc["fits"]:
+        k, n = f["replicas"], f["nodes"]
+        if k == 0:
+            what = f"nothing fits: one copy needs {show_size(f['one_copy_node_bytes'])}"
+        elif f["every_partition_on_every_node"]:
+            what = f"{show_size(f['node_bytes'])} (every partition on every node)"
+        else:
+            what = (f"{show_size(f['node_bytes'])} ({k + 1} copies would need "
+                    f"{show_size(f['next_copy_node_bytes'])})")
+        lines.append(f"  {n:>6}  {k:>6}  {what}")
+    return lines
 
 
 def _show_store(store: str) -> str:
@@ -644,8 +715,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log", help="log file of a background daemon")
     s.add_argument("--local-dir", help="node-local directory to stage partitions into "
                                        "({node} or {rank}, and {host} are substituted)")
-    s.add_argument("--replicas", type=_positive_int, default=1,
-                   help="copies of each partition on consecutive ranks (default 1)")
+    s.add_argument("--replicas", type=_replicas, default=1, metavar="K|auto",
+                   help="copies of each partition on consecutive nodes (default 1); 'auto': "
+                        "as many as fit in --local-capacity (or else the free space of "
+                        "--local-dir, less 5%% of its file system up to 1 GiB) on every "
+                        "node, every partition on every node when the store fits, so that "
+                        "every read is local (without --local-dir: 1)")
+    s.add_argument("--local-capacity", type=_size, default=None, metavar="SIZE",
+                   help="room for this store on each node's --local-dir with --replicas auto, "
+                        "e.g. 500G, 1.5T, 800M (K, M, G, T: powers of 1024; KB, MB, GB, TB: of "
+                        "1000) or bytes; 'fanstore info STORE --local-capacity SIZE' shows "
+                        "how many copies fit")
     s.add_argument("--remote-timeout", type=_positive_float, default=30.0,
                    help="seconds before an unanswered remote read fails with EIO (default 30)")
     s.add_argument("--keep-local", action="store_true",
@@ -699,6 +779,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("info", parents=[common], help="describe a store")
     s.add_argument("store", metavar="STORE")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--local-capacity", type=_size, default=None, metavar="SIZE",
+                   help="also show how many copies of the store fit in SIZE per node "
+                        "(--replicas auto), for 1 to 64 nodes or --nodes N")
+    s.add_argument("--nodes", type=_positive_int, default=None, metavar="N",
+                   help="the node count for --local-capacity (default: a table of 1, 2, 4, "
+                        "8, 16, 32, 64)")
     _add_storage_args(s)
     s.set_defaults(func=cmd_info)
 
@@ -719,6 +805,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "ratio that meets the decompression budget.")
     s.add_argument("src", metavar="SRC")
     _add_select_budget_args(s, for_pack=False)
+    s.add_argument("--local-capacity", type=_size, default=None, metavar="SIZE",
+                   help="also say how many copies of the store packed with the chosen codec "
+                        "fit in SIZE per node (500G, 1.5T, 800M or bytes)")
     s.add_argument("--json", action="store_true", help="print the report as JSON")
     s.add_argument("--plot", metavar="FILE", help="draw ratio vs decode rate (matplotlib)")
     s.set_defaults(func=cmd_select)

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("codecs", ("compressors",)),
     ("format", ("fanstore.version", "fanstore.errors", "fanstore.safeio", "fanstore.storage",
-                "fanstore.format")),
+                "fanstore.units", "fanstore.format")),
     ("read core", ("fanstore.namespace", "fanstore.read", "fanstore.store", "fanstore.verify",
                    "fanstore.kinds")),
     ("services", ("fanstore.runtime", "fanstore.process", "fanstore.mounttable",

@@ -37,6 +37,7 @@ from fanstore.daemon import placement as pl
 from fanstore.daemon import protocol as P
 from fanstore.daemon.launcher import launcher_alive
 from fanstore.daemon.nodegroup import LeaderSide
+from fanstore.daemon.replicas import decide as decide_replicas
 from fanstore.daemon.routing import PeerSource
 from fanstore.daemon.service import OWNER_OPS
 from fanstore.daemon.transport import node_name
@@ -63,7 +64,10 @@ class NodeOptions:
     mountpoint: str
     mount: MountOptions = field(default_factory=MountOptions)
     local_dir: str | None = None
-    replicas: int = 1
+    #: copies of each partition, or "auto": as many as fit (fanstore.daemon.replicas)
+    replicas: int | str = 1
+    #: bytes per node for --replicas auto (None: the free space of local_dir)
+    local_capacity: int | None = None
     remote_timeout: float = 30.0
     keep_local: bool = False
     stage_jobs: int = 4
@@ -272,15 +276,16 @@ class Node:
         opts = self.options
         error: FanStoreError | None = None
         index = table = mine = None
+        # every node learns of an early failure (an unsafe runtime directory) before the
+        # collectives below, which a failed node would otherwise leave the others waiting in
+        if not self.world.all_ok(early is None):
+            raise early or MountError(f"{self.who}: another node failed to start (see its "
+                                      "messages)")
         try:
-            if early is not None:
-                raise early
             index = self.load_index()
-            replicas = opts.replicas
-            if replicas > self.size:
-                log.warning("--replicas %d is more than the %d ranks; using %d", replicas,
-                            self.size, self.size)
-                replicas = self.size
+            # collective under --replicas auto: after load_index, before anything can fail
+            replicas = decide_replicas(opts.replicas, index, self.world, self.rank, self.size,
+                                       self.local_dir, opts.local_capacity, self.who)
             self.replicas = replicas
             table = pl.placement([p.broadcast for p in index.partitions], self.size, replicas)
             mine = pl.local_partitions(table, self.rank)

@@ -170,9 +170,7 @@ def _valid_copy(path: str, size: int, checksum: str, modes: _Modes = _PRIVATE_MO
         return False
     if not _regular_ours(st) or st.st_size != size:
         return False
-    rec = _read_json(_ok_path(path))
-    if rec is not None and (rec.get("size"), rec.get("mtime_ns"),
-                            rec.get("checksum")) == (size, st.st_mtime_ns, checksum):
+    if _recorded(path, st, size, checksum):
         _narrow_mode(path, modes.file)
         _narrow_mode(_ok_path(path), modes.file)
         return True
@@ -196,6 +194,31 @@ def _valid_copy(path: str, size: int, checksum: str, modes: _Modes = _PRIVATE_MO
         return True
     log.warning("%s: staged copy is damaged; copying it again", path)
     return False
+
+
+def _recorded(path: str, st: os.stat_result, size: int, checksum: str) -> bool:
+    """Does the .ok record of ``path`` (stat ``st``) vouch for it as it is now?"""
+    rec = _read_json(_ok_path(path))
+    return rec is not None and (rec.get("size"), rec.get("mtime_ns"),
+                                rec.get("checksum")) == (size, st.st_mtime_ns, checksum)
+
+
+def staged_copies(local_dir: str, index: Index) -> dict[int, int]:
+    """{partition: size} of the copies in ``local_dir`` that staging will reuse without
+    copying: regular files of ours, of the right size, with a current .ok record. Nothing
+    is written or hashed (a copy without a current record is not counted, although
+    staging may find it intact)."""
+    out = {}
+    for info in index.partitions:
+        path = os.path.join(local_dir, partition_name(info.number))
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if _regular_ours(st) and st.st_size == info.size \
+                and _recorded(path, st, info.size, info.checksum):
+            out[info.number] = info.size
+    return out
 
 
 def _fd_checksum(fd: int, block: int = BLOCK) -> str:

@@ -230,6 +230,15 @@ class World:
         self._wait(self.comm.Iallreduce(mine, out, op=self.MPI.MIN))
         return bool(out[0])
 
+    def all_min(self, value: int) -> int:
+        """Collective: the smallest ``value`` any rank passed (an int64 all-reduce)."""
+        if not self.is_mpi:
+            return value
+        mine = np.array([value], dtype=np.int64)
+        out = np.zeros(1, dtype=np.int64)
+        self._wait(self.comm.Iallreduce(mine, out, op=self.MPI.MIN))
+        return int(out[0])
+
     def bcast_bytes(self, data: bytes | None) -> bytes | bytearray:
         """Broadcast bytes from rank 0 (in pieces, so sizes above 2 GiB work)."""
         if not self.is_mpi:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
-from fanstore.select.report import plot, require_matplotlib, table
+from fanstore.select.report import capacity_json, capacity_line, plot, require_matplotlib, table
 from fanstore.select.selector import run_selection, selection_options
 
 
@@ -18,11 +18,18 @@ def run_select_command(args) -> int:
         require_matplotlib()  # fail before the long measurement, not after
     options = selection_options(args)
     result = run_selection(args.src, options)
+    capacity = getattr(args, "local_capacity", None)
+    fits = capacity_json(result, capacity) if capacity else None
     if getattr(args, "json", False):
-        json.dump(result.to_json(), sys.stdout, indent=2)
+        doc = result.to_json()
+        if fits is not None:
+            doc["local_capacity"] = fits
+        json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print(table(result))
+        if fits is not None:
+            print(capacity_line(fits))
     sys.stdout.flush()
     if getattr(args, "plot", None):
         plot(result, args.plot)

@@ -231,6 +231,38 @@ def table(res: "SelectionResult") -> str:
     return "\n".join(lines)
 
 
+def capacity_json(res: "SelectionResult", capacity: int) -> dict[str, Any]:
+    """How many copies of the store packed as chosen fit in ``capacity`` bytes per node,
+    from the predicted ratio (about: the index and partition headers are left out)."""
+    mix = res.per_kind is not None and res.per_kind_cost is not None
+    ratio = res.per_kind_cost.ratio if mix else res.candidate(res.chosen).cost.ratio
+    stored = math.ceil(res.raw_bytes / ratio) if ratio > 0 else res.raw_bytes
+    copies = capacity / stored if stored else math.inf
+    return {"bytes": capacity, "codec": "per-kind mix" if mix else res.chosen,
+            "ratio": _num(ratio, 4), "predicted_stored_bytes": stored,
+            "copies_per_node": _num(copies, 2),
+            "every_partition_on_every_node": copies >= 1,
+            "min_nodes_one_copy": max(1, math.ceil(stored / capacity))}
+
+
+def capacity_line(doc: dict[str, Any]) -> str:
+    """One line of :func:`capacity_json` for the table."""
+    from fanstore.units import show_size
+
+    cap, stored = show_size(doc["bytes"]), show_size(doc["predicted_stored_bytes"])
+    head = (f"capacity  packed with {doc['codec']} at {doc['ratio']:.2f}x, the store would be "
+            f"about {stored}: {cap} per node holds")
+    copies = doc["copies_per_node"]
+    if doc["every_partition_on_every_node"]:
+        n = None if copies is None else math.floor(copies)
+        whole = "any number of whole copies" if n is None else \
+            f"{n} whole cop{'y' if n == 1 else 'ies'}"
+        return (f"{head} {whole} (--replicas auto: every partition on every node, every "
+                "read local)")
+    return (f"{head} {copies:.2f} of it (one copy needs {doc['min_nodes_one_copy']} nodes; "
+            f"on N nodes --replicas auto keeps about N x {copies:.2f} copies)")
+
+
 def _fmt(x: float) -> str:
     if not math.isfinite(x):
         return "inf"
@@ -288,4 +320,5 @@ def plot(res: "SelectionResult", path: str) -> None:
     plt.close(fig)
 
 
-__all__ = ["to_json", "summary_line", "not_met_message", "table", "plot", "require_matplotlib"]
+__all__ = ["to_json", "summary_line", "not_met_message", "table", "plot", "require_matplotlib",
+           "capacity_json", "capacity_line"]
