@@ -115,6 +115,10 @@ def _mount_rank(options: NodeOptions, factory: FrontendFactory, debug: bool,
     # launched with the node (--ranks-per-node K, srun --ntasks-per-node=K), or spawned
     # here when every node was launched with one rank under hydra (mpiexec -n N).
     spawn = options.mount.worker_count() if options.mount.frontend == "kernel" else 0
+    if os.environ.get("FANSTORE_WORKER_RANKS") == "0":
+        # (benchmarks) the older shape: forked FUSE workers, remote reads relayed by the
+        # node's daemon over its control socket
+        spawn = 0
     code = shim()  # under hydra: continue in a forked daemon (see launcher.py)
     if code is not None:
         return Outcome(code, hard_exit=True)

@@ -53,6 +53,9 @@ def run_worker(world: World, debug: bool = False) -> tuple[int, bool]:
         "%(message)s"))
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(s, signal.SIG_IGN)
+    from fanstore.daemon.transport import precise_sleeps
+
+    precise_sleeps()  # this thread polls for remote replies (transport.Pacer)
     side = WorkerSide(job)
     side.hello()
     log.debug("leader pid %d", side.leader_pid)
@@ -108,10 +111,21 @@ def _build(job, spec):
     ns = Namespace(index)
     peers = PeerSource(transport, spec["table"], job.node, job.nodes,
                        float(spec["remote_timeout"]), stats, show=ns.show,
-                       ranks_of=job.ranks_of, me=job.rank)
+                       ranks_of=job.servers_of, me=job.rank)
     reader = ChunkReader(index, RoutedSource(parts, peers),
                          cache_bytes=int(spec["cache_bytes"]), stats=stats)
+    threading.Thread(target=_probe_dead, args=(peers, transport, float(spec["remote_timeout"])),
+                     name="fanstore-probe", daemon=True).start()
     return transport, parts, reader
+
+
+def _probe_dead(peers, transport, timeout: float, interval: float = 5.0) -> None:
+    """Every few seconds, ping the ranks this worker found unreachable: a peer that comes
+    back (a node resumed after a SIGSTOP) is read from again."""
+    while transport.running:
+        time.sleep(interval)
+        if peers.dead:
+            peers.probe(transport.ping, min(5.0, timeout))
 
 
 def _watch_leader(side: WorkerSide) -> None:

@@ -651,6 +651,7 @@ def _server(base) -> MpiTransport:
     index = read_index(str(base["store"]))
     t.parts = LocalPartitions(str(base["store"]), index)
     t.served_requests = t.served_bytes = t.server_errors = 0
+    t.on_served = None
     return t
 
 
@@ -665,18 +666,20 @@ def _protocol(base, name):
     def make(s):
         @s
         @given(which=st.sampled_from(["request", "response", "control", "garbage"]),
-               magic_ok=st.integers(0, 9), version=st.sampled_from([1, 1, 1, 0, 2, 65535]),
+               magic_ok=st.integers(0, 9), version=st.sampled_from([2, 2, 2, 0, 1, 65535]),
                op=st.one_of(st.sampled_from([1, 2]), st.integers(0, 65535)),
                part=st.one_of(st.integers(0, 4), st.integers(0, (1 << 32) - 1)),
                tag=st.one_of(st.integers(0, 2000), st.integers(0, (1 << 32) - 1)),
                offset=_U64, length=_U64, req_id=_U64, payload=st.binary(max_size=64),
-               cut=st.integers(-2, 2))
-        def t(which, magic_ok, version, op, part, tag, offset, length, req_id, payload, cut):
+               cut=st.integers(-2, 2),
+               piece=st.one_of(st.sampled_from([0, 8000]), st.integers(0, (1 << 32) - 1)))
+        def t(which, magic_ok, version, op, part, tag, offset, length, req_id, payload, cut,
+              piece):
             _count(name)
             bad_magic = b"FSXX" if magic_ok == 0 else None
             if which == "request":
                 raw = P.REQ.pack(bad_magic or P.REQ_MAGIC, version, op, part, tag, offset,
-                                 length, req_id)
+                                 length, req_id, piece, 0)
                 raw = raw[: len(raw) + cut] if cut < 0 else raw + payload[:cut]
                 try:
                     req = P.decode_request(raw)
@@ -693,7 +696,9 @@ def _protocol(base, name):
                     return
                 assert req.part in sizes and 0 < req.length
                 assert req.offset + req.length <= sizes[req.part]
-                resp = P.decode_response_header(bytes(buf))
+                first = P.pieces(req.length, req.piece)[0]
+                assert P.pieces(req.length, req.piece)[-1][1] == len(buf)
+                resp = P.decode_response_header(bytes(buf[first[0]:first[1]]), req.piece)
                 assert (resp.status, resp.length, resp.req_id) == (P.Status.OK, req.length,
                                                                     req.req_id)
                 assert bytes(buf[P.RESP.size:]) == \

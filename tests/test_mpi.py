@@ -126,6 +126,20 @@ def test_protocol_round_trip_and_rejects_garbage():
         P.decode_response_header(hdr + b"ab")  # says 3 bytes, carries 2
     with pytest.raises(P.ProtocolError):
         P.decode_control(P.encode_control(P.Control.DONE, 1, "x")[:-1])
+    # A reply in pieces: the header and the first piece - 24 bytes, then whole pieces.
+    req = P.Request(P.Op.READ, 3, 1234, 64, 100_000, 77, piece=8000)
+    assert P.decode_request(P.encode_request(req)) == req
+    spans = P.pieces(100_000, 8000)
+    assert spans[0] == (0, 8000) and spans[-1][1] == P.RESP.size + 100_000
+    assert all(b - a <= 8000 for a, b in spans) and len(spans) == 13
+    assert P.pieces(100, 8000) == [(0, P.RESP.size + 100)]  # fits in one message
+    assert P.pieces(100_000, 0) == [(0, P.RESP.size + 100_000)]
+    big = P.encode_response_header(P.Status.OK, 100_000, 77) + bytes(8000 - P.RESP.size)
+    assert P.decode_response_header(big, 8000).length == 100_000
+    with pytest.raises(P.ProtocolError):
+        P.decode_response_header(big[:-1], 8000)  # a first piece one byte short
+    with pytest.raises(P.ProtocolError):
+        P.decode_request(P.encode_request(P.Request(P.Op.READ, 0, 1234, 0, 1, 1, piece=10)))
 
 
 # --------------------------------------------------------------------------- jobs
@@ -348,3 +362,85 @@ def test_srun_without_mpi_plugin_is_refused(dataset, tmp_path):
     assert_no_traceback(res)
     assert not is_mounted(tmp_path / "m")
 
+
+
+@pytest.mark.fuse
+@pytest.mark.mpi
+@pytest.mark.skipif(not (_fuse_ok and _mpi_ok), reason=_fuse_why or _mpi_why)
+def test_a_hung_node_gives_eio_within_the_timeout_and_serves_again_when_it_resumes(
+        dataset, tmp_path):
+    """SIGSTOP of every process of a node (a hung node): reads of its files fail with EIO
+    within the remote timeout, every other file reads right; after SIGCONT its files read
+    right again (the unreachable ranks are probed and revived)."""
+    src, store = dataset
+    timeout = 2.0
+    with MpiJob(store, tmp_path, ranks=4, extra=["--remote-timeout", str(timeout)]) as job:
+        index = read_index(str(store))
+        hung_parts = {3, 7}
+        victims = job.kill_node(3, signal.SIGSTOP)
+        try:
+            slowest, eio, ok = 0.0, 0, 0
+            for entry in index.file_entries().tolist():
+                rel = os.fsdecode(index.path(entry))
+                first, count = int(index.e["first"][entry]), int(index.e["count"][entry])
+                path = job.mnt(0) / rel
+                t = time.monotonic()
+                if count and int(index.c["part"][first]) in hung_parts:
+                    if eio >= 6:
+                        continue  # enough: each costs a timeout until the ranks are marked
+                    with pytest.raises(OSError) as exc:
+                        path.read_bytes()
+                    assert exc.value.errno == errno.EIO
+                    eio += 1
+                else:
+                    assert path.read_bytes() == (src / rel).read_bytes()
+                    ok += 1
+                slowest = max(slowest, time.monotonic() - t)
+            assert eio == 6 and ok > 150
+            assert slowest < timeout + 5, f"a read took {slowest:.1f} s"
+        finally:
+            for p in victims:
+                os.kill(p, signal.SIGCONT)
+        # resumed: after the probe interval the node's files read again
+        late = [e for e in index.file_entries().tolist()
+                if int(index.e["count"][e])
+                and int(index.c["part"][int(index.e["first"][e])]) in hung_parts]
+
+        def readable() -> bool:
+            rel = os.fsdecode(index.path(late[-1]))
+            try:
+                return (job.mnt(0) / rel).read_bytes() == (src / rel).read_bytes()
+            except OSError:
+                return False
+
+        assert wait_until(readable, 30, interval=1.0), job.output()[-3000:]
+        ok, wrong, errors = read_tree_bytes(src, job.mnt(0))
+        assert (ok, wrong, errors) == (242, [], []), job.output()[-3000:]
+
+
+@pytest.mark.fuse
+@pytest.mark.mpi
+@pytest.mark.skipif(not (_fuse_ok and _mpi_ok), reason=_fuse_why or _mpi_why)
+def test_launched_worker_ranks_form_nodes(dataset, tmp_path, frontend):
+    """``mpiexec -n 6 ... --ranks-per-node 3``: two nodes of three ranks (srun
+    --ntasks-per-node's shape on one machine). With the kernel frontend the ranks after a
+    node's first serve its mount and its remote reads; every file reads right on both
+    mounts, remote reads go through the worker ranks, and umount ends the job cleanly. The
+    pyfuse3 frontend serves a node from one process: refused in one line on every rank."""
+    src, store = dataset
+    job = MpiJob(store, tmp_path, ranks=2, ranks_per_node=3, wait=frontend == "kernel")
+    with job:
+        if frontend == "pyfuse3":
+            assert job.wait_exit(60) not in (0, None)
+            assert "pyfuse3 frontend serves a node from one process" in job.output()
+            return
+        for node in range(2):
+            ok, wrong, errors = read_tree_bytes(src, job.mnt(node))
+            assert (ok, wrong, errors) == (242, [], [])
+        s0, s1 = job.stats(0), job.stats(1)
+        assert s0["workers"] == 2 and s0["remote_reads"] > 0
+        assert s0["worker_served_requests"] + s1["worker_served_requests"] > 0
+        assert len(job.node_pids(0)) == 3
+        for node in range(2):
+            assert run_cli("umount", job.mnt(node), timeout=60).returncode == 0
+        assert job.wait_exit(60) == 0, job.output()[-3000:]

@@ -322,7 +322,7 @@ class Node:
             self.peers = PeerSource(self.transport, table, self.rank, self.size,
                                     opts.remote_timeout, self.stats,
                                     show=lambda e: ns.show(e),
-                                    ranks_of=self.job.ranks_of if self.job else None,
+                                    ranks_of=self.job.servers_of if self.job else None,
                                     me=self.job.rank if self.job else None)
         reader = ChunkReader(index, RoutedSource(self.parts, self.peers),
                              cache_bytes=opts.mount.cache_mb << 20, stats=self.stats)

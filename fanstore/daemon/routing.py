@@ -102,8 +102,15 @@ class PeerSource:
             if rank in self.dead:
                 return
             self.dead.add(rank)
+        self.stats.peers_marked_dead += 1
         log.error("rank %d is unreachable (%s); its node's other ranks or replicas serve its "
                   "partitions if any", rank, why)
+
+    def probe(self, ping, timeout: float) -> None:
+        """Ping the ranks marked dead; revive those that answer (``ping(rank, timeout)``)."""
+        for rank in sorted(self.dead):
+            if ping(rank, timeout):
+                self.revive(rank)
 
     def revive(self, rank: int) -> None:
         with self._lock:

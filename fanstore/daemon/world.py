@@ -130,6 +130,12 @@ class Job:
     def workers_of(self, node: int) -> list[int]:
         return self.ranks_of(node)[1:]
 
+    def servers_of(self, node: int) -> list[int]:
+        """The ranks other nodes read ``node``'s partitions from: its worker ranks when it
+        has any (the daemon stays free for its control socket, probes and stats), else
+        its daemon."""
+        return self.workers_of(node) or self.ranks_of(node)
+
 
 class World:
     """The node-level world a node daemon sees: ``rank`` is this node's index, ``size`` the

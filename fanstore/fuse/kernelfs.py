@@ -65,7 +65,7 @@ _ATTR_OUT = struct.Struct("=QII" + "QQQQQQIIIIIIIIII")
 READ_COUNTERS = ("reads", "bytes_returned", "local_reads", "local_bytes", "remote_reads",
                  "remote_bytes", "refetched", "chunks_decoded", "errors", "decode_ns",
                  "cache_hits", "cache_misses", "cache_bytes", "cache_budget",
-                 "served_requests", "served_bytes", "remote_failovers")
+                 "served_requests", "served_bytes", "remote_failovers", "peers_marked_dead")
 READ_COL0 = 96
 
 
@@ -282,6 +282,7 @@ class RowPublisher:
         row[READ_COL0 + 12] = c.used
         row[READ_COL0 + 13] = c.budget
         row[READ_COL0 + 16] = s.remote_failovers
+        row[READ_COL0 + 17] = s.peers_marked_dead
         if self.served is not None:
             self.publish_served()
 

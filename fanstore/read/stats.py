@@ -10,7 +10,7 @@ from typing import Any
 SUMMED = ("opens", "reads", "bytes_returned", "local_reads", "local_bytes", "remote_reads",
           "remote_bytes", "remote_failovers", "refetched_from_replica", "decode_seconds",
           "chunks_decoded", "errors", "cache_hits", "cache_misses", "cache_bytes",
-          "cache_budget")
+          "cache_budget", "peers_marked_dead")
 
 
 @dataclass
@@ -27,6 +27,7 @@ class ReadStats:
     remote_reads: int = 0
     remote_bytes: int = 0  # compressed bytes received from peers
     remote_failovers: int = 0
+    peers_marked_dead: int = 0  # times a peer rank was found unreachable (a node's death)
     refetched: int = 0  # local chunks that failed their checksum, read again from a replica
     decode_seconds: float = 0.0
     chunks_decoded: int = 0
@@ -55,6 +56,7 @@ class ReadStats:
             "remote_reads": self.remote_reads,
             "remote_bytes": self.remote_bytes,
             "remote_failovers": self.remote_failovers,
+            "peers_marked_dead": self.peers_marked_dead,
             "refetched_from_replica": self.refetched,
             "remote_latency_ms_p50": pct(0.50),
             "remote_latency_ms_p99": pct(0.99),

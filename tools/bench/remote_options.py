@@ -63,7 +63,10 @@ def serve_mpi(comm, path: str, stop: threading.Event, counts: list[int]) -> None
     pending = []
     last, nap = time.perf_counter(), 20e-6
     status = MPI.Status()
+    iters = [0, 0, 0.0]  # loop iterations, sleeps, pread seconds
+    counts.append(iters)
     while not stop.is_set():
+        iters[0] += 1
         active = False
         for i, r in enumerate(reqs):
             if r.Test(status):
@@ -71,7 +74,9 @@ def serve_mpi(comm, path: str, stop: threading.Event, counts: list[int]) -> None
                 piece, offset, length = REQ.unpack(bufs[i])
                 src, tag = status.Get_source(), TAG_REP0 + piece
                 out = bytearray(length)
+                t_ = time.perf_counter()
                 os.preadv(fd, [out], offset)
+                iters[2] += time.perf_counter() - t_
                 pending.append((comm.Isend(out, src, tag), out))
                 counts[0] += 1
                 reqs[i] = comm.Irecv(bufs[i], MPI.ANY_SOURCE, TAG_REQ)
@@ -82,6 +87,7 @@ def serve_mpi(comm, path: str, stop: threading.Event, counts: list[int]) -> None
             last, nap = now, 20e-6
             continue
         if now - last > WAIT_SPIN:
+            iters[1] += 1
             time.sleep(nap)
             nap = min(2e-3, nap * 1.5)
     for r in reqs:
@@ -329,7 +335,9 @@ def main() -> None:
         engine.stop.set()
         engine.thread.join()
     rows = comm.gather({"rank": rank, "node": node, "cpu": cpu, "reader_cpu": reader_cpu,
-                        "served": counts[0]}, root=0)
+                        "served": counts[0], "loop": counts[1:] }, root=0)
+    if rank == 0:
+        print([r["loop"] for r in rows], flush=True)
     if rank == 0:
         files = FILES
         out = {
