@@ -69,6 +69,14 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 #: direct writes must be aligned (offset, length, buffer) to the device's logical block size:
 #: whole blocks are; a tail that is not a multiple of this is written through the page cache
 _DIRECT_ALIGN = 4096
+_SEQUENTIAL = getattr(os, "POSIX_FADV_SEQUENTIAL", None)
+#: the source's pages dropped after each block: the last this many bytes read, not just the
+#: block's own range. A page still under readahead, or in a folio reaching past the block,
+#: is kept by the call for its own block and dropped by a later one (measured: 1 MiB blocks
+#: with exact ranges left 900 of 960 MiB read in the page cache, and ran at 280 MB/s instead
+#: of 700)
+_DROP_BEHIND = 64 << 20
+_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None)
 
 
 @dataclass
@@ -239,10 +247,12 @@ def _create_new(path: str, mode: int) -> int:
         return safeio.create_excl(path, mode)
 
 
-def _fadvise(fd: int, offset: int, length: int, advice: int) -> None:
+def _fadvise(fd: int, offset: int, length: int, advice: int | None) -> None:
+    if advice is None:  # a platform without posix_fadvise
+        return
     try:
         os.posix_fadvise(fd, offset, length, advice)
-    except (AttributeError, OSError):  # advice only: not every platform or file system
+    except OSError:  # advice only: not every file system takes it
         pass
 
 
@@ -312,7 +322,7 @@ def _copy(src: str, dst: str, size: int, checksum: str, who: str,
         out = _create_new(tmp, modes.file)
         created = True
         direct = _direct(out, True)
-        _fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        _fadvise(fd, 0, 0, _SEQUENTIAL)
         while done <= size:  # a source longer than the index says is not read to its end
             n = _fill(fd, view)
             if not n:
@@ -323,12 +333,14 @@ def _copy(src: str, dst: str, size: int, checksum: str, who: str,
                 direct = _direct(out, False)
             direct = _write_at(out, chunk, done, direct)
             chunk.release()
-            _fadvise(fd, done, n, os.POSIX_FADV_DONTNEED)  # never read again here
             done += n
+            behind = max(0, done - _DROP_BEHIND)  # never read again here
+            _fadvise(fd, behind, done - behind, _DONTNEED)
             if n < block:
                 break
+        _fadvise(fd, 0, 0, _DONTNEED)  # and whatever readahead brought in past the end
         os.fsync(out)
-        _fadvise(out, 0, 0, os.POSIX_FADV_DONTNEED)  # the tail, or all of a cached copy
+        _fadvise(out, 0, 0, _DONTNEED)  # the tail, or all of a cached copy
     except OSError as exc:
         if created:
             _unlink(tmp)
