@@ -695,6 +695,124 @@ def test_a_damaged_ok_record_means_a_rehash_not_a_crash(data, tmp_path):
     assert record["checksum"] == index.partitions[0].checksum
 
 
+def _damaged_store(store, tmp_path):
+    """A copy of ``store`` whose partition 1 has 8 bytes flipped, partition 2 lost its last
+    byte and partition 3 has one byte too many; partition 0 is intact."""
+    bad = tmp_path / "bad-store"
+    shutil.copytree(store, bad)
+    size1 = os.path.getsize(bad / partition_name(1))
+    flip_bytes(bad / partition_name(1), size1 // 2, 8)
+    os.truncate(bad / partition_name(2), os.path.getsize(bad / partition_name(2)) - 1)
+    with open(bad / partition_name(3), "ab") as f:
+        f.write(b"\0")
+    return bad
+
+
+def _refuse_direct_io(monkeypatch, where: str) -> list[str]:
+    """Make the local file system refuse direct I/O: when O_DIRECT is asked for (``open``)
+    or on the first direct write (``write``, as a file system that accepts the flag but
+    not the alignment). Returns a log of what was refused."""
+    refused: list[str] = []
+    if where == "open":
+        real_fcntl = staging.fcntl.fcntl
+
+        def fcntl(fd, cmd, arg=0):
+            if cmd == staging.fcntl.F_SETFL and arg & staging._O_DIRECT:
+                refused.append("open")
+                raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+            return real_fcntl(fd, cmd, arg)
+
+        monkeypatch.setattr(staging.fcntl, "fcntl", fcntl)
+    else:
+        real_pwrite = os.pwrite
+
+        def pwrite(fd, data, offset):
+            if staging.fcntl.fcntl(fd, staging.fcntl.F_GETFL) & staging._O_DIRECT:
+                refused.append("write")
+                raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+            return real_pwrite(fd, data, offset)
+
+        monkeypatch.setattr(staging.os, "pwrite", pwrite)
+    return refused
+
+
+def _count_direct_writes(monkeypatch) -> list[str]:
+    """Log every write staging makes with O_DIRECT on."""
+    seen: list[str] = []
+    real_pwrite = os.pwrite
+
+    def pwrite(fd, data, offset):
+        if staging.fcntl.fcntl(fd, staging.fcntl.F_GETFL) & staging._O_DIRECT:
+            seen.append("direct")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(staging.os, "pwrite", pwrite)
+    return seen
+
+
+def _direct_io_works(where) -> bool:
+    try:
+        fd = os.open(os.path.join(where, "probe"), os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+@pytest.mark.parametrize("direct", ["used", "refused at open", "refused at the first write"])
+def test_a_damaged_or_short_source_is_never_installed(data, tmp_path, monkeypatch, direct):
+    """Every copy is checked (size and XXH3-128 against the index) before it is installed,
+    whichever way it was written (direct I/O, or the page cache where the local file system
+    refuses it): one line naming the partition and what is wrong; no copy, no partial
+    copy, no record is left for it; an intact partition staged beside it is installed."""
+    _, store, _ = data
+    index = read_index(str(store))
+    sizes = [p.size for p in index.partitions]
+    bad = _damaged_store(store, tmp_path)
+    monkeypatch.setattr(staging, "BLOCK", 64 << 10)  # many blocks per partition, and a tail
+    if direct == "used":
+        refused = _count_direct_writes(monkeypatch)
+    else:
+        refused = _refuse_direct_io(monkeypatch, direct.split()[-1])
+    local = tmp_path / "local"
+    report = staging.stage_partitions(str(bad), str(local), index, [0], jobs=1, who="rank 3 (n)")
+    assert report.copied == [0]
+    assert staging._valid_copy(str(local / partition_name(0)), sizes[0],
+                               index.partitions[0].checksum)
+    if direct != "used":
+        assert refused, "the refusal was never exercised"
+    elif _direct_io_works(tmp_path):
+        assert refused == ["direct"] * (sizes[0] // (64 << 10)), refused
+    for p, what in ((1, "checksum mismatch"), (2, f"{sizes[2] - 1:,} bytes, expected {sizes[2]:,}"),
+                    (3, f"more than {sizes[3]:,} bytes, expected {sizes[3]:,}")):
+        with pytest.raises(StageError) as exc:
+            staging.stage_partitions(str(bad), str(local), index, [0, p], jobs=2,
+                                     who="rank 3 (n)")
+        assert str(exc.value) == (f"rank 3 (n): partition {bad}/{partition_name(p)} on the "
+                                  f"shared store is damaged ({what}); repack or restore it")
+        assert sorted(os.listdir(local)) == [partition_name(0), partition_name(0) + ".ok"]
+
+
+@pytest.mark.parametrize("size", [0, 100, 4096, 3 * (64 << 10), 3 * (64 << 10) + 1,
+                                  3 * (64 << 10) - 4095])
+def test_copies_of_every_size_are_exact(tmp_path, monkeypatch, size):
+    """Whole blocks are written with direct I/O, an unaligned tail through the page cache;
+    empty, sub-page, page-sized, block-multiple and block-plus-a-byte sources all arrive
+    byte for byte, with the file's own checksum."""
+    import xxhash
+
+    monkeypatch.setattr(staging, "BLOCK", 64 << 10)
+    content = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    src = tmp_path / "src.fsp"
+    src.write_bytes(content)
+    (tmp_path / "local").mkdir(mode=0o700)
+    dst = tmp_path / "local" / "part.fsp"
+    checksum = xxhash.xxh3_128(content).hexdigest()
+    assert staging._copy(str(src), str(dst), size, checksum, "rank 0 (t)") == size
+    assert dst.read_bytes() == content
+    assert staging._valid_copy(str(dst), size, checksum)
+
+
 @needs_cluster
 def test_one_rank_out_of_local_space_fails_every_rank_with_its_message(data, tmp_path):
     _, store, _ = data

@@ -80,13 +80,20 @@ def _cmd(*argv: str) -> str:
 
 
 def git_commit(repo: str = REPO) -> str:
-    """The checked-out commit, read from .git (no git command is run)."""
-    head = _read(os.path.join(repo, ".git", "HEAD")).strip()
+    """The checked-out commit, read from .git (no git command is run); in a worktree,
+    .git is a file naming its git directory, whose refs are in the main one."""
+    git = common_dir = os.path.join(repo, ".git")
+    if os.path.isfile(git):
+        link = _read(git).strip()
+        if link.startswith("gitdir: "):
+            git = os.path.join(repo, link[8:])
+            common_dir = os.path.join(git, _read(os.path.join(git, "commondir")).strip() or ".")
+    head = _read(os.path.join(git, "HEAD")).strip()
     if head.startswith("ref: "):
         ref = head[5:]
-        sha = _read(os.path.join(repo, ".git", ref)).strip()
+        sha = _read(os.path.join(common_dir, ref)).strip()
         if not sha:
-            for line in _read(os.path.join(repo, ".git", "packed-refs")).splitlines():
+            for line in _read(os.path.join(common_dir, "packed-refs")).splitlines():
                 if line.endswith(" " + ref):
                     sha = line.split()[0]
         return f"{sha[:12]} ({ref.rsplit('/', 1)[-1]}; uncommitted changes not shown)" if sha else "?"

@@ -19,6 +19,10 @@
 #                                                 made by tools/gen_dataset.py (~30 min)
 #   7. tools/bench/sources_bench.py               pack from a tar vs extract + pack; S3
 #                                                 stage-in, 1 vs 8 streams (~15 min)
+#   8. tools/bench/stage_bench.py                 stage-in from a shared directory next to
+#                                                 cp+sync and dd oflag=direct, 1 and 4 ranks
+#                                                 and the copy loops tried (~15 min;
+#                                                 STAGE_BENCH_ARGS, default --ways)
 # Each rewrites its own section of docs/benchmarks.md and its rows in tools/bench/results/.
 # Run it on an otherwise quiet machine: the numbers are only as good as the machine is idle.
 #
@@ -34,7 +38,7 @@ set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 PY=$REPO/.venv/bin/python
-ONLY=${ONLY:-mount_bench peers mpi_bench prefetch_bench fuse_bench select_accuracy sources_bench}
+ONLY=${ONLY:-mount_bench peers mpi_bench prefetch_bench fuse_bench select_accuracy sources_bench stage_bench}
 FUSE_WORK=${FUSE_BENCH_WORK:-/tmp/fuse-bench}
 SEL_WORK=${SELECT_ACCURACY_WORK:-/tmp/select-accuracy}
 
@@ -96,6 +100,12 @@ for step in $ONLY; do
     sources_bench)
         echo "[$(date +%T)] run_all: sources_bench" >&2
         "$PY" "$HERE/sources_bench.py" || status=$?
+        ;;
+    stage_bench)
+        echo "[$(date +%T)] run_all: stage_bench" >&2
+        # shellcheck disable=SC2086
+        "$PY" "$HERE/stage_bench.py" ${STAGE_BENCH_ARGS:---ways} \
+            --work "${STAGE_BENCH_WORK:-/tmp/fanstore-stagebench}" || status=$?
         ;;
     *) echo "run_all.sh: unknown step $step" >&2; exit 2 ;;
     esac
