@@ -7,6 +7,7 @@ Golden fixtures live in ``tests/fixtures/codecs/<name>/``; regenerate them with
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import random
 import struct
@@ -161,8 +162,7 @@ def reset_peak_rss() -> Callable[[], int]:
         return lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale - base
 
 
-def assert_rejected_bounded(call: Callable[[], Any], limit: int = 16 * MiB) -> CorruptDataError:
-    """``call`` must raise CorruptDataError quickly without allocating anywhere near a bomb."""
+def _rejected_bounded_here(call: Callable[[], Any], limit: int) -> CorruptDataError:
     rss_growth = reset_peak_rss()
     tracemalloc.start()
     start = time.perf_counter()
@@ -177,6 +177,42 @@ def assert_rejected_bounded(call: Callable[[], Any], limit: int = 16 * MiB) -> C
     assert rss_growth() < limit, f"peak RSS grew by {rss_growth()} bytes while decoding"
     assert elapsed < 2.0, f"rejection took {elapsed:.2f}s"
     return info.value
+
+
+def assert_rejected_bounded(call: Callable[[], Any], limit: int = 16 * MiB) -> CorruptDataError:
+    """``call`` must raise CorruptDataError quickly without allocating anywhere near a bomb.
+
+    Peak RSS is a property of the whole process: in a full run, a thread another test left
+    finishing (a reader, a server) can allocate while we measure. Where fork exists, the
+    check runs in a forked child, which has only the calling thread; the child reports the
+    error's message (or the failed assertion) back through a pipe.
+    """
+    if not hasattr(os, "fork"):
+        return _rejected_bounded_here(call, limit)
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never return into pytest
+        code = 1
+        try:
+            os.close(rfd)
+            try:
+                err = _rejected_bounded_here(call, limit)
+                out = {"ok": True, "message": str(err)}
+            except BaseException as exc:  # the failed assertion travels to the parent
+                out = {"ok": False, "message": f"{type(exc).__name__}: {exc}"}
+            os.write(wfd, json.dumps(out).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(wfd)
+    with os.fdopen(rfd, "rb") as f:
+        raw = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and raw, "the measuring child failed"
+    out = json.loads(raw)
+    if not out["ok"]:
+        pytest.fail(out["message"])
+    return CorruptDataError(out["message"])
 
 
 # --------------------------------------------------------------------------- round trips

@@ -425,6 +425,10 @@ class Node:
                     continue
                 if self.transport.ping(r, timeout):
                     self.peers.revive(r)
+                elif node in self.peers.done:
+                    # it said DONE while we waited: its ranks stopped serving on purpose
+                    # (a rank that ends its service does not answer pings; not a death)
+                    break
                 else:
                     self.peers.mark_dead(r, f"no answer to a ping within {timeout:g} s")
 
