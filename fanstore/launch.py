@@ -131,17 +131,6 @@ def _mount_rank(options: NodeOptions, factory: FrontendFactory, debug: bool,
 
         code, clean = noderank.run_worker(world, debug)
         return Outcome(code, hard_exit=not noderank.finish(world, clean))
-    if job.workers_of(job.node) and options.mount.frontend != "kernel":
-        from fanstore.daemon.nodegroup import LeaderSide
-
-        msg = ("the pyfuse3 frontend serves a node from one process: launch one rank per "
-               "node, or mount with --frontend kernel")
-        group = LeaderSide(job)
-        group.hello(os.getpid())
-        group.failed(msg)
-        group.exit(True)
-        world.finish_job()
-        raise UsageError(msg)
     if world.rank == 0:
         runtime.sweep_shared()
     process.setup_logging(debug, sys.stderr, fmt=(

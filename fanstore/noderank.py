@@ -12,7 +12,8 @@ spawned by it under hydra: :mod:`fanstore.daemon.world`). Each worker rank
 - joins the kernel frontend (:func:`fanstore.fuse.kernelfs.serve_worker`: the /dev/fuse
   descriptor arrives by ``SCM_RIGHTS``) and serves READs with its own read core: this
   node's chunks by pread + decode, other nodes' straight over MPI from a rank of the
-  holder node (:class:`~fanstore.daemon.routing.PeerSource`);
+  holder node (:class:`~fanstore.daemon.routing.PeerSource`); with the pyfuse3 frontend
+  (one process serves the mount) it serves peers only;
 - after the unmount keeps serving its peers until the leader says the job is done, then
   finalizes MPI with everyone (or leaves without it when a peer died).
 
@@ -71,6 +72,10 @@ def run_worker(world: World, debug: bool = False) -> tuple[int, bool]:
     transport = parts = None
     try:
         transport, parts, reader = _build(job, spec)
+        if not spec.get("worker_socket"):
+            # the node's frontend serves its mount itself (pyfuse3): this rank answers the
+            # other nodes' reads of the node's partitions until the node is done
+            raise _PeersOnly()
         from fanstore.fuse import kernelfs
 
         reason = kernelfs.serve_worker(spec["worker_socket"], reader.index, reader,
@@ -79,6 +84,8 @@ def run_worker(world: World, debug: bool = False) -> tuple[int, bool]:
                                        and not side.exit_posted(),
                                        served=transport)
         log.debug("FUSE serving ended (%s); serving peers until the node is done", reason)
+    except _PeersOnly:
+        log.debug("serving peers only (the node's frontend serves its mount)")
     except FanStoreError as exc:
         log.error("%s", exc)
     log.debug("waiting for the node's exit")
@@ -93,6 +100,10 @@ def run_worker(world: World, debug: bool = False) -> tuple[int, bool]:
         log.warning("the node's daemon is gone; leaving without MPI_Finalize")
         return 1, False
     return 0, clean
+
+
+class _PeersOnly(Exception):
+    """This worker rank has no FUSE share: it serves peers only."""
 
 
 def _build(job, spec):

@@ -56,6 +56,7 @@ def job_env(tmp: Path) -> dict[str, str]:
     env["TMPDIR"] = str(tmp / "nodelocal")  # node-local staging goes under the test dir
     env["FANSTORE_MOUNT_DIR"] = str(tmp / "mnt" / "{host}")
     env["PYTHONUNBUFFERED"] = "1"
+    env["FANSTORE_WORKERS"] = "2"  # worker ranks per node (the default: the CPUs of a node)
     (tmp / "nodelocal").mkdir(exist_ok=True)
     return env
 
@@ -116,7 +117,7 @@ def packed(slurm, tmp_path_factory):
     return src, store
 
 
-def test_train_on_two_nodes_reads_everything_and_cleans_up(packed, tmp_path):
+def test_train_on_two_nodes_reads_everything_and_cleans_up(packed, tmp_path, frontend):
     src, store = packed
     out = tmp_path / "out"
     out.mkdir()
@@ -131,7 +132,15 @@ def test_train_on_two_nodes_reads_everything_and_cleans_up(packed, tmp_path):
         stats = rep["stats"]
         assert stats["remote_reads"] > 0 and stats["local_reads"] > 0, stats
         assert stats["ranks"] == 2 and stats["errors"] == 0
+        # the template starts worker ranks on every node (FANSTORE_WORKERS, here 2): they
+        # answer the other node's reads of this node's data, so the daemons answer none;
+        # with the kernel frontend they also serve the mount's requests
+        assert stats["served_requests"] == 0, stats
+        if frontend == "kernel":
+            assert stats["workers"] == 2 and stats["requests"] > 0, stats
     assert {r["stats"]["rank"] for r in reports.values()} == {0, 1}
+    if frontend == "kernel":
+        assert sum(r["stats"]["worker_served_requests"] for r in reports.values()) > 0
     assert fanstore_mounts_under(tmp_path) == []
     assert staged_files(tmp_path) == []
     assert wait_until(lambda: no_daemons_for(tmp_path), 10)

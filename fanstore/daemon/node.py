@@ -336,14 +336,17 @@ class Node:
             local_parts=list(mine), replicated=replicated,
             socket_path=self.runtime.socket_path, index_path=index_copy, runtime=self.runtime,
             request_stop=self.request_stop, remote_timeout=opts.remote_timeout,
-            external_workers=self.workers)
+            # the kernel frontend's requests are served by the worker ranks; the pyfuse3
+            # frontend serves its node from this process (its worker ranks serve peers only)
+            external_workers=self.workers if opts.mount.frontend == "kernel" else 0)
         self.frontend = self.frontend_factory(self.ctx)
         if self.workers:
             # what the worker ranks serve; they then join the frontend's worker socket
             self.group.spec({
                 "data_dir": self.ctx.data_dir, "local_parts": list(mine), "table": table,
                 "index_copy": index_copy, "remote_timeout": opts.remote_timeout,
-                "worker_socket": getattr(self.frontend, "worker_socket", ""),
+                "worker_socket": (getattr(self.frontend, "worker_socket", "")
+                                  if self.ctx.external_workers else ""),
                 "cache_bytes": (opts.mount.cache_mb << 20) // max(1, self.workers),
             })
         from fanstore.daemon.service import handlers

@@ -1,19 +1,21 @@
 """MPI transport: a server thread that answers peers, and blocking client calls for readers.
 
-Design (see docs/architecture.md, "Remote reads"):
+Design (see docs/architecture.md, "A node is a group of MPI ranks"):
 
 - One private communicator, a ``Dup()`` of the world, so nothing the user's code does on
   COMM_WORLD can match FanStore's messages.
 - Bulk bytes travel as buffers with uppercase ``Isend``/``Irecv`` and ``struct`` headers
   (:mod:`fanstore.daemon.protocol`); nothing is pickled.
 - The server thread keeps one ``Irecv`` posted for requests and one for control messages,
-  answers each request from the local partitions with a single message (header + stored
-  bytes), and tracks its pending sends until they complete.
-- Client calls run in the daemon's remote-fetch worker threads (never on the trio loop):
-  they post the receive for the reply first, then send the request, then wait with
-  ``Test`` and a growing sleep, up to a deadline. MPICH's blocking calls busy-poll a core
-  (measured: 2 s of CPU per 3 s wait), so no blocking MPI call is ever used after start-up;
-  an idle daemon sleeps between tests and costs well under 5% of a core.
+  answers each request from the local partitions (pread into a buffer, then the header
+  and the stored bytes in pieces under MPI's eager limit when the asker names a piece
+  size), and tracks its pending sends until they complete.
+- Client calls run in reader threads (FUSE workers, remote-fetch threads; never on an
+  event loop): they post the receives for the reply first, then send the request, then
+  wait with ``Test`` and a paced sleep (:class:`Pacer`), up to a deadline. MPICH's
+  blocking calls busy-poll a core (measured: 2 s of CPU per 3 s wait), so no blocking MPI
+  call is ever used after start-up; an idle rank sleeps between tests and costs well
+  under 1% of a core.
 - Several threads call MPI at once, so MPI_THREAD_MULTIPLE is required (checked at start).
 """
 
