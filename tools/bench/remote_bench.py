@@ -466,6 +466,20 @@ def render(bench: Bench, label: str | None, argv: list[str]) -> str:
                     out.append(f"| {mode} | {n} | {w} | {num(loc)} | {num(rem)} | "
                                f"{common.ratio(rem, loc)} | {num(cl)} | {num(cr)} | "
                                f"{common.ratio(cr, cl)} | {num(busy, 2)} |")
+        cr4 = [med(common.row_vals(rows, "cpu_us_per_file", which="remote", kind="lr",
+                                   mode="ranks", nodes=n, readers=max(r["readers"] for r in lr)))
+               for n in sorted({r["nodes"] for r in lr})]
+        cr4 = [c for c in cr4 if c]
+        if cr4:
+            c = max(cr4)
+            out += ["", f"Projection to a 64-core node (an extrapolation): a remote file costs "
+                    f"{num(c)} us of CPU summed over both sides (ranks shape, the most readers, "
+                    f"the worst node count); in a symmetric job each node pays both sides, and "
+                    f"the path is spread over the node's worker ranks (next table), so a node "
+                    f"with 64 cores given to FanStore would read about {num(64e6 / c)} remote "
+                    f"files/s ({num(32e6 / c)} with half of them), if MPI's shared-memory and "
+                    f"network transfers are not the limit. The issue's example, an 8-GPU node "
+                    f"needing 40,000 files/s, needs {num(40000 * c / 1e6)} cores at this cost."]
         out += ["", "Per-process split of the CPU per remote file (first repetition):", ""]
         for r in lr:
             if r.get("which") == "remote" and r.get("rep") == 1 and r.get("cpu_us_by_role"):
