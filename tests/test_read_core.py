@@ -289,3 +289,31 @@ def test_pyfuse3_read_of_corrupt_data_is_eio(small_store, tmp_path):
 
         assert trio.run(main) == errno.EIO
         assert store.reader.stats.errors == 1
+
+
+def test_probes_stop_at_the_drain_deadline_and_a_cut_ping_is_no_death():
+    """Once the whole job stops, a draining node's probes end by the grace deadline (Slurm
+    SIGKILLs KillWait seconds after SIGTERM; a 5 s ping to a node that finished meanwhile
+    left its staged data behind), and a ping cut short by it marks nobody dead."""
+    import time
+
+    from fanstore.daemon.node import Node, NodeOptions
+
+    hub = LocalHub()
+    mine = LocalTransport(hub, 0, 3, None, max_wait=10.0)
+    for r in (1, 2):
+        LocalTransport(hub, r, 3, None)  # never started: a finished node does not answer
+    asked = []
+    ping = mine.ping
+    mine.ping = lambda r, t: asked.append(t) or ping(r, t)
+    node = Node.__new__(Node)
+    node.rank, node.size = 0, 3
+    node.options = NodeOptions(store="s", mountpoint="m", remote_timeout=30.0)
+    node.transport = mine
+    node.peers = PeerSource(mine, [[0], [1], [2]], node=0, nodes=3, timeout=30.0,
+                            stats=None)
+    t0 = time.monotonic()
+    node._probe(deadline=t0 + 0.3)
+    assert time.monotonic() - t0 < 1.0
+    assert asked and all(t <= 0.3 for t in asked)
+    assert node.peers.dead == set()

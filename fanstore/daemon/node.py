@@ -415,8 +415,9 @@ class Node:
             self._probe_all = False
             self._probe(only_dead=not everyone)
 
-    def _probe(self, only_dead: bool = False) -> None:
-        """Ping the ranks of the other nodes (only those marked dead, or all)."""
+    def _probe(self, only_dead: bool = False, deadline: float | None = None) -> None:
+        """Ping the ranks of the other nodes (only those marked dead, or all); no ping
+        waits past ``deadline`` (monotonic), and an expired one is not a death."""
         if self.transport is None or self.peers is None:
             return
         timeout = min(5.0, self.options.remote_timeout)
@@ -426,12 +427,19 @@ class Node:
             for r in self.peers.ranks_of(node):
                 if only_dead and r not in self.peers.dead:
                     continue
-                if self.transport.ping(r, timeout):
+                wait = timeout
+                if deadline is not None:
+                    wait = min(wait, deadline - time.monotonic())
+                    if wait <= 0:
+                        return
+                if self.transport.ping(r, wait):
                     self.peers.revive(r)
                 elif node in self.peers.done:
                     # it said DONE while we waited: its ranks stopped serving on purpose
                     # (a rank that ends its service does not answer pings; not a death)
                     break
+                elif wait < timeout:
+                    return  # cut short by the deadline: no verdict
                 else:
                     self.peers.mark_dead(r, f"no answer to a ping within {timeout:g} s")
 
@@ -470,7 +478,10 @@ class Node:
                     announced = True
                 if self._probe_now.is_set() or time.monotonic() - last_probe > PROBE_INTERVAL:
                     self._probe_now.clear()
-                    self._probe()
+                    # Once the whole job stops, no probe may outlast the grace: Slurm's
+                    # SIGKILL follows SIGTERM by KillWait seconds, and a ping to a node that
+                    # finished meanwhile goes unanswered (CI: 5 s ping, staged data left).
+                    self._probe(deadline=grace_end if self.job_stopping else None)
                     last_probe = time.monotonic()
                 time.sleep(0.05)
         finally:
