@@ -131,8 +131,7 @@ def _mount_rank(options: NodeOptions, factory: FrontendFactory, debug: bool,
 
         code, clean = noderank.run_worker(world, debug)
         return Outcome(code, hard_exit=not noderank.finish(world, clean))
-    if world.rank == 0:
-        runtime.sweep_shared()
+    runtime.sweep_shared()  # every node's leader: what killed daemons left on its host
     process.setup_logging(debug, sys.stderr, fmt=(
         f"%(asctime)s fanstore[node {world.rank}/{world.size}] %(levelname)s: %(message)s"))
     node = Node(options, world, factory)

@@ -105,6 +105,10 @@ class MountRuntime:
         """The runtime of ``mountpoint`` for a daemon: root and mount directory created
         (0700) and checked. UnsafePathError if either is not private to this uid."""
         self = cls(mountpoint, runtime_root())
+        # the root's parents too: a root inside a directory another user may write (an
+        # $XDG_RUNTIME_DIR or $FANSTORE_RUNTIME_DIR there) could be renamed away and
+        # replaced by a symlink to theirs after our check
+        safeio.trusted_path(os.path.dirname(self.root), what="runtime directory's parent")
         safeio.private_dir(self.root, create=True, what="runtime directory")
         safeio.private_dir(self.path, create=True, what="runtime directory")
         return self
@@ -119,6 +123,7 @@ class MountRuntime:
                 os.lstat(self.path)
             except OSError:
                 continue
+            safeio.trusted_path(os.path.dirname(self.root), what="runtime directory's parent")
             safeio.private_dir(self.root, create=False, what="runtime directory")
             safeio.private_dir(self.path, create=False, what="runtime directory")
             return self

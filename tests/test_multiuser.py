@@ -163,6 +163,51 @@ def test_runtime_root_that_only_others_could_read_is_closed_not_refused(monkeypa
     assert stat.S_IMODE(os.lstat(root).st_mode) == 0o700
 
 
+@pytest.mark.skipif(not ROOT, reason="needs root to act as a second user")
+def test_runtime_root_inside_another_users_directory_is_refused(monkeypatch, other_user,
+                                                                small_store, tmp_path):
+    """A root of ours (0700) whose parent another user may write (an $XDG_RUNTIME_DIR or
+    $FANSTORE_RUNTIME_DIR there): they could rename it away and plant a symlink to their
+    own directory after our check, so the mount is refused with one line; nothing is
+    written under their directory."""
+    parent = f"/tmp/fanstore-mu-parent-{secrets.token_hex(4)}"
+    other_user.run(["mkdir", "-m", "0777", parent], check=True)
+    root = os.path.join(parent, "rt")
+    os.mkdir(root, 0o700)
+    monkeypatch.setenv("FANSTORE_RUNTIME_DIR", root)
+    try:
+        mnt = tmp_path / "mnt"
+        mnt.mkdir()
+        proc = run_cli("mount", small_store, mnt)
+        line = assert_cli_error(proc, contains="unsafe")
+        assert parent in line
+        assert not is_mounted(mnt)
+        assert os.listdir(root) == []
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+def test_xdg_runtime_dir_is_used_when_set(monkeypatch, small_store, small_tree, mounted,
+                                          tmp_path):
+    """Without $FANSTORE_RUNTIME_DIR a mount's state goes to $XDG_RUNTIME_DIR/fanstore
+    (0700), where the commands that talk to the mount find it."""
+    from fanstore import runtime
+
+    monkeypatch.delenv("FANSTORE_RUNTIME_DIR", raising=False)
+    xdg = tmp_path / "xdg"
+    xdg.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
+    m = mounted(small_store, mnt=tmp_path / "mnt")
+    _read_all(m, small_tree[1])
+    rt = runtime.MountRuntime.find(str(m))
+    assert rt is not None and rt.root == str(xdg / "fanstore")
+    assert stat.S_IMODE(os.lstat(rt.root).st_mode) == 0o700
+    assert os.path.exists(rt.socket_path)
+    assert json.loads(run_cli("stats", m, "--json", check=True).stdout)["reads"] >= 0
+    run_cli("umount", m, check=True)
+    assert not is_mounted(m)
+
+
 # ============================================================================ shared memory
 
 
@@ -207,6 +252,67 @@ def test_index_copy_is_private_unpredictable_and_removed_after_sigkill(other_use
     finally:
         if os.path.lexists(old):
             os.unlink(old)
+
+
+def test_the_next_mount_removes_a_killed_daemons_index_copy(small_store, small_tree,
+                                                           mounted, tmp_path):
+    """A SIGKILLed daemon cannot remove its index copy; the user's next mount (of any
+    mount point) does, and leaves a live daemon's copy alone."""
+    from fanstore import runtime
+
+    first = mounted(small_store, mnt=tmp_path / "a")
+    live = mounted(small_store, mnt=tmp_path / "b")
+    dead_copy = (runtime.read_state(str(first)) or {}).get("index_copy")
+    live_copy = (runtime.read_state(str(live)) or {}).get("index_copy")
+    assert dead_copy and live_copy and os.path.exists(dead_copy)
+    pid = daemon_pid(first)
+    for p in process_tree(pid):
+        os.kill(p, signal.SIGKILL)
+    assert wait_until(lambda: not pid_alive(pid), 10)
+    assert os.path.exists(dead_copy)
+    m = mounted(small_store, mnt=tmp_path / "c")
+    _read_all(m, small_tree[1])
+    assert not os.path.exists(dead_copy)
+    assert os.path.exists(live_copy)
+    _read_all(live, small_tree[1])
+
+
+@pytest.mark.parametrize("damage", ["symlink", "their-file", "magic", "truncated",
+                                    "longer", "checksum"])
+def test_a_bad_index_copy_is_refused_before_it_is_parsed(damage, small_store, tmp_path):
+    """Readers map the node's index copy only after checking it: no symlink, the daemon's
+    uid, the magic, the sizes and the body's checksum; anything else is one FormatError or
+    UnsafePathError (a reader never parses a swapped or damaged copy)."""
+    from fanstore.errors import FanStoreError
+    from fanstore.format.index import index_body_parts, map_index_body, read_index
+
+    good = tmp_path / "good.idx"
+    good.write_bytes(b"".join(index_body_parts(read_index(small_store))))
+    assert map_index_body(str(good), owner=os.geteuid()).n_entries > 0
+    bad = tmp_path / "bad.idx"
+    data = bytearray(good.read_bytes())
+    if damage == "symlink":
+        bad.symlink_to(good)
+    elif damage == "their-file":
+        from second_user import other_user
+
+        user, why = other_user()
+        if user is None:
+            pytest.skip(why)
+        bad.write_bytes(data)
+        os.chown(bad, user.uid, user.gid)
+    elif damage == "magic":
+        data[0] ^= 0xFF
+        bad.write_bytes(data)
+    elif damage == "truncated":
+        bad.write_bytes(data[:-1])
+    elif damage == "longer":
+        bad.write_bytes(data + b"\0")
+    else:
+        data[-1] ^= 0x01
+        bad.write_bytes(data)
+    with pytest.raises(FanStoreError):
+        map_index_body(str(bad), owner=os.geteuid())
 
 
 # ============================================================================ control socket

@@ -223,6 +223,14 @@ class Node:
 
     def run(self, on_ready: Callable[[], None] | None = None) -> int:
         """Start, serve until stopped, drain, clean up. Raises FanStoreError on failure."""
+        try:
+            return self._run(on_ready)
+        finally:
+            # whatever ended the run (not only our errors): the node's index copy in
+            # /dev/shm must not outlive a daemon that can still remove it
+            runtime.remove_shared(self.index_copy)
+
+    def _run(self, on_ready: Callable[[], None] | None) -> int:
         opts = self.options
         early: FanStoreError | None = None
         self.group.hello(os.getpid())

@@ -466,11 +466,11 @@ class KernelFrontend:
     for it to be ready, stops it, reads its counters."""
 
     def __init__(self, ctx: MountContext) -> None:
-        from fanstore import runtime
-
         self.ctx = ctx
         self.proc: subprocess.Popen | None = None
-        rt = ctx.runtime or runtime.MountRuntime.create(ctx.mountpoint)
+        rt = ctx.runtime  # made and checked once by the node (fanstore.runtime)
+        if rt is None:
+            raise ValueError("the kernel frontend needs the mount's runtime directory")
         self.counters_path = rt.counters_path
         self.worker_socket = os.path.join(rt.path, "workers.sock")
         self._counters = None
