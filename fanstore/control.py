@@ -187,8 +187,10 @@ class ControlServer:
                 continue
             if not trusted_uid(uid):
                 self.refused += 1
-                log.warning("control socket: refused a connection from uid %d (pid %d)",
-                            uid, pid)
+                # the first few, then one in a thousand: a refused peer cannot flood the log
+                if self.refused <= 10 or self.refused % 1000 == 0:
+                    log.warning("control socket: refused a connection from uid %d (pid %d)"
+                                " (%d refused so far)", uid, pid, self.refused)
                 conn.close()
                 continue
             if not self._slots.acquire(blocking=False):
