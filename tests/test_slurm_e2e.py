@@ -192,6 +192,40 @@ def test_wait_reports_a_missing_store(slurm, tmp_path):
 
 
 
+@pytest.mark.parametrize("planted", ["their-dir", "symlink"])
+def test_a_job_dir_another_user_made_first_stops_the_job(packed, tmp_path, planted):
+    """The template's private parent ($TMPDIR/fanstore-jobs-<uid>) made first by someone
+    else (a directory of theirs, or a symlink to one): the job stops with one line naming
+    it; nothing is staged or mounted, nothing is written into their directory."""
+    from second_user import other_user
+
+    user, why = other_user()
+    if user is None:
+        pytest.skip(why)
+    _, store = packed
+    base = tmp_path / "nodelocal"
+    base.mkdir()
+    private = base / f"fanstore-jobs-{os.getuid()}"
+    theirs = base / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, user.uid, user.gid)
+    if planted == "their-dir":
+        private.mkdir(mode=0o700)
+        os.chown(private, user.uid, user.gid)
+        watched = private
+    else:
+        private.symlink_to(theirs)
+        watched = theirs
+    res = sbatch(tmp_path, "-N", "2", REPO / "slurm" / "train.sbatch", store, "--", "true")
+    assert res.returncode != 0
+    log = job_output(tmp_path)
+    assert "is not a private directory of yours" in log, log
+    assert "Traceback" not in log
+    assert list(watched.iterdir()) == []
+    assert fanstore_mounts_under(tmp_path) == []
+    assert wait_until(lambda: no_daemons_for(tmp_path), 10)
+
+
 def test_mpi_start_up_under_srun_is_reliable(slurm, tmp_path):
     """30 launches of FanStore's MPI start-up on 2 nodes, each with a heap full of freed
     data: all must start and exchange a message. With the PyPI MPICH's default netmod
