@@ -15,14 +15,15 @@ del junk
 
 from fanstore.daemon.world import World  # noqa: E402
 
-world = World.from_mpi()
+world = World.from_mpi()  # (with several ranks per node: grouped into nodes)
+comm = world.MPI.COMM_WORLD
 buf = bytearray(1 << 20)
-if world.rank == 0:
+if comm.Get_rank() == 0:
     buf[:] = b"\x07" * len(buf)
-    world.comm.Send([buf, world.MPI.BYTE], dest=1)
-elif world.rank == 1:
-    world.comm.Recv([buf, world.MPI.BYTE], source=0)
+    comm.Send([buf, world.MPI.BYTE], dest=comm.Get_size() - 1)  # the other node
+elif comm.Get_rank() == comm.Get_size() - 1:
+    comm.Recv([buf, world.MPI.BYTE], source=0)
     if buf != b"\x07" * len(buf):
         sys.exit("wrong bytes")
-world.comm.Barrier()
+comm.Barrier()
 world.MPI.Finalize()

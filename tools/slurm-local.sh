@@ -327,6 +327,7 @@ write_conf() {
     sed -e "s|@HOSTNAME@|$host|g" -e "s|@CPUS@|$cpus|g" -e "s|@MEM_MB@|$mem_mb|g" \
         -e "s|@CTLD_PORT@|$CTLD_PORT|g" -e "s|@PORT_N1@|$NODE_PORT|g" -e "s|@PORT_N2@|$((NODE_PORT + 1))|g" \
         -e "s|@LIB_DIR@|$LIB_DIR|g" -e "s|@RUN_DIR@|$RUN_DIR|g" -e "s|@LOG_DIR@|$LOG_DIR|g" \
+        -e "s|@SCRIPT_DIR@|$SCRIPT_DIR|g" \
         "$TEMPLATE" >"$tmp"
     chmod 0644 "$tmp"
     if [[ -f "$SLURM_CONF_PATH" ]] && cmp -s "$tmp" "$SLURM_CONF_PATH"; then
