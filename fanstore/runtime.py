@@ -105,12 +105,7 @@ class MountRuntime:
         """The runtime of ``mountpoint`` for a daemon: root and mount directory created
         (0700) and checked. UnsafePathError if either is not private to this uid."""
         self = cls(mountpoint, runtime_root())
-        # the root's parents too: a root inside a directory another user may write (an
-        # $XDG_RUNTIME_DIR or $FANSTORE_RUNTIME_DIR there) could be renamed away and
-        # replaced by a symlink to theirs after our check
-        safeio.trusted_path(os.path.dirname(self.root), what="runtime directory's parent")
-        safeio.private_dir(self.root, create=True, what="runtime directory")
-        safeio.private_dir(self.path, create=True, what="runtime directory")
+        self._check(create=True)
         return self
 
     @classmethod
@@ -123,11 +118,18 @@ class MountRuntime:
                 os.lstat(self.path)
             except OSError:
                 continue
-            safeio.trusted_path(os.path.dirname(self.root), what="runtime directory's parent")
-            safeio.private_dir(self.root, create=False, what="runtime directory")
-            safeio.private_dir(self.path, create=False, what="runtime directory")
+            self._check(create=False)
             return self
         return None
+
+    def _check(self, create: bool) -> None:
+        """The root's parents trusted, the root and the mount's directory private (made
+        0700 with ``create``). The parents too: a root inside a directory another user
+        may write (an $XDG_RUNTIME_DIR or $FANSTORE_RUNTIME_DIR there) could be renamed
+        away and replaced by a symlink to theirs after our check."""
+        safeio.trusted_path(os.path.dirname(self.root), what="runtime directory's parent")
+        safeio.private_dir(self.root, create=create, what="runtime directory")
+        safeio.private_dir(self.path, create=create, what="runtime directory")
 
     # ------------------------------------------------------------------ state
     def write_state(self, **fields: Any) -> None:
