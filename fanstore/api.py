@@ -20,8 +20,9 @@ returns wrong bytes.
   whose partition is on this node's disk are read and decoded in this process, exactly as
   from a store (so any number of reader processes scale with the cores), and only files
   held by other nodes go through the node's daemon (a Unix socket), which fetches their
-  still-compressed bytes from the peer over MPI. In prefetch mode every read asks the daemon
-  first, which answers from its prefetch buffer. ``prefetch(paths)`` hands the daemon the
+  still-compressed bytes from the peer over MPI. In prefetch mode files are read through
+  the mount itself: the daemon's workers decode the order ahead into the page cache, so a
+  read of a prefetched file is a page-cache copy. ``prefetch(paths)`` hands the daemon the
   order of the next epoch (prefetch mode).
 
 Paths follow FanStore's one symlink rule (:meth:`fanstore.namespace.Namespace.resolve`):
@@ -41,7 +42,14 @@ import stat as stat_mod
 from dataclasses import dataclass
 from typing import Iterator
 
-from fanstore.errors import FanStoreError, MountError, NotFoundError, UsageError
+from fanstore.errors import (
+    CorruptDataError,
+    FanStoreError,
+    MountError,
+    NotFoundError,
+    PermissionDeniedError,
+    UsageError,
+)
 from fanstore.format.index import INDEX_NAME, KIND_DIR
 from fanstore.read import ChunkReader, LocalPartitions, RoutedSource
 from fanstore.read.stats import SUMMED
@@ -145,6 +153,11 @@ class _Reader:
         """The whole content of a file, checked against its checksums."""
         return self.read_entry(self._file(path))
 
+    def entry_of(self, path: str | bytes) -> int:
+        """The index entry of the file ``path`` names (symlinks followed), for
+        :meth:`read_entry` and ``prefetch_entries``."""
+        return self._file(path)
+
     def read_entry(self, entry: int) -> bytes:
         self._after_fork()
         data = self.reader.read_all(entry)
@@ -217,6 +230,17 @@ def _node_index(path: str | None, owner: int):
         return None
 
 
+def _os_error(exc: OSError, what: str) -> FanStoreError:
+    """A read through the mount failed: the FanStore error of its errno."""
+    import errno as E
+
+    cls = {E.ENOENT: NotFoundError, E.EACCES: PermissionDeniedError,
+           E.EPERM: PermissionDeniedError}.get(exc.errno or 0, CorruptDataError)
+    err = cls(f"{what}: {exc.strerror or exc}")
+    err.errno = exc.errno or E.EIO
+    return err
+
+
 def _show(path) -> str:
     return os.fsdecode(path) if isinstance(path, bytes) else str(path)
 
@@ -237,6 +261,9 @@ class StoreReader(_Reader):
     def prefetch(self, paths, client: str | None = None) -> None:
         """Nothing to do for a store read in-process (the page cache reads ahead)."""
 
+    def prefetch_entries(self, entries, client: str | None = None) -> None:
+        """Nothing to do for a store read in-process."""
+
     def stats(self) -> dict:
         return self.reader.stats.to_json(self.reader.cache)
 
@@ -255,6 +282,7 @@ class MountReader(_Reader):
         from fanstore.format.index import read_index
 
         self.mountpoint = mountpoint
+        self._mount_b = os.fsencode(os.path.abspath(mountpoint)) + b"/"
         self.client = ControlClient(mountpoint, timeout)
         info = self.client.request({"op": "info"})[0]
         self.mode = info.get("mode", "sync")
@@ -271,21 +299,64 @@ class MountReader(_Reader):
         self._init(index, ChunkReader(index, source, cache_bytes=cache_mb << 20))
 
     def read_entry(self, entry: int) -> bytes:
-        if self.mode == "prefetch":  # the daemon may hold it decoded already
+        if self.mode == "prefetch":  # decoded ahead into the mount's page cache
             self._after_fork()
-            return self.client.request({"op": "fetch", "entry": entry},
-                                       expect=self.ns.size(entry))[1]
+            data = self._read_through_mount(entry)
+            self._count(data)
+            return data
         return super().read_entry(entry)
+
+    def _read_through_mount(self, entry: int) -> bytes:
+        """The whole file through the kernel (the kernel checks permissions as for any
+        reader); the mount's errors as FanStore errors."""
+        path = self._mount_b + self.ns.path(entry)
+        size = self.ns.size(entry)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                data = os.read(fd, size)  # one copy out of the page cache
+                if len(data) < size:
+                    parts = [data]
+                    got = len(data)
+                    while got < size:
+                        more = os.read(fd, size - got)
+                        if not more:
+                            break
+                        parts.append(more)
+                        got += len(more)
+                    data = b"".join(parts)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise _os_error(exc, self.ns.show(entry)) from None
+        if len(data) != size:
+            raise CorruptDataError(f"{self.ns.show(entry)}: the mount returned {len(data)} of "
+                                   f"{size} bytes")
+        return data
 
     def prefetch(self, paths, client: str | None = None) -> dict:
         """Hand the daemon the order in which ``paths`` will be read (prefetch mode).
 
         Each training process has its own order; ``client`` names it (default: this
-        process), so processes sharing the node's mount do not replace each other's.
+        process), so processes sharing the node's mount do not replace each other's. Paths
+        are resolved here (symlinks followed, as reading does); ones the store does not
+        have are counted as ``unknown`` and left out.
         """
+        entries, unknown = [], 0
+        for p in paths:
+            try:
+                entries.append(self.ns.file_entry(p))
+            except FanStoreError:
+                unknown += 1
+        reply = self.prefetch_entries(entries, client)
+        reply["unknown"] = reply.get("unknown", 0) + unknown
+        return reply
+
+    def prefetch_entries(self, entries, client: str | None = None) -> dict:
+        """:meth:`prefetch` with index entries (``entry_of(path)``) instead of paths."""
         name = client or f"{socket.gethostname()}:{os.getpid()}"
-        reply, _ = self.client.request({"op": "prefetch", "paths": [_show(p) for p in paths],
-                                        "client": name})
+        reply, _ = self.client.request({"op": "prefetch", "client": name,
+                                        "entries": [int(e) for e in entries]})
         return reply
 
     def stats(self) -> dict:

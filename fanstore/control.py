@@ -15,8 +15,7 @@ Requests served by a node daemon (:mod:`fanstore.daemon.service`):
 | ``info`` | | store, mode, data dir, local partitions, placement (what a reader process needs to read local partitions itself) |
 | ``stats`` | | the node's counters (``fanstore stats``) |
 | ``shutdown`` (owner) | ``reason``, ``everywhere`` | ``{"ok": true}`` |
-| ``prefetch`` (owner) | ``paths`` (a list, read by the client), ``client`` | ``{"ok": true, "files": n, "unknown": n}`` |
-| ``fetch`` | ``entry`` or ``path`` | the whole file, decoded and checked (payload) |
+| ``prefetch`` (owner) | ``paths`` (a list, read by the client) or ``entries`` (index entries), ``client`` | ``{"ok": true, "files": n, "unknown": n}`` |
 | ``read_stored`` | ``part``, ``offset``, ``length``, ``entry`` | stored bytes of a partition held by another node (payload) |
 
 Who may ask: the server serves only peers of its own uid and root (``SO_PEERCRED``); the

@@ -89,8 +89,5 @@ class Frontend(Protocol):
     def set_order(self, entries: list[int], client: str) -> int:
         """Prefetch mode: the access order of ``client``'s next epoch (MountError in sync)."""
 
-    def fetch(self, entry: int) -> bytes:
-        """A whole file, decoded and checked (what a prefetch-mode API read asks for)."""
-
 
 FrontendFactory = Callable[[MountContext], Frontend]

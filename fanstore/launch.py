@@ -25,9 +25,12 @@ FRONTENDS = ("kernel", "pyfuse3")
 
 def resolve_frontend(name: str, mode: str) -> str:
     """``auto`` is the kernel-protocol frontend (measured faster on every pass: see
-    docs/benchmarks.md), except in prefetch mode, which the pyfuse3 frontend serves."""
+    docs/benchmarks.md); prefetch mode needs it (FUSE_NOTIFY_STORE from its workers)."""
     if name == "auto":
-        return "pyfuse3" if mode == "prefetch" else "kernel"
+        return "kernel"
+    if name == "pyfuse3" and mode == "prefetch":
+        raise UsageError("--mode prefetch is served by the kernel frontend: mount with "
+                         "--frontend kernel (or auto, the default)")
     return name
 
 

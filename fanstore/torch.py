@@ -16,15 +16,18 @@
 inherit it after ``fork`` (each gets its own connection to the daemon).
 
 ``PrefetchSampler`` wraps any sampler: each time the DataLoader starts an epoch it
-materialises the sampler's order (this rank's share) and sends the corresponding paths to a
-mount in prefetch mode, so the daemon fetches and decodes ahead of the workers. With a
-packed store read in-process there is nothing to hand over and it only passes through.
+materialises the sampler's order (this rank's share) and sends it to a mount in prefetch
+mode, so the node's workers fetch and decode ahead of the DataLoader's. The order is sent
+from a thread (the first batches are not held up by it) as index entries resolved once per
+dataset. With a packed store read in-process there is nothing to hand over and it only
+passes through.
 
 torch is an optional dependency: importing this module without it raises ImportError.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Iterator
 
 import torch.utils.data as tud
@@ -43,6 +46,13 @@ class FanStoreDataset(tud.Dataset):
         self.root = root
         self.files = list(files) if files is not None else self.store.files(root)
         self.transform = transform
+        self._entries: list[int] | None = None
+
+    def entries(self) -> list[int]:
+        """The index entry of every file (resolved once, for prefetch orders)."""
+        if self._entries is None:
+            self._entries = [self.store.entry_of(p) for p in self.files]
+        return self._entries
 
     def __len__(self) -> int:
         return len(self.files)
@@ -56,18 +66,25 @@ class FanStoreDataset(tud.Dataset):
 
 
 def prefetch_epoch(dataset: FanStoreDataset, indices) -> dict | None:
-    """Send the paths of ``indices`` (an epoch's order) to the store's prefetcher."""
-    paths = [dataset.files[i] for i in indices]
-    return dataset.store.prefetch(paths)
+    """Send the files of ``indices`` (an epoch's order) to the store's prefetcher."""
+    entries = dataset.entries()
+    return dataset.store.prefetch_entries([entries[i] for i in indices])
 
 
 class PrefetchSampler(tud.Sampler):
-    """Wraps a sampler; at the start of each epoch hands its order to prefetch mode."""
+    """Wraps a sampler; at the start of each epoch hands its order to prefetch mode.
+
+    The order is sent by a thread while the DataLoader starts; an error sending it (the
+    mount went away) is raised at the next epoch's start, or by :meth:`wait`.
+    """
 
     def __init__(self, sampler, dataset: FanStoreDataset) -> None:
         self.sampler = sampler
         self.dataset = dataset
         self.last_order: list[int] = []
+        self.last_reply: dict | None = None
+        self._sender: threading.Thread | None = None
+        self._error: BaseException | None = None
 
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.sampler, "set_epoch"):
@@ -76,8 +93,27 @@ class PrefetchSampler(tud.Sampler):
     def __iter__(self) -> Iterator[int]:
         order = [int(i) for i in self.sampler]
         self.last_order = order
-        prefetch_epoch(self.dataset, order)
+        self.wait()
+        self._sender = threading.Thread(target=self._send, args=(order,),
+                                        name="fanstore-prefetch-order", daemon=True)
+        self._sender.start()
         return iter(order)
+
+    def _send(self, order: list[int]) -> None:
+        try:
+            self.last_reply = prefetch_epoch(self.dataset, order)
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+            self._error = exc
+
+    def wait(self) -> dict | None:
+        """Wait until the last order was sent; raise what sending it raised."""
+        if self._sender is not None:
+            self._sender.join()
+            self._sender = None
+        err, self._error = self._error, None
+        if err is not None:
+            raise err
+        return self.last_reply
 
     def __len__(self) -> int:
         return len(self.sampler)

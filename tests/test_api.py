@@ -173,28 +173,6 @@ def test_mount_reads_every_file_byte_exact_and_after_fork(tree, mounted):
 
 @pytest.mark.fuse
 @pytest.mark.skipif(not _fuse_ok, reason=_fuse_why)
-def test_the_default_frontend_is_kernel_and_pyfuse3_serves_prefetch(tree, mounted, tmp_path,
-                                                                    monkeypatch):
-    """--frontend auto (the default): the kernel frontend, except in prefetch mode, which
-    the pyfuse3 frontend serves; asking the kernel frontend for prefetch is a clear error."""
-    _src, store, files = tree
-    monkeypatch.delenv("FANSTORE_FRONTEND", raising=False)
-    plain = mounted(store)
-    assert json.loads(run_cli("stats", plain, "--json", check=True).stdout)["frontend"] == \
-        "kernel"
-    pre = mounted(store, "--mode", "prefetch")
-    assert json.loads(run_cli("stats", pre, "--json", check=True).stdout)["frontend"] == \
-        "pyfuse3"
-    (tmp_path / "m3").mkdir()
-    res = run_cli("mount", store, tmp_path / "m3", "--frontend", "kernel", "--mode", "prefetch")
-    assert_cli_error(res, contains="--mode prefetch is served by the pyfuse3 frontend")
-    res = run_cli("mount", store, tmp_path / "m3", env={"FANSTORE_FRONTEND": "fuse2"})
-    assert_cli_error(res, code=2, contains="unknown frontend 'fuse2'")
-    assert not is_mounted(tmp_path / "m3")
-
-
-@pytest.mark.fuse
-@pytest.mark.skipif(not _fuse_ok, reason=_fuse_why)
 def test_prefetch_needs_prefetch_mode(tree, mounted, tmp_path):
     _src, store, files = tree
     mnt = mounted(store)
@@ -206,64 +184,28 @@ def test_prefetch_needs_prefetch_mode(tree, mounted, tmp_path):
     assert_no_traceback(res)
 
 
-def _hit_rate(before: dict, after: dict) -> tuple[float, dict]:
-    keys = ("prefetch_hits", "prefetch_late", "prefetch_misses")
-    d = {k: after[k] - before[k] for k in keys}
-    total = sum(d.values())
-    return (d["prefetch_hits"] / total if total else 0.0), d
-
-
 @pytest.mark.fuse
 @pytest.mark.skipif(not _fuse_ok, reason=_fuse_why)
-def test_prefetch_through_fuse_hits_on_the_second_epoch(tree, mounted, tmp_path):
-    """Epoch order given with `fanstore prefetch`; the page cache is dropped between epochs
-    (a dataset bigger than memory); reads in that order are served from the prefetch
-    buffer: > 90% hits on the second epoch, and every byte right."""
-    src, store, files = tree
-    mnt = mounted(store, "--mode", "prefetch", "--prefetch-mb", "64", "--cache-mb", "8")
-
-    def stats():
-        return json.loads(run_cli("stats", mnt, "--json", check=True).stdout)
-
-    for epoch in range(2):
-        order = files[:]
-        random.Random(epoch).shuffle(order)
-        listing = tmp_path / f"epoch{epoch}.txt"
-        listing.write_text("\n".join(order) + "\n")
-        res = run_cli("prefetch", mnt, "--list", listing, check=True)
-        assert "prefetch order of 300 files sent" in res.stdout
-        subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], check=True)
-        before = stats()
-        for rel in order:
-            assert (mnt / rel).read_bytes() == (src / rel).read_bytes(), rel
-        rate, delta = _hit_rate(before, stats())
-    assert rate > 0.9, delta
-    assert stats()["errors"] == 0
-
-
-@pytest.mark.fuse
-@pytest.mark.skipif(not _fuse_ok, reason=_fuse_why)
-def test_prefetch_through_the_api_and_directory_readahead(tree, mounted):
+def test_prefetch_through_the_api(tree, mounted):
+    """open_store(MNT) on a prefetch mount: the order goes over with .prefetch(), files are
+    read through the mount (decoded ahead into its page cache), every byte right; without
+    an order, reading a file prefetches the next ones of its directory."""
     src, store, files = tree
     mnt = mounted(store, "--mode", "prefetch", "--prefetch-mb", "64")
     with fanstore.open_store(str(mnt)) as s:
-        # Without an order: reading a file prefetches the next ones of its directory.
-        before = s.stats()
         for rel in [f for f in files if f.startswith("c5/")][:20]:
             assert s.read(rel) == (src / rel).read_bytes()
-        after = s.stats()
-        assert after["prefetch_files"] > before["prefetch_files"]
-        assert after["prefetch_hits"] - before["prefetch_hits"] >= 15
-        # With an order (two epochs; the second one is measured).
+        assert s.stats()["prefetch_files"] > 0  # directory read-ahead
         for epoch in range(2):
             order = files[:]
             random.Random(10 + epoch).shuffle(order)
             reply = s.prefetch(order)
             assert reply["files"] == 300 and reply["unknown"] == 0
-            before = s.stats()
             assert check_all(s, src, order) == 300
-            rate, delta = _hit_rate(before, s.stats())
-        assert rate > 0.9, delta
+        st = s.stats()
+        assert st["prefetch_orders"] >= 2 and st["prefetch_pushed"] > 0 and st["errors"] == 0
+        with pytest.raises(NotFoundError):
+            s.read("c0/nope.bin")
 
 
 @pytest.mark.fuse
@@ -346,4 +288,5 @@ def test_dataloader_over_a_prefetch_mount(tree, mounted):
         assert sorted(order) == list(range(300))
         assert sizes == [os.path.getsize(src / ds.files[i]) for i in order]
     stats = json.loads(run_cli("stats", mnt, "--json", check=True).stdout)
-    assert stats["prefetch_hits"] > 0 and stats["errors"] == 0
+    assert stats["prefetch_pushed"] > 0 and stats["prefetch_orders"] >= 2
+    assert stats["errors"] == 0

@@ -539,11 +539,11 @@ def test_client_refuses_a_socket_served_by_another_user(other_user, tmp_path):
 
 
 @pytest.mark.skipif(not ROOT, reason="needs root to make a second user")
-def test_unprivileged_owner_mounts_and_fetch_follows_file_modes(other_user, tmp_path):
-    """A mount made by an unprivileged user (fusermount3): their own private runtime
-    directory; and the daemon's ``fetch`` (prefetch-mode API reads) gives a file only to
-    whom the mount would: a file of mode 0200 is EACCES through the mount and through the
-    API alike, a 0644 one reads."""
+def test_unprivileged_owner_mounts_and_prefetch_reads_follow_file_modes(other_user, tmp_path):
+    """A prefetch-mode mount made by an unprivileged user (fusermount3, kernel frontend):
+    their own private runtime directory; prefetch-mode API reads go through the mount, so
+    a file of mode 0200 is EACCES through the mount and through the API alike, a 0644 one
+    reads."""
     import subprocess
 
     repo = Path(__file__).resolve().parent.parent
@@ -563,7 +563,7 @@ def test_unprivileged_owner_mounts_and_fetch_follows_file_modes(other_user, tmp_
         mnt.mkdir()
         os.chown(mnt, other_user.uid, other_user.gid)
         env = other_user.env(PYTHONPATH=os.environ.get("PYTHONPATH", ""),
-                             FANSTORE_FRONTEND="pyfuse3")
+                             FANSTORE_FRONTEND="kernel")
         fs = [sys.executable, "-m", "fanstore.cli"]
         r = other_user.run([*fs, "mount", store, mnt, "--mode", "prefetch"], env=env,
                            timeout=120)

@@ -67,37 +67,29 @@ def handlers(node) -> dict[str, Any]:
     def prefetch(req):
         """The access order of a reader's next epoch: ``paths`` (relative to the mount
         root; the client reads any list file itself: the daemon never opens a path it is
-        given); ``client`` names the reader (one order per training process; a new order
+        given) or ``entries`` (index entries the client resolved itself, e.g. the Python
+        API); ``client`` names the reader (one order per training process; a new order
         replaces that client's)."""
-        paths = req.get("paths")
-        if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
-            raise UsageError("prefetch needs 'paths': a list of path strings")
         index = node.ctx.index
         entries, unknown = [], 0
-        for p in paths:
-            entry = index.resolve(os.fsencode(p))
-            if entry is None:
-                unknown += 1
-            else:
-                entries.append(entry)
+        if "entries" in req:
+            entries = req["entries"]
+            if not isinstance(entries, list) or not all(
+                    isinstance(e, int) and not isinstance(e, bool)
+                    and 0 <= e < index.n_entries for e in entries):
+                raise UsageError("prefetch: 'entries' must be a list of index entries")
+        else:
+            paths = req.get("paths")
+            if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+                raise UsageError("prefetch needs 'paths': a list of path strings")
+            for p in paths:
+                entry = index.resolve(os.fsencode(p))
+                if entry is None:
+                    unknown += 1
+                else:
+                    entries.append(entry)
         n = node.frontend.set_order(entries, _str(req, "client", "default", 256) or "default")
         return {"ok": True, "files": n, "unknown": unknown}
-
-    def fetch(req):
-        """A whole file, decoded and checked (prefetch-mode API readers), if the asking
-        uid may read it through the mount (its mode bits, as default_permissions does)."""
-        ns = node.ctx.ns
-        entry = req.get("entry")
-        if not isinstance(entry, int) or isinstance(entry, bool) \
-                or not 0 <= entry < ns.n_entries:
-            entry = node.ctx.index.resolve(os.fsencode(_str(req, "path")))
-            if entry is None:
-                raise NotFoundError(f"{req.get('path')}: no such file in the store")
-        if ns.kind(entry) != KIND_FILE:
-            raise MountError(f"{ns.show(entry)}: not a regular file")
-        if not may_read(ns, entry, req["_uid"]):
-            raise PermissionDeniedError(f"{ns.show(entry)}: permission denied")
-        return {"ok": True, "entry": entry}, node.frontend.fetch(entry)
 
     def read_stored(req):
         """Stored bytes of a partition held by another node, for a reader process here."""
@@ -120,22 +112,5 @@ def handlers(node) -> dict[str, Any]:
         return {"ok": True}, bytes(data)
 
     return {"ping": ping, "info": info, "stats": stats, "shutdown": shutdown,
-            "prefetch": prefetch, "fetch": fetch, "read_stored": read_stored}
+            "prefetch": prefetch, "read_stored": read_stored}
 
-
-def may_read(ns, entry: int, uid: int) -> bool:
-    """Whether ``uid`` may read ``entry`` through the mount: the kernel's
-    default_permissions check on the index's mode bits (every file shows the daemon's
-    uid as its owner): search permission on each directory above it, read permission on
-    the file. Root may read everything."""
-    if uid == 0:
-        return True
-    owner = uid == os.geteuid()
-    read_bit, search_bit = (0o400, 0o100) if owner else (0o004, 0o001)
-    if not ns.mode(entry) & read_bit:
-        return False
-    while entry != 0:  # the root is entry 0
-        entry = ns.parent(entry)
-        if not ns.mode(entry) & search_bit:
-            return False
-    return True

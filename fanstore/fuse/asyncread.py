@@ -53,12 +53,6 @@ class AsyncReader:
         self._remote_limiter = trio.CapacityLimiter(max(1, remote_threads))
         self._inflight: dict[int, _Pending] = {}
         self._part = reader.index.c["part"]
-        self.prefetcher = None  # fanstore.fuse.prefetch.Prefetcher in prefetch mode
-
-    def start(self, nursery: trio.Nursery) -> None:
-        """Background work (the prefetcher), if any, in the mount's nursery."""
-        if self.prefetcher is not None:
-            nursery.start_soon(self.prefetcher.run)
 
     async def read(self, entry: int, offset: int, size: int):
         """Bytes [offset, offset+size) of a file (short at EOF). Raises FanStoreError."""
@@ -67,32 +61,9 @@ class AsyncReader:
         lo, hi, end = chunk_span(offset, size, file_size, self.chunk_size, base)
         if hi == lo:
             return b""
-        if self.prefetcher is not None and lo == 0:
-            ready = self.prefetcher.take(entry)
-            if ready is not None:
-                for k, data in zip(range(first, first + count), ready):
-                    self.cache.put(k, data)
-                if hi == 1 and not self.cache.peek(first):  # too big for the LRU: serve it
-                    data = assemble(ready[:1], 0, offset, end, self.chunk_size, base)
-                    self.stats.bytes_returned += len(data)
-                    return data
         chunks = await self.get_chunks(entry, first + lo, first + hi)
         data = assemble(chunks, lo, offset, end, self.chunk_size, base)
         self.stats.bytes_returned += len(data)
-        return data
-
-    async def read_all(self, entry: int) -> bytes:
-        """A whole file, decoded (the prefetch buffer first): the API's ``fetch``."""
-        first, count, base, size = self.reader.span(entry)
-        if count == 0:
-            return b""
-        chunks = self.prefetcher.take(entry) if self.prefetcher is not None else None
-        if chunks is None:
-            chunks = await self.get_chunks(entry, first, first + count)
-        data = chunks[0] if count == 1 else b"".join(chunks)
-        if base or len(data) != size:
-            data = bytes(memoryview(data)[base : base + size])
-        self.stats.bytes_returned += size
         return data
 
     async def get_chunks(self, entry: int, a: int, b: int, counted: bool = True,

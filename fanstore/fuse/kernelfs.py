@@ -38,9 +38,11 @@ import json
 import logging
 import os
 import signal
+import socket
 import struct
 import subprocess
 import sys
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -78,10 +80,15 @@ class KernelHandler:
     """
 
     def __init__(self, fs: FsOps, reader, listing_budget: int = 32 << 20,
-                 publish=None) -> None:
+                 publish=None, prefetch=None) -> None:
         from fanstore.fuse.kernel import proto
 
         self.fs = fs
+        #: prefetch mode: fanstore.fuse.prefetch.PrefetchHooks (READs may be answered from
+        #: the buffer; LOOKUPs and IOCTLs tell where the readers are)
+        self.prefetch = prefetch
+        if prefetch is not None:
+            self.ioctl = self._ioctl  # the engine forwards IOCTLs only to handlers that ask
         self.ns = fs.ns
         self.reader = reader
         self.stats = reader.stats
@@ -131,7 +138,12 @@ class KernelHandler:
             return self._negative  # the kernel remembers the absence as long as a name
         except FanStoreError as exc:
             return exc.errno
+        if self.prefetch is not None:
+            self.prefetch.seen(entry)
         return self._entry_out(entry)
+
+    def _ioctl(self, nodeid: int) -> None:
+        self.prefetch.seen(nodeid - 1)
 
     def getattr(self, nodeid: int):
         entry = nodeid - 1
@@ -153,8 +165,10 @@ class KernelHandler:
             return errno.EISDIR if int(self._kind[entry]) == KIND_DIR else errno.EINVAL
         self.stats.reads += 1
         try:
-            # Whole-file reads land in the page cache: no second copy in the chunk LRU.
-            data = self.reader.read(entry, offset, size, keep_whole=False)
+            data = self.prefetch.read(entry, offset, size) if self.prefetch else None
+            if data is None:
+                # Whole-file reads land in the page cache: no second copy in the chunk LRU.
+                data = self.reader.read(entry, offset, size, keep_whole=False)
         except FanStoreError as exc:
             log.error("%s", exc)
             self.publish()
@@ -295,12 +309,18 @@ class RowPublisher:
 _COL = {name: READ_COL0 + i for i, name in enumerate(READ_COUNTERS)}
 
 
-def summed_stats(counters) -> dict[str, Any]:
-    """What ``fanstore stats`` reports for the kernel frontend, from the shared table."""
+def summed_stats(counters, prefetch: bool = False) -> dict[str, Any]:
+    """What ``fanstore stats`` reports for the kernel frontend, from the shared table
+    (with the prefetch counters in prefetch mode)."""
     from fanstore.fuse.kernel.counters import OP_COLS
 
     sums = counters.column_sums()
     out: dict[str, Any] = {name: sums[col] for name, col in _COL.items()}
+    if prefetch:
+        from fanstore.fuse import prefetch as pf
+
+        for name, col in pf.COL.items():
+            out[name] = counters.column_max(col) if name in pf.MAX_COLUMNS else sums[col]
     out["decode_seconds"] = round(out.pop("decode_ns") / 1e9, 6)
     out["refetched_from_replica"] = out.pop("refetched")
     out["worker_served_requests"] = out.pop("served_requests")
@@ -315,9 +335,10 @@ def summed_stats(counters) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the frontend process
 
 
-def _make_handler_factory(spec: dict[str, Any], index, fs: FsOps, session):
+def _make_handler_factory(spec: dict[str, Any], index, fs: FsOps, session, window=None):
     """The per-worker set-up: this node's partitions opened here, other nodes' chunks
-    through the daemon's socket, counters in the worker's row."""
+    through the daemon's socket, counters in the worker's row; in prefetch mode, the
+    worker's prefetch thread (``window``: the shared window, made before the fork)."""
 
     def factory(wctx):
         from fanstore.control import ControlClient, NodeSource
@@ -332,9 +353,18 @@ def _make_handler_factory(spec: dict[str, Any], index, fs: FsOps, session):
                                                 {int(p) for p in spec["replicated"]}))
         reader = ChunkReader(index, source, cache_bytes=spec["cache_bytes"])
         # (serve() made the counters table before forking this worker)
-        publisher = RowPublisher(session.counters.row(wctx.slot), reader.stats, reader.cache)
+        row = session.counters.row(wctx.slot)
+        publisher = RowPublisher(row, reader.stats, reader.cache)
         publisher.publish()
-        return KernelHandler(fs, reader, publish=publisher.publish)
+        hooks = None
+        if window is not None:
+            from fanstore.fuse.prefetch import Prefetcher
+
+            pf = Prefetcher(window, reader, fs.ns, wctx.slot, wctx.workers, wctx.fd,
+                            wctx.channel, spec["mountpoint"], row, publish=publisher.publish)
+            pf.start()
+            hooks = pf.hooks
+        return KernelHandler(fs, reader, publish=publisher.publish, prefetch=hooks)
 
     return factory
 
@@ -359,15 +389,31 @@ def serve_worker(socket_path: str, index, reader, timeout: float = 300.0,
         publisher.publish()
         if served is not None:
             served.on_served = publisher.publish_served
-    handler = KernelHandler(FsOps(Namespace(index)), reader,
-                            publish=publisher.publish if publisher else None)
+    fs = FsOps(Namespace(index))
+    prefetcher = window = None
+    spec = (grant.info or {}).get("prefetch")
+    if spec and len(grant.extra_fds) >= 2 and row is not None:
+        from fanstore.fuse.prefetch import Prefetcher
+        from fanstore.fuse.window import SharedWindow
+
+        window = SharedWindow(grant.extra_fds[0], grant.extra_fds[1])
+        prefetcher = Prefetcher(window, reader, fs.ns, grant.slot, grant.workers, grant.fd,
+                                sock, spec["mountpoint"], row,
+                                publish=publisher.publish if publisher else None)
+        prefetcher.start()
+    handler = KernelHandler(fs, reader, publish=publisher.publish if publisher else None,
+                            prefetch=prefetcher.hooks if prefetcher else None)
     try:
         Dispatcher(grant.fd, handler, bufsize=grant.bufsize, row=row).run()
     finally:
+        if prefetcher is not None:
+            prefetcher.stop()
         if publisher is not None:
             publisher.publish()
         os.close(grant.fd)
         handoff.say_gone(sock)
+        for fd in grant.extra_fds:
+            os.close(fd)
     return "unmounted"
 
 
@@ -438,14 +484,33 @@ def frontend_main(spec_fd: int) -> int:
             report("ready\n")
             os.close(ready_fd)  # the daemon stops reading here; EOF if we die before
 
-        if int(spec.get("external_workers") or 0):
+        external = int(spec.get("external_workers") or 0)
+        window = relay = None
+        watch: dict[int, Any] = {}
+        if spec.get("mode") == "prefetch":
+            import socket
+
+            from fanstore.fuse.prefetch import OrderRelay
+            from fanstore.fuse.window import SharedWindow
+
+            slots = external or int(spec["workers"])
+            window = SharedWindow.create(index.n_entries, slots, int(spec["prefetch_buffer"]))
+            orders = socket.socket(fileno=int(spec["order_fd"]))
+            relay = OrderRelay(session, orders, window, int(spec["prefetch_bytes"]))
+            watch[orders.fileno()] = relay.on_readable
+        if external:
             # MPI worker ranks serve (noderank.py): they connect and get the connection
-            reason = session.serve_external(spec["worker_socket"],
-                                            int(spec["external_workers"]), on_ready=on_ready)
+            extra = {} if window is None else {
+                "extra_fds": [window.state_fd, window.arena_fd],
+                "grant_info": {"prefetch": {"mountpoint": spec["mountpoint"]}}}
+            reason = session.serve_external(spec["worker_socket"], external,
+                                            on_ready=on_ready, watch=watch, **extra)
         else:
-            factory = _make_handler_factory(spec, index, fs, session)
+            factory = _make_handler_factory(spec, index, fs, session, window)
             reason = session.serve(factory, workers=int(spec["workers"]),
-                                   on_ready=on_ready)
+                                   on_ready=on_ready, channels=window is not None,
+                                   watch=watch,
+                                   on_worker_start=relay.resend if relay else None)
         log.info("kernel frontend: %s", reason)
         return 0
     except FanStoreError as exc:
@@ -476,18 +541,22 @@ class KernelFrontend:
         self._counters = None
         self._reason: str | None = None
         # Every read is served by the workers, whose caches share --cache-mb; the daemon's
-        # own reader (API fetches) keeps none of its own.
+        # own reader keeps none of its own.
         ctx.reader.cache.budget = 0
+        self._orders = None  # prefetch mode: the daemon's end of the order channel
+        self._order_lock = threading.Lock()
+        self._clients: OrderedDict[str, int] = OrderedDict()  # client name -> slot
+        self._generation = 0
 
     # ------------------------------------------------------------------ Frontend
     def mount(self) -> None:
         ctx = self.ctx
         opts = ctx.options
-        if opts.mode == "prefetch":
-            raise MountError("--mode prefetch is served by the pyfuse3 frontend for now: "
-                             "mount with --frontend pyfuse3")
         r, w = os.pipe()
         spec_r, spec_w = os.pipe()
+        theirs = None
+        if opts.mode == "prefetch":
+            self._orders, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         spec = {
             "mountpoint": ctx.mountpoint, "index_path": ctx.index_path, "store": ctx.store,
             "data_dir": ctx.data_dir, "local_parts": ctx.local_parts,
@@ -502,18 +571,27 @@ class KernelFrontend:
             "debug": logging.getLogger().level <= logging.DEBUG,
             "log_format": _log_format(),
             "init_flags": os.environ.get("FANSTORE_FUSE_FLAGS", ""),
+            "mode": opts.mode,
         }
+        if theirs is not None:
+            budget = opts.prefetch_mb << 20
+            slots = ctx.external_workers or opts.worker_count()
+            spec.update(order_fd=theirs.fileno(), prefetch_bytes=budget,
+                        prefetch_buffer=prefetch_buffer_bytes(budget, slots))
         if ctx.runtime is not None:
             ctx.runtime.new_counters_file()  # the frontend creates it anew, exclusively
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPIR_", "OMPI_"))}
+        fds = (w, spec_r) if theirs is None else (w, spec_r, theirs.fileno())
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "fanstore.fuse.kernelfs", "--spec-fd", str(spec_r)],
-                pass_fds=(w, spec_r), env=env, stdin=subprocess.DEVNULL)
+                pass_fds=fds, env=env, stdin=subprocess.DEVNULL)
         finally:
             os.close(w)
             os.close(spec_r)
+            if theirs is not None:
+                theirs.close()
         try:  # the spec goes through a pipe: nothing on disk for anyone to read or swap
             with open(spec_w, "wb", closefd=True) as f:
                 f.write(json.dumps(spec).encode())
@@ -564,15 +642,51 @@ class KernelFrontend:
                 self._counters = RequestCounters.attach(self.counters_path)
             except (OSError, ValueError):
                 return {}
-        out = summed_stats(self._counters)
+        out = summed_stats(self._counters, prefetch=self._orders is not None)
         out["workers"] = self.ctx.options.worker_count()
+        if self._orders is not None:
+            out["prefetch_budget"] = self.ctx.options.prefetch_mb << 20
+            out["prefetch_clients"] = len(self._clients)
         return out
 
     def set_order(self, entries: list[int], client: str) -> int:
-        raise MountError("this mount is in sync mode; mount it with --mode prefetch")
+        """A client's order for its next epoch (replacing its last one): its regular files,
+        with their sizes, in an order file handed to the frontend process."""
+        from fanstore.fuse import prefetch as pf
+        from fanstore.fuse.window import CLIENTS, write_order
 
-    def fetch(self, entry: int) -> bytes:
-        return self.ctx.reader.read_all(entry)
+        if self._orders is None:
+            raise MountError("this mount is in sync mode; mount it with --mode prefetch")
+        index = self.ctx.index
+        arr = np.asarray(entries, dtype=np.int64)
+        if len(arr):
+            arr = arr[(arr >= 0) & (arr < index.n_entries)]
+            arr = arr[index.e["kind"][arr] == KIND_FILE]
+        with self._order_lock:
+            slot = self._clients.pop(client, None)
+            if slot is None and len(self._clients) >= CLIENTS:
+                # forget the client heard from longest ago
+                _old, slot = self._clients.popitem(last=False)
+                self._send(pf.encode(pf.DROP, slot, 0))
+            if slot is None:
+                used = set(self._clients.values())
+                slot = next(i for i in range(CLIENTS) if i not in used)
+            self._clients[client] = slot
+            self._generation += 1
+            fd = write_order(slot, self._generation, arr, index.e["size"][arr])
+            try:
+                self._send(pf.encode(pf.ORDER, slot, self._generation, len(arr)), [fd])
+            finally:
+                os.close(fd)
+        log.info("prefetch order of %d files from %s", len(arr), client or "a reader")
+        return len(arr)
+
+    def _send(self, msg: bytes, fds: list[int] | None = None) -> None:
+        try:
+            socket.send_fds(self._orders, [msg], fds or [])
+        except OSError as exc:
+            raise MountError(f"{self.ctx.mountpoint}: the kernel frontend is not taking "
+                             f"orders ({exc.strerror})") from None
 
     # ------------------------------------------------------------------ internals
     def _wait(self, timeout: float) -> None:
@@ -595,6 +709,14 @@ class KernelFrontend:
             ok, msg = mounttable.fusermount_unmount(mnt, lazy=True)
             if not ok:
                 log.error("%s: could not unmount: %s", mnt, msg)
+
+
+def prefetch_buffer_bytes(budget: int, slots: int) -> int:
+    """The shared buffer's share of ``--prefetch-mb``: what is left once every worker's
+    prefetch thread holds one piece decoded before pushing it (at least half)."""
+    from fanstore.fuse.prefetch import PUSH_PIECE
+
+    return max(budget // 2, budget - slots * PUSH_PIECE)
 
 
 def _log_format() -> str | None:

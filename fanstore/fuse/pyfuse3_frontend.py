@@ -27,12 +27,10 @@ class Pyfuse3Frontend:
         self.ctx = ctx
         opts = ctx.options
         self.fs = FsOps(ctx.ns)
-        self.reader = AsyncReader(ctx.ns, ctx.reader, threads=opts.decode_threads())
         if opts.mode == "prefetch":
-            from fanstore.fuse.prefetch import Prefetcher
-
-            self.reader.prefetcher = Prefetcher(self.reader, budget=opts.prefetch_mb << 20,
-                                                inflight=opts.decode_threads())
+            raise MountError("--mode prefetch is served by the kernel frontend "
+                             "(--frontend kernel or auto)")
+        self.reader = AsyncReader(ctx.ns, ctx.reader, threads=opts.decode_threads())
         self.ops = FanStoreOps(self.fs, self.reader)
         self._token: trio.lowlevel.TrioToken | None = None
         self._reason: str | None = None
@@ -78,32 +76,12 @@ class Pyfuse3Frontend:
         return {}
 
     def set_order(self, entries: list[int], client: str) -> int:
-        prefetcher = self.reader.prefetcher
-        if prefetcher is None:
-            raise MountError("this mount is in sync mode; mount it with --mode prefetch")
-        return self._in_loop(prefetcher.set_order, entries, client)
-
-    def fetch(self, entry: int) -> bytes:
-        if self.reader.prefetcher is None or self._token is None:
-            return self.ctx.reader.read_all(entry)
-        try:
-            return trio.from_thread.run(self.reader.read_all, entry, trio_token=self._token)
-        except trio.RunFinishedError:
-            raise MountError("the mount is stopping") from None
+        raise MountError("this mount is in sync mode; mount it with --mode prefetch")
 
     # ------------------------------------------------------------------ internals
-    def _in_loop(self, fn, *args):
-        if self._token is None:
-            return fn(*args)
-        try:
-            return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
-        except trio.RunFinishedError:
-            raise MountError("the mount is stopping") from None
-
     async def _main(self) -> None:
         self._token = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as nursery:
-            self.reader.start(nursery)
             if self._reason is not None:  # stopped before the loop ran
                 pyfuse3.terminate()
             await pyfuse3.main(min_tasks=1, max_tasks=self.ctx.options.max_tasks)

@@ -54,6 +54,14 @@ class ChunkReader:
         base = int(self._base[entry]) if self._base is not None else 0
         return int(self._first[entry]), int(self._count[entry]), base, int(self._size[entry])
 
+    def advise(self, entry: int) -> None:
+        """Tell the source a file will be read soon (a local one's stored bytes are read
+        ahead by the kernel: POSIX_FADV_WILLNEED)."""
+        first, count, _, _ = self.span(entry)
+        advise = getattr(self.source, "advise", None)
+        if count and advise is not None:
+            advise(*self.decoder.run_extent(first, count))
+
     def is_local(self, entry: int) -> bool:
         first, count, _, _ = self.span(entry)
         return count == 0 or self.source.is_local(int(self.index.c["part"][first]))

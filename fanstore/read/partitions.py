@@ -87,6 +87,15 @@ class LocalPartitions:
             got += len(more)
         return b"".join(pieces)
 
+    def advise(self, part: int, offset: int, length: int) -> None:
+        """The bytes at [offset, offset+length) will be read soon: let the kernel start."""
+        fd = self._fds.get(part)
+        if fd is not None and length > 0:
+            try:
+                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+
     def read_into(self, part: int, offset: int, view: memoryview) -> None:
         """Fill ``view`` with the partition's bytes at ``offset`` (no intermediate copy)."""
         fd = self._fds.get(part)

@@ -55,6 +55,10 @@ class RoutedSource:
             return self.local.fetch(part, offset, length, entry)
         return self.remote.fetch(part, offset, length, entry)
 
+    def advise(self, part: int, offset: int, length: int) -> None:
+        if self.local.has(part):
+            self.local.advise(part, offset, length)
+
     def fallback(self, part: int):
         if self.remote is not None and self.local.has(part) and self.remote.serves(part):
             return _Remote(self.remote)

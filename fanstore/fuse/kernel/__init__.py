@@ -82,6 +82,10 @@ exists in a worker), and keep the supervisor's work light (it must answer signal
 ``release(nodeid, fh)``, ``releasedir(nodeid, fh)``, ``forget(pairs)``, ``getxattr(nodeid,
 name, size)``, ``listxattr(nodeid, size)``, ``lseek(nodeid, offset, whence)``
     Optional. ``forget`` gets a list of ``(nodeid, nlookup)``; no reply is sent.
+``ioctl(nodeid: int) -> None``
+    Optional: called for every FUSE_IOCTL (Python's default ``open()`` sends one per file:
+    a sign of which file a reader is at); the answer stays the engine's (ENOTTY) unless it
+    returns a payload or an errno.
 
 The engine itself answers: IOCTL (ENOTTY), FLUSH/FSYNC/FSYNCDIR/POLL/LSEEK/BMAP/locks/
 SYNCFS/STATX (ENOSYS, so the kernel stops sending most of them), every write opcode

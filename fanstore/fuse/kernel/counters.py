@@ -1,9 +1,10 @@
 """Per-worker request counters in shared memory, readable without locks.
 
-One row of 128 unsigned 64-bit counters per slot: row 0 belongs to the supervisor (it
+One row of 192 unsigned 64-bit counters per slot: row 0 belongs to the supervisor (it
 answers INIT), rows 1..K to the worker slots. Columns 0..63 count requests by opcode
-(column 0 also takes opcodes above 63 and unassigned ones), columns 64.. count events
-(malformed requests, handler errors, replies the kernel no longer wanted, ...).
+(column 0 also takes opcodes above 63 and unassigned ones), columns 64..95 count events
+(malformed requests, handler errors, replies the kernel no longer wanted, ...), columns
+96..191 are the application's (APP_COL0).
 
 Each process writes only its own row, with plain aligned 8-byte stores (atomic on the
 hardware we run on), so readers sum rows without a lock and never see a torn value. A
@@ -22,8 +23,9 @@ import struct
 
 from .proto import OP_NAMES
 
-COLS = 128
+COLS = 192
 OP_COLS = 64
+APP_COL0 = 96  # columns from here on belong to the application (the handler)
 MALFORMED = 64  # a request that could not be parsed (answered EIO when its id was readable)
 HANDLER_ERROR = 65  # a handler raised something other than FuseErrno (answered EIO)
 STALE_REPLY = 66  # a reply the kernel no longer waited for (interrupted/aborted: ENOENT)
@@ -35,7 +37,7 @@ EVENT_NAMES = {MALFORMED: "malformed", HANDLER_ERROR: "handler_error",
 
 _HEADER = struct.Struct("=8sIII12x")  # magic version rows cols, padded to 32 bytes
 _MAGIC = b"KFUSECNT"
-_VERSION = 1
+_VERSION = 2
 
 
 def column_name(col: int) -> str:
@@ -96,7 +98,7 @@ class RequestCounters:
         return self
 
     def row(self, slot: int) -> memoryview:
-        """The writable row of ``slot`` (a memoryview of 128 u64): ``row[col] += 1``."""
+        """The writable row of ``slot`` (a memoryview of COLS u64): ``row[col] += 1``."""
         if not 0 <= slot < self.rows:
             raise IndexError(slot)
         return self._table[slot * COLS:(slot + 1) * COLS]
@@ -104,6 +106,11 @@ class RequestCounters:
     def column_sums(self) -> list[int]:
         t = self._table
         return [sum(t[r * COLS + c] for r in range(self.rows)) for c in range(COLS)]
+
+    def column_max(self, col: int) -> int:
+        """The largest value of column ``col`` over the rows (a gauge every worker copies)."""
+        t = self._table
+        return max(t[r * COLS + col] for r in range(self.rows))
 
     @property
     def requests(self) -> int:
@@ -120,7 +127,7 @@ class RequestCounters:
     def events(self) -> dict[str, int]:
         """Non-zero event counts: malformed, handler_error, stale_reply, ..."""
         sums = self.column_sums()
-        return {column_name(c): sums[c] for c in range(OP_COLS, COLS) if sums[c]}
+        return {column_name(c): sums[c] for c in range(OP_COLS, APP_COL0) if sums[c]}
 
     def snapshot(self) -> dict[str, int]:
         """requests_by_op and events in one dict (for before/after differences)."""

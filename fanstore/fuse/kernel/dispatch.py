@@ -371,7 +371,16 @@ class Dispatcher:
         table[Op.DESTROY] = op_destroy
 
         ioctl_errno = opts.ioctl_errno if 0 < opts.ioctl_errno < 512 else errno.ENOTTY
-        table[Op.IOCTL] = const(ioctl_errno)
+        ioctl = method("ioctl")
+        if ioctl is None:
+            table[Op.IOCTL] = const(ioctl_errno)
+        else:
+            # A handler that wants to see ioctls (Python's open() sends one per file, a
+            # sign of which file a reader is at) only looks; the answer stays the same.
+            def op_ioctl(unique: int, nodeid: int, end: int) -> Any:
+                r = ioctl(nodeid)
+                return ioctl_errno if r is None else r
+            table[Op.IOCTL] = op_ioctl
         table[Op.INIT] = const(errno.EPROTO)  # INIT is answered once, by the supervisor
 
         for opcode in WRITE_OPS:

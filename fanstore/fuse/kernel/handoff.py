@@ -7,12 +7,16 @@ connects its descriptor on the connection (a FUSE_DEV_IOC_CLONE, or the session 
 ``SCM_RIGHTS``, plus what it needs to serve: its slot (its counters row), the negotiated
 limits (the receive buffer size) and the counters file.
 
-Protocol (one connection per worker, kept open while it serves):
+Protocol (one SOCK_SEQPACKET connection per worker, kept open while it serves; every
+send is one message):
 
 1. worker -> supervisor: ``b"W"`` (hello).
-2. supervisor -> worker: one JSON line ``{"slot", "bufsize", "counters", "minor",
-   "flags"}`` with the descriptor attached.
-3. worker -> supervisor, when its Dispatcher stops: ``b"U"`` (the connection is gone: the
+2. supervisor -> worker: one JSON line ``{"slot", "workers", "bufsize", "counters",
+   "minor", "flags", ...}`` with the descriptor attached (then any extra descriptors the
+   session shares with its workers, e.g. shared memory).
+3. supervisor -> worker, any time after: the application's messages (the connection is the
+   worker's channel, :meth:`KernelSession.send`).
+4. worker -> supervisor, when its Dispatcher stops: ``b"U"`` (the connection is gone: the
    mount was removed) before it closes; a worker that dies says nothing (EOF).
 
 Only processes of the supervisor's own uid are accepted (``SO_PEERCRED``); the socket lives
@@ -49,6 +53,9 @@ class Grant:
     counters: str | None
     minor: int
     flags: int
+    workers: int = 1
+    extra_fds: tuple[int, ...] = ()
+    info: dict | None = None  # the whole grant, application fields included
 
 
 class HandoffServer:
@@ -60,7 +67,7 @@ class HandoffServer:
             os.unlink(path)
         except FileNotFoundError:
             pass
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         old = os.umask(0o177)
         try:
             self.sock.bind(path)
@@ -69,8 +76,10 @@ class HandoffServer:
         self.sock.listen(64)
         self.workers: dict[int, socket.socket] = {}  # slot -> connection
 
-    def accept(self, n: int, grant_fd, info: dict, timeout: float, stop=lambda: False) -> None:
-        """Accept ``n`` workers (slots 1..n); ``grant_fd(slot)`` makes each one's fd."""
+    def accept(self, n: int, grant_fd, info: dict, timeout: float, stop=lambda: False,
+               extra_fds: list[int] | None = None) -> None:
+        """Accept ``n`` workers (slots 1..n); ``grant_fd(slot)`` makes each one's fd;
+        ``extra_fds`` go to every worker after it."""
         deadline = time.monotonic() + timeout
         slot = 0
         while slot < n:
@@ -95,7 +104,7 @@ class HandoffServer:
                 slot += 1
                 fd = grant_fd(slot)
                 head = json.dumps(dict(info, slot=slot)).encode() + b"\n"
-                socket.send_fds(conn, [head], [fd])
+                socket.send_fds(conn, [head], [fd, *(extra_fds or [])])
             except OSError:
                 conn.close()
                 continue
@@ -122,7 +131,7 @@ def join(path: str, timeout: float, alive=lambda: True) -> tuple[Grant, socket.s
     worker serves (closing it tells the supervisor the worker is gone)."""
     deadline = time.monotonic() + timeout
     while True:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             s.connect(path)
             break
@@ -137,14 +146,17 @@ def join(path: str, timeout: float, alive=lambda: True) -> tuple[Grant, socket.s
         raise MountError(f"{path} is served by another user; refusing it")
     s.settimeout(max(1.0, deadline - time.monotonic()))
     s.sendall(b"W")
-    msg, fds, _flags, _addr = socket.recv_fds(s, 65536, 1)
+    msg, fds, _flags, _addr = socket.recv_fds(s, 65536, 16)
     if not fds or not msg.endswith(b"\n"):
+        for fd in fds:
+            os.close(fd)
         s.close()
         raise MountError("the kernel frontend sent no descriptor")
     info = json.loads(msg)
     s.settimeout(None)
     return Grant(int(info["slot"]), fds[0], int(info["bufsize"]), info.get("counters"),
-                 int(info.get("minor", 0)), int(info.get("flags", 0))), s
+                 int(info.get("minor", 0)), int(info.get("flags", 0)),
+                 int(info.get("workers", 1)), tuple(fds[1:]), info), s
 
 
 def say_gone(s: socket.socket) -> None:

@@ -43,6 +43,7 @@ import logging
 import os
 import select
 import signal
+import socket
 import struct
 import sys
 import threading
@@ -181,12 +182,18 @@ class WorkerContext:
     fd : this worker's descriptor on the connection (for notifications; never read it).
     conn : the negotiated :class:`ConnInfo`.
     generation : how many workers this slot has had before this one.
+    workers : how many worker slots the session has.
+    channel : with ``serve(channels=True)``, this worker's end of a message channel from
+        the supervisor (a SOCK_SEQPACKET socket: one message per ``recvmsg``, descriptors
+        may ride along; see :meth:`KernelSession.send`), else None.
     """
 
     slot: int
     fd: int
     conn: ConnInfo
     generation: int = 0
+    workers: int = 1
+    channel: socket.socket | None = None
 
     def notify_store(self, nodeid: int, offset: int, data: bytes | memoryview) -> int:
         return _notify.notify_store(self.fd, nodeid, offset, data)
@@ -203,6 +210,7 @@ class _Slot:
     pidfd: int = -1
     generation: int = 0
     cloned: bool = False
+    channel: socket.socket | None = None  # the supervisor's end of the worker's channel
 
 
 @dataclass
@@ -256,6 +264,10 @@ class KernelSession:
         self._supervisor_pid = 0
         self._mounted = False
         self._granted: list[int] = []
+        self._channels = False
+        self._external: Any = None  # the HandoffServer while serving external workers
+        self._on_worker_start: Callable[[int], None] | None = None
+        self._watch: dict[int, Callable[[], bool]] = {}
 
     # ----------------------------------------------------------------------------------------
     # mount / unmount
@@ -380,7 +392,9 @@ class KernelSession:
 
     def serve(self, handler_factory: Callable[..., Any], workers: int | None = None, *,
               on_ready: Callable[[KernelSession], None] | None = None,
-              handle_signals: bool | None = None) -> str:
+              handle_signals: bool | None = None, channels: bool = False,
+              watch: dict[int, Callable[[], bool]] | None = None,
+              on_worker_start: Callable[[int], None] | None = None) -> str:
         """Answer INIT, fork ``workers`` workers, supervise until the mount ends.
 
         ``handler_factory`` is called in each worker after the fork, with a
@@ -389,6 +403,13 @@ class KernelSession:
         in the supervisor once INIT is answered and the workers are forked.
         ``handle_signals`` (default: when called in the main thread) installs SIGTERM,
         SIGINT and SIGHUP handlers that stop the session, restored on return.
+
+        ``channels``: give every worker a message channel from the supervisor
+        (``ctx.channel``; :meth:`send`, :meth:`broadcast`). ``watch``: descriptors the
+        supervisor also polls, each with a callback run in the supervisor when it is
+        readable (it returns False to stop watching). ``on_worker_start(slot)`` runs in the
+        supervisor after each worker starts, replacements included (to send it the state
+        the others already have).
 
         Returns "unmounted" (the mount was removed from outside) or "stopped" (signal or
         :meth:`stop`). Raises MountError on a crash loop, after unmounting.
@@ -409,6 +430,9 @@ class KernelSession:
         self._serving = True
         self._stop_requested = False
         self._supervisor_pid = os.getpid()
+        self._channels = channels
+        self._watch = dict(watch or {})
+        self._on_worker_start = on_worker_start
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         old_handlers: dict[int, Any] = {}
         result = _Exit()
@@ -422,6 +446,8 @@ class KernelSession:
             self._slots = [_Slot(i) for i in range(1, nworkers + 1)]
             for slot in self._slots:
                 self._start_worker(slot, handler_factory, takes_ctx)
+            for slot in self._slots:
+                self._worker_started(slot.index)
             self._set_read_ahead()
             if on_ready is not None:
                 on_ready(self)
@@ -444,7 +470,10 @@ class KernelSession:
     def serve_external(self, socket_path: str, workers: int, *,
                        on_ready: Callable[[KernelSession], None] | None = None,
                        handle_signals: bool | None = None,
-                       connect_timeout: float = 300.0) -> str:
+                       connect_timeout: float = 300.0,
+                       extra_fds: list[int] | None = None,
+                       grant_info: dict[str, Any] | None = None,
+                       watch: dict[int, Callable[[], bool]] | None = None) -> str:
         """Answer INIT, then hand the connection to ``workers`` processes that connect to
         ``socket_path`` (:mod:`.handoff`: processes this one must not fork, such as MPI
         ranks), and supervise them until the mount ends.
@@ -452,6 +481,10 @@ class KernelSession:
         Returns "unmounted" (removed from outside: a worker says its connection is gone),
         or "stopped" (signal or :meth:`stop`). Raises MountError when the workers do not
         all connect within ``connect_timeout`` or every one of them is gone.
+
+        ``extra_fds`` are sent to every worker with its descriptor (shared memory, say) and
+        ``grant_info`` is added to its grant; the handoff connection is each worker's
+        channel (:meth:`send`); ``watch`` as in :meth:`serve`.
         """
         from .handoff import HandoffServer
 
@@ -463,6 +496,7 @@ class KernelSession:
         handle_signals = in_main if handle_signals is None else handle_signals
         self._serving = True
         self._stop_requested = False
+        self._watch = dict(watch or {})
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         old_handlers: dict[int, Any] = {}
         server = None
@@ -474,10 +508,12 @@ class KernelSession:
             self.counters = RequestCounters(1 + workers, self.counters_path)
             self.counters.row(0)[Op.INIT] += 1
             server = HandoffServer(socket_path)
-            info = {"bufsize": self._bufsize(), "counters": self.counters_path,
-                    "minor": self.conn.minor, "flags": self.conn.flags}
+            info = dict(grant_info or {}, bufsize=self._bufsize(),
+                        counters=self.counters_path, minor=self.conn.minor,
+                        flags=self.conn.flags, workers=workers)
             server.accept(workers, self._grant, info, connect_timeout,
-                          stop=lambda: self._stop_requested)
+                          stop=lambda: self._stop_requested, extra_fds=extra_fds or [])
+            self._external = server
             self._set_read_ahead()
             if on_ready is not None:
                 on_ready(self)
@@ -488,6 +524,7 @@ class KernelSession:
                     self.unmount(lazy=True)
             raise
         finally:
+            self._external = None
             if server is not None:
                 server.close()
             for sig, h in old_handlers.items():
@@ -514,6 +551,7 @@ class KernelSession:
         self._granted.clear()
         poller = select.poll()
         poller.register(self._wake_r, select.POLLIN)
+        self._register_watch(poller)
         by_fd = {}
         for slot, conn in server.workers.items():
             poller.register(conn.fileno(), select.POLLIN)
@@ -527,6 +565,9 @@ class KernelSession:
                     with contextlib.suppress(BlockingIOError):
                         while os.read(self._wake_r, 64):
                             pass
+                    continue
+                if fd in self._watch:
+                    self._run_watch(poller, fd)
                     continue
                 slot, conn = by_fd[fd]
                 try:
@@ -620,16 +661,26 @@ class KernelSession:
             fd = self._clone() if self.clone_fd else -1
             slot.cloned = fd >= 0
             slot.fd = fd if fd >= 0 else self.fd
+        worker_end = None
+        if self._channels:
+            if slot.channel is not None:
+                slot.channel.close()  # a fresh channel: nothing stale for the replacement
+            slot.channel, worker_end = socket.socketpair(
+                socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            slot.channel.setblocking(False)
         pid = os.fork()
         if pid == 0:  # worker: never returns
-            self._worker_main(slot, factory, takes_ctx)
+            self._worker_main(slot, factory, takes_ctx, worker_end)
+        if worker_end is not None:
+            worker_end.close()
         slot.pid = pid
         slot.pidfd = os.pidfd_open(pid)
         os.set_inheritable(slot.pidfd, False)
         log.debug("worker %d started in slot %d (generation %d, fd %s)", pid, slot.index,
                   slot.generation, "clone" if slot.cloned else "shared")
 
-    def _worker_main(self, slot: _Slot, factory: Callable[..., Any], takes_ctx: bool) -> None:
+    def _worker_main(self, slot: _Slot, factory: Callable[..., Any], takes_ctx: bool,
+                     channel: socket.socket | None = None) -> None:
         code = EXIT_CRASH
         try:
             _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -651,7 +702,13 @@ class KernelSession:
                     os.close(other.pidfd)
                 if other is not slot and other.fd >= 0 and other.fd != self.fd:
                     os.close(other.fd)
-            ctx = WorkerContext(slot.index, slot.fd, self.conn, slot.generation)
+                if other.channel is not None:
+                    other.channel.close()  # the supervisor's ends, ours included
+            for fd in self._watch:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            ctx = WorkerContext(slot.index, slot.fd, self.conn, slot.generation,
+                                workers=len(self._slots), channel=channel)
             try:
                 handler = factory(ctx) if takes_ctx else factory()
             except Exception:
@@ -676,6 +733,7 @@ class KernelSession:
     def _supervise(self, factory: Callable[..., Any], takes_ctx: bool) -> _Exit:
         poller = select.poll()
         poller.register(self._wake_r, select.POLLIN)
+        self._register_watch(poller)
         by_pidfd: dict[int, _Slot] = {}
         for s in self._slots:
             poller.register(s.pidfd, select.POLLIN)
@@ -692,6 +750,9 @@ class KernelSession:
                             pass
                     except BlockingIOError:
                         pass
+                    continue
+                if fd in self._watch:
+                    self._run_watch(poller, fd)
                     continue
                 slot = by_pidfd.pop(fd)
                 poller.unregister(fd)
@@ -725,6 +786,62 @@ class KernelSession:
                 self._start_worker(slot, factory, takes_ctx)
                 poller.register(slot.pidfd, select.POLLIN)
                 by_pidfd[slot.pidfd] = slot
+                self._worker_started(slot.index)
+
+    # ----------------------------------------------------------------------------------------
+    # the supervisor's messages to its workers, and what else it watches
+
+    def send(self, slot: int, data: bytes, fds: list[int] | tuple[int, ...] = ()) -> bool:
+        """Send one message (and descriptors) to the worker in ``slot`` on its channel,
+        without blocking: False if it could not be sent now (logged). Supervisor only."""
+        chan = self._channel(slot)
+        if chan is None:
+            return False
+        try:
+            socket.send_fds(chan, [data], list(fds))
+        except (BlockingIOError, InterruptedError):
+            log.warning("worker slot %d is not reading its channel; a message was dropped",
+                        slot)
+            return False
+        except OSError as exc:  # the worker is gone; its replacement gets the state anew
+            log.debug("worker slot %d: channel: %s", slot, exc)
+            return False
+        return True
+
+    def broadcast(self, data: bytes, fds: list[int] | tuple[int, ...] = ()) -> int:
+        """:meth:`send` to every worker; returns how many took it."""
+        slots = (list(self._external.workers) if self._external is not None
+                 else [s.index for s in self._slots])
+        return sum(self.send(slot, data, fds) for slot in slots)
+
+    def _channel(self, slot: int) -> socket.socket | None:
+        if self._external is not None:
+            return self._external.workers.get(slot)
+        for s in self._slots:
+            if s.index == slot:
+                return s.channel
+        return None
+
+    def _worker_started(self, slot: int) -> None:
+        if self._on_worker_start is not None:
+            try:
+                self._on_worker_start(slot)
+            except Exception:  # noqa: BLE001 - the supervisor must keep supervising
+                log.exception("on_worker_start(%d) failed", slot)
+
+    def _register_watch(self, poller) -> None:
+        for fd in self._watch:
+            poller.register(fd, select.POLLIN)
+
+    def _run_watch(self, poller, fd: int) -> None:
+        try:
+            keep = self._watch[fd]()
+        except Exception:  # noqa: BLE001 - the supervisor must keep supervising
+            log.exception("watch callback for fd %d failed", fd)
+            keep = False
+        if keep is False:
+            poller.unregister(fd)
+            del self._watch[fd]
 
     def _reap(self, slot: _Slot) -> int:
         try:
@@ -775,6 +892,9 @@ class KernelSession:
             if s.fd >= 0 and s.fd != self.fd:
                 os.close(s.fd)
             s.fd = -1
+            if s.channel is not None:
+                s.channel.close()
+                s.channel = None
 
     def close(self) -> None:
         """Unmount if still mounted, close the connection fd and the counters."""
