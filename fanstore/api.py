@@ -20,10 +20,12 @@ returns wrong bytes.
   whose partition is on this node's disk are read and decoded in this process, exactly as
   from a store (so any number of reader processes scale with the cores), and only files
   held by other nodes go through the node's daemon (a Unix socket), which fetches their
-  still-compressed bytes from the peer over MPI. In prefetch mode files are read through
-  the mount itself: the daemon's workers decode the order ahead into the page cache, so a
-  read of a prefetched file is a page-cache copy. ``prefetch(paths)`` hands the daemon the
-  order of the next epoch (prefetch mode).
+  still-compressed bytes from the peer over MPI. In prefetch mode the node's workers decode
+  the order ahead into the mount's page cache: a file they pushed (or are decoding, or
+  hold in their buffer) is read through the mount, a page-cache copy; one they have not
+  started is marked as taken (so they pass it by) and decoded here as in sync mode, so a
+  reader ahead of the prefetch is never slower than one of a sync mount.
+  ``prefetch(paths)`` hands the daemon the order of the next epoch (prefetch mode).
 
 Paths follow FanStore's one symlink rule (:meth:`fanstore.namespace.Namespace.resolve`):
 symlinks inside the store are followed when reading a file, as ``open`` on the mount does;
@@ -53,6 +55,9 @@ from fanstore.errors import (
 from fanstore.format.index import INDEX_NAME, KIND_DIR
 from fanstore.read import ChunkReader, LocalPartitions, RoutedSource
 from fanstore.read.stats import SUMMED
+from fanstore.read.window import INFLIGHT, NONE, PUSHING, READING, SharedWindow
+
+
 
 __all__ = ["open_store", "StoreReader", "MountReader", "StatResult"]
 
@@ -290,6 +295,8 @@ class MountReader(_Reader):
         if not self.store_path:
             raise MountError(f"{mountpoint}: the daemon did not say which store it serves")
         server_uid = self.client.server[1] if self.client.server else os.geteuid()
+        self._uid, self._server_uid = os.geteuid(), server_uid
+        self._searchable: dict[int, bool] = {}  # directory -> every one up to the root is
         index = _node_index(info.get("index_copy"), server_uid) or read_index(self.store_path)
         local = [int(p) for p in info.get("local_parts", [])]
         self._parts = LocalPartitions(info.get("data_dir") or self.store_path, index, local)
@@ -297,14 +304,77 @@ class MountReader(_Reader):
         source = RoutedSource(self._parts, NodeSource(
             self.client, remote, {int(p) for p in info.get("replicated", [])}))
         self._init(index, ChunkReader(index, source, cache_bytes=cache_mb << 20))
+        self._window = self._prefetch_window() if self.mode == "prefetch" else None
+
+    def _prefetch_window(self):
+        """The node's prefetch window (shared state, read and marked here), or None if the
+        daemon does not give it (the reads then all go through the mount)."""
+        try:
+            _reply, fds = self.client.request_fds({"op": "window"}, 1)
+        except FanStoreError:
+            return None
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            return None
+        try:
+            w = SharedWindow(fds[0])
+        except (OSError, FanStoreError):
+            os.close(fds[0])
+            return None
+        if w.n != self.index.n_entries:
+            w.close()
+            os.close(fds[0])
+            return None
+        return w
 
     def read_entry(self, entry: int) -> bytes:
-        if self.mode == "prefetch":  # decoded ahead into the mount's page cache
+        self._check_access(entry)
+        w = self._window
+        if w is not None:
             self._after_fork()
-            data = self._read_through_mount(entry)
-            self._count(data)
-            return data
+            w.seen(entry)  # where this reader is: the prefetch window follows
+            k = int(w.state[entry]) & 7
+            if k in (NONE, READING, INFLIGHT, PUSHING) and self.reader.is_local(entry):
+                # not in the page cache yet: decode it here, as in sync mode (waiting for a
+                # worker that is decoding it would wait for a thread of low priority)
+                if k == NONE:
+                    w.state[entry] = READING  # the prefetch passes it by
+            else:  # pushed or buffered, or another node's
+                data = self._read_through_mount(entry)
+                self._count(data)
+                return data
         return super().read_entry(entry)
+
+    def read_range(self, path: str | bytes, offset: int, size: int) -> bytes:
+        self._check_access(self._file(path))
+        return super().read_range(path, offset, size)
+
+    def _check_access(self, entry: int) -> None:
+        """What the mount would refuse this process (its default_permissions: every file
+        shows the daemon's uid as owner) is refused here too, though the bytes are read
+        from the partitions: read permission on the file, search on each directory."""
+        if self._uid == 0:
+            return
+        owner = self._uid == self._server_uid
+        read_bit, search_bit = (0o400, 0o100) if owner else (0o004, 0o001)
+        ns = self.ns
+        if not ns.mode(entry) & read_bit:
+            raise PermissionDeniedError(f"{ns.show(entry)}: permission denied")
+        d = ns.parent(entry)
+        ok = self._searchable.get(d)
+        if ok is None:
+            ok, e = True, d
+            while True:
+                if not ns.mode(e) & search_bit:
+                    ok = False
+                    break
+                if e == 0:
+                    break
+                e = ns.parent(e)
+            self._searchable[d] = ok
+        if not ok:
+            raise PermissionDeniedError(f"{ns.show(entry)}: permission denied")
 
     def _read_through_mount(self, entry: int) -> bytes:
         """The whole file through the kernel (the kernel checks permissions as for any
@@ -342,12 +412,9 @@ class MountReader(_Reader):
         are resolved here (symlinks followed, as reading does); ones the store does not
         have are counted as ``unknown`` and left out.
         """
-        entries, unknown = [], 0
-        for p in paths:
-            try:
-                entries.append(self.ns.file_entry(p))
-            except FanStoreError:
-                unknown += 1
+        found = self.ns.file_entries([_show(p) for p in paths])
+        entries = [e for e in found if e >= 0]
+        unknown = len(found) - len(entries)
         reply = self.prefetch_entries(entries, client)
         reply["unknown"] = reply.get("unknown", 0) + unknown
         return reply
@@ -371,3 +438,7 @@ class MountReader(_Reader):
     def close(self) -> None:
         self.client.close()
         self._parts.close()
+        if self._window is not None:
+            self._window.close()
+            os.close(self._window.state_fd)
+            self._window = None

@@ -325,6 +325,12 @@ def cmd_umount(args) -> int:
     # being detached under its readers. The daemon sees its mount go, exits (or, in a
     # multi-rank job, keeps serving its peers until every rank is done).
     ok, msg = mounttable.fusermount_unmount(mnt, lazy=args.lazy)
+    retry_until = time.monotonic() + 2.0
+    while not ok and "busy" in msg.lower() and time.monotonic() < retry_until:
+        # a prefetch-mode mount lists directories through itself for a moment now and
+        # then: busy for that moment is not the user's open file
+        time.sleep(0.1)
+        ok, msg = mounttable.fusermount_unmount(mnt, lazy=args.lazy)
     if not ok:
         if mounttable.mount_status(mnt) == "none":
             return 0

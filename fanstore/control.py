@@ -16,6 +16,7 @@ Requests served by a node daemon (:mod:`fanstore.daemon.service`):
 | ``stats`` | | the node's counters (``fanstore stats``) |
 | ``shutdown`` (owner) | ``reason``, ``everywhere`` | ``{"ok": true}`` |
 | ``prefetch`` (owner) | ``paths`` (a list, read by the client) or ``entries`` (index entries), ``client`` | ``{"ok": true, "files": n, "unknown": n}`` |
+| ``window`` (owner) | | prefetch mode: the window's shared state, a descriptor passed with the reply (SCM_RIGHTS) |
 | ``read_stored`` | ``part``, ``offset``, ``length``, ``entry`` | stored bytes of a partition held by another node (payload) |
 
 Who may ask: the server serves only peers of its own uid and root (``SO_PEERCRED``); the
@@ -127,6 +128,9 @@ class ControlServer:
     line once started); a malformed one gets an error reply and the connection goes on. A
     handler raises FanStoreError for an error reply; anything else is logged and answered
     as an internal error. A request carries the peer's uid to the handler as ``_uid``.
+
+    A reply dict may carry ``"_fds"``: descriptors sent with the reply line (SCM_RIGHTS;
+    read with :meth:`ControlClient.request_fds`).
     """
 
     def __init__(self, path: str, handlers: dict[str, Handler],
@@ -223,8 +227,13 @@ class ControlServer:
                 if isinstance(reply, tuple):
                     reply, payload = reply
                     reply["size"] = len(payload)
+                fds = reply.pop("_fds", None) if isinstance(reply, dict) else None
                 conn.settimeout(REQUEST_TIMEOUT)  # a client that stops reading is dropped
-                conn.sendall(json.dumps(reply).encode() + b"\n")
+                data = json.dumps(reply).encode() + b"\n"
+                if fds:
+                    sent = socket.send_fds(conn, [data], list(fds))
+                    data = data[sent:]
+                conn.sendall(data)
                 if payload:
                     conn.sendall(payload)
         except OSError:
@@ -388,6 +397,41 @@ class ControlClient:
         if "error" in reply:
             raise_for(reply)
         return reply, payload
+
+    def request_fds(self, req: dict[str, Any], maxfds: int = 4) -> tuple[dict[str, Any], list[int]]:
+        """One request whose reply carries descriptors (SCM_RIGHTS), on a connection of its
+        own; returns (reply, fds). The caller owns the descriptors."""
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        fds: list[int] = []
+        try:
+            s.connect(self.path)
+            _pid, uid, _ = peer_credentials(s)
+            if not trusted_uid(uid):
+                raise UnsafePathError(f"{self.mountpoint}: the control socket {self.path} is "
+                                      f"served by uid {uid}, not by this user: refusing it")
+            s.sendall(json.dumps(req).encode() + b"\n")
+            buf = b""
+            while not buf.endswith(b"\n") and len(buf) < (1 << 20):
+                data, got, _flags, _addr = socket.recv_fds(s, 65536, maxfds)
+                fds.extend(got)
+                if not data:
+                    break
+                buf += data
+            reply = json.loads(buf)
+            if not isinstance(reply, dict):
+                raise ValueError("not an object")
+        except (OSError, ValueError) as exc:
+            for fd in fds:
+                os.close(fd)
+            raise MountError(f"{self.mountpoint}: talking to the daemon failed: {exc}") from None
+        finally:
+            s.close()
+        if "error" in reply:
+            for fd in fds:
+                os.close(fd)
+            raise_for(reply)
+        return reply, fds
 
     def close(self) -> None:
         self.drop()

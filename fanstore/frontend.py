@@ -89,5 +89,9 @@ class Frontend(Protocol):
     def set_order(self, entries: list[int], client: str) -> int:
         """Prefetch mode: the access order of ``client``'s next epoch (MountError in sync)."""
 
+    def prefetch_window(self) -> int:
+        """Prefetch mode: a descriptor of the prefetch window's shared state (what the
+        node's API readers read and mark; MountError in sync mode)."""
+
 
 FrontendFactory = Callable[[MountContext], Frontend]

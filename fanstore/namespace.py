@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fanstore.errors import (
+    FanStoreError,
     FormatError,
     IsADirectoryError_,
     NotADirectoryError_,
@@ -194,6 +195,47 @@ class Namespace:
         if int(self._kind[entry]) == KIND_DIR:
             raise IsADirectoryError_(f"{_show(path.strip(b'/'))}: is a directory")
         return entry
+
+    def file_entries(self, paths) -> list[int]:
+        """:meth:`file_entry` of many paths at once (a prefetch order, a dataset's files):
+        each directory resolved once, the names looked up together; -1 for a path that
+        names no regular file. Anything unusual (a symlink on the way, ``..``) goes the
+        one-path way."""
+        dirs: dict[bytes, int] = {}
+        parents = np.empty(len(paths), dtype=np.int64)
+        names: list[bytes] = []
+        for i, p in enumerate(paths):
+            b = os.fsencode(p).strip(b"/")
+            d, _, name = b.rpartition(b"/")
+            parent = dirs.get(d)
+            if parent is None:
+                try:
+                    parent = self.resolve(d, follow=True)
+                    if int(self._kind[parent]) != KIND_DIR:
+                        parent = -1
+                except FanStoreError:
+                    parent = -1
+                dirs[d] = parent
+            parents[i] = parent
+            names.append(name)
+        good = parents >= 0
+        found = np.full(len(paths), -1, dtype=np.int64)
+        if good.any():
+            sel = np.nonzero(good)[0]
+            found[sel] = self.index.lookup_many(parents[sel], [names[i] for i in sel])
+        out = found.tolist()
+        kind = self._kind
+        for i, e in enumerate(out):
+            name = names[i]
+            if e >= 0 and int(kind[e]) == KIND_FILE and name not in (b"", b".", b".."):
+                continue
+            try:  # a symlink, a directory, a dotted name, or not there: as one path does
+                out[i] = self.file_entry(paths[i])
+                if int(kind[out[i]]) != KIND_FILE:
+                    out[i] = -1
+            except FanStoreError:
+                out[i] = -1
+        return out
 
     def walk_files(self, root: int = 0):
         """Yield every file entry below ``root`` in breadth-first order."""

@@ -51,7 +51,10 @@ class FanStoreDataset(tud.Dataset):
     def entries(self) -> list[int]:
         """The index entry of every file (resolved once, for prefetch orders)."""
         if self._entries is None:
-            self._entries = [self.store.entry_of(p) for p in self.files]
+            found = self.store.ns.file_entries(self.files)
+            if min(found, default=0) < 0:  # name the first file that is not there
+                self.store.entry_of(self.files[found.index(-1)])
+            self._entries = found
         return self._entries
 
     def __len__(self) -> int:

@@ -398,7 +398,7 @@ def test_remote_files_are_prefetched_by_the_worker_ranks(tree, tmp_path):
 def test_window_buffer_reads_check_the_sequence():
     """(no kernel) A buffered file is served only while its slab space holds it: the copy
     is checked against the state value it started from."""
-    from fanstore.fuse.window import (
+    from fanstore.read.window import (
         BUFFERED,
         NONE,
         PUSHED,

@@ -120,6 +120,53 @@ def test_a_dead_owner_without_replica_is_eio_for_its_files_only(routed_store, sm
         job.close()
 
 
+def test_files_read_together_batch_per_holder_and_fail_over(routed_store, small_tree):
+    """read_files (the prefetcher's batched remote reads): every file right, the remote
+    ones in one exchange per holder; a dead holder's files come from its replica, and
+    without one they are errors for those files alone."""
+    job = Job(routed_store, replicas=2)
+    try:
+        rels = sorted(small_tree[1])
+        reader = job.readers[0]
+        calls = []
+        hub_rank = job.peers[0].transport
+        orig = type(hub_rank).fetch_many
+
+        def spy(self, owner, ranges, timeout):
+            calls.append((owner, len(ranges)))
+            return orig(self, owner, ranges, timeout)
+
+        type(hub_rank).fetch_many = spy
+        try:
+            got = reader.read_files([job.entry(r) for r in rels])
+        finally:
+            type(hub_rank).fetch_many = orig
+        assert [bytes(g) for g in got] == [small_tree[1][r] for r in rels]
+        remote = [r for r in rels if _owner(routed_store, r) is not None
+                  and 0 not in job.table[_owner(routed_store, r)]]
+        assert remote and sum(n for _o, n in calls) >= len(remote) // 2
+        assert len(calls) <= N_RANKS - 1  # one exchange per holder rank
+        # a dead holder: its replica serves
+        job.hub.down.add(1)
+        got = reader.read_files([job.entry(r) for r in rels])
+        assert [bytes(g) for g in got] == [small_tree[1][r] for r in rels]
+    finally:
+        job.close()
+    job = Job(routed_store, replicas=1)
+    try:
+        rels = sorted(small_tree[1])
+        dead = 1
+        job.hub.down.add(dead)
+        got = job.readers[0].read_files([job.entry(r) for r in rels])
+        for r, g in zip(rels, got):
+            if _owner(routed_store, r) is not None and job.table[_owner(routed_store, r)] == [dead]:
+                assert isinstance(g, RemoteError) and g.errno == errno.EIO, r
+            else:
+                assert bytes(g) == small_tree[1][r], r
+    finally:
+        job.close()
+
+
 def test_a_damaged_local_copy_is_read_again_from_a_replica(routed_store, small_tree,
                                                            tmp_path):
     """Bit rot in one rank's staged copy: that rank reads the chunk from the replica."""

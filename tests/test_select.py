@@ -404,6 +404,20 @@ def test_json_report_schema(tmp_path):
     assert doc["chosen"] in {c["codec"] for c in doc["candidates"]}
     assert json.loads(json.dumps(doc)) == doc
     assert "dict\":\"" not in json.dumps(doc)  # no dictionary bytes
+    # the model's premise is stated with the answer
+    assert doc["assumes"].startswith("prefetch: the mount decodes ahead")
+    assert "on 2 cores the job leaves spare" in doc["assumes"]
+
+
+def test_reports_state_what_their_mode_assumes(tmp_path):
+    from fanstore.select.report import table
+
+    src = npy_set(tmp_path, n=6)
+    pre = table(select(src))
+    line = next(ln for ln in pre.splitlines() if ln.startswith("assumes "))
+    assert "decoding and storage reads overlap its compute" in line and "2 cores" in line
+    sync = select(src, mode="sync")
+    assert sync.to_json()["assumes"].startswith("sync: each read fetches, decodes and checks")
 
 
 def test_plot_written(tmp_path):

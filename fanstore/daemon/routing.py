@@ -85,6 +85,38 @@ class PeerSource:
         why = "did not answer" if tried else "are unreachable"
         raise RemoteError(f"{what}: the nodes holding partition {part} ({where}) {why}")
 
+    def fetch_many(self, items: list[tuple[int, int, int, int | None]]) -> list:
+        """Several ranges ``(part, offset, length, entry)`` at once, batched per holder:
+        the ranges whose first choice is the same rank go to it in one exchange
+        (``transport.fetch_many``). Returns, per item, its bytes or the FanStoreError it
+        got; whatever a batch could not give (a dead rank, an error reply) is fetched on
+        its own, with the usual failover."""
+        out: list = [None] * len(items)
+        batches: dict[int, list[int]] = {}
+        for i, (part, _off, _n, _entry) in enumerate(items):
+            owners = [n for n in pl.preference(self.table[part], self.node, self.nodes)
+                      if n != self.node and not self.node_dead(n)]
+            live = [r for r in self._order(owners[0]) if r not in self.dead] if owners else []
+            if live and hasattr(self.transport, "fetch_many"):
+                batches.setdefault(live[0], []).append(i)
+        for rank, idx in batches.items():
+            try:
+                got = self.transport.fetch_many(
+                    rank, [items[i][:3] for i in idx], self.timeout)
+            except RemoteTimeout as exc:
+                self.mark_dead(rank, str(exc))
+                continue
+            for i, data in zip(idx, got):
+                if not isinstance(data, Exception):
+                    out[i] = data
+        for i, item in enumerate(items):
+            if out[i] is None:
+                try:
+                    out[i] = self.fetch(*item)
+                except RemoteError as exc:
+                    out[i] = exc
+        return out
+
     def _order(self, node: int) -> list[int]:
         ranks = self.ranks_of(node)
         k = self.me % len(ranks)

@@ -11,17 +11,13 @@ import time
 from typing import Any
 
 from fanstore.errors import (
-    MountError,
-    NotFoundError,
-    PermissionDeniedError,
     RemoteError,
     UsageError,
 )
-from fanstore.format.index import KIND_FILE
 
 
 #: Requests only the mount's owner (its uid, or root) may make.
-OWNER_OPS = frozenset({"shutdown", "prefetch"})
+OWNER_OPS = frozenset({"shutdown", "prefetch", "window"})
 
 
 def _int(req: dict[str, Any], key: str, default: int | None = None) -> int:
@@ -82,14 +78,16 @@ def handlers(node) -> dict[str, Any]:
             paths = req.get("paths")
             if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
                 raise UsageError("prefetch needs 'paths': a list of path strings")
-            for p in paths:
-                entry = index.resolve(os.fsencode(p))
-                if entry is None:
-                    unknown += 1
-                else:
-                    entries.append(entry)
+            found = node.ctx.ns.file_entries(paths)  # as reading resolves them
+            entries = [e for e in found if e >= 0]
+            unknown = len(found) - len(entries)
         n = node.frontend.set_order(entries, _str(req, "client", "default", 256) or "default")
         return {"ok": True, "files": n, "unknown": unknown}
+
+    def window(req):
+        """The prefetch window's shared state (a descriptor, SCM_RIGHTS), for an API
+        reader of the node in prefetch mode (fanstore.api.MountReader)."""
+        return {"ok": True, "_fds": [node.frontend.prefetch_window()]}
 
     def read_stored(req):
         """Stored bytes of a partition held by another node, for a reader process here."""
@@ -112,5 +110,5 @@ def handlers(node) -> dict[str, Any]:
         return {"ok": True}, bytes(data)
 
     return {"ping": ping, "info": info, "stats": stats, "shutdown": shutdown,
-            "prefetch": prefetch, "read_stored": read_stored}
+            "prefetch": prefetch, "window": window, "read_stored": read_stored}
 

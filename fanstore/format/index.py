@@ -211,6 +211,35 @@ class Index:
             i += 1
         return None
 
+    def lookup_many(self, parents: np.ndarray, names: list[bytes]) -> np.ndarray:
+        """:meth:`lookup` of many (parent, name) pairs at once: their entries, -1 where
+        there is none (the hash search vectorised; a pair whose first candidate is not it,
+        a hash collision, is looked up alone)."""
+        n = len(names)
+        out = np.full(n, -1, dtype=np.int64)
+        if not n:
+            return out
+        pack = _U32.pack
+        hashes = np.fromiter((_xxh3_64(pack(int(p)) + nm) for p, nm in zip(parents, names)),
+                             dtype=np.uint64, count=n)
+        idx = self.lk_hash.searchsorted(hashes)
+        idx[idx >= len(self.lk_hash)] = 0
+        cand = self.lk_entry[idx].astype(np.int64)
+        e = self.e
+        ok = (self.lk_hash[idx] == hashes) & (cand > 0) \
+            & (e["parent"][cand] == parents) & (e["name_len"][cand] == [len(x) for x in names])
+        name_off = e["name_off"]
+        blob = self.names
+        for i in np.nonzero(ok)[0]:
+            c = int(cand[i])
+            off = int(name_off[c])
+            if blob[off:off + len(names[i])] == names[i]:
+                out[i] = c
+        for i in np.nonzero(out < 0)[0]:  # collisions, and the names that are not there
+            found = self.lookup(int(parents[i]), names[i])
+            out[i] = -1 if found is None else found
+        return out
+
     def resolve(self, path: bytes | str) -> int | None:
         """Entry of a relative path inside the store (no symlinks followed), or None."""
         if isinstance(path, str):

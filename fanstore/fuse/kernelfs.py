@@ -394,7 +394,7 @@ def serve_worker(socket_path: str, index, reader, timeout: float = 300.0,
     spec = (grant.info or {}).get("prefetch")
     if spec and len(grant.extra_fds) >= 2 and row is not None:
         from fanstore.fuse.prefetch import Prefetcher
-        from fanstore.fuse.window import SharedWindow
+        from fanstore.read.window import SharedWindow
 
         window = SharedWindow(grant.extra_fds[0], grant.extra_fds[1])
         prefetcher = Prefetcher(window, reader, fs.ns, grant.slot, grant.workers, grant.fd,
@@ -491,10 +491,10 @@ def frontend_main(spec_fd: int) -> int:
             import socket
 
             from fanstore.fuse.prefetch import OrderRelay
-            from fanstore.fuse.window import SharedWindow
+            from fanstore.read.window import SharedWindow
 
-            slots = external or int(spec["workers"])
-            window = SharedWindow.create(index.n_entries, slots, int(spec["prefetch_buffer"]))
+            state_fd, arena_fd = (int(x) for x in spec["window_fds"])
+            window = SharedWindow(state_fd, arena_fd)
             orders = socket.socket(fileno=int(spec["order_fd"]))
             relay = OrderRelay(session, orders, window, int(spec["prefetch_bytes"]))
             watch[orders.fileno()] = relay.on_readable
@@ -544,6 +544,7 @@ class KernelFrontend:
         # own reader keeps none of its own.
         ctx.reader.cache.budget = 0
         self._orders = None  # prefetch mode: the daemon's end of the order channel
+        self.window = None  # prefetch mode: the shared window (fanstore.read.window)
         self._order_lock = threading.Lock()
         self._clients: OrderedDict[str, int] = OrderedDict()  # client name -> slot
         self._generation = 0
@@ -556,7 +557,14 @@ class KernelFrontend:
         spec_r, spec_w = os.pipe()
         theirs = None
         if opts.mode == "prefetch":
+            from fanstore.read.window import SharedWindow
+
             self._orders, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            slots = ctx.external_workers or opts.worker_count()
+            # made here, handed down: the daemon gives the state to the node's API readers
+            self.window = SharedWindow.create(
+                ctx.index.n_entries, slots,
+                prefetch_buffer_bytes(opts.prefetch_mb << 20, slots))
         spec = {
             "mountpoint": ctx.mountpoint, "index_path": ctx.index_path, "store": ctx.store,
             "data_dir": ctx.data_dir, "local_parts": ctx.local_parts,
@@ -574,15 +582,14 @@ class KernelFrontend:
             "mode": opts.mode,
         }
         if theirs is not None:
-            budget = opts.prefetch_mb << 20
-            slots = ctx.external_workers or opts.worker_count()
-            spec.update(order_fd=theirs.fileno(), prefetch_bytes=budget,
-                        prefetch_buffer=prefetch_buffer_bytes(budget, slots))
+            spec.update(order_fd=theirs.fileno(), prefetch_bytes=opts.prefetch_mb << 20,
+                        window_fds=[self.window.state_fd, self.window.arena_fd])
         if ctx.runtime is not None:
             ctx.runtime.new_counters_file()  # the frontend creates it anew, exclusively
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPIR_", "OMPI_"))}
-        fds = (w, spec_r) if theirs is None else (w, spec_r, theirs.fileno())
+        fds = (w, spec_r) if theirs is None else (w, spec_r, theirs.fileno(),
+                                                  self.window.state_fd, self.window.arena_fd)
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "fanstore.fuse.kernelfs", "--spec-fd", str(spec_r)],
@@ -649,11 +656,19 @@ class KernelFrontend:
             out["prefetch_clients"] = len(self._clients)
         return out
 
+    def prefetch_window(self) -> int:
+        """The descriptor of the shared window's state (prefetch mode), for the node's API
+        readers: they read it to know what was pushed and mark what they decode
+        themselves."""
+        if self.window is None:
+            raise MountError("this mount is in sync mode; mount it with --mode prefetch")
+        return self.window.state_fd
+
     def set_order(self, entries: list[int], client: str) -> int:
         """A client's order for its next epoch (replacing its last one): its regular files,
         with their sizes, in an order file handed to the frontend process."""
         from fanstore.fuse import prefetch as pf
-        from fanstore.fuse.window import CLIENTS, write_order
+        from fanstore.read.window import CLIENTS, write_order
 
         if self._orders is None:
             raise MountError("this mount is in sync mode; mount it with --mode prefetch")

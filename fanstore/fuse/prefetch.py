@@ -49,6 +49,7 @@ import os
 import select
 import socket
 import struct
+import sys
 import threading
 import time
 
@@ -57,7 +58,7 @@ import numpy as np
 from fanstore.errors import FanStoreError
 from fanstore.format.index import KIND_FILE
 from fanstore.fuse.kernel.notify import notify_store
-from fanstore.fuse.window import (
+from fanstore.read.window import (
     BUFFERED,
     CLIENTS,
     INFLIGHT,
@@ -86,8 +87,11 @@ ORDER, DROP = 1, 2
 
 PUSH_PIECE = 1 << 20  # largest single store (page-aligned pieces of a big file)
 ADVISE_AHEAD = 8  # next files of a stripe whose stored bytes the disk is asked to read ahead
+REMOTE_BATCH = 16  # other nodes' files fetched in one exchange (per holder)
 DIRECTORY_AHEAD = 16  # files after a file read with no order, in its directory
 BUFFER_MAX_FILE = 64 << 20  # larger files are never buffered (a READ decodes them)
+SWITCH_INTERVAL = 2e-4  # seconds a worker's threads may hold the interpreter in a row
+PREFETCH_NICE = 10  # the prefetch threads' nice value (spare cycles first)
 
 #: the prefetch counters, in each worker's row of the shared counters table (COL0 on);
 #: every one is summed over the workers except the window, which is the same for all
@@ -251,11 +255,14 @@ class PrefetchHooks:
         return None
 
 
-    def _wait_for(self, entry: int, size: int, limit: float = 0.05) -> bytes | None:
+    def _wait_for(self, entry: int, size: int, limit: float = 2e-3) -> bytes | None:
         """A READ of a file a prefetch thread is decoding: ask for it (WANTED: the thread
         then buffers it instead of pushing, since a push would wait for the very pages
         this READ's reader holds) and wait, rather than decode it a second time. Gives up
-        (None: decode here) if the thread has started pushing anyway, or after ``limit``."""
+        (None: decode here) if the thread has started pushing anyway, or after ``limit``:
+        short, because that thread may itself wait in a push for a page whose READ only
+        this worker's main thread, waiting here, would answer (with two workers both main
+        threads can be waiting so)."""
         w = self.window
         w.marks[entry] |= WANTED
         state = self._state
@@ -315,6 +322,9 @@ class Prefetcher:
 
     # ------------------------------------------------------------------ thread
     def start(self) -> None:
+        # The main thread answers requests: when it wakes up, it must not wait the default
+        # 5 ms for this thread to give up the interpreter.
+        sys.setswitchinterval(SWITCH_INTERVAL)
         self._thread = threading.Thread(target=self._run, name="fanstore-prefetch",
                                         daemon=True)
         self._thread.start()
@@ -337,12 +347,26 @@ class Prefetcher:
             pass
 
     def _run(self) -> None:
+        # Spare cycles first: a reader waiting for a file now goes before a file wanted
+        # later (the readers, and the workers' main threads, keep the normal priority).
+        # (not SCHED_IDLE: a thread starved while it holds the interpreter lock would hold
+        # up the main thread of its worker, which answers the readers' requests)
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREFETCH_NICE)
+        except OSError:
+            pass
         try:
             while not self._stop.is_set():
                 entry = self._next()
                 if entry is not None:
-                    self._prefetch(entry)
+                    if self.reader.is_local(entry) or int(self.sizes[entry]) > PUSH_PIECE:
+                        self._prefetch(entry)
+                    else:  # another node's: fetch the next ones held there with it
+                        self._prefetch_remote([entry, *self._more_remote()])
                     self.publish()
+                    # a file at a time: whoever waits for a core (a reader, the training
+                    # loop) gets it now, not at the end of this thread's time slice
+                    os.sched_yield()
                     continue
                 if self._dir_queue:
                     self._directory(self._dir_queue.popleft())
@@ -472,16 +496,7 @@ class Prefetcher:
         row[COL["prefetch_files"]] += 1
         try:
             if size <= PUSH_PIECE:
-                data = self.reader.read(entry, 0, size, keep_whole=False)
-                # a READ waits for it (PrefetchHooks._wait_for): hand it over in the buffer
-                if self.window.marks[entry] & WANTED and self._buffer(entry, data):
-                    return
-                state[entry] = PUSHING
-                err = self._push(entry, 0, data)
-                if err == 0:
-                    state[entry] = PUSHED
-                    return
-                if self._buffer(entry, data):
+                if self._deliver(entry, self.reader.read(entry, 0, size, keep_whole=False)):
                     return
             else:
                 state[entry] = PUSHING
@@ -493,6 +508,60 @@ class Prefetcher:
             log.debug("prefetch of %s: %s", self.ns.show(entry), exc)
         if int(state[entry]) & 7 in (INFLIGHT, PUSHING):
             state[entry] = NONE
+
+    def _more_remote(self) -> list[int]:
+        """Up to REMOTE_BATCH - 1 more files of the stream ``_next`` just took from, next
+        in its stripe, that are other nodes' too (small enough for one chunk): they go in
+        the same exchange."""
+        streams = list(self.streams.values())
+        if not streams:
+            return []
+        s = streams[(self._turn - 1) % len(streams)]
+        o = s.order
+        state = self.window.state
+        more: list[int] = []
+        limit = int(self.window.ctl[WINDOW])
+        base = int(o.before[s.next]) if s.next < len(o.entries) else 0
+        while s.next < len(o.entries) and len(more) < REMOTE_BATCH - 1:
+            i = s.next
+            entry = int(o.entries[i])
+            size = int(self.sizes[entry])
+            if int(o.after[i]) - base > limit or self.reader.is_local(entry) \
+                    or size > PUSH_PIECE:
+                break
+            s.next += 1
+            if int(state[entry]) & 7 == NONE and size > 0:
+                more.append(entry)
+        return more
+
+    def _prefetch_remote(self, entries: list[int]) -> None:
+        """Files of other nodes, fetched together (one exchange per holder), then each
+        decoded, checked and delivered."""
+        state = self.window.state
+        for e in entries:
+            state[e] = INFLIGHT
+        self.row[COL["prefetch_files"]] += len(entries)
+        for entry, data in zip(entries, self.reader.read_files(entries)):
+            if isinstance(data, FanStoreError):
+                self.row[COL["prefetch_errors"]] += 1
+                log.debug("prefetch of %s: %s", self.ns.show(entry), data)
+                state[entry] = NONE
+            elif not self._deliver(entry, data) and int(state[entry]) & 7 in (INFLIGHT,
+                                                                               PUSHING):
+                state[entry] = NONE
+
+    def _deliver(self, entry: int, data) -> bool:
+        """A decoded file into the page cache, else the buffer (to a READ waiting for it
+        first); False if neither took it."""
+        state = self.window.state
+        # a READ waits for it (PrefetchHooks._wait_for): hand it over in the buffer
+        if self.window.marks[entry] & WANTED and self._buffer(entry, data):
+            return True
+        state[entry] = PUSHING
+        if self._push(entry, 0, data) == 0:
+            state[entry] = PUSHED
+            return True
+        return self._buffer(entry, data)
 
     def _push(self, entry: int, offset: int, data) -> int:
         """Store ``data`` at ``offset`` of the file. When the kernel does not hold its inode,

@@ -78,6 +78,9 @@ class Pyfuse3Frontend:
     def set_order(self, entries: list[int], client: str) -> int:
         raise MountError("this mount is in sync mode; mount it with --mode prefetch")
 
+    def prefetch_window(self) -> int:
+        raise MountError("this mount is in sync mode; mount it with --mode prefetch")
+
     # ------------------------------------------------------------------ internals
     async def _main(self) -> None:
         self._token = trio.lowlevel.current_trio_token()

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from fanstore.errors import FanStoreError
+
 
 @runtime_checkable
 class ChunkSource(Protocol):
@@ -58,6 +60,33 @@ class RoutedSource:
     def advise(self, part: int, offset: int, length: int) -> None:
         if self.local.has(part):
             self.local.advise(part, offset, length)
+
+    def fetch_many(self, items: list[tuple[int, int, int, int | None]]) -> list:
+        """Stored bytes of several ranges ``(part, offset, length, entry)``: each item's
+        bytes or the FanStoreError it got. Remote ones go to the remote source together
+        when it can batch them (one exchange per holder), else one by one."""
+        out: list = [None] * len(items)
+        remote = []
+        for i, (part, off, n, entry) in enumerate(items):
+            if self.local.has(part) or self.remote is None:
+                try:
+                    out[i] = self.local.fetch(part, off, n, entry)
+                except FanStoreError as exc:
+                    out[i] = exc
+            else:
+                remote.append(i)
+        if remote:
+            many = getattr(self.remote, "fetch_many", None)
+            if many is not None:
+                for i, data in zip(remote, many([items[i] for i in remote])):
+                    out[i] = data
+            else:
+                for i in remote:
+                    try:
+                        out[i] = self.remote.fetch(*items[i])
+                    except FanStoreError as exc:
+                        out[i] = exc
+        return out
 
     def fallback(self, part: int):
         if self.remote is not None and self.local.has(part) and self.remote.serves(part):

@@ -80,6 +80,7 @@ def to_json(res: "SelectionResult") -> dict[str, Any]:
         "version": JSON_VERSION,
         "source": res.source,
         "mode": res.mode,
+        "assumes": assumptions(res),
         "budget": {
             "from": res.budget_from,
             "mb_per_sec": opts.mb_per_sec,
@@ -143,6 +144,21 @@ def to_json(res: "SelectionResult") -> dict[str, Any]:
     return doc
 
 
+def assumptions(res: "SelectionResult") -> str:
+    """What the chosen mode's model takes for granted, in one sentence (printed with every
+    report: a prediction is only as good as these)."""
+    n = res.budget.cores
+    if res.mode == "prefetch":
+        return (f"prefetch: the mount decodes ahead of the readers in the order they give "
+                f"(fanstore.torch.PrefetchSampler, `fanstore prefetch`), on {n} core"
+                f"{'s' if n != 1 else ''} the job leaves spare; decoding and storage reads "
+                "overlap its compute, so the node sustains min(n / (c + p), S / a) and a "
+                "training loop waits only when it asks for files faster than that")
+    return (f"sync: each read fetches, decodes and checks on the read path, {n} reader"
+            f"{'s' if n != 1 else ''} at once; the node sustains "
+            "min(n / (c + p + a/S + q*L), S / a)")
+
+
 def summary_line(res: "SelectionResult") -> str:
     b = res.budget
     need = f"{_rate(b.required)}" + (" (default: 90% of the rate of storing raw)"
@@ -189,6 +205,7 @@ def table(res: "SelectionResult") -> str:
            "default": "default: 90% of the rate of storing the data raw"}[res.budget_from]
     lines.append(f"budget    {res.mode}: {_rate(b.required)} = "
                  f"{_files(res.files_rate(b.required))} per node on {b.cores} cores ({how})")
+    lines.append(f"assumes   {assumptions(res)}")
     lines.append(f"storage   {_rate(b.storage)}, {b.latency * 1e6:,.0f} us per random read "
                  f"per reader ({res.storage_from})")
     if res.reader is not None:

@@ -1,51 +1,55 @@
 #!/usr/bin/env python3
-"""Prefetch mode and the FUSE-free Python API next to the raw directory and the sync mount.
+"""Prefetch mode (kernel frontend) next to the raw directory, the sync mount and the Python API.
 
-The Benchmark section of the issue "Prefetch mode and a FUSE-free Python / PyTorch
-reader". One dataset (tools/gen_dataset.py), one store (``fanstore pack``), and per
-repetition ONE shuffled epoch order that every mode reads in the same order:
+The benchmark of the issue "Prefetch mode that removes the input stall, on the kernel
+frontend". One dataset (tools/gen_dataset.py), one store (``fanstore pack``); every mode of
+a phase is measured in the same run, interleaved, every pass and epoch cold (``sync; echo 3
+> /proc/sys/vm/drop_caches`` and a fresh mount before it). Modes:
 
-- ``raw``           the source directory, ``open(); f.read(); close()`` per file;
-- ``fuse-sync``     a FanStore mount in the default (sync) mode, plain file reads;
-- ``fuse-prefetch`` a mount with ``--mode prefetch --prefetch-mb B`` (B a fraction of the
-                    dataset, so eviction and ordering matter); the order is handed over
-                    (the ``prefetch`` control request, what ``fanstore prefetch MNT --list
-                    FILE`` sends) when the readers are released, then plain file reads;
-- ``api-store``     ``fanstore.open_store(STORE).read(path)``: the packed store read and
-                    decoded in the reader processes, no daemon, no FUSE;
-- ``api-prefetch``  ``fanstore.open_store(MNT)`` on the prefetch mount, order given with
-                    ``.prefetch(order)`` when the readers are released.
+- ``raw``             the source directory, ``open(); f.read(); close()`` per file;
+- ``fuse-sync``       a FanStore mount in sync mode, plain file reads;
+- ``fuse-prefetch``   a mount with ``--mode prefetch --prefetch-mb B`` (B a fraction of the
+                      dataset); the order (the ``prefetch`` control request, what
+                      ``fanstore prefetch MNT --list FILE`` sends) goes over when the readers
+                      start; plain file reads;
+- ``fuse-prefetched`` the same mount, the dataset's directories listed and the order given
+                      *before* the timed pass, which starts once the prefetch is done (the
+                      prefetch time is reported apart): what the page cache gives a reader
+                      when the order was known in time;
+- ``api-store``       ``fanstore.open_store(STORE).read(path)``: decoded in the readers;
+- ``api-prefetch``    ``fanstore.open_store(MNT)`` on the prefetch mount, ``.prefetch(order)``
+                      when the readers start.
 
-1. **Read passes**: every mode cold (``sync; echo 3 > /proc/sys/vm/drop_caches`` and a
-   fresh mount before each pass) with 1 and 4 reader processes released by one barrier;
-   each process takes a round-robin share of the epoch order (API readers open the store
-   before the barrier). Modes interleaved within a repetition, their order rotated.
-2. **DataLoader**: ``torch.utils.data.DataLoader(dataset, batch_size=B, num_workers=4)``
-   with the same order (a fixed-order sampler) over (a) the raw files, (b) the sync mount
-   (plain file reads), (c) the prefetch mount with ``fanstore.torch.PrefetchSampler``
-   (plain file reads), (c') ``FanStoreDataset`` on the prefetch mount with
-   ``PrefetchSampler``, (d) ``FanStoreDataset`` on the store. The loop sleeps a fixed
-   compute time per batch; the input stall is the time spent waiting in ``next()`` (worker
-   start-up included). The compute time is calibrated first: a sync-mode epoch without
-   compute gives the per-batch read time T, and each of ``--compute-factors`` (default
-   1.0 and 0.5) gives one set of epochs with compute = factor x T (1.0 = "tight": compute
-   close to the input time, where the target is judged; 0.5 = input-bound). Reported: epoch
-   time, stall, and the share of the sync stall each mode removes, 1 - stall/stall_sync;
-   median over repetitions.
+Phases:
 
-It writes its section of docs/benchmarks.md (between ``<!-- BEGIN prefetch_bench -->`` and
-``<!-- END prefetch_bench -->``) and the raw rows to tools/bench/results/prefetch_bench.jsonl.
-Every mount it makes is unmounted on exit, also on errors and Ctrl-C / SIGTERM. Run as
-root (drop_caches, FUSE).
+1. **read**: each mode with 1 and 4 reader processes released by one barrier, each taking a
+   round-robin share of the epoch order (DataLoader-style).
+2. **serial**: a reader that does not pipeline: one process reads the order file by file
+   and sleeps a fixed compute time after each (= the sync mount's read time per file,
+   measured in phase 1 with one reader); stall = time spent reading.
+3. **loader**: ``DataLoader(batch_size=32, num_workers=4)`` with a fixed compute time per
+   batch (factor x the calibrated sync per-batch time; 1.0 = tight, 0.5 = input-bound);
+   ``fanstore.torch.PrefetchSampler`` on the prefetch modes; stall = time in ``next()``.
+4. **ranks**: the serial reader on rank 0 of a 2-rank job (``mpiexec -n 2 fanstore mount
+   ... --mode prefetch``, half of the files held by the other rank, fetched by rank 0's
+   worker ranks), against the same reader on a 1-rank prefetch mount.
 
-    .venv/bin/python tools/bench/prefetch_bench.py --preset quick   # ~2-3 min, a smoke run
-    .venv/bin/python tools/bench/prefetch_bench.py --preset full    # ~10-15 min, quiet machine
+Measured besides rates: the CPU of every FanStore process per file (daemon, frontend
+process, workers; in the 2-rank job every FanStore process of the job), the READ requests
+that reached a worker per file, and the memory of the FanStore processes (sum of RSS and
+of PSS, sampled every 50 ms) against the mount's base and ``--prefetch-mb``.
+
+It writes its section of docs/benchmarks.md (``<!-- BEGIN prefetch_bench -->``) and the raw
+rows to tools/bench/results/prefetch_bench.jsonl. Every mount and job it makes is stopped on
+exit, also on errors and Ctrl-C / SIGTERM. Run as root (drop_caches, FUSE).
+
+    .venv/bin/python tools/bench/prefetch_bench.py --preset quick   # a smoke run, ~3 min
+    .venv/bin/python tools/bench/prefetch_bench.py --preset full    # ~15-20 min
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import multiprocessing as mp
 import os
@@ -55,35 +59,55 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 import reader  # noqa: E402
 from mount_bench import _find_fanstore, _kill_group, is_mounted, log, pid_alive  # noqa: E402
-from mpi_bench import control, ensure_dataset, pack_store, state_pid  # noqa: E402
+from mpi_bench import Job, control, ensure_dataset, pack_store, state_pid  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 ME = os.path.abspath(__file__)
 SECTION = "prefetch_bench"
-MODES = ["raw", "fuse-sync", "fuse-prefetch", "api-store", "api-prefetch"]
-MOUNT_OF = {"fuse-sync": "sync", "fuse-prefetch": "prefetch", "api-prefetch": "prefetch"}
-PREFETCH_KEYS = ("prefetch_hits", "prefetch_late", "prefetch_misses", "prefetch_files",
-                 "prefetch_bytes_evicted_unused")
+MODES = ["raw", "fuse-sync", "fuse-prefetch", "fuse-prefetched", "api-store", "api-prefetch"]
+MOUNT_OF = {"fuse-sync": "sync", "fuse-prefetch": "prefetch", "fuse-prefetched": "prefetch",
+            "api-prefetch": "prefetch"}
+ORDER_AT_START = ("fuse-prefetch", "api-prefetch")  # the order is sent when reading starts
 
 PRESETS = {
-    # A smoke run: the harness end to end in about 2-3 minutes; numbers are not results.
-    "quick": dict(files=3000, classes=30, reps=1, dl_reps=2, calib_reps=1),
+    # A smoke run: the harness end to end in a few minutes; numbers are not results.
+    "quick": dict(files=3000, classes=30, reps=1, dl_reps=2, calib_reps=1, serial_reps=1),
     # For a quiet machine.
-    "full": dict(files=10000, classes=100, reps=3, dl_reps=3, calib_reps=2),
+    "full": dict(files=10000, classes=100, reps=3, dl_reps=3, calib_reps=2, serial_reps=2),
 }
 
 
-# ------------------------------------------------------------------------------ a read pass
-# (run as `prefetch_bench.py _pass ...` in its own process group; prints one JSON row)
+# ------------------------------------------------------------------------------ readers
+# (run as `prefetch_bench.py _pass|_serial|_loader ...`, own process group; one JSON row)
 
 
-def _share(mode: str, root: str, rels: list[str], api_path: str | None, barrier, queue) -> None:
+def _send_order(mode: str, mount: str, rels: list[str], store=None):
+    """The order of the epoch, as the mode's reader gives it: (reply, seconds)."""
+    t0 = time.perf_counter()
+    if mode == "fuse-prefetch":
+        from fanstore import control as ctl
+
+        reply = ctl.control(mount, {"op": "prefetch", "paths": rels,
+                                    "client": "prefetch_bench"}, timeout=300)
+    else:
+        reply = store.prefetch(rels)
+    return reply, time.perf_counter() - t0
+
+
+def _read_one(store, root: str, rel: str) -> int:
+    if store is not None:
+        return len(store.read(rel))
+    with open(os.path.join(root, rel), "rb") as f:
+        return len(f.read())
+
+
+def _share(mode, root, rels, api_path, barrier, queue) -> None:
     store = None
     try:
         if mode.startswith("api"):
@@ -100,25 +124,19 @@ def _share(mode: str, root: str, rels: list[str], api_path: str | None, barrier,
         return
     clock = time.perf_counter
     lat: list[float] = []
-    nbytes = errors = done = 0
+    nbytes = errors = 0
     first_error = None
     start = clock()
     for rel in rels:
         t = clock()
         try:
-            if store is not None:
-                nbytes += len(store.read(rel))
-            else:
-                with open(os.path.join(root, rel), "rb") as f:
-                    nbytes += len(f.read())
+            nbytes += _read_one(store, root, rel)
         except Exception as exc:  # noqa: BLE001 - OSError or FanStoreError
             errors += 1
-            if first_error is None:
-                first_error = f"{rel}: {type(exc).__name__}: {exc}"
+            first_error = first_error or f"{rel}: {type(exc).__name__}: {exc}"
         lat.append(clock() - t)
-        done += 1
-    queue.put({"done": done, "bytes": nbytes, "errors": errors, "first_error": first_error,
-               "lat": lat, "start": start, "end": clock()})
+    queue.put({"done": len(rels), "bytes": nbytes, "errors": errors,
+               "first_error": first_error, "lat": lat, "start": start, "end": clock()})
 
 
 def pass_main(argv: list[str]) -> int:
@@ -129,7 +147,6 @@ def pass_main(argv: list[str]) -> int:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--store", help="the packed store (api-store)")
     ap.add_argument("--mount", help="the mount (order / api-prefetch)")
-    ap.add_argument("--watch-pid", type=int, action="append", default=[])
     a = ap.parse_args(argv)
     rels = reader.load_list(a.list)
     api_path = a.store if a.mode == "api-store" else a.mount
@@ -148,24 +165,14 @@ def pass_main(argv: list[str]) -> int:
     for p in procs:
         p.start()
     results: list[dict] = []
-    order_s = None
-    order_reply = None
+    order_s = order_reply = None
     finished = False
     try:
         cpu0 = reader.machine_cpu()
-        w0 = {pid: reader.process_cpu_seconds(pid) for pid in a.watch_pid}
         barrier.wait(timeout=300)
         t0 = time.perf_counter()
-        # The order goes over when the readers are released: its cost is in the pass.
-        if a.mode == "fuse-prefetch":
-            from fanstore import control
-
-            order_reply = control.control(a.mount, {"op": "prefetch", "paths": rels,
-                                                    "client": "prefetch_bench"}, timeout=300)
-            order_s = time.perf_counter() - t0
-        elif a.mode == "api-prefetch":
-            order_reply = order_client.prefetch(rels)
-            order_s = time.perf_counter() - t0
+        if a.mode in ORDER_AT_START:  # sent when the readers start: its cost is in the pass
+            order_reply, order_s = _send_order(a.mode, a.mount, rels, order_client)
         while len(results) < W:
             try:
                 results.append(queue.get(timeout=1.0))
@@ -176,19 +183,11 @@ def pass_main(argv: list[str]) -> int:
         t0 = min([t0] + [r["start"] for r in results])
         t1 = max(r["end"] for r in results)
         cpu1 = reader.machine_cpu()
-        w1 = {pid: reader.process_cpu_seconds(pid) for pid in a.watch_pid}
         finished = True
     except Exception as exc:  # noqa: BLE001
-        setup = [r.get("setup_error") for r in results if r.get("setup_error")]
-        try:
-            while True:
-                r = queue.get_nowait()
-                if r.get("setup_error"):
-                    setup.append(r["setup_error"])
-        except Exception:  # noqa: BLE001
-            pass
+        setup = [r["setup_error"] for r in results if r.get("setup_error")]
         print(json.dumps({"mode": a.mode, "workers": W, "errors": 1,
-                          "first_error": (setup[0] if setup else f"{type(exc).__name__}: {exc}")}))
+                          "first_error": setup[0] if setup else f"{type(exc).__name__}: {exc}"}))
         return 1
     finally:
         for p in procs:
@@ -200,26 +199,67 @@ def pass_main(argv: list[str]) -> int:
     done = sum(r["done"] for r in results)
     nbytes = sum(r["bytes"] for r in results)
     busy, iowait = reader.busy_between(cpu0, cpu1)
-    row = {"mode": a.mode, "workers": W, "files": done, "files_listed": len(rels),
-           "bytes": nbytes, "seconds": round(wall, 4), "files_per_s": round(done / wall, 1),
+    row = {"mode": a.mode, "workers": W, "files": done, "bytes": nbytes,
+           "seconds": round(wall, 4), "files_per_s": round(done / wall, 1),
            "MB_per_s": round(nbytes / 1e6 / wall, 2),
            "lat_ms_p50": reader._ms(reader.percentile(lat, 50)),
            "lat_ms_p99": reader._ms(reader.percentile(lat, 99)),
            "errors": sum(r["errors"] for r in results),
            "first_error": next((r["first_error"] for r in results if r["first_error"]), None),
            "cpu_busy_pct": busy, "iowait_pct": iowait,
-           "order_send_s": None if order_s is None else round(order_s, 4),
-           "order_reply": order_reply if isinstance(order_reply, dict) else None}
-    if a.watch_pid:
-        spent = [w1[p] - w0[p] for p in a.watch_pid if w0[p] is not None and w1[p] is not None]
-        if spent and done:
-            row["daemon_cpu_us_per_file"] = round(sum(spent) / done * 1e6, 1)
+           "order_send_s": None if order_s is None else round(order_s, 4)}
     print(json.dumps(row), flush=True)
     return 1 if row["errors"] else 0
 
 
-# ------------------------------------------------------------------------------ a DataLoader
-# epoch (run as `prefetch_bench.py _loader ...`, a fresh process per epoch; one JSON row)
+def serial_main(argv: list[str]) -> int:
+    """One process reads the order, sleeping ``--compute-ms`` after every file (a reader
+    that does not pipeline). Stall = the time spent reading (and sending the order)."""
+    ap = argparse.ArgumentParser(prog="prefetch_bench.py _serial")
+    ap.add_argument("--mode", required=True, choices=MODES)
+    ap.add_argument("--root", required=True)
+    ap.add_argument("--list", required=True)
+    ap.add_argument("--compute-ms", type=float, default=0.0)
+    ap.add_argument("--store")
+    ap.add_argument("--mount")
+    a = ap.parse_args(argv)
+    rels = reader.load_list(a.list)
+    store = None
+    if a.mode.startswith("api"):
+        import fanstore
+
+        store = fanstore.open_store(a.store if a.mode == "api-store" else a.mount)
+    compute = a.compute_ms / 1e3
+    clock = time.perf_counter
+    t0 = clock()
+    stall = order_s = 0.0
+    if a.mode in ORDER_AT_START:
+        _reply, order_s = _send_order(a.mode, a.mount, rels, store)
+        stall += order_s
+    nbytes = errors = 0
+    first_error = None
+    lat = []
+    for rel in rels:
+        t = clock()
+        try:
+            nbytes += _read_one(store, a.root, rel)
+        except Exception as exc:  # noqa: BLE001
+            errors += 1
+            first_error = first_error or f"{rel}: {type(exc).__name__}: {exc}"
+        dt = clock() - t
+        lat.append(dt)
+        stall += dt
+        if compute:
+            time.sleep(compute)
+    total = clock() - t0
+    lat.sort()
+    print(json.dumps({"mode": a.mode, "files": len(rels), "bytes": nbytes, "errors": errors,
+                      "first_error": first_error, "compute_ms": a.compute_ms,
+                      "epoch_s": round(total, 4), "stall_s": round(stall, 4),
+                      "order_send_s": round(order_s, 4),
+                      "read_ms_p50": reader._ms(reader.percentile(lat, 50)),
+                      "read_ms_p99": reader._ms(reader.percentile(lat, 99))}), flush=True)
+    return 1 if errors else 0
 
 
 class _PathDataset:
@@ -280,7 +320,8 @@ def loader_main(argv: list[str]) -> int:
     elif a.mode == "fuse-prefetch":
         # Plain file reads through the mount; the order goes to the daemon per epoch.
         ds = _PathDataset(a.mount, files)
-        sampler = PrefetchSampler(base, FanStoreDataset(fanstore.open_store(a.mount), files=files))
+        sampler = PrefetchSampler(base, FanStoreDataset(fanstore.open_store(a.mount),
+                                                        files=files))
     elif a.mode == "api-prefetch":
         ds = FanStoreDataset(fanstore.open_store(a.mount), files=files)
         sampler = PrefetchSampler(base, ds)
@@ -293,7 +334,7 @@ def loader_main(argv: list[str]) -> int:
     cpu0 = reader.machine_cpu()
     clock = time.perf_counter
     t0 = clock()
-    it = iter(loader)  # forks the workers and hands the order over (PrefetchSampler)
+    it = iter(loader)  # forks the workers and starts sending the order (PrefetchSampler)
     t_iter = clock() - t0
     stall = t_iter
     first = None
@@ -316,19 +357,99 @@ def loader_main(argv: list[str]) -> int:
         if compute:
             time.sleep(compute)
     epoch = clock() - t0
+    if isinstance(sampler, PrefetchSampler):
+        sampler.wait()  # (raises if sending the order failed)
     busy, _ = reader.busy_between(cpu0, reader.machine_cpu())
     waits.sort()
     print(json.dumps({
         "mode": a.mode, "batches": batches, "files": len(order), "bytes": nbytes,
         "batch": a.batch, "workers": a.workers, "compute_ms": a.compute_ms,
         "epoch_s": round(epoch, 4), "stall_s": round(stall, 4),
-        "first_batch_s": round(first or 0.0, 4), "stall_after_first_s": round(stall - (first or 0), 4),
+        "first_batch_s": round(first or 0.0, 4),
+        "stall_after_first_s": round(stall - (first or 0), 4),
         "iter_s": round(t_iter, 4), "compute_s": round(batches * compute, 4),
         "wait_ms_p50": reader._ms(reader.percentile(waits, 50)),
         "wait_ms_p99": reader._ms(reader.percentile(waits, 99)),
         "files_per_s": round(len(order) / epoch, 1), "cpu_busy_pct": busy,
     }), flush=True)
     return 0
+
+
+# ------------------------------------------------------------------------------ FanStore's cost
+
+
+def fanstore_processes(root_pid: int | None) -> list[int]:
+    """The FanStore processes to account: ``root_pid`` and its descendants (a mount's
+    daemon, frontend process and workers), or, with None, every process running FanStore
+    code (an MPI job: leaders, worker ranks, frontend processes)."""
+    if root_pid:
+        return reader.descendants(root_pid)
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(x.endswith(b"bin/fanstore") or x.startswith(b"fanstore.") for x in argv[:3]):
+            out.append(int(name))
+    return out
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    return sum(reader.process_cpu_seconds(p) or 0.0 for p in pids)
+
+
+def memory(pids: list[int]) -> tuple[int, int]:
+    """(sum of RSS, sum of PSS) of ``pids``, bytes."""
+    rss = pss = 0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Rss:"):
+                        rss += int(line.split()[1]) * 1024
+                    elif line.startswith("Pss:"):
+                        pss += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return rss, pss
+
+
+class Cost:
+    """CPU and memory of FanStore processes over one measured span: ``start()``, then
+    ``stop()`` gives (cpu seconds, base rss, base pss, peak rss, peak pss)."""
+
+    def __init__(self, root_pid: int | None) -> None:
+        self.root = root_pid
+        self.peak = (0, 0)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.pids = fanstore_processes(self.root)
+        self.cpu0 = cpu_seconds(self.pids)
+        self.base = memory(self.pids)
+        self.peak = self.base
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.05):
+            rss, pss = memory(fanstore_processes(self.root))
+            self.peak = (max(self.peak[0], rss), max(self.peak[1], pss))
+
+    def stop(self) -> dict:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        pids = fanstore_processes(self.root)
+        cpu = cpu_seconds(pids) - self.cpu0 if set(pids) >= set(self.pids) else None
+        return {"fanstore_cpu_s": None if cpu is None else round(cpu, 3),
+                "rss_base": self.base[0], "pss_base": self.base[1],
+                "rss_peak": self.peak[0], "pss_peak": self.peak[1]}
 
 
 # ------------------------------------------------------------------------------ the run
@@ -343,6 +464,8 @@ class Bench(common.RowLog):
         self.mnt_root = os.path.join(self.work, "mnt")
         self.py = sys.executable
         self.fanstore = a.fanstore or _find_fanstore()
+        self.mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+        self.jobs: list[Job] = []
         self.rows: list[dict] = []
         self.commands: list[str] = []
         self.mounted: dict[str, int | None] = {}
@@ -351,6 +474,7 @@ class Bench(common.RowLog):
         self.jsonl_tmp = os.path.join(self.work, f"prefetch_bench-{self.run_id}.jsonl")
         self.total_seconds = 0.0
         self.factors: list[float | None] = []
+        self.serial_compute_ms: float | None = None
 
     def cmd(self, text: str) -> None:
         text = text.replace(self.work, "WORK")
@@ -393,8 +517,7 @@ class Bench(common.RowLog):
             time.sleep(0.05)
 
     def cold(self, mode: str) -> int | None:
-        """Fresh mount for the mode (if it needs one; the other mount is unmounted) and
-        dropped caches."""
+        """A fresh mount for the mode (the other one unmounted), caches dropped."""
         kind = MOUNT_OF.get(mode)
         for other in ("sync", "prefetch"):
             if other != kind:
@@ -419,9 +542,54 @@ class Bench(common.RowLog):
                     break
         return {"errors": 1, "first_error": f"exit {proc.returncode}: {err.strip()[-400:]}"}
 
-    def pstats(self, mode: str) -> dict | None:
-        kind = MOUNT_OF.get(mode)
-        return control(self.mnt(kind), {"op": "stats"}) if kind else None
+    def mstats(self, mnt: str | None) -> dict | None:
+        return control(mnt, {"op": "stats"}) if mnt else None
+
+    def prefetch_before(self, mode: str, lst: str, pid: int | None) -> dict:
+        """fuse-prefetched: list the directories, give the order, wait for the prefetch
+        to settle (everything pushed, or no progress for a second: the window is full)."""
+        mnt = self.mnt("prefetch")
+        t0 = time.perf_counter()
+        for _d, _dirs, _files in os.walk(mnt):
+            pass
+        rels = reader.load_list(lst)
+        control(mnt, {"op": "prefetch", "paths": rels, "client": "prefetch_bench"},
+                timeout=300)
+        done_keys = ("prefetch_pushed", "prefetch_buffered", "prefetch_errors")
+        last, still = -1, time.monotonic()
+        while time.perf_counter() - t0 < self.a.pass_limit:
+            s = self.mstats(mnt) or {}
+            n = sum(s.get(k, 0) for k in done_keys)
+            if n >= len(rels):
+                break
+            if n != last:
+                last, still = n, time.monotonic()
+            elif time.monotonic() - still > 1.0:
+                break
+            time.sleep(0.02)
+        return {"prefetch_s": round(time.perf_counter() - t0, 3)}
+
+    def measure(self, kind: str, mode: str, argv: list[str], pid: int | None, extra: dict,
+                lst: str | None = None) -> dict:
+        """Run one reader child with the mount's counters and FanStore's cost around it."""
+        mnt = self.mnt(MOUNT_OF[mode]) if mode in MOUNT_OF else None
+        pre = self.prefetch_before(mode, lst, pid) if mode == "fuse-prefetched" else {}
+        before = self.mstats(mnt)
+        cost = Cost(pid) if pid else None
+        if cost:
+            cost.start()
+        load = common.loadavg1()
+        row = self.run_sub(argv, timeout=self.a.pass_limit + 120)
+        if cost:
+            row.update(cost.stop())
+        after = self.mstats(mnt)
+        row.update(pre, kind=kind, mode=mode, load1_before=load, **extra)
+        if before and after:
+            row["daemon"] = diff_stats(after, before)
+        if pid and not pid_alive(pid):
+            row["daemon_died"] = True
+        self.emit(row)
+        return row
 
     # -------------------------------------------------------------- phases
     def run(self) -> None:
@@ -431,8 +599,7 @@ class Bench(common.RowLog):
         log(f"work dir {self.work}; load average {os.getloadavg()[0]:.2f}")
         data, small, gen_cmd = ensure_dataset(self.py, self.work, a.files, a.classes, a.min_kb,
                                               a.max_kb, a.seed)
-        self.data = data
-        self.files = small
+        self.data, self.files = data, small
         self.cmd(gen_cmd)
         info, pack_cmd = pack_store(self.fanstore, data, self.store, a.partitions, a.codec,
                                     a.jobs, a.reuse_store)
@@ -450,12 +617,11 @@ class Bench(common.RowLog):
         self.files_list = os.path.join(self.lists, "files.txt")
         with open(self.files_list, "w") as f:
             f.write("".join(p + "\n" for p in small))
-        log(f"{len(small)} files, {raw / 1e6:.0f} MB raw; prefetch budget {self.prefetch_mb} MiB "
-            f"({self.prefetch_mb * 2**20 / max(1, raw):.0%} of the dataset)")
-        if "read" in a.phases:
-            self.read_passes()
-        if "loader" in a.phases:
-            self.loader_epochs()
+        log(f"{len(small)} files, {raw / 1e6:.0f} MB raw; prefetch budget {self.prefetch_mb} "
+            f"MiB ({self.prefetch_mb * 2**20 / max(1, raw):.0%} of the dataset)")
+        for phase in ("read", "serial", "loader", "ranks", "model"):
+            if phase in a.phases:
+                getattr(self, f"phase_{phase}")()
         self.check()
         self.total_seconds = time.time() - self.t_start
 
@@ -467,48 +633,69 @@ class Bench(common.RowLog):
             f.write("".join(p + "\n" for p in order))
         return path
 
-    def read_passes(self) -> None:
+    def reader_args(self, mode: str) -> list[str]:
+        kind = MOUNT_OF.get(mode)
+        argv = ["--root", self.mnt(kind) if kind else self.data]
+        if mode == "api-store":
+            argv += ["--store", self.store]
+        if kind:
+            argv += ["--mount", self.mnt(kind)]
+        return argv
+
+    def phase_read(self) -> None:
         a = self.a
-        log(f"read passes: modes {' '.join(a.modes)}, readers {a.workers}, {a.reps} reps, cold")
+        log(f"read passes: {' '.join(a.modes)}, readers {a.workers}, {a.reps} reps, cold")
         for rep in range(1, a.reps + 1):
             lst = self.epoch_list(rep)
             for wk in a.workers:
                 k = (rep - 1 + wk) % len(a.modes)
                 for mode in a.modes[k:] + a.modes[:k]:
-                    self.one_pass(mode, wk, rep, lst)
+                    pid = self.cold(mode)
+                    argv = [self.py, ME, "_pass", "--mode", mode, "--list", lst,
+                            "--workers", str(wk), *self.reader_args(mode)]
+                    self.cmd(" ".join(shlex.quote(x) for x in argv)
+                             .replace(lst, "WORK/lists/epoch-REP.txt"))
+                    row = self.measure("pass", mode, argv, pid, {"workers": wk, "rep": rep},
+                                       lst)
+                    d = row.get("daemon") or {}
+                    log(f"  rep {rep} w={wk} {mode:<15}: {row.get('files_per_s')} files/s, "
+                        f"READs {(d.get('requests_by_op') or {}).get('read', '-')}, FanStore "
+                        f"CPU {row.get('fanstore_cpu_s')} s"
+                        + (f"  ERRORS {row['errors']}: {row.get('first_error')}"
+                           if row.get("errors") else ""))
 
-    def one_pass(self, mode: str, workers: int, rep: int, lst: str) -> None:
-        pid = self.cold(mode)
-        kind = MOUNT_OF.get(mode)
-        root = self.mnt(kind) if kind else self.data
-        argv = [self.py, ME, "_pass", "--mode", mode, "--root", root, "--list", lst,
-                "--workers", str(workers)]
-        if mode == "api-store":
-            argv += ["--store", self.store]
-        if kind:
-            argv += ["--mount", self.mnt(kind)]
-        shown = " ".join(shlex.quote(x) for x in argv).replace(lst, "WORK/lists/epoch-REP.txt")
-        self.cmd(shown)
-        if pid:
-            argv += ["--watch-pid", str(pid)]
-        before = self.pstats(mode)
-        load = common.loadavg1()
-        row = self.run_sub(argv, timeout=a_timeout(self.a))
-        after = self.pstats(mode)
-        row.update(kind="pass", mode=mode, workers=workers, rep=rep, load1_before=load)
-        if before and after:
-            row["daemon"] = {k: after[k] - before[k] for k in after
-                             if isinstance(after.get(k), (int, float))
-                             and isinstance(before.get(k), (int, float))}
-        if pid and not pid_alive(pid):
-            row["daemon_died"] = True
-        self.emit(row)
-        d = row.get("daemon") or {}
-        pf = (f", prefetch hits/late/misses {d.get('prefetch_hits')}/{d.get('prefetch_late')}/"
-              f"{d.get('prefetch_misses')}" if "prefetch_hits" in d else "")
-        log(f"  rep {rep} w={workers} {mode:<13}: {row.get('files_per_s')} files/s, "
-            f"CPU {row.get('cpu_busy_pct')} %{pf}"
-            + (f"  ERRORS {row['errors']}: {row.get('first_error')}" if row.get("errors") else ""))
+    def phase_serial(self) -> None:
+        a = self.a
+        sync1 = common.row_vals(self.rows, "files_per_s", kind="pass", mode="fuse-sync",
+                                workers=1)
+        if a.serial_compute_ms is not None:
+            ms = a.serial_compute_ms
+        elif sync1:
+            ms = 1e3 / common.med(sync1)
+        else:  # no read phase: calibrate on a sync serial epoch without compute
+            lst = self.epoch_list(200)
+            pid = self.cold("fuse-sync")
+            row = self.measure("serial-calib", "fuse-sync",
+                               [self.py, ME, "_serial", "--mode", "fuse-sync", "--list", lst,
+                                *self.reader_args("fuse-sync")], pid, {})
+            ms = row["stall_s"] / max(1, row.get("files") or 1) * 1e3
+        self.serial_compute_ms = round(ms, 3)
+        log(f"serial reader: compute {self.serial_compute_ms} ms per file (the sync mount's "
+            f"read time per file), {a.serial_reps} reps")
+        for rep in range(1, a.serial_reps + 1 if a.serial_modes else 1):
+            lst = self.epoch_list(300 + rep)
+            k = (rep - 1) % len(a.serial_modes)
+            for mode in a.serial_modes[k:] + a.serial_modes[:k]:
+                pid = self.cold(mode)
+                argv = [self.py, ME, "_serial", "--mode", mode, "--list", lst,
+                        "--compute-ms", f"{self.serial_compute_ms:.3f}",
+                        *self.reader_args(mode)]
+                self.cmd(" ".join(shlex.quote(x) for x in argv)
+                         .replace(lst, "WORK/lists/epoch-REP.txt")
+                         .replace(f"{self.serial_compute_ms:.3f}", "C"))
+                row = self.measure("serial", mode, argv, pid, {"rep": rep}, lst)
+                log(f"  serial rep {rep} {mode:<15}: epoch {row.get('epoch_s')} s, stall "
+                    f"{row.get('stall_s')} s")
 
     def loader_epoch(self, mode: str, rep: int, lst: str, compute_ms: float, tag: str,
                      factor: float | None = None) -> dict:
@@ -526,44 +713,25 @@ class Bench(common.RowLog):
         self.cmd(" ".join(shlex.quote(x) for x in argv)
                  .replace(lst, "WORK/lists/epoch-REP.txt")
                  .replace(f"{compute_ms:.3f}", "C" if tag == "dl" else "0.000"))
-        before = self.pstats(mode)
-        load = common.loadavg1()
-        cpu0 = reader.process_cpu_seconds(pid) if pid else None
-        row = self.run_sub(argv, timeout=a_timeout(self.a))
-        cpu1 = reader.process_cpu_seconds(pid) if pid else None
-        after = self.pstats(mode)
-        row.update(kind=tag, mode=mode, rep=rep, load1_before=load, factor=factor)
-        if cpu0 is not None and cpu1 is not None:
-            row["daemon_cpu_s"] = round(cpu1 - cpu0, 3)
-        if before and after:
-            row["daemon"] = {k: after[k] - before[k] for k in after
-                             if isinstance(after.get(k), (int, float))
-                             and isinstance(before.get(k), (int, float))}
-        if pid and not pid_alive(pid):
-            row["daemon_died"] = True
-        self.emit(row)
-        d = row.get("daemon") or {}
-        pf = (f", prefetch hits/late/misses {d.get('prefetch_hits')}/{d.get('prefetch_late')}/"
-              f"{d.get('prefetch_misses')}" if "prefetch_hits" in d else "")
-        log(f"  {tag}{'' if factor is None else f' x{factor:g}'} rep {rep} {mode:<13}: epoch {row.get('epoch_s')} s, stall "
-            f"{row.get('stall_s')} s (first batch {row.get('first_batch_s')} s){pf}"
+        row = self.measure(tag, mode, argv, pid, {"rep": rep, "factor": factor}, lst)
+        log(f"  {tag}{'' if factor is None else f' x{factor:g}'} rep {rep} {mode:<13}: "
+            f"epoch {row.get('epoch_s')} s, stall {row.get('stall_s')} s (first batch "
+            f"{row.get('first_batch_s')} s)"
             + (f"  ERRORS: {row.get('first_error')}" if row.get("errors") else ""))
         return row
 
-    def loader_epochs(self) -> None:
+    def phase_loader(self) -> None:
         a = self.a
-        log(f"DataLoader: batch {a.batch}, {a.dl_workers} workers; calibrating the compute time "
-            "on fuse-sync without compute")
-        base_rep = 100
+        log(f"DataLoader: batch {a.batch}, {a.dl_workers} workers; calibrating the compute "
+            "time on fuse-sync without compute")
         per_batch = []
         for rep in range(1, a.calib_reps + 1):
-            lst = self.epoch_list(base_rep + rep)
-            row = self.loader_epoch("fuse-sync", base_rep + rep, lst, 0.0, "calib")
+            row = self.loader_epoch("fuse-sync", 100 + rep, self.epoch_list(100 + rep), 0.0,
+                                    "calib")
             if row.get("batches"):
                 per_batch.append(row["epoch_s"] / row["batches"])
         if a.compute_ms is not None:
-            self.factors = [None]
-            computes = {None: a.compute_ms}
+            self.factors, computes = [None], {None: a.compute_ms}
         elif per_batch:
             self.factors = list(a.compute_factors)
             computes = {f: round(common.med(per_batch) * 1e3 * f, 2) for f in self.factors}
@@ -572,14 +740,87 @@ class Bench(common.RowLog):
         for f in self.factors:
             self.emit({"kind": "compute", "compute_ms": computes[f], "factor": f,
                        "sync_per_batch_ms": [round(x * 1e3, 2) for x in per_batch]})
-        log("  compute per batch: " + ", ".join(f"{computes[f]} ms" + ("" if f is None else
-                                                 f" (x{f:g})") for f in self.factors))
         for f in self.factors:
             for rep in range(1, a.dl_reps + 1):
-                lst = self.epoch_list(base_rep + 10 + rep)
+                lst = self.epoch_list(110 + rep)
                 k = (rep - 1) % len(a.dl_modes)
                 for mode in a.dl_modes[k:] + a.dl_modes[:k]:
                     self.loader_epoch(mode, rep, lst, computes[f], "dl", f)
+
+    def phase_ranks(self) -> None:
+        """The serial reader on rank 0 of a 2-rank prefetch job against a 1-rank mount."""
+        a = self.a
+        ms = self.serial_compute_ms
+        if ms is None:
+            self.phase_serial_calibrate_only()
+            ms = self.serial_compute_ms
+        self.umount("sync")
+        self.umount("prefetch")
+        log(f"ranks: serial reader, compute {ms} ms per file, prefetch mode, 1 and 2 ranks")
+        extra = ["--mode", "prefetch", "--prefetch-mb", str(self.prefetch_mb)]
+        for rep in range(1, a.serial_reps + 1):
+            lst = self.epoch_list(400 + rep)
+            for ranks in ((1, 2) if rep % 2 else (2, 1)):
+                job = Job(self, ranks, f"ranks{ranks}", extra)
+                self.cmd(job.shown())
+                common.drop_caches()
+                job.start()
+                try:
+                    common.drop_caches()
+                    mnt = job.mnt(0)
+                    argv = [self.py, ME, "_serial", "--mode", "fuse-prefetch", "--list", lst,
+                            "--compute-ms", f"{ms:.3f}", "--root", mnt, "--mount", mnt]
+                    before = self.mstats(mnt)
+                    cost = Cost(job.pids.get(0) if ranks == 1 else None)
+                    cost.start()
+                    row = self.run_sub(argv, timeout=a.pass_limit + 120)
+                    row.update(cost.stop())
+                    after = self.mstats(mnt)
+                    row.update(kind="ranks", mode="fuse-prefetch", ranks=ranks, rep=rep)
+                    if before and after:
+                        row["daemon"] = diff_stats(after, before)
+                    self.emit(row)
+                    d = row.get("daemon") or {}
+                    log(f"  rep {rep} {ranks} rank(s): stall {row.get('stall_s')} s, epoch "
+                        f"{row.get('epoch_s')} s, remote reads {d.get('remote_reads')}, "
+                        f"pushed {d.get('prefetch_pushed')}")
+                finally:
+                    job.stop()
+
+    def phase_model(self) -> None:
+        """``fanstore select --mode prefetch`` on the dataset: its prediction for the
+        store's codec (files/s the node sustains with decoding overlapped) against the
+        DataLoader epochs measured above."""
+        self.umount("sync")
+        self.umount("prefetch")
+        argv = [self.fanstore, "select", self.data, "--mode", "prefetch", "--cores",
+                str(os.cpu_count() or 1), "--reader", "mount", "--sample-mb",
+                str(self.a.model_sample_mb), "--json"]
+        self.cmd(" ".join(shlex.quote(x) for x in argv))
+        log("model: " + " ".join(argv[1:]))
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+        try:
+            doc = json.loads(p.stdout)
+        except ValueError:
+            log(f"  select failed ({p.returncode}): {p.stderr.strip()[-300:]}")
+            return
+        cand = {c["codec"]: c for c in doc.get("candidates", [])}
+        mine = cand.get(self.a.codec) or {}
+        self.emit({"kind": "model", "assumes": doc.get("assumes"), "chosen": doc.get("chosen"),
+                   "codec": self.a.codec, "files_per_s": mine.get("files_per_s"),
+                   "chosen_files_per_s": (doc.get("predicted") or {}).get("node_files_per_s"),
+                   "cores": (doc.get("budget") or {}).get("cores"),
+                   "reader": doc.get("reader")})
+        log(f"  {self.a.codec}: {mine.get('files_per_s')} files/s predicted (prefetch); "
+            f"chosen {doc.get('chosen')}")
+
+    def phase_serial_calibrate_only(self) -> None:
+        saved = self.a.serial_modes
+        self.a.serial_modes = []
+        try:
+            self.phase_serial()
+        finally:
+            self.a.serial_modes = saved
 
     def check(self) -> None:
         """Spot-check bytes of a sample through every FanStore path against the raw files."""
@@ -588,11 +829,8 @@ class Bench(common.RowLog):
         sample = random.Random(3).sample(self.files, min(self.a.verify_sample, len(self.files)))
         results = {}
         for mode in ("fuse-sync", "fuse-prefetch", "api-store", "api-prefetch"):
-            if mode not in self.a.modes and mode not in self.a.dl_modes:
-                continue
             self.cold(mode)
-            bad, err = 0, None
-            store = None
+            bad, err, store = 0, None, None
             try:
                 if mode == "api-store":
                     store = fanstore.open_store(self.store)
@@ -610,8 +848,7 @@ class Bench(common.RowLog):
                     else:
                         with open(os.path.join(self.mnt(MOUNT_OF[mode]), rel), "rb") as f:
                             got = f.read()
-                    if got != want:
-                        bad += 1
+                    bad += got != want
             except Exception as exc:  # noqa: BLE001
                 err = f"{type(exc).__name__}: {exc}"
             finally:
@@ -624,13 +861,19 @@ class Bench(common.RowLog):
         log(f"correctness: {results}")
 
     def cleanup(self) -> None:
+        for job in list(self.jobs):
+            try:
+                job.stop()
+            except Exception as exc:  # noqa: BLE001
+                log(f"  stopping job {job.dir} failed: {exc}")
         for kind in ("sync", "prefetch"):
             try:
                 self.umount(kind)
             except Exception as exc:  # noqa: BLE001
                 log(f"  cleanup of {kind} failed: {exc}")
             if is_mounted(self.mnt(kind)):
-                subprocess.run(["fusermount3", "-u", "-z", "--", self.mnt(kind)], capture_output=True)
+                subprocess.run(["fusermount3", "-u", "-z", "--", self.mnt(kind)],
+                               capture_output=True)
             try:
                 os.rmdir(self.mnt(kind))
             except OSError:
@@ -639,265 +882,14 @@ class Bench(common.RowLog):
             shutil.rmtree(self.work, ignore_errors=True)
 
 
-def a_timeout(a) -> float:
-    return a.pass_limit + 120
-
-
-# ------------------------------------------------------------------------------ report
-
-
-def section(bench: Bench, label: str | None, argv: list[str]) -> str:
-    rows = bench.rows
-    a = bench.a
-
-    pick = functools.partial(common.pick_rows, rows)
-    vals = functools.partial(common.row_vals, rows)
-
-    def dsum(rs: list[dict], key: str) -> list[float]:
-        return [(r.get("daemon") or {}).get(key) for r in rs if (r.get("daemon") or {}).get(key)
-                is not None]
-
-    out: list[str] = []
-    w = out.append
-    w("## Prefetch mode and the Python API (`tools/bench/prefetch_bench.py`)")
-    w("")
-    if label:
-        w(f"> **{label}**")
-        w("")
-    st = pick(kind="store")[0]
-    p = st["params"]
-    w(f"Run {bench.run_id} ({common.now_utc()}), {bench.total_seconds / 60:.1f} min in all. "
-      "Every mode was measured in this same run, interleaved (the order of the modes rotates "
-      "from repetition to repetition); **only compare rows of this one run** (the machine is "
-      "shared: cold passes spread by about ±20%, treat smaller differences as noise). Raw "
-      "rows: `tools/bench/results/prefetch_bench.jsonl`. Rerun: "
-      f"`{' '.join(argv)}` (as root).")
-    w("")
-    w("### Machine")
-    w("")
-    w(bench.machine)
-    w("")
-    w("### Dataset")
-    w("")
-    w(f"`tools/gen_dataset.py` (seed {p['seed']}): {st['files']:,} files of "
-      f"{p['min_kb']}-{p['max_kb']} kB in {p['classes']} class directories "
-      f"({st['raw_bytes'] / 1e6:,.0f} MB), packed with `--partitions {p['partitions']} --codec "
-      f"{p['codec']}` ({(st.get('stored_bytes') or 0) / 1e6:,.0f} MB stored, ratio "
-      f"{st.get('ratio') or 0:.2f}). Prefetch mounts: `--mode prefetch --prefetch-mb "
-      f"{st['prefetch_mb']}` = {st['prefetch_mb'] * 2**20 / max(1, st['raw_bytes']):.0%} of the "
-      "dataset, so the buffer cannot hold the epoch: ordering and eviction matter. MB = 10^6 "
-      "bytes.")
-    w("")
-
-    # ---- targets
-    comp = pick(kind="compute")
-    factors = bench.factors or [None]
-    tight = factors[0]
-    w("### Targets")
-    w("")
-    w("| target | measured | goal | status |")
-    w("| --- | --- | ---: | --- |")
-    for wk in a.workers:
-        api = common.med(vals("files_per_s", kind="pass", mode="api-store", workers=wk))
-        raw = common.med(vals("files_per_s", kind="pass", mode="raw", workers=wk))
-        if api and raw:
-            w(f"| Python API on the store at least as fast as the raw directory, cold, {wk} "
-              f"reader(s) | {api / raw:.2f}x ({api:,.0f} vs {raw:,.0f} files/s) | ≥ 1.0 | "
-              f"{common.check(api >= raw)} |")
-    for f in factors:
-        stall_sync = common.med(vals("stall_s", kind="dl", mode="fuse-sync", factor=f))
-        steady_sync = common.med(vals("stall_after_first_s", kind="dl", mode="fuse-sync",
-                                      factor=f))
-        budget = ("tight budget" if f == tight else "input-bound") + (
-            "" if f is None else f", compute = {f:g} x sync per-batch time")
-        for mode in ("fuse-prefetch", "api-prefetch"):
-            s = common.med(vals("stall_s", kind="dl", mode=mode, factor=f))
-            if s is not None and stall_sync:
-                removed = 1 - s / stall_sync
-                w(f"| {mode} removes at least 80% of the sync-mode stall (DataLoader, {budget}) "
-                  f"| {removed:.0%} ({s:.2f} s vs {stall_sync:.2f} s) | ≥ 80% | "
-                  + (common.check(removed >= 0.8) if f == tight else "(info)") + " |")
-            s2 = common.med(vals("stall_after_first_s", kind="dl", mode=mode, factor=f))
-            if s2 is not None and steady_sync:
-                removed = 1 - s2 / steady_sync
-                w(f"| (same, stall after the first batch only: worker start-up left out) "
-                  f"| {removed:.0%} ({s2:.2f} s vs {steady_sync:.2f} s) | ≥ 80% | "
-                  + (common.check(removed >= 0.8) if f == tight else "(info)") + " |")
-    w("")
-
-    # ---- read passes
-    w("### Files/s for the same shuffled epoch (cold)")
-    w("")
-    w("Each pass reads every file once in the repetition's shuffled order; reader processes "
-      "take round-robin shares (DataLoader-style) and start together behind a barrier, wall "
-      "time from the release to the last reader done. Cold = `drop_caches` and a fresh mount "
-      "before every pass. API readers open the store (or the mount) before the barrier; the "
-      "prefetch order is sent when the readers are released, inside the timed pass (its "
-      "cost is the `order s` column). CPU = whole machine (2 cores, daemon included); daemon "
-      f"µs/file = the FanStore daemon's CPU per file. Cells: median (min–max) over {a.reps} "
-      "repetition(s). `vs raw` = median files/s over raw's, same readers.")
-    w("")
-    w("| mode | readers | files/s | MB/s | p50 / p99 ms | CPU % | daemon µs/file | order s | "
-      "prefetch hits / late / misses | vs raw | vs fuse-sync |")
-    w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for wk in a.workers:
-        raw = common.med(vals("files_per_s", kind="pass", mode="raw", workers=wk))
-        sync = common.med(vals("files_per_s", kind="pass", mode="fuse-sync", workers=wk))
-        for mode in a.modes:
-            q = dict(kind="pass", mode=mode, workers=wk)
-            rs = pick(**q)
-            if not rs:
-                continue
-            fs = vals("files_per_s", **q)
-            err = sum(r.get("errors") or 0 for r in rs)
-            pf = "–"
-            if MOUNT_OF.get(mode) == "prefetch":
-                pf = (f"{common.num(common.med(dsum(rs, 'prefetch_hits')))} / "
-                      f"{common.num(common.med(dsum(rs, 'prefetch_late')))} / "
-                      f"{common.num(common.med(dsum(rs, 'prefetch_misses')))}")
-            note = f" ⚠ {err} errors: {next(r.get('first_error') for r in rs if r.get('errors'))}"[:120] \
-                if err else ""
-            w(f"| {mode}{note} | {wk} | {common.spread(fs)} | "
-              f"{common.spread(vals('MB_per_s', **q))} | "
-              f"{common.num(common.med(vals('lat_ms_p50', **q)), 2)} / "
-              f"{common.num(common.med(vals('lat_ms_p99', **q)), 1)} | "
-              f"{common.num(common.med(vals('cpu_busy_pct', **q)))} | "
-              f"{common.num(common.med(vals('daemon_cpu_us_per_file', **q)))} | "
-              f"{common.num(common.med(vals('order_send_s', **q)), 3)} | {pf} | "
-              f"{common.ratio(common.med(fs), raw)} | {common.ratio(common.med(fs), sync)} |")
-    w("")
-
-    # ---- daemon counters
-    w("### FanStore daemon counters per file read (read passes)")
-    w("")
-    w("Differences of the mount's `fanstore stats` across each pass, divided by the files "
-      "read (medians over the passes). `opens` / `reads` = OPEN and READ requests that reached "
-      "the daemon (API reads arrive as `reads`); `pushed` = files decoded at OPEN and pushed "
-      "into the page cache (`pushed_at_open`); `decoded` = chunks decompressed in the daemon "
-      "(the API on the store decodes in the readers instead); `prefetched` = files the "
-      "prefetcher fetched (`prefetch_files`); `hits` = reads served from its buffer.")
-    w("")
-    w("| mode | readers | opens | reads | pushed | decoded | prefetched | hits | late | misses "
-      "| MB evicted unused |")
-    w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for wk in a.workers:
-        for mode in a.modes:
-            rs = [r for r in pick(kind="pass", mode=mode, workers=wk)
-                  if r.get("daemon") and r.get("files")]
-            if not rs:
-                continue
-
-            def per(key, rs=rs):
-                v = [(r["daemon"].get(key) or 0) / r["files"] for r in rs]
-                return common.num(common.med(v), 2)
-
-            ev = common.med([(r["daemon"].get("prefetch_bytes_evicted_unused") or 0) / 1e6
-                             for r in rs])
-            pfm = MOUNT_OF.get(mode) == "prefetch"
-            w(f"| {mode} | {wk} | {per('opens')} | {per('reads')} | {per('pushed_at_open')} | "
-              f"{per('chunks_decoded')} | {per('prefetch_files') if pfm else '–'} | "
-              f"{per('prefetch_hits') if pfm else '–'} | {per('prefetch_late') if pfm else '–'} | "
-              f"{per('prefetch_misses') if pfm else '–'} | "
-              f"{common.num(ev, 1) if pfm else '–'} |")
-    w("")
-
-    # ---- DataLoader
-    w("### DataLoader with a fixed compute time per batch")
-    w("")
-    calib = comp[0]["sync_per_batch_ms"] if comp else []
-    cms = {r.get("factor"): r["compute_ms"] for r in comp}
-    w(f"`DataLoader(dataset, batch_size={a.batch}, num_workers={a.dl_workers})` (default "
-      "prefetch_factor 2, fork), the epoch order given by a fixed-order sampler, "
-      "`collate_fn` = the batch's byte count (no tensor work). The loop sleeps a fixed "
-      "compute time per batch, a multiple of the per-batch time of a cold sync-mode epoch "
-      "with no compute (calibration: "
-      f"{', '.join(f'{x:.1f}' for x in calib) or '–'} ms/batch): x1 = the tight budget, where "
-      "the sync pipeline just keeps up (the target is judged there; the sleeping loop leaves "
-      "the CPU to the workers, so the 4 workers hide most of the input time already); x0.5 = "
-      "input-bound, where the input pipeline is the bottleneck and the stall shows how fast "
-      "each mode delivers. Stall = time the loop waits in `next()` (including "
-      "`iter(loader)`, which forks the workers and, with `PrefetchSampler`, sends the "
-      "order); ideal epoch = batches x compute. Every epoch cold (dropped caches, fresh "
-      "mount), a fresh process per epoch. Cells: median (min–max) over "
-      f"{a.dl_reps} repetition(s). `removed` = 1 - stall / stall of fuse-sync (medians, same "
-      "compute); `removed after 1st batch` leaves out the first batch (worker start-up, "
-      "which no storage mode can hide).")
-    w("")
-    how = {"raw": "plain files, `open().read()`",
-           "fuse-sync": "sync mount, `open().read()`",
-           "fuse-prefetch": "prefetch mount, `open().read()`, `PrefetchSampler`",
-           "api-prefetch": "`FanStoreDataset(open_store(MNT))`, `PrefetchSampler`",
-           "api-store": "`FanStoreDataset(open_store(STORE))`"}
-    for f in factors:
-        cm = cms.get(f)
-        nb = common.med(vals("batches", kind="dl", factor=f))
-        stall_sync = common.med(vals("stall_s", kind="dl", mode="fuse-sync", factor=f))
-        steady_sync = common.med(vals("stall_after_first_s", kind="dl", mode="fuse-sync",
-                                      factor=f))
-        w(f"**Compute {common.num(cm, 1)} ms per batch"
-          + ("" if f is None else f" (x{f:g}" + (", tight budget)" if f == tight else ")"))
-          + f"**; ideal epoch {common.num((nb or 0) * (cm or 0) / 1e3, 2)} s.")
-        w("")
-        w("| mode | dataset / reads | epoch s | stall s | stall after 1st batch s | first "
-          "batch s | wait p50 / p99 ms | CPU % | daemon CPU s | prefetch hits / late / misses "
-          "| MB evicted unused | removed | removed after 1st batch |")
-        w("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-          "| ---: |")
-        for mode in a.dl_modes:
-            q = dict(kind="dl", mode=mode, factor=f)
-            rs = pick(**q)
-            if not rs:
-                continue
-            s = common.med(vals("stall_s", **q))
-            s2 = common.med(vals("stall_after_first_s", **q))
-            err = [r.get("first_error") for r in rs if r.get("errors")]
-            pf, ev = "–", "–"
-            if MOUNT_OF.get(mode) == "prefetch":
-                pf = (f"{common.num(common.med(dsum(rs, 'prefetch_hits')))} / "
-                      f"{common.num(common.med(dsum(rs, 'prefetch_late')))} / "
-                      f"{common.num(common.med(dsum(rs, 'prefetch_misses')))}")
-                ev = common.num(common.med(
-                    [x / 1e6 for x in dsum(rs, "prefetch_bytes_evicted_unused")] or [0]), 1)
-            w(f"| {mode}{' ⚠ ' + str(err[0])[:100] if err else ''} | {how[mode]} | "
-              f"{common.spread(vals('epoch_s', **q), 2)} | "
-              f"{common.spread(vals('stall_s', **q), 2)} | {common.num(s2, 2)} | "
-              f"{common.num(common.med(vals('first_batch_s', **q)), 2)} | "
-              f"{common.num(common.med(vals('wait_ms_p50', **q)), 1)} / "
-              f"{common.num(common.med(vals('wait_ms_p99', **q)), 0)} | "
-              f"{common.num(common.med(vals('cpu_busy_pct', **q)))} | "
-              f"{common.num(common.med(vals('daemon_cpu_s', **q)), 2)} | {pf} | {ev} | "
-              + (f"{1 - s / stall_sync:.0%}" if s is not None and stall_sync else "–") + " | "
-              + (f"{1 - s2 / steady_sync:.0%}" if s2 is not None and steady_sync else "–")
-              + " |")
-        w("")
-
-    # ---- correctness
-    w("### Correctness and errors")
-    w("")
-    for r in pick(kind="check"):
-        for mode, res in r["results"].items():
-            w(f"- {mode}: {res['checked']} files compared with the raw files: "
-              + ("**error: " + res["error"] + "**" if res.get("error") else
-                 ("all identical" if not res["differ"] else f"**{res['differ']} differ**")))
-    errs = [r for r in rows if r.get("errors") and r.get("kind") in ("pass", "dl", "calib")]
-    w(f"- passes or epochs with errors: {len(errs)}"
-      + (f" (first: {errs[0].get('first_error')})" if errs else ""))
-    for r in rows:
-        if r.get("daemon_died"):
-            w(f"- **the daemon died during {r['kind']} {r.get('mode')} rep {r.get('rep')}**")
-    w("")
-    w("### Exact commands")
-    w("")
-    w("```")
-    w("# drop_caches = sync; echo 3 > /proc/sys/vm/drop_caches (before every pass and epoch, "
-      "after the fresh mount); WORK = the work directory")
-    w("# fuse-prefetch: the order goes over as {\"op\": \"prefetch\", \"paths\": ORDER} on the "
-      "mount's control socket, what `fanstore prefetch WORK/mnt/prefetch --list "
-      "WORK/lists/epoch-REP.txt` sends")
-    for c in bench.commands:
-        w(c.replace(common.REPO + "/", ""))
-    w("```")
-    return "\n".join(out)
+def diff_stats(after: dict, before: dict) -> dict:
+    """Numeric counters (and requests by op) of ``fanstore stats``, after - before."""
+    out = {k: after[k] - before[k] for k in after
+           if isinstance(after.get(k), (int, float)) and isinstance(before.get(k), (int, float))}
+    ops_a, ops_b = after.get("requests_by_op") or {}, before.get("requests_by_op") or {}
+    out["requests_by_op"] = {k: ops_a.get(k, 0) - ops_b.get(k, 0) for k in ops_a
+                             if ops_a.get(k, 0) != ops_b.get(k, 0)}
+    return out
 
 
 # ------------------------------------------------------------------------------ main
@@ -918,12 +910,20 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--codec", default="zstd:3")
     ap.add_argument("--partitions", type=int, default=8)
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--phases", default="read,loader", help="read, loader (default both)")
+    ap.add_argument("--phases", default="read,serial,loader,ranks,model",
+                    help="read, serial, loader, ranks, model (default all)")
+    ap.add_argument("--model-sample-mb", type=int, default=100,
+                    help="sample of `fanstore select` in the model phase (MB)")
     ap.add_argument("--modes", default=",".join(MODES), help="modes of the read passes")
+    ap.add_argument("--serial-modes", default="fuse-sync,fuse-prefetch,api-store,api-prefetch")
     ap.add_argument("--dl-modes", default="raw,fuse-sync,fuse-prefetch,api-prefetch,api-store",
                     help="modes of the DataLoader epochs")
     ap.add_argument("--workers", default="1,4", help="reader processes of the read passes")
     ap.add_argument("--reps", type=int, help="read-pass repetitions (one shuffle each)")
+    ap.add_argument("--serial-reps", type=int)
+    ap.add_argument("--serial-compute-ms", type=float,
+                    help="compute per file of the serial reader (default: the sync mount's "
+                         "read time per file, 1 reader)")
     ap.add_argument("--prefetch-fraction", type=float, default=0.25,
                     help="prefetch budget as a fraction of the raw dataset (default 0.25)")
     ap.add_argument("--prefetch-mb", type=int, help="prefetch budget in MiB (overrides)")
@@ -932,9 +932,8 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--dl-reps", type=int, help="DataLoader repetitions per mode")
     ap.add_argument("--calib-reps", type=int, help="calibration epochs (sync, no compute)")
     ap.add_argument("--compute-factors", default="1.0,0.5",
-                    help="compute per batch = factor x the calibrated sync per-batch time; "
-                         "one set of DataLoader epochs per factor; the first is the tight "
-                         "budget the target is judged on (default 1.0,0.5)")
+                    help="compute per batch = factor x the calibrated sync per-batch time "
+                         "(first = the tight budget; default 1.0,0.5)")
     ap.add_argument("--compute-ms", type=float,
                     help="fixed compute per batch (one set; skips the calibration)")
     ap.add_argument("--pass-limit", type=float, default=900.0)
@@ -952,30 +951,31 @@ def parse_args(argv: list[str] | None):
             setattr(a, key, value)
     a.workers = [int(x) for x in a.workers.split(",") if x.strip()]
     a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    a.serial_modes = [m.strip() for m in a.serial_modes.split(",") if m.strip()]
     a.dl_modes = [m.strip() for m in a.dl_modes.split(",") if m.strip()]
-    bad = [m for m in a.modes + a.dl_modes if m not in MODES]
+    bad = [m for m in a.modes + a.dl_modes + a.serial_modes if m not in MODES]
     if bad:
         ap.error(f"unknown mode(s) {bad}; known: {MODES}")
     a.phases = {x.strip() for x in a.phases.split(",") if x.strip()}
     a.compute_factors = [float(x) for x in a.compute_factors.split(",") if x.strip()]
     if a.label is None and a.preset == "quick":
-        a.label = ("SMOKE RUN (--preset quick: small dataset, 1 read pass and 2 DataLoader "
-                   "epochs per cell, on a machine shared with other jobs and test suites): it "
-                   "shows the harness works end to end; the numbers are not results. Run "
-                   "`--preset full` on a quiet machine for real numbers.")
+        a.label = ("SMOKE RUN (--preset quick: small dataset, one repetition per cell, on a "
+                   "machine shared with other jobs): it shows the harness works end to end; "
+                   "the numbers are not results.")
     return a
 
 
 def main(argv: list[str] | None = None) -> int:
     raw_argv = sys.argv[1:] if argv is None else argv
-    if raw_argv and raw_argv[0] == "_pass":
-        return pass_main(raw_argv[1:])
-    if raw_argv and raw_argv[0] == "_loader":
-        return loader_main(raw_argv[1:])
+    sub = {"_pass": pass_main, "_serial": serial_main, "_loader": loader_main}
+    if raw_argv and raw_argv[0] in sub:
+        return sub[raw_argv[0]](raw_argv[1:])
     a = parse_args(raw_argv)
     if os.geteuid() != 0:
         print("prefetch_bench: run as root (drop_caches and FUSE mounts)", file=sys.stderr)
         return 2
+    from prefetch_report import section
+
     bench = Bench(a)
     ok = common.guarded_run(
         bench, log, lambda: [k for k in ("sync", "prefetch") if is_mounted(bench.mnt(k))])

@@ -17,10 +17,11 @@ the queue), the store waits for the page lock, the READ waits for the store, and
 forever.
 
 How the multi-process engine avoids it: every worker answers requests on its own, and
-stores are written by a process or thread that serves no requests (the lead's prefetcher, the
-supervisor side, a dedicated thread with :meth:`KernelSession.notify_fd`). A store that
-meets a locked page waits until some *other* worker answers the READ holding it, which it
-always does, because no worker ever waits on a store. Rules for handlers: never store from
+stores are written by a process or thread that serves no requests (FanStore's prefetch
+threads, one per worker: fanstore/fuse/prefetch.py; a dedicated thread with
+:meth:`KernelSession.notify_fd`). A store that meets a locked page waits until some worker's
+main thread answers the READ holding it, which it always does, because no main thread ever
+waits on a store for long (FanStore's waits for a file being decoded are capped at 2 ms). Rules for handlers: never store from
 inside ``read()`` into the range being read (it is locked by the request you are serving),
 never store beyond the file's size (the kernel would grow the cached size), and prefer
 stores from outside the workers.

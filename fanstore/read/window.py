@@ -93,7 +93,7 @@ class SharedWindow:
     ``arena_fd`` (the two memfds).
     """
 
-    def __init__(self, state_fd: int, arena_fd: int) -> None:
+    def __init__(self, state_fd: int, arena_fd: int = -1) -> None:
         self.state_fd = state_fd
         self.arena_fd = arena_fd
         head = os.pread(state_fd, _HEADER.size, 0)
