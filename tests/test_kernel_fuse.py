@@ -34,6 +34,7 @@ from fanstore.errors import MountError
 from fanstore.fuse.kernel import counters as C
 from fanstore.fuse.kernel import memfs
 from fanstore.fuse.kernel import proto as P
+from fanstore.fuse.kernel import records as R
 from fanstore.fuse.kernel.dispatch import Dispatcher, EngineOptions, FuseErrno
 from fanstore.fuse.kernel.mount import cleanup_stale, is_mounted, mount_state
 from fanstore.fuse.kernel.notify import notify_inval_inode, notify_store
@@ -57,7 +58,7 @@ def test_struct_sizes_match_the_kernel_header():
 def test_scalar_and_vector_attr_packing_agree():
     a = P.pack_attr(7, 12345, stat.S_IFREG | 0o640, nlink=3, uid=11, gid=12,
                     mtime=1700000000.5, blksize=65536)
-    arr = P.make_attrs(np.array([7]), np.array([12345]), np.array([stat.S_IFREG | 0o640]),
+    arr = R.make_attrs(np.array([7]), np.array([12345]), np.array([stat.S_IFREG | 0o640]),
                        nlink=3, uid=11, gid=12, mtime=1700000000.5, blksize=65536)
     assert arr.tobytes() == a
     fields = P.ATTR.unpack(a)
@@ -68,9 +69,9 @@ def test_scalar_and_vector_attr_packing_agree():
 
 def test_entry_table_rows_equal_scalar_packers():
     n = 50
-    attrs = P.make_attrs(np.arange(n), np.arange(n) * 10, np.full(n, stat.S_IFREG | 0o644),
+    attrs = R.make_attrs(np.arange(n), np.arange(n) * 10, np.full(n, stat.S_IFREG | 0o644),
                          mtime=5.25)
-    t = P.EntryTable(attrs, entry_valid=2.5, attr_valid=7)
+    t = R.EntryTable(attrs, entry_valid=2.5, attr_valid=7)
     for i in (0, 1, 17, n - 1):
         raw = attrs[i:i + 1].tobytes()
         assert bytes(t.entry(i)) == P.pack_entry_out(i, raw, 2.5, 7)
@@ -83,9 +84,9 @@ def test_entry_table_rows_equal_scalar_packers():
 
 def _listing(n: int, plus_dots: bool = True):
     names = [f"name-{i:05d}".encode() + b"x" * (i % 13) for i in range(n)]
-    attrs = P.make_attrs(np.arange(2, n + 2), np.arange(n), np.full(n, stat.S_IFREG | 0o644))
-    entries = P.EntryTable(attrs).entries
-    return names, P.DirListing(names, entries)
+    attrs = R.make_attrs(np.arange(2, n + 2), np.arange(n), np.full(n, stat.S_IFREG | 0o644))
+    entries = R.EntryTable(attrs).entries
+    return names, R.DirListing(names, entries)
 
 
 @pytest.mark.parametrize("size", [4096, 600, 8192, 65536])
@@ -99,7 +100,7 @@ def test_dir_listing_slices_cover_every_entry_once_within_size(size):
             assert len(chunk) <= size
             if not len(chunk):
                 break
-            recs = list(P.iter_dirents(chunk, plus))
+            recs = list(R.iter_dirents(chunk, plus))
             assert [r[1] for r in recs] == list(range(offset + 1, offset + 1 + len(recs)))
             got += [r[3] for r in recs]
             offset = recs[-1][1]
@@ -122,20 +123,20 @@ def test_dir_listing_edge_cases():
     assert len(lst.plus(10, 4096)) == 0 and len(lst.plus(999, 4096)) == 0
     assert len(lst.plus(0, 100)) == 0  # not even one record fits: nothing, never a partial one
     with pytest.raises(ValueError):
-        P.DirListing([b""], P.EntryTable(P.make_attrs(np.array([1]), np.array([0]),
+        R.DirListing([b""], R.EntryTable(R.make_attrs(np.array([1]), np.array([0]),
                                                       np.array([0o40755]))).entries)
-    empty = P.DirListing([], np.zeros(0, dtype=P.ENTRY_OUT_DTYPE))
+    empty = R.DirListing([], np.zeros(0, dtype=R.ENTRY_OUT_DTYPE))
     assert len(empty.plus(0, 4096)) == 0
 
 
 def test_dir_listing_of_10000_entries_is_vectorised():
     n = 10_000
     names = [f"file-{i:06d}.jpg".encode() for i in range(n)]
-    attrs = P.make_attrs(np.arange(2, n + 2), np.full(n, 100_000), np.full(n, 0o100644))
+    attrs = R.make_attrs(np.arange(2, n + 2), np.full(n, 100_000), np.full(n, 0o100644))
     t0 = time.process_time()
-    lst = P.DirListing(names, P.EntryTable(attrs).entries)
+    lst = R.DirListing(names, R.EntryTable(attrs).entries)
     cost = time.process_time() - t0
-    recs = list(P.iter_dirents(lst.plus(0, 10**9), True))
+    recs = list(R.iter_dirents(lst.plus(0, 10**9), True))
     assert len(recs) == n and recs[-1][3] == names[-1]
     # not a speed assertion: a generous bound that only a per-entry Python loop of
     # struct packing plus joins would approach on a loaded machine
@@ -146,10 +147,10 @@ def test_fit_records_trims_to_whole_records():
     _names, lst = _listing(50)
     full = bytes(lst.plus(0, 10**6))
     for size in (0, 100, 1000, 5000):
-        cut = P.fit_records(full, size, True)
+        cut = R.fit_records(full, size, True)
         assert len(cut) <= size
         assert full.startswith(bytes(cut))
-        list(P.iter_dirents(cut, True))  # whole records only
+        list(R.iter_dirents(cut, True))  # whole records only
 
 
 def test_init_out_layout():
@@ -172,8 +173,8 @@ class _Handler:
         self.attr = P.pack_attr(2, 5, stat.S_IFREG | 0o644)
         self.forgotten: list[tuple[int, int]] = []
         names = [f"e{i:04d}".encode() for i in range(500)]
-        attrs = P.make_attrs(np.arange(10, 510), np.zeros(500), np.full(500, 0o100644))
-        self.listing = P.DirListing(names, P.EntryTable(attrs).entries)
+        attrs = R.make_attrs(np.arange(10, 510), np.zeros(500), np.full(500, 0o100644))
+        self.listing = R.DirListing(names, R.EntryTable(attrs).entries)
 
     def lookup(self, parent, name):
         if name == b"f":
@@ -358,7 +359,7 @@ def test_dispatch_trims_oversized_replies(fake_dev):
     _dispatch(d, _req(P.Op.READDIRPLUS, 3, _read_body(0, 4096)))
     payload = _reply(s)[2]
     assert 0 < len(payload) <= 4096
-    assert next(P.iter_dirents(payload, True))[1] == 1
+    assert next(R.iter_dirents(payload, True))[1] == 1
     assert d.row[C.OVERSIZED] == 2
 
 
@@ -366,8 +367,8 @@ def test_dispatch_payload_length_is_counted_in_bytes():
     """Numpy arrays and multi-byte memoryviews are sent whole, with their byte length in the
     header (a wrong length would make the kernel reject the reply and leave the caller
     waiting); a non-contiguous buffer is answered EIO."""
-    attrs = P.make_attrs(np.array([2]), np.array([5]), np.array([stat.S_IFREG | 0o644]))
-    entry = P.EntryTable(attrs).entries  # structured array: len() == 1, nbytes == 128
+    attrs = R.make_attrs(np.array([2]), np.array([5]), np.array([stat.S_IFREG | 0o644]))
+    entry = R.EntryTable(attrs).entries  # structured array: len() == 1, nbytes == 128
     words = memoryview(bytearray(range(64))).cast("Q")  # len() == 8, nbytes == 64
 
     class H:

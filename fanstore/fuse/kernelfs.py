@@ -81,7 +81,7 @@ class KernelHandler:
 
     def __init__(self, fs: FsOps, reader, listing_budget: int = 32 << 20,
                  publish=None, prefetch=None) -> None:
-        from fanstore.fuse.kernel import proto
+        from fanstore.fuse.kernel import proto, records
 
         self.fs = fs
         #: prefetch mode: fanstore.fuse.prefetch.PrefetchHooks (READs may be answered from
@@ -94,6 +94,7 @@ class KernelHandler:
         self.stats = reader.stats
         self.publish = publish or (lambda: None)  # counters to the shared table
         self.proto = proto
+        self.records = records
         self._n = fs.n_entries
         self._kind = fs._kind
         self._count = self.ns.index.e["count"]  # a directory's number of children
@@ -231,10 +232,10 @@ class KernelHandler:
         return listing
 
     def _build_listing(self, children: range):
-        proto = self.proto
+        records = self.records
         entries = np.arange(children.start, children.stop, dtype=np.int64)
         n = len(entries)
-        out = np.zeros(n, dtype=proto.ENTRY_OUT_DTYPE)
+        out = np.zeros(n, dtype=records.ENTRY_OUT_DTYPE)
         if n:
             a = self.fs.attrs(entries)
             out["nodeid"] = a["ino"]
@@ -261,8 +262,8 @@ class KernelHandler:
             else:  # names not back to back in the blob: gather them
                 starts = np.repeat(off - np.concatenate(([0], np.cumsum(ln)[:-1])), ln)
                 concat = self._names[starts + np.arange(int(ln.sum()))]
-            return proto.DirListing((concat, ln), out, types=a["dtype"])
-        return proto.DirListing([], out)
+            return records.DirListing((concat, ln), out, types=a["dtype"])
+        return records.DirListing([], out)
 
 
 # --------------------------------------------------------------------------- shared stats

@@ -6,8 +6,8 @@ and answered with ``os.writev``. After INIT the supervisor forks K workers that 
 the same connection through their own cloned descriptor. This package imports nothing from
 FanStore except :mod:`fanstore.errors` (MountError).
 
-Modules: :mod:`.proto` (layouts, constants, scalar and numpy packers), :mod:`.mount`
-(mount(2), fusermount3, unmount, stale mounts), :mod:`.session` (INIT, workers,
+Modules: :mod:`.proto` (layouts, constants, scalar packers), :mod:`.records` (numpy
+packers), :mod:`.mount` (mount(2), fusermount3, unmount, stale mounts), :mod:`.session` (INIT, workers,
 supervision), :mod:`.dispatch` (the worker loop), :mod:`.counters` (per-op request counts in
 shared memory), :mod:`.notify` (NOTIFY_STORE / INVAL_*), :mod:`.memfs` (an in-memory test
 file system and its command line).
@@ -106,7 +106,7 @@ from .counters import RequestCounters
 from .dispatch import Dispatcher, EngineOptions, FuseErrno
 from .mount import MountOptions, cleanup_stale, is_mounted, mount_state, unmount
 from .notify import notify_inval_entry, notify_inval_inode, notify_store
-from .proto import DirListing, EntryTable
+from .records import DirListing, EntryTable
 from .session import DEFAULT_INIT_FLAGS, ConnInfo, InitOptions, KernelSession, WorkerContext
 
 __all__ = [

@@ -51,10 +51,10 @@ from .proto import (
     OUT_HEADER,
     WRITE_OPS,
     Op,
-    fit_records,
     pack_open_out,
     pack_statfs_out,
 )
+from .records import fit_records
 
 log = logging.getLogger(__name__)
 
