@@ -8,8 +8,8 @@ test failed.
 
 from __future__ import annotations
 
-import ctypes
 import contextlib
+import ctypes
 import errno
 import hashlib
 import json
@@ -27,12 +27,12 @@ import threading
 import time
 from pathlib import Path
 
+import kernel_memfs as memfs  # tests/kernel_memfs.py: the engine's in-memory test file system
 import numpy as np
 import pytest
 
 from fanstore.errors import MountError
 from fanstore.fuse.kernel import counters as C
-from fanstore.fuse.kernel import memfs
 from fanstore.fuse.kernel import proto as P
 from fanstore.fuse.kernel import records as R
 from fanstore.fuse.kernel.dispatch import Dispatcher, EngineOptions, FuseErrno
@@ -41,6 +41,7 @@ from fanstore.fuse.kernel.notify import notify_inval_inode, notify_store
 from fanstore.fuse.kernel.session import KernelSession
 
 ROOT = os.geteuid() == 0
+MEMFS = memfs.__file__  # run as a script by the mount tests
 needs_fuse = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
 needs_root = pytest.mark.skipif(not ROOT, reason="mount(2) needs root")
 
@@ -491,7 +492,7 @@ FILES = SPEC["files"]
 
 
 class MemMount:
-    """A memfs served by ``python -m fanstore.fuse.kernel.memfs`` in a subprocess."""
+    """A memfs served by ``python tests/kernel_memfs.py`` in a subprocess."""
 
     def __init__(self, tmp: Path, spec: dict, name: str, *args: str,
                  user: int | None = None) -> None:
@@ -510,7 +511,7 @@ class MemMount:
         if user is not None:
             os.chown(self.mnt, user, user)
         self.err = open(self.err_path, "w+")  # noqa: SIM115 - open for the mount's life
-        cmd = [sys.executable, "-m", "fanstore.fuse.kernel.memfs", str(self.mnt),
+        cmd = [sys.executable, MEMFS, str(self.mnt),
                "--spec", str(self.spec_path), "--counters", str(self.counters_path),
                "--log-level", "INFO", *args]
         self.proc = subprocess.Popen(
@@ -1121,7 +1122,7 @@ def test_unprivileged_mount_through_fusermount(memmount):
         stack.enter_context(reachable_for_others(os.path.realpath(sys.executable), repo,
                                                  sys.prefix))
         stack.enter_context(fuse_device_for_all())
-        ok = subprocess.run([sys.executable, "-c", "import fanstore.fuse.kernel.memfs"],
+        ok = subprocess.run([sys.executable, MEMFS, "--help"],
                             capture_output=True, preexec_fn=as_nobody,
                             check=False).returncode == 0
         assert ok, "the interpreter is not usable by user nobody even made reachable"

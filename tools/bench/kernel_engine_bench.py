@@ -39,8 +39,10 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tests"))  # kernel_memfs: the engine's test file system
 
-from fanstore.fuse.kernel import memfs
+import kernel_memfs as memfs
+
 from fanstore.fuse.kernel.counters import RequestCounters, diff
 from fanstore.fuse.kernel.mount import is_mounted
 
@@ -99,7 +101,7 @@ class Server:
         self.mnt = mnt
         os.makedirs(mnt, exist_ok=True)
         self.cnt_path = os.path.join(work, "counters")
-        args = [sys.executable, "-m", "fanstore.fuse.kernel.memfs", mnt, "--workers",
+        args = [sys.executable, memfs.__file__, mnt, "--workers",
                 str(workers), "--counters", self.cnt_path, *extra]
         if gen:
             args += ["--generate", gen]

@@ -9,8 +9,8 @@ FanStore except :mod:`fanstore.errors` (MountError).
 Modules: :mod:`.proto` (layouts, constants, scalar packers), :mod:`.records` (numpy
 packers), :mod:`.mount` (mount(2), fusermount3, unmount, stale mounts), :mod:`.session` (INIT, workers,
 supervision), :mod:`.dispatch` (the worker loop), :mod:`.counters` (per-op request counts in
-shared memory), :mod:`.notify` (NOTIFY_STORE / INVAL_*), :mod:`.memfs` (an in-memory test
-file system and its command line).
+shared memory), :mod:`.notify` (NOTIFY_STORE / INVAL_*). An in-memory file system on it,
+with its command line, is the engine's test double: ``tests/kernel_memfs.py``.
 
 Using it
 --------

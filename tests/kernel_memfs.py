@@ -2,12 +2,14 @@
 
 Files hold slices of one pseudo-random pool (so 20,000 files of 100 kB cost no memory and
 any reader can recompute the expected bytes with :func:`content_for`). Everything a request
-needs is prebuilt: an :class:`~.records.EntryTable` for LOOKUP/GETATTR and one
-:class:`~.records.DirListing` per directory for READDIR(PLUS); the handler only indexes.
+needs is prebuilt: an :class:`~fanstore.fuse.kernel.records.EntryTable` for LOOKUP/GETATTR
+and one :class:`~fanstore.fuse.kernel.records.DirListing` per directory for READDIR(PLUS); the
+handler only indexes. A test double of the engine's tests (tests/test_kernel_fuse.py), kept
+out of the product package.
 
 Command line (what the tests and tools/bench/kernel_engine_bench.py run)::
 
-    python -m fanstore.fuse.kernel.memfs MOUNTPOINT (--spec FILE.json | --generate N,SIZE,DIRS)
+    python tests/kernel_memfs.py MOUNTPOINT (--spec FILE.json | --generate N,SIZE,DIRS)
         [--workers K] [--counters PATH] [--fusermount] [--rw] [--no-clone]
         [--opendir enosys|cache] [--xattr enosys|empty] [--flags +NAME,-NAME,...]
         [--max-pages N] [--read-ahead-kb KB] [--allow-other]
@@ -34,9 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from . import proto as P
-from . import records as R
-from .dispatch import EngineOptions, FuseErrno
+from fanstore.fuse.kernel import EngineOptions, FuseErrno
+from fanstore.fuse.kernel import proto as P
+from fanstore.fuse.kernel import records as R
 
 POOL_SIZE = 8 << 20
 POOL_SEED = 20240611
@@ -254,11 +256,10 @@ class MemHandler:
 
 def main(argv: list[str] | None = None) -> int:
     from fanstore.errors import FanStoreError
+    from fanstore.fuse.kernel import DEFAULT_INIT_FLAGS, InitOptions, KernelSession, MountOptions
+    from fanstore.fuse.kernel.session import parse_flags
 
-    from .mount import MountOptions
-    from .session import DEFAULT_INIT_FLAGS, InitOptions, KernelSession, parse_flags
-
-    ap = argparse.ArgumentParser(prog="python -m fanstore.fuse.kernel.memfs")
+    ap = argparse.ArgumentParser(prog="python tests/kernel_memfs.py")
     ap.add_argument("mountpoint")
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--spec", help="JSON tree spec file")
