@@ -32,12 +32,13 @@ import numpy as np
 import pytest
 
 from fanstore.errors import MountError
+from fanstore.fuse.kernel import Dispatcher, EngineOptions, FuseErrno
 from fanstore.fuse.kernel import counters as C
 from fanstore.fuse.kernel import proto as P
 from fanstore.fuse.kernel import records as R
-from fanstore.fuse.kernel.dispatch import Dispatcher, EngineOptions, FuseErrno
 from fanstore.fuse.kernel.mount import cleanup_stale, is_mounted, mount_state
 from fanstore.fuse.kernel.notify import notify_inval_inode, notify_store
+from fanstore.fuse.kernel.optable import OPCODES
 from fanstore.fuse.kernel.session import KernelSession
 
 ROOT = os.geteuid() == 0
@@ -340,6 +341,45 @@ def test_dispatch_malformed_requests_never_crash(fake_dev):
     _dispatch(d, raw)
     assert _reply(s) == (-errno.EIO, 50, b"")
     assert d.row[C.MALFORMED] == 11
+
+
+class _EveryMethod:
+    """A handler with every method of the opcode table, each answering an empty payload."""
+
+    def __getattr__(self, name):
+        if name in {row.method for row in OPCODES.values()}:
+            return lambda *args: b""
+        raise AttributeError(name)
+
+
+@pytest.mark.parametrize("op", sorted(OPCODES), ids=lambda op: P.OP_NAMES[op])
+def test_dispatch_checks_each_body_against_the_table(op):
+    """One size check, derived from the opcode's row: a request one byte shorter than its
+    struct (and name) is malformed (EIO), one of exactly that length is served."""
+    row = OPCODES[op]
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    b.settimeout(0.2)
+    try:
+        d = Dispatcher(a.fileno(), _EveryMethod(), bufsize=1 << 16)
+        assert d.need[op] == row.need == P.IN_HEADER_SIZE + (
+            row.body.size if row.body is not None else 0) + (2 if row.name else 0)
+        body = bytes(row.need - P.IN_HEADER_SIZE)
+        if row.name:
+            body = body[:-2] + b"n\0"
+        if row.need > P.IN_HEADER_SIZE:
+            _dispatch(d, _req(op, 2, body[:-1], unique=1))
+            assert _reply(b) == (-errno.EIO, 1, b"")
+            assert d.row[C.MALFORMED] == 1
+        _dispatch(d, _req(op, 2, body, unique=2))
+        got = _reply(b)
+        if op in (P.Op.FORGET, P.Op.BATCH_FORGET):
+            assert got is None  # no reply, and no complaint
+        else:
+            assert got == (0, 2, b"")
+        assert d.row[C.MALFORMED] == (1 if row.need > P.IN_HEADER_SIZE else 0)
+    finally:
+        a.close()
+        b.close()
 
 
 def test_dispatch_handler_errors_become_eio(fake_dev):

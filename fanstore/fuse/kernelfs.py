@@ -127,7 +127,7 @@ class KernelHandler:
 
     @staticmethod
     def proto_errno(code: int):
-        from fanstore.fuse.kernel.dispatch import FuseErrno
+        from fanstore.fuse.kernel import FuseErrno
 
         return FuseErrno(code)
 
@@ -377,7 +377,7 @@ def serve_worker(socket_path: str, index, reader, timeout: float = 300.0,
     FUSE requests with ``reader`` (this node's partitions from disk, other nodes' over
     MPI) until the mount goes away, then tell the frontend. Returns why it stopped."""
     from fanstore.fuse.kernel import RequestCounters, handoff
-    from fanstore.fuse.kernel.dispatch import Dispatcher
+    from fanstore.fuse.kernel import Dispatcher
     from fanstore.namespace import Namespace
 
     grant, sock = handoff.join(socket_path, timeout, alive)

@@ -103,9 +103,10 @@ the engine answers with min(kernel minor, 38).
 """
 
 from .counters import RequestCounters
-from .dispatch import Dispatcher, EngineOptions, FuseErrno
+from .dispatch import Dispatcher
 from .mount import MountOptions, cleanup_stale, is_mounted, mount_state, unmount
 from .notify import notify_inval_entry, notify_inval_inode, notify_store
+from .optable import EngineOptions, FuseErrno
 from .records import DirListing, EntryTable
 from .session import DEFAULT_INIT_FLAGS, ConnInfo, InitOptions, KernelSession, WorkerContext
 

@@ -57,7 +57,8 @@ from fanstore.errors import MountError
 from . import mount as _mount
 from . import notify as _notify
 from .counters import RequestCounters
-from .dispatch import Dispatcher, EngineOptions
+from .dispatch import Dispatcher
+from .optable import EngineOptions
 from .proto import (
     ASYNC_READ,
     CACHE_SYMLINKS,
@@ -66,8 +67,8 @@ from .proto import (
     IN_HEADER,
     IN_HEADER_SIZE,
     INIT_EXT,
-    INIT_IN,
     INIT_FLAG_NAMES,
+    INIT_IN,
     INIT_IN_V1,
     KERNEL_MINOR_VERSION,
     KERNEL_VERSION,
@@ -826,7 +827,7 @@ class KernelSession:
         if self._on_worker_start is not None:
             try:
                 self._on_worker_start(slot)
-            except Exception:  # noqa: BLE001 - the supervisor must keep supervising
+            except Exception:  # the supervisor must keep supervising
                 log.exception("on_worker_start(%d) failed", slot)
 
     def _register_watch(self, poller) -> None:
@@ -836,7 +837,7 @@ class KernelSession:
     def _run_watch(self, poller, fd: int) -> None:
         try:
             keep = self._watch[fd]()
-        except Exception:  # noqa: BLE001 - the supervisor must keep supervising
+        except Exception:  # the supervisor must keep supervising
             log.exception("watch callback for fd %d failed", fd)
             keep = False
         if keep is False:
