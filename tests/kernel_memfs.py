@@ -257,7 +257,7 @@ class MemHandler:
 def main(argv: list[str] | None = None) -> int:
     from fanstore.errors import FanStoreError
     from fanstore.fuse.kernel import DEFAULT_INIT_FLAGS, InitOptions, KernelSession, MountOptions
-    from fanstore.fuse.kernel.session import parse_flags
+    from fanstore.fuse.kernel.handshake import parse_flags
 
     ap = argparse.ArgumentParser(prog="python tests/kernel_memfs.py")
     ap.add_argument("mountpoint")

@@ -32,14 +32,13 @@ import numpy as np
 import pytest
 
 from fanstore.errors import MountError
-from fanstore.fuse.kernel import Dispatcher, EngineOptions, FuseErrno
+from fanstore.fuse.kernel import Dispatcher, EngineOptions, FuseErrno, KernelSession
 from fanstore.fuse.kernel import counters as C
 from fanstore.fuse.kernel import proto as P
 from fanstore.fuse.kernel import records as R
 from fanstore.fuse.kernel.mount import cleanup_stale, is_mounted, mount_state
 from fanstore.fuse.kernel.notify import notify_inval_inode, notify_store
 from fanstore.fuse.kernel.optable import OPCODES
-from fanstore.fuse.kernel.session import KernelSession
 
 ROOT = os.geteuid() == 0
 MEMFS = memfs.__file__  # run as a script by the mount tests

@@ -468,7 +468,7 @@ def frontend_main(spec_fd: int) -> int:
         fs = FsOps(ns)
         mopts = kernel.MountOptions(fsname=spec["fsname"], subtype="fanstore", read_only=True,
                                     allow_other=bool(spec["allow_other"]))
-        from fanstore.fuse.kernel.session import DEFAULT_INIT_FLAGS, parse_flags
+        from fanstore.fuse.kernel.handshake import DEFAULT_INIT_FLAGS, parse_flags
 
         # The engine's defaults, READDIRPLUS included: listing then reading 300,000 files (a
         # first epoch) took 26.5 s with it and 38.2 s with plain READDIR, which costs a
