@@ -87,6 +87,7 @@ class KernelHandler:
         #: prefetch mode: fanstore.fuse.prefetch.PrefetchHooks (READs may be answered from
         #: the buffer; LOOKUPs and IOCTLs tell where the readers are)
         self.prefetch = prefetch
+        self._prefetched = prefetch.read if prefetch is not None else None
         if prefetch is not None:
             self.ioctl = self._ioctl  # the engine forwards IOCTLs only to handlers that ask
         self.ns = fs.ns
@@ -164,17 +165,15 @@ class KernelHandler:
             return errno.ENOENT
         if int(self._kind[entry]) != KIND_FILE:
             return errno.EISDIR if int(self._kind[entry]) == KIND_DIR else errno.EINVAL
-        self.stats.reads += 1
         try:
-            data = self.prefetch.read(entry, offset, size) if self.prefetch else None
-            if data is None:
-                # Whole-file reads land in the page cache: no second copy in the chunk LRU.
-                data = self.reader.read(entry, offset, size, keep_whole=False)
+            # from the prefetch buffer, else the read core; whole-file reads land in the
+            # page cache: no second copy in the chunk LRU
+            data = self.reader.serve(entry, offset, size, keep_whole=False,
+                                     first=self._prefetched)
         except FanStoreError as exc:
             log.error("%s", exc)
             self.publish()
             return exc.errno
-        self.stats.bytes_returned += len(data)
         self.publish()
         return data
 
