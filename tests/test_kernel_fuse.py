@@ -164,6 +164,28 @@ def test_init_out_layout():
         7, 38, 1 << 20, P.ASYNC_READ, 64, 48, 1 << 20, 1, 256, 2)
 
 
+def test_the_engine_imports_nothing_of_fanstore_but_its_errors():
+    """fanstore.fuse.kernel is a layer of its own, below fanstore.fuse: it may use
+    fanstore.errors (MountError) and nothing else of FanStore."""
+    import ast
+
+    engine = Path(P.__file__).parent
+    found = []
+    for path in sorted(engine.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [("." * node.level) + (node.module or "")]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            found += [(path.name, n) for n in names
+                      if n.startswith("..") or (n.startswith("fanstore")
+                                                 and n != "fanstore.errors"
+                                                 and not n.startswith("fanstore.fuse.kernel"))]
+    assert not found, found
+
+
 # ============================================================================ unit: dispatch
 
 
