@@ -72,21 +72,14 @@ class KernelFrontend:
             self.window = SharedWindow.create(
                 ctx.index.n_entries, slots,
                 prefetch_buffer_bytes(opts.prefetch_mb << 20, slots))
-        prefetch = {} if theirs is None else {
-            "order_fd": theirs.fileno(), "prefetch_bytes": opts.prefetch_mb << 20,
-            "window_fds": (self.window.state_fd, self.window.arena_fd)}
-        spec = FrontendSpec(
-            mountpoint=ctx.mountpoint, index_path=ctx.index_path, store=ctx.store,
-            data_dir=ctx.data_dir, local_parts=tuple(ctx.local_parts),
-            replicated=tuple(ctx.replicated), socket_path=ctx.socket_path,
-            counters_path=self.counters_path, workers=opts.worker_count(),
-            external_workers=ctx.external_workers or 0, worker_socket=self.worker_socket,
-            cache_bytes=(opts.cache_mb << 20) // max(1, opts.worker_count()),
-            allow_other=opts.allow_other, fsname=opts.fsname,
-            remote_timeout=ctx.remote_timeout, ready_fd=w, daemon_pid=os.getpid(),
-            debug=logging.getLogger().level <= logging.DEBUG, log_format=_log_format(),
-            init_flags=os.environ.get("FANSTORE_FUSE_FLAGS", ""), mode=opts.mode,
-            **prefetch)
+        try:
+            spec = self._spec(w, theirs)
+        except MountError:
+            for fd in (r, w, spec_r, spec_w):
+                os.close(fd)
+            if theirs is not None:
+                theirs.close()
+            raise
         if ctx.runtime is not None:
             ctx.runtime.new_counters_file()  # the frontend creates it anew, exclusively
         env = {k: v for k, v in os.environ.items()
@@ -116,6 +109,26 @@ class KernelFrontend:
             raise MountError(text[len("error: "):] if text.startswith("error: ") else
                              f"{ctx.mountpoint}: the kernel frontend exited before the mount "
                              f"was ready (status {self.proc.returncode})")
+
+    def _spec(self, ready_fd: int, orders: socket.socket | None) -> FrontendSpec:
+        """What the frontend process is told (checked here too: MountError)."""
+        ctx = self.ctx
+        opts = ctx.options
+        prefetch = {} if orders is None else {
+            "order_fd": orders.fileno(), "prefetch_bytes": opts.prefetch_mb << 20,
+            "window_fds": (self.window.state_fd, self.window.arena_fd)}
+        return FrontendSpec(
+            mountpoint=ctx.mountpoint, index_path=ctx.index_path, store=ctx.store,
+            data_dir=ctx.data_dir, local_parts=tuple(ctx.local_parts),
+            replicated=tuple(ctx.replicated), socket_path=ctx.socket_path,
+            counters_path=self.counters_path, workers=opts.worker_count(),
+            external_workers=ctx.external_workers or 0, worker_socket=self.worker_socket,
+            cache_bytes=(opts.cache_mb << 20) // max(1, opts.worker_count()),
+            allow_other=opts.allow_other, fsname=opts.fsname,
+            remote_timeout=ctx.remote_timeout, ready_fd=ready_fd, daemon_pid=os.getpid(),
+            debug=logging.getLogger().level <= logging.DEBUG, log_format=_log_format(),
+            init_flags=os.environ.get("FANSTORE_FUSE_FLAGS", ""), mode=opts.mode,
+            **prefetch)
 
     def unmount(self) -> None:
         self.stop("another rank failed")
