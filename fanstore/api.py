@@ -41,8 +41,8 @@ import io
 import os
 import socket
 import stat as stat_mod
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from fanstore.errors import (
     CorruptDataError,
@@ -53,13 +53,11 @@ from fanstore.errors import (
     UsageError,
 )
 from fanstore.format.index import INDEX_NAME, KIND_DIR
-from fanstore.read import ChunkReader, LocalPartitions, RoutedSource
+from fanstore.read import ChunkReader
 from fanstore.read.stats import SUMMED
 from fanstore.read.window import INFLIGHT, NONE, PUSHING, READING, SharedWindow
 
-
-
-__all__ = ["open_store", "StoreReader", "MountReader", "StatResult"]
+__all__ = ["MountReader", "StatResult", "StoreReader", "open_store"]
 
 
 @dataclass(frozen=True)
@@ -165,21 +163,12 @@ class _Reader:
 
     def read_entry(self, entry: int) -> bytes:
         self._after_fork()
-        data = self.reader.read_all(entry)
-        self._count(data)
-        return data
+        return bytes(self.reader.serve(entry))
 
     def read_range(self, path: str | bytes, offset: int, size: int) -> bytes:
         """Bytes [offset, offset+size) of a file (decodes only the chunks needed)."""
         self._after_fork()
-        data = bytes(self.reader.read(self._file(path), offset, size))
-        self._count(data)
-        return data
-
-    def _count(self, data: bytes) -> None:
-        stats = self.reader.stats
-        stats.reads += 1
-        stats.bytes_returned += len(data)
+        return bytes(self.reader.serve(self._file(path), offset, size))
 
     def open(self, path: str | bytes, mode: str = "rb") -> io.BufferedReader:
         """A read-only binary file object (the whole file is read and checked on open)."""
@@ -283,7 +272,7 @@ class MountReader(_Reader):
     """Reads a live mount: local partitions in this process, other nodes' via the daemon."""
 
     def __init__(self, mountpoint: str, timeout: float = 120.0, cache_mb: int = 64) -> None:
-        from fanstore.control import ControlClient, NodeSource
+        from fanstore.control import ControlClient, node_reader
         from fanstore.format.index import read_index
 
         self.mountpoint = mountpoint
@@ -298,12 +287,11 @@ class MountReader(_Reader):
         self._uid, self._server_uid = os.geteuid(), server_uid
         self._searchable: dict[int, bool] = {}  # directory -> every one up to the root is
         index = _node_index(info.get("index_copy"), server_uid) or read_index(self.store_path)
-        local = [int(p) for p in info.get("local_parts", [])]
-        self._parts = LocalPartitions(info.get("data_dir") or self.store_path, index, local)
-        remote = set(range(len(index.partitions))) - set(local)
-        source = RoutedSource(self._parts, NodeSource(
-            self.client, remote, {int(p) for p in info.get("replicated", [])}))
-        self._init(index, ChunkReader(index, source, cache_bytes=cache_mb << 20))
+        reader = node_reader(index, self.client, info.get("data_dir") or self.store_path,
+                             info.get("local_parts", []), info.get("replicated", []),
+                             cache_mb << 20)
+        self._parts = reader.source.local
+        self._init(index, reader)
         self._window = self._prefetch_window() if self.mode == "prefetch" else None
 
     def _prefetch_window(self):
@@ -340,10 +328,8 @@ class MountReader(_Reader):
                 # worker that is decoding it would wait for a thread of low priority)
                 if k == NONE:
                     w.state[entry] = READING  # the prefetch passes it by
-            else:  # pushed or buffered, or another node's
-                data = self._read_through_mount(entry)
-                self._count(data)
-                return data
+            else:  # pushed or buffered, or another node's: a page-cache copy
+                return self.reader.serve(entry, first=self._read_through_mount)
         return super().read_entry(entry)
 
     def read_range(self, path: str | bytes, offset: int, size: int) -> bytes:
@@ -376,7 +362,7 @@ class MountReader(_Reader):
         if not ok:
             raise PermissionDeniedError(f"{ns.show(entry)}: permission denied")
 
-    def _read_through_mount(self, entry: int) -> bytes:
+    def _read_through_mount(self, entry: int, _offset: int = 0, _size: int = -1) -> bytes:
         """The whole file through the kernel (the kernel checks permissions as for any
         reader); the mount's errors as FanStore errors."""
         path = self._mount_b + self.ns.path(entry)

@@ -26,7 +26,9 @@ handler; whatever is malformed gets an error reply and the daemon keeps serving.
 client checks that a reply carries no more bytes than it asked for.
 
 :class:`NodeSource` is the read core's remote source in every process of a node other
-than the daemon: it asks the daemon for the stored bytes of partitions held elsewhere.
+than the daemon: it asks the daemon for the stored bytes of partitions held elsewhere;
+:func:`node_reader` builds such a process's whole read core (the kernel frontend's workers,
+the API's mount reader).
 """
 
 from __future__ import annotations
@@ -463,3 +465,19 @@ class NodeSource:
         _, payload = self.client.request({"op": "read_stored", "part": part, "offset": offset,
                                           "length": length, "entry": entry}, expect=length)
         return payload
+
+
+def node_reader(index, client: ControlClient, data_dir: str, local_parts, replicated,
+                cache_bytes: int):
+    """The read core of a reader process of a node other than its daemon: the partitions
+    ``local_parts`` read from ``data_dir`` here (pread, decoded in this process), every other
+    one through the daemon (:class:`NodeSource`, ``replicated``: local partitions another
+    node also holds, re-read from there when damaged here). What the daemon's ``info`` (or
+    the kernel frontend's spec) says. The caller closes ``reader.source.local``."""
+    from fanstore.read import ChunkReader, LocalPartitions, RoutedSource
+
+    local = [int(p) for p in local_parts]
+    parts = LocalPartitions(data_dir, index, local)
+    remote = set(range(len(index.partitions))) - set(local)
+    source = RoutedSource(parts, NodeSource(client, remote, {int(p) for p in replicated}))
+    return ChunkReader(index, source, cache_bytes=cache_bytes)

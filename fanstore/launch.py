@@ -60,9 +60,9 @@ def frontend_factory(name: str) -> FrontendFactory:
                 f"the pyfuse3 frontend is not installed ({exc.name} missing): pip install "
                 "'fanstore[fuse]' (needs libfuse3-dev, fuse3 and pkg-config)") from None
         return pyfuse3_frontend.create
-    from fanstore.fuse import kernelfs
+    from fanstore.fuse import kernelfront
 
-    return kernelfs.create
+    return kernelfront.create
 
 
 def mount(options: NodeOptions, foreground: bool = False, debug: bool = False,

@@ -9,7 +9,7 @@ spawned by it under hydra: :mod:`fanstore.daemon.world`). Each worker rank
   every process of the node), the kernel frontend's worker socket;
 - answers other nodes' reads of this node's partitions with its own MPI server thread
   (:class:`~fanstore.daemon.transport.MpiTransport`: pread + Isend from the buffer);
-- joins the kernel frontend (:func:`fanstore.fuse.kernelfs.serve_worker`: the /dev/fuse
+- joins the kernel frontend (:func:`fanstore.fuse.kernelproc.serve_worker`: the /dev/fuse
   descriptor arrives by ``SCM_RIGHTS``) and serves READs with its own read core: this
   node's chunks by pread + decode, other nodes' straight over MPI from a rank of the
   holder node (:class:`~fanstore.daemon.routing.PeerSource`); with the pyfuse3 frontend
@@ -76,13 +76,13 @@ def run_worker(world: World, debug: bool = False) -> tuple[int, bool]:
             # the node's frontend serves its mount itself (pyfuse3): this rank answers the
             # other nodes' reads of the node's partitions until the node is done
             raise _PeersOnly()
-        from fanstore.fuse import kernelfs
+        from fanstore.fuse import kernelproc
 
-        reason = kernelfs.serve_worker(spec["worker_socket"], reader.index, reader,
-                                       timeout=float(spec.get("connect_timeout", 300)),
-                                       alive=lambda: side.leader_alive()
-                                       and not side.exit_posted(),
-                                       served=transport)
+        reason = kernelproc.serve_worker(spec["worker_socket"], reader.index, reader,
+                                         timeout=float(spec.get("connect_timeout", 300)),
+                                         alive=lambda: side.leader_alive()
+                                         and not side.exit_posted(),
+                                         served=transport)
         log.debug("FUSE serving ended (%s); serving peers until the node is done", reason)
     except _PeersOnly:
         log.debug("serving peers only (the node's frontend serves its mount)")

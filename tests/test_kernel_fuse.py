@@ -8,8 +8,8 @@ test failed.
 
 from __future__ import annotations
 
-import ctypes
 import contextlib
+import ctypes
 import errno
 import hashlib
 import json
@@ -27,19 +27,21 @@ import threading
 import time
 from pathlib import Path
 
+import kernel_memfs as memfs  # tests/kernel_memfs.py: the engine's in-memory test file system
 import numpy as np
 import pytest
 
 from fanstore.errors import MountError
+from fanstore.fuse.kernel import Dispatcher, EngineOptions, FuseErrno, KernelSession
 from fanstore.fuse.kernel import counters as C
-from fanstore.fuse.kernel import memfs
 from fanstore.fuse.kernel import proto as P
-from fanstore.fuse.kernel.dispatch import Dispatcher, EngineOptions, FuseErrno
+from fanstore.fuse.kernel import records as R
 from fanstore.fuse.kernel.mount import cleanup_stale, is_mounted, mount_state
 from fanstore.fuse.kernel.notify import notify_inval_inode, notify_store
-from fanstore.fuse.kernel.session import KernelSession
+from fanstore.fuse.kernel.optable import OPCODES
 
 ROOT = os.geteuid() == 0
+MEMFS = memfs.__file__  # run as a script by the mount tests
 needs_fuse = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
 needs_root = pytest.mark.skipif(not ROOT, reason="mount(2) needs root")
 
@@ -57,7 +59,7 @@ def test_struct_sizes_match_the_kernel_header():
 def test_scalar_and_vector_attr_packing_agree():
     a = P.pack_attr(7, 12345, stat.S_IFREG | 0o640, nlink=3, uid=11, gid=12,
                     mtime=1700000000.5, blksize=65536)
-    arr = P.make_attrs(np.array([7]), np.array([12345]), np.array([stat.S_IFREG | 0o640]),
+    arr = R.make_attrs(np.array([7]), np.array([12345]), np.array([stat.S_IFREG | 0o640]),
                        nlink=3, uid=11, gid=12, mtime=1700000000.5, blksize=65536)
     assert arr.tobytes() == a
     fields = P.ATTR.unpack(a)
@@ -68,9 +70,9 @@ def test_scalar_and_vector_attr_packing_agree():
 
 def test_entry_table_rows_equal_scalar_packers():
     n = 50
-    attrs = P.make_attrs(np.arange(n), np.arange(n) * 10, np.full(n, stat.S_IFREG | 0o644),
+    attrs = R.make_attrs(np.arange(n), np.arange(n) * 10, np.full(n, stat.S_IFREG | 0o644),
                          mtime=5.25)
-    t = P.EntryTable(attrs, entry_valid=2.5, attr_valid=7)
+    t = R.EntryTable(attrs, entry_valid=2.5, attr_valid=7)
     for i in (0, 1, 17, n - 1):
         raw = attrs[i:i + 1].tobytes()
         assert bytes(t.entry(i)) == P.pack_entry_out(i, raw, 2.5, 7)
@@ -83,9 +85,9 @@ def test_entry_table_rows_equal_scalar_packers():
 
 def _listing(n: int, plus_dots: bool = True):
     names = [f"name-{i:05d}".encode() + b"x" * (i % 13) for i in range(n)]
-    attrs = P.make_attrs(np.arange(2, n + 2), np.arange(n), np.full(n, stat.S_IFREG | 0o644))
-    entries = P.EntryTable(attrs).entries
-    return names, P.DirListing(names, entries)
+    attrs = R.make_attrs(np.arange(2, n + 2), np.arange(n), np.full(n, stat.S_IFREG | 0o644))
+    entries = R.EntryTable(attrs).entries
+    return names, R.DirListing(names, entries)
 
 
 @pytest.mark.parametrize("size", [4096, 600, 8192, 65536])
@@ -99,7 +101,7 @@ def test_dir_listing_slices_cover_every_entry_once_within_size(size):
             assert len(chunk) <= size
             if not len(chunk):
                 break
-            recs = list(P.iter_dirents(chunk, plus))
+            recs = list(R.iter_dirents(chunk, plus))
             assert [r[1] for r in recs] == list(range(offset + 1, offset + 1 + len(recs)))
             got += [r[3] for r in recs]
             offset = recs[-1][1]
@@ -122,20 +124,20 @@ def test_dir_listing_edge_cases():
     assert len(lst.plus(10, 4096)) == 0 and len(lst.plus(999, 4096)) == 0
     assert len(lst.plus(0, 100)) == 0  # not even one record fits: nothing, never a partial one
     with pytest.raises(ValueError):
-        P.DirListing([b""], P.EntryTable(P.make_attrs(np.array([1]), np.array([0]),
+        R.DirListing([b""], R.EntryTable(R.make_attrs(np.array([1]), np.array([0]),
                                                       np.array([0o40755]))).entries)
-    empty = P.DirListing([], np.zeros(0, dtype=P.ENTRY_OUT_DTYPE))
+    empty = R.DirListing([], np.zeros(0, dtype=R.ENTRY_OUT_DTYPE))
     assert len(empty.plus(0, 4096)) == 0
 
 
 def test_dir_listing_of_10000_entries_is_vectorised():
     n = 10_000
     names = [f"file-{i:06d}.jpg".encode() for i in range(n)]
-    attrs = P.make_attrs(np.arange(2, n + 2), np.full(n, 100_000), np.full(n, 0o100644))
+    attrs = R.make_attrs(np.arange(2, n + 2), np.full(n, 100_000), np.full(n, 0o100644))
     t0 = time.process_time()
-    lst = P.DirListing(names, P.EntryTable(attrs).entries)
+    lst = R.DirListing(names, R.EntryTable(attrs).entries)
     cost = time.process_time() - t0
-    recs = list(P.iter_dirents(lst.plus(0, 10**9), True))
+    recs = list(R.iter_dirents(lst.plus(0, 10**9), True))
     assert len(recs) == n and recs[-1][3] == names[-1]
     # not a speed assertion: a generous bound that only a per-entry Python loop of
     # struct packing plus joins would approach on a loaded machine
@@ -146,10 +148,10 @@ def test_fit_records_trims_to_whole_records():
     _names, lst = _listing(50)
     full = bytes(lst.plus(0, 10**6))
     for size in (0, 100, 1000, 5000):
-        cut = P.fit_records(full, size, True)
+        cut = R.fit_records(full, size, True)
         assert len(cut) <= size
         assert full.startswith(bytes(cut))
-        list(P.iter_dirents(cut, True))  # whole records only
+        list(R.iter_dirents(cut, True))  # whole records only
 
 
 def test_init_out_layout():
@@ -162,6 +164,28 @@ def test_init_out_layout():
         7, 38, 1 << 20, P.ASYNC_READ, 64, 48, 1 << 20, 1, 256, 2)
 
 
+def test_the_engine_imports_nothing_of_fanstore_but_its_errors():
+    """fanstore.fuse.kernel is a layer of its own, below fanstore.fuse: it may use
+    fanstore.errors (MountError) and nothing else of FanStore."""
+    import ast
+
+    engine = Path(P.__file__).parent
+    found = []
+    for path in sorted(engine.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [("." * node.level) + (node.module or "")]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            found += [(path.name, n) for n in names
+                      if n.startswith("..") or (n.startswith("fanstore")
+                                                 and n != "fanstore.errors"
+                                                 and not n.startswith("fanstore.fuse.kernel"))]
+    assert not found, found
+
+
 # ============================================================================ unit: dispatch
 
 
@@ -172,8 +196,8 @@ class _Handler:
         self.attr = P.pack_attr(2, 5, stat.S_IFREG | 0o644)
         self.forgotten: list[tuple[int, int]] = []
         names = [f"e{i:04d}".encode() for i in range(500)]
-        attrs = P.make_attrs(np.arange(10, 510), np.zeros(500), np.full(500, 0o100644))
-        self.listing = P.DirListing(names, P.EntryTable(attrs).entries)
+        attrs = R.make_attrs(np.arange(10, 510), np.zeros(500), np.full(500, 0o100644))
+        self.listing = R.DirListing(names, R.EntryTable(attrs).entries)
 
     def lookup(self, parent, name):
         if name == b"f":
@@ -340,6 +364,45 @@ def test_dispatch_malformed_requests_never_crash(fake_dev):
     assert d.row[C.MALFORMED] == 11
 
 
+class _EveryMethod:
+    """A handler with every method of the opcode table, each answering an empty payload."""
+
+    def __getattr__(self, name):
+        if name in {row.method for row in OPCODES.values()}:
+            return lambda *args: b""
+        raise AttributeError(name)
+
+
+@pytest.mark.parametrize("op", sorted(OPCODES), ids=lambda op: P.OP_NAMES[op])
+def test_dispatch_checks_each_body_against_the_table(op):
+    """One size check, derived from the opcode's row: a request one byte shorter than its
+    struct (and name) is malformed (EIO), one of exactly that length is served."""
+    row = OPCODES[op]
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    b.settimeout(0.2)
+    try:
+        d = Dispatcher(a.fileno(), _EveryMethod(), bufsize=1 << 16)
+        assert d.need[op] == row.need == P.IN_HEADER_SIZE + (
+            row.body.size if row.body is not None else 0) + (2 if row.name else 0)
+        body = bytes(row.need - P.IN_HEADER_SIZE)
+        if row.name:
+            body = body[:-2] + b"n\0"
+        if row.need > P.IN_HEADER_SIZE:
+            _dispatch(d, _req(op, 2, body[:-1], unique=1))
+            assert _reply(b) == (-errno.EIO, 1, b"")
+            assert d.row[C.MALFORMED] == 1
+        _dispatch(d, _req(op, 2, body, unique=2))
+        got = _reply(b)
+        if op in (P.Op.FORGET, P.Op.BATCH_FORGET):
+            assert got is None  # no reply, and no complaint
+        else:
+            assert got == (0, 2, b"")
+        assert d.row[C.MALFORMED] == (1 if row.need > P.IN_HEADER_SIZE else 0)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_dispatch_handler_errors_become_eio(fake_dev):
     d, s = fake_dev
     _dispatch(d, _req(P.Op.LOOKUP, 1, b"boom\0", unique=60))
@@ -358,7 +421,7 @@ def test_dispatch_trims_oversized_replies(fake_dev):
     _dispatch(d, _req(P.Op.READDIRPLUS, 3, _read_body(0, 4096)))
     payload = _reply(s)[2]
     assert 0 < len(payload) <= 4096
-    assert next(P.iter_dirents(payload, True))[1] == 1
+    assert next(R.iter_dirents(payload, True))[1] == 1
     assert d.row[C.OVERSIZED] == 2
 
 
@@ -366,8 +429,8 @@ def test_dispatch_payload_length_is_counted_in_bytes():
     """Numpy arrays and multi-byte memoryviews are sent whole, with their byte length in the
     header (a wrong length would make the kernel reject the reply and leave the caller
     waiting); a non-contiguous buffer is answered EIO."""
-    attrs = P.make_attrs(np.array([2]), np.array([5]), np.array([stat.S_IFREG | 0o644]))
-    entry = P.EntryTable(attrs).entries  # structured array: len() == 1, nbytes == 128
+    attrs = R.make_attrs(np.array([2]), np.array([5]), np.array([stat.S_IFREG | 0o644]))
+    entry = R.EntryTable(attrs).entries  # structured array: len() == 1, nbytes == 128
     words = memoryview(bytearray(range(64))).cast("Q")  # len() == 8, nbytes == 64
 
     class H:
@@ -490,7 +553,7 @@ FILES = SPEC["files"]
 
 
 class MemMount:
-    """A memfs served by ``python -m fanstore.fuse.kernel.memfs`` in a subprocess."""
+    """A memfs served by ``python tests/kernel_memfs.py`` in a subprocess."""
 
     def __init__(self, tmp: Path, spec: dict, name: str, *args: str,
                  user: int | None = None) -> None:
@@ -509,7 +572,7 @@ class MemMount:
         if user is not None:
             os.chown(self.mnt, user, user)
         self.err = open(self.err_path, "w+")  # noqa: SIM115 - open for the mount's life
-        cmd = [sys.executable, "-m", "fanstore.fuse.kernel.memfs", str(self.mnt),
+        cmd = [sys.executable, MEMFS, str(self.mnt),
                "--spec", str(self.spec_path), "--counters", str(self.counters_path),
                "--log-level", "INFO", *args]
         self.proc = subprocess.Popen(
@@ -1120,7 +1183,7 @@ def test_unprivileged_mount_through_fusermount(memmount):
         stack.enter_context(reachable_for_others(os.path.realpath(sys.executable), repo,
                                                  sys.prefix))
         stack.enter_context(fuse_device_for_all())
-        ok = subprocess.run([sys.executable, "-c", "import fanstore.fuse.kernel.memfs"],
+        ok = subprocess.run([sys.executable, MEMFS, "--help"],
                             capture_output=True, preexec_fn=as_nobody,
                             check=False).returncode == 0
         assert ok, "the interpreter is not usable by user nobody even made reachable"

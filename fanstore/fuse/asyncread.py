@@ -5,7 +5,9 @@ thread hop, nothing else.
 hits are answered inline; misses run :meth:`ChunkReader.load` (fetch + decode + verify +
 re-read from a replica) in worker threads bounded by a ``trio.CapacityLimiter`` (codecs
 release the GIL, so threads give real parallelism). Loads of chunks held by other nodes
-mostly wait on the network: they get a limiter of their own.
+mostly wait on the network: they get a limiter of their own. Everything else is the read
+core's: which chunks a read needs and the bytes cut from them (``ChunkReader.request``,
+``cut``, ``answered``: the request counted there), the chunk LRU, the counters.
 
 Concurrency protocol (every ``await`` is a point where other requests run):
 - ``_inflight`` maps a chunk to the ``_Pending`` load that is producing it. A reader that
@@ -23,7 +25,7 @@ import logging
 import trio
 
 from fanstore.errors import FanStoreError
-from fanstore.read import ChunkReader, assemble, chunk_span
+from fanstore.read import ChunkReader
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +33,7 @@ log = logging.getLogger(__name__)
 class _Pending:
     """One load in flight: the chunks it produces, or the error it hit."""
 
-    __slots__ = ("event", "result", "error")
+    __slots__ = ("error", "event", "result")
 
     def __init__(self) -> None:
         self.event = trio.Event()
@@ -48,23 +50,19 @@ class AsyncReader:
         self.reader = reader
         self.cache = reader.cache
         self.stats = reader.stats
-        self.chunk_size = reader.chunk_size
         self._local_limiter = trio.CapacityLimiter(max(1, threads))
         self._remote_limiter = trio.CapacityLimiter(max(1, remote_threads))
         self._inflight: dict[int, _Pending] = {}
-        self._part = reader.index.c["part"]
 
     async def read(self, entry: int, offset: int, size: int):
-        """Bytes [offset, offset+size) of a file (short at EOF). Raises FanStoreError."""
-        self.stats.reads += 1
-        first, count, base, file_size = self.reader.span(entry)
-        lo, hi, end = chunk_span(offset, size, file_size, self.chunk_size, base)
-        if hi == lo:
-            return b""
-        chunks = await self.get_chunks(entry, first + lo, first + hi)
-        data = assemble(chunks, lo, offset, end, self.chunk_size, base)
-        self.stats.bytes_returned += len(data)
-        return data
+        """Bytes [offset, offset+size) of a file (short at EOF), a reader's request (counted
+        by the read core). Raises FanStoreError."""
+        reader = self.reader
+        a, b, end = reader.request(entry, offset, size)
+        if a == b:
+            return reader.answered(b"")
+        chunks = await self.get_chunks(entry, a, b)
+        return reader.answered(reader.cut(entry, chunks, a, offset, end))
 
     async def get_chunks(self, entry: int, a: int, b: int, counted: bool = True,
                          keep: bool = True) -> list[bytes]:
@@ -85,10 +83,10 @@ class AsyncReader:
             owned = [k for k in range(lo, hi) if k not in self._inflight]
             for k in owned:
                 self._inflight[k] = pending
-            local = self.reader.source.is_local(int(self._part[lo]))
+            local = self.reader.is_local(entry)
             try:
                 decoded = await trio.to_thread.run_sync(
-                    self._load, entry, lo, hi,
+                    self.reader.load, entry, lo, hi,
                     limiter=self._local_limiter if local else self._remote_limiter)
             except FanStoreError as exc:
                 log.error("%s", exc)
@@ -113,10 +111,3 @@ class AsyncReader:
             if keep and not self.cache.peek(k):
                 self.cache.put(k, pending.result[k])
         return out  # type: ignore[return-value]
-
-    def _load(self, entry: int, a: int, b: int) -> list[bytes]:
-        try:
-            return self.reader.load(entry, a, b)
-        except FanStoreError:
-            self.stats.errors += 1
-            raise

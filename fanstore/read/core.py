@@ -1,7 +1,8 @@
 """The read core: one synchronous path from "bytes of a file" to checked, decoded bytes.
 
     reader = ChunkReader(index, source, cache_bytes)
-    data = reader.read(entry, offset, size)
+    data = reader.serve(entry, offset, size)     # a reader's request: counted
+    data = reader.read(entry, offset, size)      # the same bytes, not counted (prefetch...)
 
 ``get_chunks`` finds the chunks of a read that are not in the LRU, fetches their stored
 bytes as ONE run (a file's chunks are contiguous in one partition), decodes and verifies
@@ -11,6 +12,11 @@ frontend uses it: both FUSE frontends (the pyfuse3 one through a thin async wrap
 adds in-flight de-duplication and the thread hop), the Python API, ``fanstore cat`` and
 ``fanstore verify``. Nothing here knows about trio, FUSE or MPI: the source decides where
 bytes come from (:mod:`fanstore.read.sources`).
+
+Counting: a reader's request is counted here, once for every frontend (``stats.reads`` when
+asked, ``stats.bytes_returned`` when answered): :meth:`ChunkReader.serve`, or its two halves
+:meth:`~ChunkReader.request` and :meth:`~ChunkReader.answered` for a caller that loads the
+chunks itself. Loads, decodes and failures are counted where they happen (:meth:`load`).
 
 Thread-safe: the cache has its own lock and sources use pread or their own locking. Two
 threads missing the same chunk at once may both decode it (the async layer de-duplicates
@@ -54,6 +60,27 @@ class ChunkReader:
         base = int(self._base[entry]) if self._base is not None else 0
         return int(self._first[entry]), int(self._count[entry]), base, int(self._size[entry])
 
+    def locate(self, entry: int, offset: int = 0, size: int = -1) -> tuple[int, int, int]:
+        """(a, b, end): bytes [offset, end) of a file (``size`` < 0: to its end; ``end``
+        short at EOF) lie in the store's chunks a..b-1 (a == b: nothing to read)."""
+        first, lo, hi, end, _base, _size = self._where(entry, offset, size)
+        return first + lo, first + hi, end
+
+    def _where(self, entry: int, offset: int, size: int) -> tuple[int, int, int, int, int, int]:
+        """(first chunk, lo, hi, end, base, file size): the read's chunks are first+lo ..
+        first+hi-1 (:func:`~fanstore.read.decode.chunk_span`)."""
+        first, _count, base, file_size = self.span(entry)
+        lo, hi, end = chunk_span(offset, file_size if size < 0 else size, file_size,
+                                 self.chunk_size, base)
+        return first, lo, hi, end, base, file_size
+
+    def cut(self, entry: int, chunks: list, a: int, offset: int, end: int):
+        """Bytes [offset, end) of a file from its decoded chunks a.. (as :meth:`locate`
+        named them): a view into the chunk when one chunk covers them."""
+        first = int(self._first[entry])
+        base = int(self._base[entry]) if self._base is not None else 0
+        return assemble(chunks, a - first, offset, end, self.chunk_size, base)
+
     def advise(self, entry: int) -> None:
         """Tell the source a file will be read soon (a local one's stored bytes are read
         ahead by the kernel: POSIX_FADV_WILLNEED)."""
@@ -69,7 +96,15 @@ class ChunkReader:
     # ------------------------------------------------------------------ chunks
     def load(self, entry: int, a: int, b: int) -> list[bytes]:
         """Fetch, decode and verify chunks a..b-1 of ``entry`` (no cache). A damaged local
-        copy is read again from another node's replica when there is one."""
+        copy is read again from another node's replica when there is one. A failure is
+        counted (``stats.errors``) and raised."""
+        try:
+            return self._load(entry, a, b)
+        except FanStoreError:
+            self.stats.errors += 1  # the frontend that answers the reader logs it
+            raise
+
+    def _load(self, entry: int, a: int, b: int) -> list[bytes]:
         decoder, source, stats = self.decoder, self.source, self.stats
         part, off, length = decoder.run_extent(a, b - a)
         if source.is_local(part):
@@ -109,11 +144,7 @@ class ChunkReader:
         if b - a == 1:  # the common case: one chunk (a small file, or one READ of a big one)
             data = cache.get(a, counted)
             if data is None:
-                try:
-                    data = self.load(entry, a, b)[0]
-                except FanStoreError:
-                    self.stats.errors += 1
-                    raise
+                data = self.load(entry, a, b)[0]
                 if keep:
                     cache.put(a, data)
             return [data]
@@ -121,30 +152,52 @@ class ChunkReader:
         missing = [a + i for i, v in enumerate(out) if v is None]
         if missing:
             lo, hi = missing[0], missing[-1] + 1
-            try:
-                decoded = self.load(entry, lo, hi)
-            except FanStoreError:
-                self.stats.errors += 1  # the frontend that answers the reader logs it
-                raise
+            decoded = self.load(entry, lo, hi)
             for k, data in zip(range(lo, hi), decoded):
                 out[k - a] = data
                 if keep:
                     cache.put(k, data)
         return out  # type: ignore[return-value]
 
+    # ------------------------------------------------------------------ a reader's requests
+    def serve(self, entry: int, offset: int = 0, size: int = -1, keep_whole: bool = True,
+              first=None):
+        """A reader's request for bytes [offset, offset+size) of a file (:meth:`read`),
+        counted: ``stats.reads`` when asked, ``stats.bytes_returned`` when answered.
+
+        ``first(entry, offset, size)``, when given, may answer before the read core does
+        (a prefetch buffer; the page cache through the mount) by returning the bytes, or
+        None. Every frontend answers its readers through this (or :meth:`request` and
+        :meth:`answered`); none counts by itself.
+        """
+        self.stats.reads += 1
+        data = None if first is None else first(entry, offset, size)
+        if data is None:
+            data = self.read(entry, offset, size, keep_whole)
+        return self.answered(data)
+
+    def request(self, entry: int, offset: int, size: int) -> tuple[int, int, int]:
+        """The first half of :meth:`serve`, for a caller that loads the chunks itself (the
+        pyfuse3 frontend, in worker threads): the request counted, and :meth:`locate`."""
+        self.stats.reads += 1
+        return self.locate(entry, offset, size)
+
+    def answered(self, data):
+        """The second half of :meth:`serve`: ``data``, the request's answer, counted."""
+        self.stats.bytes_returned += len(data)
+        return data
+
     # ------------------------------------------------------------------ files
     def read(self, entry: int, offset: int = 0, size: int = -1, keep_whole: bool = True):
         """Bytes [offset, offset+size) of a file, short at EOF (a bytes-like object; a view
-        into a cached chunk when one chunk covers the read).
+        into a cached chunk when one chunk covers the read). Not counted as a reader's
+        request (:meth:`serve` is).
 
         ``keep_whole=False``: a read of a whole file does not put its chunks into the LRU
         (a FUSE frontend whose reads land in the kernel's page cache would only hold a
         second copy); reads of part of a file still do, for the rest of that chunk.
         """
-        first, _count, base, file_size = self.span(entry)
-        if size < 0:
-            size = file_size
-        lo, hi, end = chunk_span(offset, size, file_size, self.chunk_size, base)
+        first, lo, hi, end, base, file_size = self._where(entry, offset, size)
         if hi == lo:
             return b""
         keep = keep_whole or offset != 0 or end != file_size

@@ -39,8 +39,10 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tests"))  # kernel_memfs: the engine's test file system
 
-from fanstore.fuse.kernel import memfs
+import kernel_memfs as memfs
+
 from fanstore.fuse.kernel.counters import RequestCounters, diff
 from fanstore.fuse.kernel.mount import is_mounted
 
@@ -99,7 +101,7 @@ class Server:
         self.mnt = mnt
         os.makedirs(mnt, exist_ok=True)
         self.cnt_path = os.path.join(work, "counters")
-        args = [sys.executable, "-m", "fanstore.fuse.kernel.memfs", mnt, "--workers",
+        args = [sys.executable, memfs.__file__, mnt, "--workers",
                 str(workers), "--counters", self.cnt_path, *extra]
         if gen:
             args += ["--generate", gen]
@@ -214,15 +216,15 @@ def readdir_bench(args, work: str) -> list[dict]:
     """READDIRPLUS of a 10,000-entry directory; relisting with either opendir answer."""
     import numpy as np
 
-    from fanstore.fuse.kernel import proto as P
+    from fanstore.fuse.kernel import records as R
 
     n = 10_000
     names = [f"entry-{i:06d}-with-a-longer-name".encode() for i in range(n)]
-    attrs = P.make_attrs(np.arange(2, n + 2), np.full(n, 100_000), np.full(n, 0o100644))
+    attrs = R.make_attrs(np.arange(2, n + 2), np.full(n, 100_000), np.full(n, 0o100644))
     t0 = time.process_time()
     reps = 20
     for _ in range(reps):
-        P.DirListing(names, P.EntryTable(attrs).entries)
+        R.DirListing(names, R.EntryTable(attrs).entries)
     pack_ms = (time.process_time() - t0) / reps * 1e3
     rows = [{"what": "pack 10,000-entry listing (EntryTable + DirListing)", "ms": pack_ms}]
     print(f"  numpy packing of a 10,000-entry listing: {pack_ms:.1f} ms CPU", flush=True)

@@ -6,11 +6,16 @@ and answered with ``os.writev``. After INIT the supervisor forks K workers that 
 the same connection through their own cloned descriptor. This package imports nothing from
 FanStore except :mod:`fanstore.errors` (MountError).
 
-Modules: :mod:`.proto` (layouts, constants, scalar and numpy packers), :mod:`.mount`
-(mount(2), fusermount3, unmount, stale mounts), :mod:`.session` (INIT, workers,
-supervision), :mod:`.dispatch` (the worker loop), :mod:`.counters` (per-op request counts in
-shared memory), :mod:`.notify` (NOTIFY_STORE / INVAL_*), :mod:`.memfs` (an in-memory test
-file system and its command line).
+Modules, lowest first: :mod:`.proto` (the protocol's layouts, constants and scalar
+packers), :mod:`.records` (numpy packers: EntryTable, DirListing), :mod:`.counters` (per-op
+request counts in shared memory), :mod:`.optable` (the opcode table: each opcode's handler
+method and request struct; the op functions built from a handler), :mod:`.dispatch` (the
+worker loop: one size check, one reply writer), :mod:`.notify` (NOTIFY_STORE / INVAL_*),
+:mod:`.mount` (mount(2), fusermount3, unmount, stale mounts), :mod:`.handshake` (INIT),
+:mod:`.handoff` (the socket that hands the connection to workers not forked here),
+:mod:`.supervisor` (forked and external workers, channels, the crash loop) and
+:mod:`.session` (a mount: the connection, INIT, then the supervisor). An in-memory file
+system on it, with its command line, is the engine's test double: ``tests/kernel_memfs.py``.
 
 Using it
 --------
@@ -103,11 +108,14 @@ the engine answers with min(kernel minor, 38).
 """
 
 from .counters import RequestCounters
-from .dispatch import Dispatcher, EngineOptions, FuseErrno
+from .dispatch import Dispatcher
+from .handshake import DEFAULT_INIT_FLAGS, ConnInfo, InitOptions
 from .mount import MountOptions, cleanup_stale, is_mounted, mount_state, unmount
 from .notify import notify_inval_entry, notify_inval_inode, notify_store
-from .proto import DirListing, EntryTable
-from .session import DEFAULT_INIT_FLAGS, ConnInfo, InitOptions, KernelSession, WorkerContext
+from .optable import EngineOptions, FuseErrno
+from .records import DirListing, EntryTable
+from .session import KernelSession
+from .supervisor import WorkerContext
 
 __all__ = [
     "DEFAULT_INIT_FLAGS",

@@ -2,12 +2,14 @@
 
 Files hold slices of one pseudo-random pool (so 20,000 files of 100 kB cost no memory and
 any reader can recompute the expected bytes with :func:`content_for`). Everything a request
-needs is prebuilt: an :class:`~.proto.EntryTable` for LOOKUP/GETATTR and one
-:class:`~.proto.DirListing` per directory for READDIR(PLUS); the handler only indexes.
+needs is prebuilt: an :class:`~fanstore.fuse.kernel.records.EntryTable` for LOOKUP/GETATTR
+and one :class:`~fanstore.fuse.kernel.records.DirListing` per directory for READDIR(PLUS); the
+handler only indexes. A test double of the engine's tests (tests/test_kernel_fuse.py), kept
+out of the product package.
 
 Command line (what the tests and tools/bench/kernel_engine_bench.py run)::
 
-    python -m fanstore.fuse.kernel.memfs MOUNTPOINT (--spec FILE.json | --generate N,SIZE,DIRS)
+    python tests/kernel_memfs.py MOUNTPOINT (--spec FILE.json | --generate N,SIZE,DIRS)
         [--workers K] [--counters PATH] [--fusermount] [--rw] [--no-clone]
         [--opendir enosys|cache] [--xattr enosys|empty] [--flags +NAME,-NAME,...]
         [--max-pages N] [--read-ahead-kb KB] [--allow-other]
@@ -34,8 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from . import proto as P
-from .dispatch import EngineOptions, FuseErrno
+from fanstore.fuse.kernel import EngineOptions, FuseErrno
+from fanstore.fuse.kernel import proto as P
+from fanstore.fuse.kernel import records as R
 
 POOL_SIZE = 8 << 20
 POOL_SEED = 20240611
@@ -76,8 +79,8 @@ class MemFS:
         self.targets: dict[int, bytes] = {}
         self.children: dict[int, dict[bytes, int]] = {1: {}}
         self.delays: dict[int, float] = {}
-        self.table: P.EntryTable | None = None
-        self.listings: dict[int, P.DirListing] = {}
+        self.table: R.EntryTable | None = None
+        self.listings: dict[int, R.DirListing] = {}
         self._statfs = b""
 
     # building ------------------------------------------------------------------------------
@@ -139,17 +142,17 @@ class MemFS:
         nlink = np.ones(n, dtype=np.uint32)
         for d, kids in self.children.items():
             nlink[d] = 2 + sum(1 for k in kids.values() if k in self.children)
-        attrs = P.make_attrs(np.arange(n, dtype=np.uint64), np.array(self.sizes, np.uint64),
+        attrs = R.make_attrs(np.arange(n, dtype=np.uint64), np.array(self.sizes, np.uint64),
                              modes, nlink=nlink, uid=self.uid, gid=self.gid, mtime=self.mtime,
                              blksize=65536)
-        self.table = P.EntryTable(attrs, entry_valid=entry_valid, attr_valid=attr_valid)
+        self.table = R.EntryTable(attrs, entry_valid=entry_valid, attr_valid=attr_valid)
         entries = self.table.entries
         for d, kids in self.children.items():
             names = [b".", b".."] + sorted(kids)
             rows = np.array([d, self.parents[d]] + [kids[k] for k in names[2:]], dtype=np.int64)
             e = entries[rows].copy()
             e["nodeid"][:2] = 0  # no attributes for . and ..: the kernel skips them anyway
-            self.listings[d] = P.DirListing(names, e)
+            self.listings[d] = R.DirListing(names, e)
         total = sum(self.sizes)
         self._statfs = P.pack_statfs_out(blocks=(total + 4095) // 4096, files=n - 1,
                                          bsize=4096, namelen=255)
@@ -253,11 +256,10 @@ class MemHandler:
 
 def main(argv: list[str] | None = None) -> int:
     from fanstore.errors import FanStoreError
+    from fanstore.fuse.kernel import DEFAULT_INIT_FLAGS, InitOptions, KernelSession, MountOptions
+    from fanstore.fuse.kernel.handshake import parse_flags
 
-    from .mount import MountOptions
-    from .session import DEFAULT_INIT_FLAGS, InitOptions, KernelSession, parse_flags
-
-    ap = argparse.ArgumentParser(prog="python -m fanstore.fuse.kernel.memfs")
+    ap = argparse.ArgumentParser(prog="python tests/kernel_memfs.py")
     ap.add_argument("mountpoint")
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--spec", help="JSON tree spec file")

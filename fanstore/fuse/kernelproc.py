@@ -1,0 +1,230 @@
+"""The kernel frontend's process: mount, answer INIT, and serve with K workers.
+
+Process model (one node)::
+
+    node daemon (MPI rank, or a world of one)      frontend process (never touches MPI)
+    ─────────────────────────────────────────      ─────────────────────────────────────
+    index, placement, staging, peers, control  ──▶ spawned fresh (``python -m
+    socket; read_stored for other nodes' chunks      fanstore.fuse.kernelproc``, exec'd:
+    (fanstore.fuse.kernelfront)                      nothing of MPI is inherited); loads the
+                                                     index copy, mounts /dev/fuse, answers
+                                                     INIT, forks K workers
+                                                   worker 1..K: read requests from the same
+                                                     connection, pread + decode this node's
+                                                     chunks inline, ask the daemon's socket
+                                                     for other nodes' chunks (NodeSource)
+
+The daemon never forks after MPI_Init: it starts this process with ``subprocess`` (fork +
+exec at once), and this process, which never initialises MPI, forks the workers. It and its
+workers die with the daemon (PR_SET_PDEATHSIG: SIGKILL of the daemon leaves a stale mount
+that the next ``fanstore mount`` or ``umount`` cleans, exactly as with the pyfuse3
+frontend); SIGTERM to it unmounts and stops every worker; an unmount from outside ends them
+all. With worker ranks (:mod:`fanstore.noderank`) it forks none: the ranks join it through
+the handoff socket and serve with :func:`serve_worker`.
+
+What the kernel is offered (see :mod:`fanstore.fuse.kernel`): zero-message open and opendir,
+cached directory listings, readdirplus, cached symlinks, parallel directory operations,
+max_pages so one READ covers a 1 MiB chunk, entry and attribute timeouts of 10^6 s (the
+data never changes while mounted) and negative entries cached as long, no automatic data
+invalidation: a file read once is served by the page cache with no request at all.
+
+Counters: every worker counts its requests by opcode and its reads in its own row of a
+shared table in the runtime directory (:mod:`fanstore.fuse.kernelstats`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from fanstore.errors import FanStoreError, MountError
+from fanstore.fuse import kernel
+from fanstore.fuse.fsops import FsOps
+from fanstore.fuse.kernelfs import KernelHandler
+from fanstore.fuse.kernelspec import FrontendSpec, read_spec
+from fanstore.fuse.kernelstats import RowPublisher
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def make_handler_factory(spec: FrontendSpec, index, fs: FsOps, session,
+                         window=None) -> Callable[[kernel.WorkerContext], KernelHandler]:
+    """The per-worker set-up: this node's partitions opened here, other nodes' chunks
+    through the daemon's socket, counters in the worker's row; in prefetch mode, the
+    worker's prefetch thread (``window``: the shared window, made before the fork)."""
+
+    def factory(wctx: kernel.WorkerContext) -> KernelHandler:
+        from fanstore.control import ControlClient, node_reader
+
+        client = ControlClient(spec.mountpoint, timeout=spec.remote_timeout + 30,
+                               path=spec.socket_path)
+        reader = node_reader(index, client, spec.data_dir, spec.local_parts,
+                             spec.replicated, spec.cache_bytes)
+        # (serve() made the counters table before forking this worker)
+        row = session.counters.row(wctx.slot)
+        publisher = RowPublisher(row, reader.stats, reader.cache)
+        publisher.publish()
+        hooks = None
+        if window is not None:
+            from fanstore.fuse.prefetcher import Prefetcher
+
+            pf = Prefetcher(window, reader, fs.ns, wctx.slot, wctx.workers, wctx.fd,
+                            wctx.channel, spec.mountpoint, row, publish=publisher.publish)
+            pf.start()
+            hooks = pf.hooks
+        return KernelHandler(fs, reader, publish=publisher.publish, prefetch=hooks)
+
+    return factory
+
+
+def serve_worker(socket_path: str, index, reader, timeout: float = 300.0,
+                 alive=lambda: True, served=None) -> str:
+    """An external worker (an MPI worker rank of a node, :mod:`fanstore.noderank`): join
+    the kernel frontend at ``socket_path`` (:mod:`fanstore.fuse.kernel.handoff`), serve
+    FUSE requests with ``reader`` (this node's partitions from disk, other nodes' over
+    MPI) until the mount goes away, then tell the frontend. Returns why it stopped."""
+    from fanstore.fuse.kernel import handoff
+    from fanstore.namespace import Namespace
+
+    grant, sock = handoff.join(socket_path, timeout, alive)
+    counters = kernel.RequestCounters.attach(grant.counters, writable=True) \
+        if grant.counters else None
+    row = counters.row(grant.slot) if counters is not None else None
+    publisher = RowPublisher(row, reader.stats, reader.cache, served) if row is not None \
+        else None
+    if publisher is not None:
+        publisher.publish()
+        if served is not None:
+            served.on_served = publisher.publish_served
+    fs = FsOps(Namespace(index))
+    prefetcher = window = None
+    spec = (grant.info or {}).get("prefetch")
+    if spec and len(grant.extra_fds) >= 2 and row is not None:
+        from fanstore.fuse.prefetcher import Prefetcher
+        from fanstore.read.window import SharedWindow
+
+        window = SharedWindow(grant.extra_fds[0], grant.extra_fds[1])
+        prefetcher = Prefetcher(window, reader, fs.ns, grant.slot, grant.workers, grant.fd,
+                                sock, spec["mountpoint"], row,
+                                publish=publisher.publish if publisher else None)
+        prefetcher.start()
+    handler = KernelHandler(fs, reader, publish=publisher.publish if publisher else None,
+                            prefetch=prefetcher.hooks if prefetcher else None)
+    try:
+        kernel.Dispatcher(grant.fd, handler, bufsize=grant.bufsize, row=row).run()
+    finally:
+        if prefetcher is not None:
+            prefetcher.stop()
+        if publisher is not None:
+            publisher.publish()
+        os.close(grant.fd)
+        handoff.say_gone(sock)
+        for fd in grant.extra_fds:
+            os.close(fd)
+    return "unmounted"
+
+
+def frontend_main(spec_fd: int) -> int:
+    """``python -m fanstore.fuse.kernelproc --spec-fd N``: the frontend process (see the
+    module docstring). Reads its spec from the pipe ``spec_fd``; reports "ready" or
+    "error: ..." on the pipe fd named in the spec."""
+    from fanstore.format.index import map_index_body
+    from fanstore.fuse.kernel.handshake import parse_flags
+    from fanstore.namespace import Namespace
+    from fanstore.process import setup_logging
+
+    try:
+        spec = read_spec(spec_fd)
+    except MountError as exc:  # nowhere to report it but the daemon's log: one line
+        sys.stderr.write(f"kernel frontend: {exc}\n")
+        return exc.exit_code
+    ready_fd = spec.ready_fd
+    setup_logging(spec.debug, sys.stderr, fmt=spec.log_format or None)
+    # Die with the daemon: its SIGKILL must not leave an unsupervised mount behind.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != spec.daemon_pid:
+        return 1
+
+    def report(text: str) -> None:
+        try:
+            os.write(ready_fd, text.encode(errors="replace")[:4000])
+        except OSError:
+            pass
+
+    session = None
+    try:
+        index = map_index_body(spec.index_path, owner=os.geteuid())
+        fs = FsOps(Namespace(index))
+        mopts = kernel.MountOptions(fsname=spec.fsname, subtype="fanstore", read_only=True,
+                                    allow_other=spec.allow_other)
+        # The engine's defaults, READDIRPLUS included: listing then reading 300,000 files (a
+        # first epoch) took 26.5 s with it and 38.2 s with plain READDIR, which costs a
+        # LOOKUP per file; only a bare cold `find` is faster without it (docs/benchmarks.md,
+        # fuse_bench-small300k-dirs). FANSTORE_FUSE_FLAGS="+NAME,-NAME" edits the flags
+        # (-DO_READDIRPLUS for metadata-only work; experiments and benchmarks).
+        init = kernel.InitOptions(flags=parse_flags(spec.init_flags, kernel.DEFAULT_INIT_FLAGS))
+        session = kernel.KernelSession(spec.mountpoint, mopts, init,
+                                       counters_path=spec.counters_path)
+        session.mount()
+
+        def on_ready(s) -> None:
+            report("ready\n")
+            os.close(ready_fd)  # the daemon stops reading here; EOF if we die before
+
+        reason = _serve(spec, index, fs, session, on_ready)
+        log.info("kernel frontend: %s", reason)
+        return 0
+    except FanStoreError as exc:
+        log.error("%s", exc)
+        report(f"error: {exc}")
+        return exc.exit_code
+    except Exception as exc:  # report, never vanish
+        log.exception("kernel frontend failed")
+        report(f"error: internal error in the kernel frontend ({type(exc).__name__}: {exc})")
+        return 70
+    finally:
+        if session is not None:
+            session.close()
+
+
+def _serve(spec: FrontendSpec, index, fs: FsOps, session, on_ready) -> str:
+    """Serve the mounted session with forked workers or the node's worker ranks, with
+    prefetch mode's order relay and shared window when asked."""
+    window = relay = None
+    watch: dict[int, Any] = {}
+    if spec.prefetch:
+        from fanstore.fuse.prefetch import OrderRelay
+        from fanstore.read.window import SharedWindow
+
+        assert spec.window_fds is not None and spec.order_fd is not None
+        state_fd, arena_fd = spec.window_fds
+        window = SharedWindow(state_fd, arena_fd)
+        orders = socket.socket(fileno=spec.order_fd)
+        relay = OrderRelay(session, orders, window, spec.prefetch_bytes)
+        watch[orders.fileno()] = relay.on_readable
+    if spec.external_workers:
+        # MPI worker ranks serve (noderank.py): they connect and get the connection
+        extra = {} if window is None else {
+            "extra_fds": [window.state_fd, window.arena_fd],
+            "grant_info": {"prefetch": {"mountpoint": spec.mountpoint}}}
+        return session.serve_external(spec.worker_socket, spec.external_workers,
+                                      on_ready=on_ready, watch=watch, **extra)
+    factory = make_handler_factory(spec, index, fs, session, window)
+    return session.serve(factory, workers=spec.workers, on_ready=on_ready,
+                         channels=window is not None, watch=watch,
+                         on_worker_start=relay.resend if relay else None)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "--spec-fd":
+        sys.exit("usage: python -m fanstore.fuse.kernelproc --spec-fd N (started by the daemon)")
+    sys.exit(frontend_main(int(sys.argv[2])))
