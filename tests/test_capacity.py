@@ -346,10 +346,11 @@ def test_select_calibrates_the_reader(text_tree, tmp_path, reader):
 
 def test_select_without_a_reader_model_in_the_library(text_tree):
     from fanstore.select import SelectionOptions, run_selection
+    from fanstore.select.report import to_json
 
     res = run_selection(str(text_tree[0]), SelectionOptions(sample_mb=2, storage_mb_per_sec=1e3,
                                                             progress=False))
-    assert res.reader is None and res.to_json()["reader"] is None
+    assert res.reader is None and to_json(res)["reader"] is None
 
 
 @pytest.mark.parametrize("setup, args, message", [

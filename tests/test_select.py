@@ -18,9 +18,11 @@ from compressors import get_codec
 from fanstore.errors import BudgetNotMetError
 from fanstore.format.index import KIND_FILE, read_index
 from fanstore.kinds import file_kind
-from fanstore.select import SelectionOptions, policy_from_selection, run_selection
+from fanstore.pack.policy import policy_from_selection
+from fanstore.select import SelectionOptions, run_selection
 from fanstore.select.bench import measure, measure_storage, measure_storage_access
 from fanstore.select.policy import Budget, Cost, choose, choose_per_kind, meets, mix, node_rate
+from fanstore.select.report import check_met, to_json
 from fanstore.select.sample import draw_sample, list_source, npy_itemsize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -363,7 +365,7 @@ def test_impossible_budget_reports_and_raises(tmp_path):
     fastest = max((c for c in res.candidates if c.kinds is None), key=lambda c: c.node_rate)
     assert res.chosen == fastest.label
     with pytest.raises(BudgetNotMetError) as err:
-        res.check_met()
+        check_met(res)
     assert err.value.exit_code == 3 and "no codec meets the budget" in str(err.value)
     with pytest.raises(BudgetNotMetError):
         policy_from_selection(res)
@@ -385,12 +387,12 @@ def test_per_kind_choice(tmp_path):
     policy = policy_from_selection(res)
     npy_kind = next(k for k in pk if k.startswith("npy/"))
     assert policy.codec_for("npy/000.npy", res.kinds[npy_kind].raw_bytes // 12).spec == pk[npy_kind]
-    doc = res.to_json()
+    doc = to_json(res)
     assert doc["per_kind"] == pk and json.loads(json.dumps(doc)) == doc
 
 
 def test_json_report_schema(tmp_path):
-    doc = select(npy_set(tmp_path, n=6)).to_json()
+    doc = to_json(select(npy_set(tmp_path, n=6)))
     for key in ("mode", "budget", "candidates", "chosen"):
         assert key in doc
     assert doc["mode"] == "prefetch" and doc["budget"]["cores"] == 2
@@ -417,7 +419,7 @@ def test_reports_state_what_their_mode_assumes(tmp_path):
     line = next(ln for ln in pre.splitlines() if ln.startswith("assumes "))
     assert "decoding and storage reads overlap its compute" in line and "2 cores" in line
     sync = select(src, mode="sync")
-    assert sync.to_json()["assumes"].startswith("sync: each read fetches, decodes and checks")
+    assert to_json(sync)["assumes"].startswith("sync: each read fetches, decodes and checks")
 
 
 def test_plot_written(tmp_path):

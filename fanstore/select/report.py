@@ -8,12 +8,10 @@ only as their id and size (the store's codec table holds the dictionary itself).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from fanstore.errors import FanStoreError
-
-if TYPE_CHECKING:
-    from fanstore.select.selector import CandidateResult, SelectionResult
+from fanstore.errors import BudgetNotMetError, FanStoreError
+from fanstore.select.result import CandidateResult, SelectionResult
 
 MB = 1e6
 JSON_VERSION = 1
@@ -44,7 +42,7 @@ def _compact_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _cand_json(res: "SelectionResult", c: "CandidateResult") -> dict[str, Any]:
+def _cand_json(res: SelectionResult, c: CandidateResult) -> dict[str, Any]:
     read = 1.0 / c.cost.cpu if c.cost.cpu > 0 else math.inf
     dec = 1.0 / c.decode_s if c.decode_s > 0 else math.inf
     out: dict[str, Any] = {
@@ -72,7 +70,7 @@ def _cand_json(res: "SelectionResult", c: "CandidateResult") -> dict[str, Any]:
     return out
 
 
-def to_json(res: "SelectionResult") -> dict[str, Any]:
+def to_json(res: SelectionResult) -> dict[str, Any]:
     b = res.budget
     opts = res.options
     chosen = res.candidate(res.chosen)
@@ -144,7 +142,7 @@ def to_json(res: "SelectionResult") -> dict[str, Any]:
     return doc
 
 
-def assumptions(res: "SelectionResult") -> str:
+def assumptions(res: SelectionResult) -> str:
     """What the chosen mode's model takes for granted, in one sentence (printed with every
     report: a prediction is only as good as these)."""
     n = res.budget.cores
@@ -159,7 +157,7 @@ def assumptions(res: "SelectionResult") -> str:
             "min(n / (c + p + a/S + q*L), S / a)")
 
 
-def summary_line(res: "SelectionResult") -> str:
+def summary_line(res: SelectionResult) -> str:
     b = res.budget
     need = f"{_rate(b.required)}" + (" (default: 90% of the rate of storing raw)"
                                       if res.budget_from == "default" else "")
@@ -177,7 +175,13 @@ def summary_line(res: "SelectionResult") -> str:
             f"budget {need}: {verdict}")
 
 
-def not_met_message(res: "SelectionResult") -> str:
+def check_met(res: SelectionResult) -> None:
+    """Raise :class:`BudgetNotMetError` (exit status 3) if the budget is not met."""
+    if not res.budget_met:
+        raise BudgetNotMetError(not_met_message(res))
+
+
+def not_met_message(res: SelectionResult) -> str:
     b = res.budget
     c = res.candidate(res.chosen)
     text = (f"no codec meets the budget: {res.mode} mode needs {_rate(b.required)} "
@@ -190,7 +194,7 @@ def not_met_message(res: "SelectionResult") -> str:
     return text
 
 
-def table(res: "SelectionResult") -> str:
+def table(res: SelectionResult) -> str:
     b = res.budget
     opts = res.options
     lines = []
@@ -248,7 +252,7 @@ def table(res: "SelectionResult") -> str:
     return "\n".join(lines)
 
 
-def capacity_json(res: "SelectionResult", capacity: int) -> dict[str, Any]:
+def capacity_json(res: SelectionResult, capacity: int) -> dict[str, Any]:
     """How many copies of the store packed as chosen fit in ``capacity`` bytes per node,
     from the predicted ratio (about: the index and partition headers are left out)."""
     mix = res.per_kind is not None and res.per_kind_cost is not None
@@ -297,7 +301,7 @@ def require_matplotlib() -> None:
                             "pip install 'fanstore[plot]'") from None
 
 
-def plot(res: "SelectionResult", path: str) -> None:
+def plot(res: SelectionResult, path: str) -> None:
     """Ratio against the model's node decode rate, the budget line, the choice marked."""
     require_matplotlib()
     import matplotlib
@@ -337,5 +341,14 @@ def plot(res: "SelectionResult", path: str) -> None:
     plt.close(fig)
 
 
-__all__ = ["to_json", "summary_line", "not_met_message", "table", "plot", "require_matplotlib",
-           "capacity_json", "capacity_line"]
+__all__ = [
+    "capacity_json",
+    "capacity_line",
+    "check_met",
+    "not_met_message",
+    "plot",
+    "require_matplotlib",
+    "summary_line",
+    "table",
+    "to_json",
+]
