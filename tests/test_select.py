@@ -527,3 +527,123 @@ def test_pack_auto_per_kind_applies_the_policy(tmp_path):
     assert slots_seen[json_kind] - {"none"}  # compressed with the chosen codec
     if "+dict" in per_kind[json_kind]:
         assert any("dict" in cfg for cfg in index.codecs)  # the dictionary travels along
+
+
+def _names_tree(root) -> tuple[str, dict[str, bytes]]:
+    """Every kind of candidate has something to do: many small JSON and text files
+    (dictionaries, solid blocks), float arrays (shuffle filters at their element size),
+    random bytes (kept raw), an empty file."""
+    rng = np.random.default_rng(21)
+    words = [f"w{i}" for i in range(60)]
+    files = {f"json/{i:03d}.json": json_records(rng, int(rng.integers(2, 10)))
+             for i in range(90)}
+    files.update({f"txt/{i:03d}.txt": " ".join(rng.choice(words, int(rng.integers(20, 400))))
+                  .encode() for i in range(40)})
+    files.update({f"npy/{i:02d}.npy": _npy(smooth_floats(rng, 6_000)) for i in range(6)})
+    files.update({f"bin/{i}.bin": rng.bytes(30_000) for i in range(3)})
+    files["empty.txt"] = b""
+    return write_files(root, files), files
+
+
+def _pack_and_check(src: str, dest, files: dict[str, bytes], *args: str) -> dict:
+    """``fanstore pack SRC DEST ARGS``, every file read back byte-exact; ``info --json``."""
+    import fanstore
+    from compressors import parse_codec_spec
+
+    proc = run_cli("pack", src, str(dest), *args, "--jobs", "1", "--partitions", "2",
+                   "--no-progress", timeout=300)
+    assert proc.returncode == 0, (args, proc.stderr)
+    with fanstore.open_store(str(dest), cache_mb=0) as store:
+        for rel, data in files.items():
+            assert store.read(rel) == data, (args, rel)
+    info = json.loads(run_cli("info", str(dest), "--json").stdout)
+    for spec in info["codec_chunks"]:  # what info lists is a spec pack takes too
+        parse_codec_spec(spec)
+    return info
+
+
+def test_every_name_select_prints_is_a_codec_pack_takes(tmp_path):
+    """The names of a real selection (one codec, per kind, the extras per kind) go to
+    `pack --codec` as they are, and pack applies what they say."""
+    src, files = _names_tree(tmp_path / "src")
+    proc = run_cli("select", src, "--per-kind", "--json", "--sample-mb", "2", "--reader", "api",
+                   *LOOSE_ARGS, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    names = ({c["codec"] for c in doc["candidates"]}
+             | {c["codec"] for c in doc.get("kind_candidates", [])}
+             | set(doc["per_kind"].values()) | {doc["chosen"]})
+    assert {"zstd:3+dict", "zstd:19+dict", "zstd:3+solid16k", "zstd:3+solid64k",
+            "zstd:19+dict+solid64k"} <= names
+    assert any(":shuffle:4" in n for n in names)
+    for i, name in enumerate(sorted(names)):
+        info = _pack_and_check(src, tmp_path / f"s{i}", files, "--codec", name)
+        assert bool(info["solid_chunks"]) == ("+solid" in name), (name, info["solid_chunks"])
+        assert any("dict" in cfg for cfg in info["codecs"]) == ("+dict" in name), name
+
+
+def test_the_report_ends_with_the_pack_command(tmp_path):
+    """Text and JSON reports end with a `fanstore pack` command that packs as chosen; with
+    --per-kind it is `--codec auto --per-kind` with the selection's options."""
+    import shlex
+
+    src, files = _names_tree(tmp_path / "src")
+    args = ["--sample-mb", "2", "--reader", "api", *LOOSE_ARGS]
+    text = run_cli("select", src, *args, timeout=300)
+    assert text.returncode == 0, text.stderr
+    doc = json.loads(run_cli("select", src, "--json", *args, timeout=300).stdout)
+    assert list(doc)[-1] == "pack_command"
+    want = f"fanstore pack {src} DEST --codec {doc['chosen']}"
+    assert doc["pack_command"] == want
+    assert text.stdout.rstrip("\n").splitlines()[-1] == f"pack      {want}"
+
+    def run(command: str, dest) -> dict:
+        words = shlex.split(command.replace(" DEST ", f" {dest} "))
+        assert words[:4] == ["fanstore", "pack", src, str(dest)]
+        return _pack_and_check(src, dest, files, *words[4:])
+
+    info = run(doc["pack_command"], tmp_path / "one")
+    assert "selection" not in info or info["selection"] is None  # a pinned codec
+
+    per_kind = json.loads(run_cli("select", src, "--json", "--per-kind", *args,
+                                  timeout=300).stdout)
+    assert per_kind["met"] and list(per_kind)[-1] == "pack_command"
+    assert per_kind["pack_command"] == (
+        f"fanstore pack {src} DEST --codec auto --per-kind --mode prefetch --mb-per-sec 1 "
+        "--cores 2 --sample-mb 2 --storage-mb-per-sec 100000 --reader api")
+    assert per_kind["pack_command_single"] == f"fanstore pack {src} DEST --codec " \
+                                              f"{per_kind['chosen']}"
+    info = run(per_kind["pack_command"], tmp_path / "mix")
+    assert info["selection"]["per_kind"] == per_kind["per_kind"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--codec", "zstd:3+solid64k", "--solid-kb", "16"),
+     "--codec zstd:3+solid64k and --solid-kb 16 ask for different solid blocks"),
+    (("--codec", "zstd:3+solid2048k"),
+     ("--codec zstd:3+solid2048k: solid blocks of 2048 KiB are larger than the chunk size "
+      "(1024 KiB; raise --chunk-kb)")),
+    (("--codec", "zstd:3+solid64k+dict"), "--codec: invalid codec spec 'zstd:3+solid64k+dict'"),
+    (("--codec", "zstd:19+dict+solid64k+solid64k"), "'+solidNk' comes once"),
+])
+def test_codec_spec_usage_errors(tmp_path, args, message):
+    src = write_files(tmp_path / "src", {"a.txt": b"abc"})
+    proc = run_cli("pack", src, str(tmp_path / "s"), *args, "--no-progress")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "s").exists()
+
+
+def test_solid_suffix_is_solid_kb(tmp_path):
+    """`--codec X+solidNk`, `--codec X --solid-kb N` and both at once pack the same bytes."""
+    src, files = _names_tree(tmp_path / "src")
+    stores = []
+    for i, args in enumerate((("--codec", "zstd:3+solid16k"),
+                              ("--codec", "zstd:3", "--solid-kb", "16"),
+                              ("--codec", "zstd:3+solid16k", "--solid-kb", "16"))):
+        _pack_and_check(src, tmp_path / f"s{i}", files, *args)
+        index = read_index(str(tmp_path / f"s{i}"))
+        stores.append(([p.checksum for p in index.partitions], index.codecs,
+                       index.meta["counts"]))
+    assert stores[0] == stores[1] == stores[2]
+    assert read_index(str(tmp_path / "s0")).version == 2

@@ -28,33 +28,19 @@ def add_parsers(sub, common) -> None:
 
 def cmd_select(args) -> int:
     from fanstore.select.options import selection_options
-    from fanstore.select.report import (
-        capacity_json,
-        capacity_line,
-        check_met,
-        plot,
-        require_matplotlib,
-        table,
-        to_json,
-    )
+    from fanstore.select.report import check_met, plot, require_matplotlib, table, to_json
     from fanstore.select.selector import run_selection
 
     if getattr(args, "plot", None):
         require_matplotlib()  # fail before the long measurement, not after
     options = selection_options(args)
     result = run_selection(args.src, options)
-    capacity = getattr(args, "local_capacity", None)
-    fits = capacity_json(result, capacity) if capacity else None
+    capacity = getattr(args, "local_capacity", None) or None
     if getattr(args, "json", False):
-        doc = to_json(result)
-        if fits is not None:
-            doc["local_capacity"] = fits
-        json.dump(doc, sys.stdout, indent=2)
+        json.dump(to_json(result, capacity), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        print(table(result))
-        if fits is not None:
-            print(capacity_line(fits))
+        print(table(result, capacity))
     sys.stdout.flush()
     if getattr(args, "plot", None):
         plot(result, args.plot)
