@@ -336,9 +336,10 @@ def test_select_calibrates_the_reader(text_tree, tmp_path, reader):
         assert 0 < c["files_per_s"] <= cap * 1.0001, c
         assert c["files_per_s"] == c["node_files_per_s"]
     # Dictionaries and solid blocks are candidates on small files; a solid block costs a
-    # random-order read its whole block.
+    # random-order read its whole block, unless the reader's caches still hold it: these
+    # hold every block, so it is decoded about once per cache (per reader).
     assert {"zstd:3+dict", "zstd:19+dict", "zstd:3+solid64k"} <= set(cands)
-    assert cands["zstd:3+solid64k"]["read_amplification"] > 3
+    assert 1 < cands["zstd:3+solid64k"]["read_amplification"] <= doc["budget"]["cores"] + 0.01
     assert os.listdir(work) == []  # the temporary store (and mount point) are gone
     with open("/proc/mounts") as f:
         assert str(tmp_path) not in f.read()

@@ -260,6 +260,134 @@ def test_per_kind_dp_matches_brute_force():
 # --------------------------------------------------------------------------- sampling
 
 
+# --------------------------------------------------------------------------- the read order
+
+
+def _simulate_lru_epochs(groups, workers: int, cache: int, seeds: int = 3) -> list[float]:
+    """Decodes per block of each group (count, bytes, files), simulated: every file of every
+    block read once in random order, each read on a random one of ``workers`` LRU caches of
+    ``cache`` bytes."""
+    import random
+    from collections import OrderedDict
+
+    group_of = [g for g, (count, _, _) in enumerate(groups) for _ in range(count)]
+    reads = [b for b, g in enumerate(group_of) for _ in range(groups[g][2])]
+    decodes = [0] * len(groups)
+    for seed in range(seeds):
+        rng = random.Random(seed)
+        rng.shuffle(reads)
+        caches = [OrderedDict() for _ in range(workers)]
+        used = [0] * workers
+        for block in reads:
+            w = rng.randrange(workers)
+            if block in caches[w]:
+                caches[w].move_to_end(block)
+                continue
+            size = groups[group_of[block]][1]
+            decodes[group_of[block]] += 1
+            caches[w][block] = size
+            used[w] += size
+            while used[w] > cache:
+                used[w] -= caches[w].popitem(last=False)[1]
+    return [d / (count * seeds) for d, (count, _, _) in zip(decodes, groups)]
+
+
+def test_decodes_per_block_limits():
+    from fanstore.select.readorder import decodes_per_block
+
+    for n, k in ((25, 2), (10, 4), (40, 1), (3, 8)):
+        assert decodes_per_block(n, k, 0.0) == pytest.approx(n)  # nothing stays cached
+        # everything stays: once per worker the block's files land on
+        assert decodes_per_block(n, k, 1.0) == pytest.approx(k * (1 - (1 - 1 / k) ** n))
+        assert decodes_per_block(n, 1, 0.3) == pytest.approx(1 + (n - 1) * 0.7 ** n)
+        values = [decodes_per_block(n, k, t / 10) for t in range(11)]
+        assert values == sorted(values, reverse=True)  # the longer cached, the fewer
+    assert decodes_per_block(1, 4, 0.0) == decodes_per_block(1, 4, 1.0) == 1.0
+
+
+def test_cached_fraction_of_blocks_alike():
+    """B blocks of b bytes, m = C / b fit: tau = (K / n) ln(B / (B - m)), capped at 1."""
+    from fanstore.select.readorder import Caches, amplification, cached_fraction
+
+    b, n, blocks = 65536, 25, 2400
+    for k, m in ((2, 1024), (4, 300), (1, 2000)):
+        tau = cached_fraction([(blocks, b, n)], Caches(k, m * b))
+        assert tau == pytest.approx(min(1.0, k / n * math.log(blocks / (blocks - m))), rel=1e-6)
+    assert cached_fraction([(blocks, b, n)], Caches(2, 0)) == 0.0
+    assert cached_fraction([(blocks, b, n)], Caches(2, blocks * b)) == 1.0
+    small = Caches(2, b / 2)  # a block never fits: the LRU refuses it, every read decodes
+    assert amplification([(blocks, b, n)], small, cached_fraction([(blocks, b, n)], small)) \
+        == pytest.approx(n)
+
+
+@pytest.mark.parametrize("groups, workers, cache", [
+    ([(2400, 64, 25)], 2, 64 * 2048),      # the cache holds most blocks
+    ([(2400, 64, 25)], 2, 64 * 1024),
+    ([(500, 64, 10)], 1, 64 * 250),        # one cache (the API, one reader)
+    ([(300, 64, 40)], 8, 64 * 20),         # little cached: nearly once per file
+    ([(300, 64, 25), (600, 16, 4)], 2, 4000),      # two kinds share the caches
+    ([(200, 64, 40), (100, 1024, 1)], 4, 3000),    # and chunks of large files
+])
+def test_read_order_model_against_simulated_lru_caches(groups, workers, cache):
+    from fanstore.select.readorder import Caches, cached_fraction, decodes_per_block
+
+    tau = cached_fraction(groups, Caches(workers, cache))
+    simulated = _simulate_lru_epochs(groups, workers, cache)
+    for (count, size, files), got in zip(groups, simulated):
+        assert decodes_per_block(files, workers, tau) == pytest.approx(got, rel=0.06, abs=0.05)
+
+
+def test_amplification_of_the_measured_case():
+    """60,000 files of 2.6 kB in 64 KiB blocks read through a 2-worker mount (256 MiB) or by
+    2 API readers (64 MiB each): far below the 25 decodes per block of no cache."""
+    from fanstore.select.readorder import amplification, cached_fraction, reader_caches
+
+    blocks = [(60_000 / 25, 25 * 2600, 25)]  # 156 MB of blocks
+    mount, api = reader_caches("mount", 2), reader_caches("api", 2)
+    assert (mount.workers, mount.bytes_each) == (2, 128 << 20)
+    assert (api.workers, api.bytes_each) == (2, 64 << 20)
+    no_cache = amplification(blocks, mount, 0.0)
+    assert no_cache == pytest.approx(25)
+    # 128 MiB per worker holds 85% of the blocks: about 4.7 decodes per block, not 25
+    a_mount = amplification(blocks, mount, cached_fraction(blocks, mount))
+    assert a_mount == pytest.approx(4.68, abs=0.05)
+    a_api = amplification(blocks, api, cached_fraction(blocks, api))
+    assert a_mount < a_api < no_cache / 1.5
+    fits = [(6_000 / 25, 25 * 2600, 25)]  # a tenth of it fits: once per worker
+    assert amplification(fits, mount, cached_fraction(fits, mount)) == pytest.approx(
+        2 * (1 - 0.5 ** 25))
+    # a block larger than a worker's cache is never kept: decoded for every file
+    assert amplification(blocks, reader_caches("mount", 8192), 1.0) == pytest.approx(25)
+
+
+def test_selection_charges_solid_blocks_by_the_readers_caches(tmp_path):
+    """Without a reader model every file read decodes its block; the API reader's caches
+    hold these blocks, so it decodes each about once per reader process."""
+    rng = np.random.default_rng(5)
+    src = write_files(tmp_path, {f"j/{i:03d}.json": json_records(rng, 6) for i in range(200)})
+    label = "zstd:3+solid64k"
+    amp = {}
+    for reader in (None, "api"):
+        res = select(src, reader=reader, sample_mb=2.0)
+        cost = res.candidate(label).cost
+        amp[reader] = cost.read / cost.stored
+    assert amp[None] > 50  # 64 KiB blocks of ~600-byte files: ~100 files each
+    assert 1 < amp["api"] <= 2 + 1e-9  # 2 readers (LOOSE: --cores 2)
+
+
+def test_reader_cache_defaults_are_the_readers():
+    import inspect
+
+    from fanstore.api import open_store
+    from fanstore.cli import build_parser
+    from fanstore.frontend import MountOptions
+    from fanstore.select.readorder import API_CACHE_MB, MOUNT_CACHE_MB
+
+    assert MOUNT_CACHE_MB == MountOptions.cache_mb
+    assert MOUNT_CACHE_MB == build_parser().parse_args(["mount", "S", "M"]).cache_mb
+    assert API_CACHE_MB == inspect.signature(open_store).parameters["cache_mb"].default
+
+
 def test_npy_itemsize():
     assert npy_itemsize(_npy(np.zeros(3, np.float32))) == 4
     assert npy_itemsize(_npy(np.zeros(3, np.float64))) == 8

@@ -33,7 +33,8 @@ DICT_LEVELS = (3, 19)
 DICT_MAX = 112640  # zstd's default dictionary size
 #: Solid-block candidates: (block KiB, codec spec, with the dictionary). Measured on the
 #: kinds of small files; their read cost includes the read amplification (a file read in
-#: random order decodes its whole block).
+#: random order decodes its whole block unless the reader's caches still hold it:
+#: ``readorder``).
 SOLID = ((16, "zstd:3", False), (64, "zstd:3", False), (64, "zstd:19", True))
 
 

@@ -14,7 +14,7 @@ import time
 
 from compressors import CodecError
 from fanstore.errors import FanStoreError, UsageError
-from fanstore.select import bench, policy
+from fanstore.select import bench, policy, readorder
 from fanstore.select.calibrate import ReaderCost, calibrate
 from fanstore.select.candidates import Candidate, per_kind_candidates, whole_set_candidates
 from fanstore.select.options import SelectionOptions
@@ -83,7 +83,10 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
                              sample.kinds[k].sample_bytes, sample.kinds[k].typesize,
                              sample.kinds[k].typesize_from) for k in kinds}
     path, seeks = _per_file_costs(files, sample, kinds, reader, options.chunk_size)
+    caches = (readorder.reader_caches(options.reader, options.n_cores)
+              if options.reader is not None else None)
     for cand in cands:
+        amps = _solid_amplification(sample, measures[cand.label], caches) if cand.solid else {}
         # A dictionary is stored once: charge it per raw byte of the kind(s) that use it.
         spread = cand.overhead / sum(sample.kinds[k].raw_bytes for k in measures[cand.label])
         for k, m in measures[cand.label].items():
@@ -93,8 +96,9 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
                          if own else 0.0)
             else:
                 extra = spread
-            # Solid blocks: a read decodes and checks its whole block (amplification).
-            amp = m.amplification
+            # Solid blocks: a read decodes and checks its whole block, unless the reader's
+            # caches still hold it (readorder: decodes per raw byte delivered).
+            amp = amps.get(k, 1.0)
             decode = (m.decode_s + m.raw_unit_bytes * base[k].copy) / m.raw_bytes * amp
             stored = m.stored_bytes / m.raw_bytes
             results[k].costs[cand.label] = Cost(
@@ -182,6 +186,23 @@ def _per_file_costs(files, sample: Sample, kinds: list[str], reader: ReaderCost 
     raw = {k: sample.kinds[k].raw_bytes for k in kinds if sample.kinds[k].raw_bytes}
     path = {k: seconds.get(k, 0.0) / n for k, n in raw.items()} if reader is not None else {}
     return path, {k: count.get(k, 0) / n for k, n in raw.items()}
+
+
+def _solid_amplification(sample: Sample, measures: dict[str, bench.KindMeasure],
+                         caches: readorder.Caches | None) -> dict[str, float]:
+    """Per kind, raw bytes decoded per raw byte delivered for solid blocks read in a
+    shuffled epoch (``readorder``): each kind's measured blocks stand for the kind's bytes
+    in the source, and all of them share the reader's caches. Without a reader (no
+    ``--reader``): no cache, every file read decodes its block."""
+    if caches is None:
+        return {k: m.amplification for k, m in measures.items()}
+    groups = {k: [(sample.kinds[k].raw_bytes / m.raw_bytes, raw, n) for raw, n in m.blocks]
+              for k, m in measures.items() if m.raw_bytes and m.blocks}
+    tau = readorder.cached_fraction([g for blocks in groups.values() for g in blocks], caches)
+    log.info("solid blocks stay cached %.0f%% of an epoch (%d caches of %.0f MiB)", tau * 100,
+             caches.workers, caches.bytes_each / (1 << 20))
+    return {k: readorder.amplification(blocks, caches, tau)
+            for k, blocks in groups.items()}
 
 
 def _measure_all(sample: Sample, kinds: list[str], cands: list[Candidate],
