@@ -70,11 +70,11 @@ def expand_braces(pattern: str) -> list[str]:
 
 
 def _sniff(path: str) -> str | None:
-    from fanstore.pack.sources import tar, zipsrc
+    from fanstore.pack.sources import tarstream, zipsrc
 
     if zipsrc.sniff(path):
         return "zip"
-    if tar.sniff(path):
+    if tarstream.sniff(path):
         return "tar"
     return None
 
