@@ -27,6 +27,7 @@ from helpers import (
 )
 
 import fanstore
+from compressors import parse_codec_spec
 from fanstore.errors import CorruptDataError
 from fanstore.format.index import read_index
 
@@ -235,6 +236,8 @@ def test_default_pack_runs_a_quick_selection(text_tree, tmp_path):
     assert set(sel["per_kind"]) == {"json/tiny", "txt/tiny", "csv/tiny", "bin/medium"}
     # Small text files get a trained dictionary: smaller than the old default, zstd:3.
     assert any("+dict" in label for label in sel["per_kind"].values())
+    for label in sel["per_kind"].values():  # what info shows is a --codec value
+        parse_codec_spec(label)
     assert any("dict" in cfg for cfg in index.codecs)
     old = tmp_path / "zstd3"
     run_cli("pack", src, old, "--codec", "zstd:3", "--chunk-kb", "128", "--partitions", "2",

@@ -94,8 +94,7 @@ class QuickSelection:
         """One line for stderr: what was chosen for how much of the data."""
         share: dict[str, int] = {}
         for c in self.choices.values():
-            label = c.label.split("[", 1)[0]
-            share[label] = share.get(label, 0) + c.raw_bytes
+            share[c.label] = share.get(c.label, 0) + c.raw_bytes
         total = max(1, sum(share.values()))
         parts = ", ".join(f"{label} {n / total:.0%}" for label, n in
                           sorted(share.items(), key=lambda kv: -kv[1]))
@@ -167,8 +166,8 @@ def _candidates(ks) -> list[tuple[str, Codec, int]]:
         data = train_kind_dictionary(ks.train)
         if data is not None:
             for level in _DICT_LEVELS:
-                codec = ZstdCodec(level, dict_data=data)
-                out.append((f"{codec.spec}[{ks.kind}]", codec, len(data)))
+                codec = ZstdCodec(level, dict_data=data)  # its spec is zstd:L+dict
+                out.append((codec.spec, codec, len(data)))
     return out
 
 
