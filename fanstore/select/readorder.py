@@ -19,8 +19,9 @@ file is read once, in random order. The model, per block (``docs/selection.md``)
    about ``sum_Y b_Y (1 - exp(-n_Y tau / K))`` bytes of distinct blocks (each of block Y's
    ``n_Y`` reads lands there with probability ``1/K``; Che's approximation for LRU caches).
    ``tau`` solves ``sum_Y b_Y (1 - exp(-n_Y tau / K)) = C`` (capped at 1: the cache holds
-   all a worker touches in an epoch; a block larger than ``C`` is never kept). For ``B`` blocks of one size, with ``m = C / b`` of
-   them fitting: ``tau = min(1, (K / n) ln(B / (B - m)))``.
+   all a worker touches in an epoch; a block larger than ``C`` is never kept). For ``B``
+   blocks of one size, with ``m = C / b`` of them fitting:
+   ``tau = min(1, (K / n) ln(B / (B - m)))``.
 2. **How often it is decoded.** Block X's ``n`` reads fall on a worker ``j ~ Binomial(n,
    1/K)`` times, at random moments of the epoch. The first is a miss; each later one is a
    miss when the gap since the previous read there exceeds ``tau`` of the epoch, which for
@@ -37,8 +38,15 @@ file is read once, in random order. The model, per block (``docs/selection.md``)
    amplification; ``sum_X n_X b_X / sum_X b_X`` without any cache).
 
 Checked against a simulation of ``K`` LRU caches over shuffled epochs (tests/test_select.py):
-within 5% from 300 to 2,400 blocks of 5-100 files, 1-8 workers, caches holding none to all.
+within 6% from 300 to 2,400 blocks of 5-100 files, 1-8 workers, caches holding none to all.
 Pure: no I/O, so testable with synthetic numbers.
+
+Premise: a reader puts the block it decoded into its LRU. The API does
+(``ChunkReader.read_all``). The kernel frontend reads with ``keep_whole=False`` (a file
+read whole lands in the page cache, so its chunks are not kept twice), which as written
+also leaves out a solid block read for one of its files: through such a mount every file
+read decodes its block (``fanstore stats``: ``chunks_decoded`` = files read), and this
+model is optimistic until the frontend keeps chunks that other files share.
 """
 
 from __future__ import annotations
