@@ -8,6 +8,10 @@ Standalone: it does not import ``fanstore``. Typical use::
     blob = codec.encode(raw)
     config = codec.get_config()                  # JSON-serialisable, stored with the data
     raw2 = get_codec(config).decode(blob, len(raw))   # exactly len(raw) bytes or CorruptDataError
+
+A store-level spec adds how the packer applies the codec (``compressors.spec``)::
+
+    spec = parse_codec_spec("zstd:19+dict+solid64k")   # codec zstd:19, dictionary, 64 KiB
 """
 
 from .abc import Codec
@@ -23,6 +27,7 @@ from .lz4 import Lz4Codec, Lz4HCCodec
 from .null import NullCodec
 from .registry import CODECS, available, get_codec, parse_spec, register_codec
 from .snappy import SnappyCodec
+from .spec import CodecSpec, parse_codec_spec
 from .zlib import ZlibCodec
 from .zstd import ZstdCodec, train_dictionary
 
@@ -30,6 +35,8 @@ __all__ = [
     "Codec",
     "get_codec",
     "parse_spec",
+    "CodecSpec",
+    "parse_codec_spec",
     "register_codec",
     "available",
     "CODECS",

@@ -82,7 +82,8 @@ class ZstdCodec(LeveledCodec):
 
     @property
     def spec(self) -> str:
-        """``zstd:<level>``; ``+dict`` marks a dictionary (not parseable: use the config)."""
+        """``zstd:<level>``; ``+dict`` marks a dictionary (``parse_spec`` refuses it: the
+        bytes are in the config; ``parse_codec_spec`` reads it as "trained per kind")."""
         return super().spec + ("+dict" if self._dict is not None else "")
 
 

@@ -27,6 +27,7 @@ from helpers import (
 )
 
 import fanstore
+from compressors import parse_codec_spec
 from fanstore.errors import CorruptDataError
 from fanstore.format.index import read_index
 
@@ -235,6 +236,8 @@ def test_default_pack_runs_a_quick_selection(text_tree, tmp_path):
     assert set(sel["per_kind"]) == {"json/tiny", "txt/tiny", "csv/tiny", "bin/medium"}
     # Small text files get a trained dictionary: smaller than the old default, zstd:3.
     assert any("+dict" in label for label in sel["per_kind"].values())
+    for label in sel["per_kind"].values():  # what info shows is a --codec value
+        parse_codec_spec(label)
     assert any("dict" in cfg for cfg in index.codecs)
     old = tmp_path / "zstd3"
     run_cli("pack", src, old, "--codec", "zstd:3", "--chunk-kb", "128", "--partitions", "2",
@@ -336,9 +339,10 @@ def test_select_calibrates_the_reader(text_tree, tmp_path, reader):
         assert 0 < c["files_per_s"] <= cap * 1.0001, c
         assert c["files_per_s"] == c["node_files_per_s"]
     # Dictionaries and solid blocks are candidates on small files; a solid block costs a
-    # random-order read its whole block.
+    # random-order read its whole block, unless the reader's caches still hold it: these
+    # hold every block, so it is decoded about once per cache (per reader).
     assert {"zstd:3+dict", "zstd:19+dict", "zstd:3+solid64k"} <= set(cands)
-    assert cands["zstd:3+solid64k"]["read_amplification"] > 3
+    assert 1 < cands["zstd:3+solid64k"]["read_amplification"] <= doc["budget"]["cores"] + 0.01
     assert os.listdir(work) == []  # the temporary store (and mount point) are gone
     with open("/proc/mounts") as f:
         assert str(tmp_path) not in f.read()
@@ -346,10 +350,11 @@ def test_select_calibrates_the_reader(text_tree, tmp_path, reader):
 
 def test_select_without_a_reader_model_in_the_library(text_tree):
     from fanstore.select import SelectionOptions, run_selection
+    from fanstore.select.report import to_json
 
     res = run_selection(str(text_tree[0]), SelectionOptions(sample_mb=2, storage_mb_per_sec=1e3,
                                                             progress=False))
-    assert res.reader is None and res.to_json()["reader"] is None
+    assert res.reader is None and to_json(res)["reader"] is None
 
 
 @pytest.mark.parametrize("setup, args, message", [

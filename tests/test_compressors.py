@@ -10,6 +10,7 @@ import json
 import os
 import pickle
 import random
+import re
 import struct
 import sys
 import threading
@@ -30,17 +31,20 @@ from compressors import (
     Blosc2Codec,
     Codec,
     CodecError,
+    CodecSpec,
     CodecUnavailableError,
     CorruptDataError,
     UnknownCodecError,
     ZstdCodec,
+    _util,
     available,
     get_codec,
+    parse_codec_spec,
     parse_spec,
     register_codec,
+    registry,
     train_dictionary,
 )
-from compressors import _util, registry
 
 try:
     import resource
@@ -283,6 +287,56 @@ def test_spec_round_trip(codec: Codec) -> None:
 )
 def test_spec_defaults(spec: str, canonical: str) -> None:
     assert parse_spec(spec).spec == canonical
+
+
+@pytest.mark.parametrize(
+    ("text", "codec", "dictionary", "solid_kb", "label"),
+    [
+        ("zstd:3", "zstd:3", False, 0, "zstd:3"),
+        ("zstd", "zstd:3", False, 0, "zstd:3"),
+        ("zstd:19+dict", "zstd:19", True, 0, "zstd:19+dict"),
+        ("zstd:3+solid16k", "zstd:3", False, 16, "zstd:3+solid16k"),
+        ("zstd:19+dict+solid64k", "zstd:19", True, 64, "zstd:19+dict+solid64k"),
+        ("blosc2:zstd:5:shuffle:4+solid32k", "blosc2:zstd:5:shuffle:4", False, 32,
+         "blosc2:zstd:5:shuffle:4+solid32k"),
+        ("none", "none", False, 0, "none"),
+        ("lz4+solid1k", "lz4", False, 1, "lz4+solid1k"),
+    ],
+)
+def test_codec_spec_grammar(text: str, codec: str, dictionary: bool, solid_kb: int,
+                            label: str) -> None:
+    spec = parse_codec_spec(text)
+    assert spec == CodecSpec(parse_spec(codec), dictionary, solid_kb)
+    assert spec.label == str(spec) == label
+    assert parse_codec_spec(spec.label) == spec  # the label is a spec
+
+
+def test_codec_spec_of_a_dictionary_codec_is_its_label(zstd_dict: bytes) -> None:
+    # What `fanstore info` lists for a chunk with a dictionary is a spec pack accepts.
+    spec = parse_codec_spec(ZstdCodec(9, dict_data=zstd_dict).spec)
+    assert spec == CodecSpec(ZstdCodec(9), dictionary=True)
+
+
+@pytest.mark.parametrize(
+    ("text", "error", "message"),
+    [
+        ("zstd:3+dict+dict", BadConfigError, "'+dict' comes once"),
+        ("zstd:3+solid64k+dict", BadConfigError, "before '+solidNk'"),
+        ("zstd:3+solid16k+solid64k", BadConfigError, "'+solidNk' comes once"),
+        ("zstd:3+solid0k", BadConfigError, "at least 1 KiB"),
+        ("zstd:3+solid64", BadConfigError, "unknown suffix '+solid64'"),
+        ("zstd:3+", BadConfigError, "unknown suffix '+'"),
+        ("zstd:3+fast", BadConfigError, "(NAME[:ARG...][+dict][+solidNk])"),
+        ("lz4+dict", BadConfigError, "only zstd:L takes a trained dictionary"),
+        ("zstd:99+dict", BadConfigError, "invalid codec spec 'zstd:99': zstd level must be"),
+        ("bogus+solid64k", UnknownCodecError, "unknown codec 'bogus'"),
+        ("", UnknownCodecError, "empty"),
+    ],
+)
+def test_codec_spec_errors(text: str, error: type, message: str) -> None:
+    with pytest.raises(error, match=re.escape(message)) as info:
+        parse_codec_spec(text)
+    assert "\n" not in str(info.value)
 
 
 def test_equality_hash_repr(zstd_dict: bytes) -> None:

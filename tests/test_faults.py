@@ -46,7 +46,7 @@ from fanstore.format.index import (
     read_index,
 )
 from fanstore.format.partition import partition_name
-from fanstore.pack.write import TMP_MARK
+from fanstore.pack.dest import TMP_MARK
 from fanstore.store import LocalStore
 from helpers import (
     FANSTORE,

@@ -20,7 +20,7 @@ from compressors import parse_spec
 from fanstore.errors import PackError
 from fanstore.format.index import INDEX_NAME, KIND_DIR, KIND_FILE, KIND_SYMLINK, read_index
 from fanstore.pack import CodecPolicy, PackOptions, pack, plan_partitions, scan_tree
-from fanstore.pack.write import OLD_MARK, TMP_MARK
+from fanstore.pack.dest import OLD_MARK, TMP_MARK
 from fanstore.store import LocalStore
 from helpers import (
     FANSTORE,

@@ -18,9 +18,11 @@ from compressors import get_codec
 from fanstore.errors import BudgetNotMetError
 from fanstore.format.index import KIND_FILE, read_index
 from fanstore.kinds import file_kind
-from fanstore.select import SelectionOptions, policy_from_selection, run_selection
+from fanstore.pack.policy import policy_from_selection
+from fanstore.select import SelectionOptions, run_selection
 from fanstore.select.bench import measure, measure_storage, measure_storage_access
 from fanstore.select.policy import Budget, Cost, choose, choose_per_kind, meets, mix, node_rate
+from fanstore.select.report import check_met, to_json
 from fanstore.select.sample import draw_sample, list_source, npy_itemsize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -258,6 +260,134 @@ def test_per_kind_dp_matches_brute_force():
 # --------------------------------------------------------------------------- sampling
 
 
+# --------------------------------------------------------------------------- the read order
+
+
+def _simulate_lru_epochs(groups, workers: int, cache: int, seeds: int = 3) -> list[float]:
+    """Decodes per block of each group (count, bytes, files), simulated: every file of every
+    block read once in random order, each read on a random one of ``workers`` LRU caches of
+    ``cache`` bytes."""
+    import random
+    from collections import OrderedDict
+
+    group_of = [g for g, (count, _, _) in enumerate(groups) for _ in range(count)]
+    reads = [b for b, g in enumerate(group_of) for _ in range(groups[g][2])]
+    decodes = [0] * len(groups)
+    for seed in range(seeds):
+        rng = random.Random(seed)
+        rng.shuffle(reads)
+        caches = [OrderedDict() for _ in range(workers)]
+        used = [0] * workers
+        for block in reads:
+            w = rng.randrange(workers)
+            if block in caches[w]:
+                caches[w].move_to_end(block)
+                continue
+            size = groups[group_of[block]][1]
+            decodes[group_of[block]] += 1
+            caches[w][block] = size
+            used[w] += size
+            while used[w] > cache:
+                used[w] -= caches[w].popitem(last=False)[1]
+    return [d / (count * seeds) for d, (count, _, _) in zip(decodes, groups)]
+
+
+def test_decodes_per_block_limits():
+    from fanstore.select.readorder import decodes_per_block
+
+    for n, k in ((25, 2), (10, 4), (40, 1), (3, 8)):
+        assert decodes_per_block(n, k, 0.0) == pytest.approx(n)  # nothing stays cached
+        # everything stays: once per worker the block's files land on
+        assert decodes_per_block(n, k, 1.0) == pytest.approx(k * (1 - (1 - 1 / k) ** n))
+        assert decodes_per_block(n, 1, 0.3) == pytest.approx(1 + (n - 1) * 0.7 ** n)
+        values = [decodes_per_block(n, k, t / 10) for t in range(11)]
+        assert values == sorted(values, reverse=True)  # the longer cached, the fewer
+    assert decodes_per_block(1, 4, 0.0) == decodes_per_block(1, 4, 1.0) == 1.0
+
+
+def test_cached_fraction_of_blocks_alike():
+    """B blocks of b bytes, m = C / b fit: tau = (K / n) ln(B / (B - m)), capped at 1."""
+    from fanstore.select.readorder import Caches, amplification, cached_fraction
+
+    b, n, blocks = 65536, 25, 2400
+    for k, m in ((2, 1024), (4, 300), (1, 2000)):
+        tau = cached_fraction([(blocks, b, n)], Caches(k, m * b))
+        assert tau == pytest.approx(min(1.0, k / n * math.log(blocks / (blocks - m))), rel=1e-6)
+    assert cached_fraction([(blocks, b, n)], Caches(2, 0)) == 0.0
+    assert cached_fraction([(blocks, b, n)], Caches(2, blocks * b)) == 1.0
+    small = Caches(2, b / 2)  # a block never fits: the LRU refuses it, every read decodes
+    assert amplification([(blocks, b, n)], small, cached_fraction([(blocks, b, n)], small)) \
+        == pytest.approx(n)
+
+
+@pytest.mark.parametrize("groups, workers, cache", [
+    ([(2400, 64, 25)], 2, 64 * 2048),      # the cache holds most blocks
+    ([(2400, 64, 25)], 2, 64 * 1024),
+    ([(500, 64, 10)], 1, 64 * 250),        # one cache (the API, one reader)
+    ([(300, 64, 40)], 8, 64 * 20),         # little cached: nearly once per file
+    ([(300, 64, 25), (600, 16, 4)], 2, 4000),      # two kinds share the caches
+    ([(200, 64, 40), (100, 1024, 1)], 4, 3000),    # and chunks of large files
+])
+def test_read_order_model_against_simulated_lru_caches(groups, workers, cache):
+    from fanstore.select.readorder import Caches, cached_fraction, decodes_per_block
+
+    tau = cached_fraction(groups, Caches(workers, cache))
+    simulated = _simulate_lru_epochs(groups, workers, cache)
+    for (count, size, files), got in zip(groups, simulated):
+        assert decodes_per_block(files, workers, tau) == pytest.approx(got, rel=0.06, abs=0.05)
+
+
+def test_amplification_of_the_measured_case():
+    """60,000 files of 2.6 kB in 64 KiB blocks read through a 2-worker mount (256 MiB) or by
+    2 API readers (64 MiB each): far below the 25 decodes per block of no cache."""
+    from fanstore.select.readorder import amplification, cached_fraction, reader_caches
+
+    blocks = [(60_000 / 25, 25 * 2600, 25)]  # 156 MB of blocks
+    mount, api = reader_caches("mount", 2), reader_caches("api", 2)
+    assert (mount.workers, mount.bytes_each) == (2, 128 << 20)
+    assert (api.workers, api.bytes_each) == (2, 64 << 20)
+    no_cache = amplification(blocks, mount, 0.0)
+    assert no_cache == pytest.approx(25)
+    # 128 MiB per worker holds 85% of the blocks: about 4.7 decodes per block, not 25
+    a_mount = amplification(blocks, mount, cached_fraction(blocks, mount))
+    assert a_mount == pytest.approx(4.68, abs=0.05)
+    a_api = amplification(blocks, api, cached_fraction(blocks, api))
+    assert a_mount < a_api < no_cache / 1.5
+    fits = [(6_000 / 25, 25 * 2600, 25)]  # a tenth of it fits: once per worker
+    assert amplification(fits, mount, cached_fraction(fits, mount)) == pytest.approx(
+        2 * (1 - 0.5 ** 25))
+    # a block larger than a worker's cache is never kept: decoded for every file
+    assert amplification(blocks, reader_caches("mount", 8192), 1.0) == pytest.approx(25)
+
+
+def test_selection_charges_solid_blocks_by_the_readers_caches(tmp_path):
+    """Without a reader model every file read decodes its block; the API reader's caches
+    hold these blocks, so it decodes each about once per reader process."""
+    rng = np.random.default_rng(5)
+    src = write_files(tmp_path, {f"j/{i:03d}.json": json_records(rng, 6) for i in range(200)})
+    label = "zstd:3+solid64k"
+    amp = {}
+    for reader in (None, "api"):
+        res = select(src, reader=reader, sample_mb=2.0)
+        cost = res.candidate(label).cost
+        amp[reader] = cost.read / cost.stored
+    assert amp[None] > 50  # 64 KiB blocks of ~600-byte files: ~100 files each
+    assert 1 < amp["api"] <= 2 + 1e-9  # 2 readers (LOOSE: --cores 2)
+
+
+def test_reader_cache_defaults_are_the_readers():
+    import inspect
+
+    from fanstore.api import open_store
+    from fanstore.cli import build_parser
+    from fanstore.frontend import MountOptions
+    from fanstore.select.readorder import API_CACHE_MB, MOUNT_CACHE_MB
+
+    assert MOUNT_CACHE_MB == MountOptions.cache_mb
+    assert MOUNT_CACHE_MB == build_parser().parse_args(["mount", "S", "M"]).cache_mb
+    assert API_CACHE_MB == inspect.signature(open_store).parameters["cache_mb"].default
+
+
 def test_npy_itemsize():
     assert npy_itemsize(_npy(np.zeros(3, np.float32))) == 4
     assert npy_itemsize(_npy(np.zeros(3, np.float64))) == 8
@@ -363,7 +493,7 @@ def test_impossible_budget_reports_and_raises(tmp_path):
     fastest = max((c for c in res.candidates if c.kinds is None), key=lambda c: c.node_rate)
     assert res.chosen == fastest.label
     with pytest.raises(BudgetNotMetError) as err:
-        res.check_met()
+        check_met(res)
     assert err.value.exit_code == 3 and "no codec meets the budget" in str(err.value)
     with pytest.raises(BudgetNotMetError):
         policy_from_selection(res)
@@ -385,12 +515,12 @@ def test_per_kind_choice(tmp_path):
     policy = policy_from_selection(res)
     npy_kind = next(k for k in pk if k.startswith("npy/"))
     assert policy.codec_for("npy/000.npy", res.kinds[npy_kind].raw_bytes // 12).spec == pk[npy_kind]
-    doc = res.to_json()
+    doc = to_json(res)
     assert doc["per_kind"] == pk and json.loads(json.dumps(doc)) == doc
 
 
 def test_json_report_schema(tmp_path):
-    doc = select(npy_set(tmp_path, n=6)).to_json()
+    doc = to_json(select(npy_set(tmp_path, n=6)))
     for key in ("mode", "budget", "candidates", "chosen"):
         assert key in doc
     assert doc["mode"] == "prefetch" and doc["budget"]["cores"] == 2
@@ -417,7 +547,7 @@ def test_reports_state_what_their_mode_assumes(tmp_path):
     line = next(ln for ln in pre.splitlines() if ln.startswith("assumes "))
     assert "decoding and storage reads overlap its compute" in line and "2 cores" in line
     sync = select(src, mode="sync")
-    assert sync.to_json()["assumes"].startswith("sync: each read fetches, decodes and checks")
+    assert to_json(sync)["assumes"].startswith("sync: each read fetches, decodes and checks")
 
 
 def test_plot_written(tmp_path):
@@ -525,3 +655,123 @@ def test_pack_auto_per_kind_applies_the_policy(tmp_path):
     assert slots_seen[json_kind] - {"none"}  # compressed with the chosen codec
     if "+dict" in per_kind[json_kind]:
         assert any("dict" in cfg for cfg in index.codecs)  # the dictionary travels along
+
+
+def _names_tree(root) -> tuple[str, dict[str, bytes]]:
+    """Every kind of candidate has something to do: many small JSON and text files
+    (dictionaries, solid blocks), float arrays (shuffle filters at their element size),
+    random bytes (kept raw), an empty file."""
+    rng = np.random.default_rng(21)
+    words = [f"w{i}" for i in range(60)]
+    files = {f"json/{i:03d}.json": json_records(rng, int(rng.integers(2, 10)))
+             for i in range(90)}
+    files.update({f"txt/{i:03d}.txt": " ".join(rng.choice(words, int(rng.integers(20, 400))))
+                  .encode() for i in range(40)})
+    files.update({f"npy/{i:02d}.npy": _npy(smooth_floats(rng, 6_000)) for i in range(6)})
+    files.update({f"bin/{i}.bin": rng.bytes(30_000) for i in range(3)})
+    files["empty.txt"] = b""
+    return write_files(root, files), files
+
+
+def _pack_and_check(src: str, dest, files: dict[str, bytes], *args: str) -> dict:
+    """``fanstore pack SRC DEST ARGS``, every file read back byte-exact; ``info --json``."""
+    import fanstore
+    from compressors import parse_codec_spec
+
+    proc = run_cli("pack", src, str(dest), *args, "--jobs", "1", "--partitions", "2",
+                   "--no-progress", timeout=300)
+    assert proc.returncode == 0, (args, proc.stderr)
+    with fanstore.open_store(str(dest), cache_mb=0) as store:
+        for rel, data in files.items():
+            assert store.read(rel) == data, (args, rel)
+    info = json.loads(run_cli("info", str(dest), "--json").stdout)
+    for spec in info["codec_chunks"]:  # what info lists is a spec pack takes too
+        parse_codec_spec(spec)
+    return info
+
+
+def test_every_name_select_prints_is_a_codec_pack_takes(tmp_path):
+    """The names of a real selection (one codec, per kind, the extras per kind) go to
+    `pack --codec` as they are, and pack applies what they say."""
+    src, files = _names_tree(tmp_path / "src")
+    proc = run_cli("select", src, "--per-kind", "--json", "--sample-mb", "2", "--reader", "api",
+                   *LOOSE_ARGS, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    names = ({c["codec"] for c in doc["candidates"]}
+             | {c["codec"] for c in doc.get("kind_candidates", [])}
+             | set(doc["per_kind"].values()) | {doc["chosen"]})
+    assert {"zstd:3+dict", "zstd:19+dict", "zstd:3+solid16k", "zstd:3+solid64k",
+            "zstd:19+dict+solid64k"} <= names
+    assert any(":shuffle:4" in n for n in names)
+    for i, name in enumerate(sorted(names)):
+        info = _pack_and_check(src, tmp_path / f"s{i}", files, "--codec", name)
+        assert bool(info["solid_chunks"]) == ("+solid" in name), (name, info["solid_chunks"])
+        assert any("dict" in cfg for cfg in info["codecs"]) == ("+dict" in name), name
+
+
+def test_the_report_ends_with_the_pack_command(tmp_path):
+    """Text and JSON reports end with a `fanstore pack` command that packs as chosen; with
+    --per-kind it is `--codec auto --per-kind` with the selection's options."""
+    import shlex
+
+    src, files = _names_tree(tmp_path / "src")
+    args = ["--sample-mb", "2", "--reader", "api", *LOOSE_ARGS]
+    text = run_cli("select", src, *args, timeout=300)
+    assert text.returncode == 0, text.stderr
+    doc = json.loads(run_cli("select", src, "--json", *args, timeout=300).stdout)
+    assert list(doc)[-1] == "pack_command"
+    want = f"fanstore pack {src} DEST --codec {doc['chosen']}"
+    assert doc["pack_command"] == want
+    assert text.stdout.rstrip("\n").splitlines()[-1] == f"pack      {want}"
+
+    def run(command: str, dest) -> dict:
+        words = shlex.split(command.replace(" DEST ", f" {dest} "))
+        assert words[:4] == ["fanstore", "pack", src, str(dest)]
+        return _pack_and_check(src, dest, files, *words[4:])
+
+    info = run(doc["pack_command"], tmp_path / "one")
+    assert "selection" not in info or info["selection"] is None  # a pinned codec
+
+    per_kind = json.loads(run_cli("select", src, "--json", "--per-kind", *args,
+                                  timeout=300).stdout)
+    assert per_kind["met"] and list(per_kind)[-1] == "pack_command"
+    assert per_kind["pack_command"] == (
+        f"fanstore pack {src} DEST --codec auto --per-kind --mode prefetch --mb-per-sec 1 "
+        "--cores 2 --sample-mb 2 --storage-mb-per-sec 100000 --reader api")
+    assert per_kind["pack_command_single"] == f"fanstore pack {src} DEST --codec " \
+                                              f"{per_kind['chosen']}"
+    info = run(per_kind["pack_command"], tmp_path / "mix")
+    assert info["selection"]["per_kind"] == per_kind["per_kind"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--codec", "zstd:3+solid64k", "--solid-kb", "16"),
+     "--codec zstd:3+solid64k and --solid-kb 16 ask for different solid blocks"),
+    (("--codec", "zstd:3+solid2048k"),
+     ("--codec zstd:3+solid2048k: solid blocks of 2048 KiB are larger than the chunk size "
+      "(1024 KiB; raise --chunk-kb)")),
+    (("--codec", "zstd:3+solid64k+dict"), "--codec: invalid codec spec 'zstd:3+solid64k+dict'"),
+    (("--codec", "zstd:19+dict+solid64k+solid64k"), "'+solidNk' comes once"),
+])
+def test_codec_spec_usage_errors(tmp_path, args, message):
+    src = write_files(tmp_path / "src", {"a.txt": b"abc"})
+    proc = run_cli("pack", src, str(tmp_path / "s"), *args, "--no-progress")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "s").exists()
+
+
+def test_solid_suffix_is_solid_kb(tmp_path):
+    """`--codec X+solidNk`, `--codec X --solid-kb N` and both at once pack the same bytes."""
+    src, files = _names_tree(tmp_path / "src")
+    stores = []
+    for i, args in enumerate((("--codec", "zstd:3+solid16k"),
+                              ("--codec", "zstd:3", "--solid-kb", "16"),
+                              ("--codec", "zstd:3+solid16k", "--solid-kb", "16"))):
+        _pack_and_check(src, tmp_path / f"s{i}", files, *args)
+        index = read_index(str(tmp_path / f"s{i}"))
+        stores.append(([p.checksum for p in index.partitions], index.codecs,
+                       index.meta["counts"]))
+    assert stores[0] == stores[1] == stores[2]
+    assert read_index(str(tmp_path / "s0")).version == 2

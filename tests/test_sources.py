@@ -21,7 +21,7 @@ import pytest
 
 from fanstore.format.index import INDEX_NAME, KIND_DIR, KIND_FILE, KIND_SYMLINK, read_index
 from fanstore.pack.sources import expand_braces
-from fanstore.pack.write import TMP_MARK
+from fanstore.pack.dest import TMP_MARK
 from fanstore.store import LocalStore
 from helpers import (
     FANSTORE,

@@ -24,15 +24,11 @@ import numpy as np
 
 from fanstore.daemon.world import World
 from fanstore.errors import FanStoreError, PackError
-from fanstore.pack.write import (
-    PackOptions,
-    PackSummary,
-    _PartResult,
-    _PartTask,
-    finish,
-    prepare,
-    run_tasks,
-)
+from fanstore.pack.options import PackOptions, PackSummary
+from fanstore.pack.worker import PartResult as _PartResult
+from fanstore.pack.worker import PartTask as _PartTask
+from fanstore.pack.worker import run_tasks
+from fanstore.pack.write import finish, prepare
 
 log = logging.getLogger(__name__)
 

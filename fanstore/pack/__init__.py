@@ -1,9 +1,10 @@
 """``fanstore pack``: read a source (a directory, tar shards, a zip file, an S3 prefix),
 compress it into partitions in parallel, write a store (locally or to S3)."""
 
+from fanstore.pack.options import PackOptions, PackSummary
 from fanstore.pack.plan import CodecPolicy, plan_partitions
 from fanstore.pack.scan import ScanEntry, ScanResult, scan_tree
-from fanstore.pack.write import PackOptions, PackSummary, pack
+from fanstore.pack.write import pack
 
 
 def pack_any(src: str, dest: str, policy: CodecPolicy | None = None,

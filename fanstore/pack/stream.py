@@ -51,6 +51,8 @@ from fanstore.format.partition import PartitionWriter, partition_name
 from fanstore.pack.access import PRIVATE_FILE_MODE, decide_stream
 from fanstore.pack.dest import open_destination
 from fanstore.pack.encoders import EncoderPool
+from fanstore.pack.indexing import build_index
+from fanstore.pack.options import PackOptions, PackSummary, check_options, report_problems
 from fanstore.pack.plan import CodecPolicy, CodecTable, in_dir
 from fanstore.pack.scan import show
 from fanstore.pack.sources.base import (
@@ -63,14 +65,7 @@ from fanstore.pack.sources.base import (
     normalize_name,
     target_problem,
 )
-from fanstore.pack.write import (
-    PackOptions,
-    PackSummary,
-    _PartResult,
-    build_index,
-    check_options,
-    report_problems,
-)
+from fanstore.pack.worker import PartResult
 
 
 @dataclass
@@ -366,10 +361,10 @@ class StreamPacker:
 
 
 def _part_result(p: int, size: int, checksum: str, fids: list[int], files: list[_File],
-                 entry_of: dict[int, int]) -> _PartResult:
+                 entry_of: dict[int, int]) -> PartResult:
     rows = [r for fid in fids for r in files[fid].rows]
     arr = np.array(rows, dtype=np.uint64).reshape(-1, 5)
-    res = _PartResult(p, size=size, checksum=checksum)
+    res = PartResult(p, size=size, checksum=checksum)
     res.entries = np.array([entry_of[f] for f in fids], "<u4")
     res.file_sums = np.array([files[f].checksum for f in fids], "<u8")
     res.chunk_counts = np.array([len(files[f].rows) for f in fids], "<u4")

@@ -24,8 +24,8 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import xxhash
 
@@ -58,7 +58,17 @@ class KindMeasure:
     raw_unit_bytes: int
     encode_s: float
     decode_s: float
-    amplification: float = 1.0  # bytes decoded per byte a reader gets (solid blocks)
+    #: solid blocks: (raw bytes, files) of each measured block (a unit larger than a block
+    #: is a block of one); empty otherwise
+    blocks: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def amplification(self) -> float:
+        """Bytes decoded per byte a reader gets when every file read decodes its whole block
+        (no cache keeps it: the most a random-order read can cost; ``readorder`` models the
+        caches)."""
+        total = sum(raw for raw, _ in self.blocks)
+        return sum(n * raw for raw, n in self.blocks) / total if total else 1.0
 
 
 @dataclass
@@ -169,16 +179,13 @@ def solid_blocks(units: list[bytes], block: int) -> tuple[list[bytes], list[int]
 
 def measure_solid(codec: Codec, units: list[bytes], encode_budget: float,
                   block: int) -> KindMeasure:
-    """:func:`measure` on the solid blocks of ``units`` (see :func:`solid_blocks`), with the
-    read amplification of a random-order read, ``sum(units in b * raw(b)) / sum(raw(b))``:
-    each file read decodes (and checks) its whole block. A decoded-chunk cache can only
-    lower it; the model does not count on one."""
+    """:func:`measure` on the solid blocks of ``units`` (see :func:`solid_blocks`), keeping
+    the size and file count of each measured block: each file read decodes (and checks) its
+    whole block unless a cache still holds it (``fanstore.select.readorder``)."""
     blocks, members = solid_blocks(units, block)
     m = measure(codec, blocks, encode_budget)
-    done = blocks[: m.units]  # encoding may have been cut short: what was measured
-    total = sum(len(b) for b in done)
-    m.amplification = (sum(n * len(b) for n, b in zip(members, done)) / total
-                       if total else 1.0)
+    # encoding may have been cut short: the blocks measured
+    m.blocks = [(len(b), n) for b, n in zip(blocks[: m.units], members)]
     return m
 
 

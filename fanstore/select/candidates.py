@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from compressors import Codec, CodecError, ZstdCodec, parse_spec, train_dictionary
+from compressors import Codec, CodecError, CodecSpec, ZstdCodec, parse_spec, train_dictionary
 from fanstore.select.sample import Sample, dict_eligible
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,8 @@ DICT_LEVELS = (3, 19)
 DICT_MAX = 112640  # zstd's default dictionary size
 #: Solid-block candidates: (block KiB, codec spec, with the dictionary). Measured on the
 #: kinds of small files; their read cost includes the read amplification (a file read in
-#: random order decodes its whole block).
+#: random order decodes its whole block unless the reader's caches still hold it:
+#: ``readorder``).
 SOLID = ((16, "zstd:3", False), (64, "zstd:3", False), (64, "zstd:19", True))
 
 
@@ -86,7 +87,9 @@ def _build(specs: list[str]) -> list[Codec]:
     return out
 
 
-def _dictionary(samples: list[bytes]) -> bytes | None:
+def train_kind_dictionary(samples: list[bytes]) -> bytes | None:
+    """A zstd dictionary for one kind of small files trained on ``samples`` (a tenth of their
+    bytes, 4 KiB to zstd's default 110 KiB), or None when they are too few to train one."""
     total = sum(len(s) for s in samples)
     if len(samples) < 8 or total < 8192:
         return None
@@ -106,7 +109,7 @@ def whole_set_candidates(sample: Sample) -> list[Candidate]:
     # every dictionary is charged to the stored size.
     dicts = {k: d for k, ks in sorted(sample.kinds.items())
              if dict_eligible(k, ks.files) and ks.train
-             for d in [_dictionary(ks.train)] if d is not None}
+             for d in [train_kind_dictionary(ks.train)] if d is not None}
     overhead = sum(len(d) for d in dicts.values())
 
     def with_dicts(level: int) -> tuple[tuple[str, Codec], ...]:
@@ -114,14 +117,15 @@ def whole_set_candidates(sample: Sample) -> list[Candidate]:
 
     if dicts:
         for level in DICT_LEVELS:
-            out.append(Candidate(f"zstd:{level}+dict", ZstdCodec(level), overhead=overhead,
-                                 by_kind=with_dicts(level)))
+            codec = ZstdCodec(level)
+            out.append(Candidate(CodecSpec(codec, dictionary=True).label, codec,
+                                 overhead=overhead, by_kind=with_dicts(level)))
     if any(dict_eligible(k, ks.files) for k, ks in sample.kinds.items()):
         for kb, spec, with_dict in SOLID:
             if kb << 10 > sample.chunk_size or (with_dict and not dicts):
                 continue
             base = parse_spec(spec)
-            label = f"{base.spec}{'+dict' if with_dict else ''}+solid{kb}k"
+            label = CodecSpec(base, dictionary=with_dict, solid_kb=kb).label
             out.append(Candidate(label, base, overhead=overhead if with_dict else 0,
                                  solid=kb << 10,
                                  by_kind=with_dicts(base.level) if with_dict else ()))

@@ -43,8 +43,9 @@ class Cost:
     chunks raw when compression does not shrink them); ``cpu`` single-core seconds per raw
     byte on the read path (decode + checksum); ``io`` stored bytes *read* per raw byte a
     reader gets (``None``: ``stored``). They differ for solid blocks: a file read in random
-    order fetches, decodes and checks its whole block, so ``cpu`` and ``io`` carry that read
-    amplification while ``stored`` (capacity) does not; ``path`` is what the read path
+    order fetches, decodes and checks its whole block unless a cache still holds it
+    (``readorder``), so ``cpu`` and ``io`` carry that read amplification while ``stored``
+    (capacity) does not; ``path`` is what the read path
     itself (the FUSE mount or the Python API) costs one reader per raw byte, from its cost
     per file and per chunk (0 when not calibrated); ``seeks`` random storage reads per raw
     byte (one per file: the first read of a file lands anywhere in its partition).

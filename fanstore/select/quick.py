@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from compressors import Codec, CodecError, ZstdCodec, parse_spec
-from fanstore.errors import FanStoreError, UsageError
+from fanstore.errors import FanStoreError
 from fanstore.select import bench
-from fanstore.select.candidates import _dictionary
+from fanstore.select.candidates import train_kind_dictionary
 from fanstore.select.sample import SourceFile, draw_sample
 
 log = logging.getLogger(__name__)
@@ -86,19 +86,15 @@ class QuickSelection:
         raw = sum(c.raw_bytes for c in self.choices.values())
         return raw / stored if stored > 0 else 1.0
 
-    def policy(self):
-        from fanstore.pack import CodecPolicy
-
-        default = parse_spec(FALLBACK)
-        by_kind = {k: c.codec for k, c in self.choices.items() if c.codec != default}
-        return CodecPolicy(default, by_kind)
+    def codecs(self) -> dict[str, Codec]:
+        """Each kind's codec (kinds not measured: :data:`FALLBACK`)."""
+        return {k: c.codec for k, c in self.choices.items()}
 
     def line(self) -> str:
         """One line for stderr: what was chosen for how much of the data."""
         share: dict[str, int] = {}
         for c in self.choices.values():
-            label = c.label.split("[", 1)[0]
-            share[label] = share.get(label, 0) + c.raw_bytes
+            share[c.label] = share.get(c.label, 0) + c.raw_bytes
         total = max(1, sum(share.values()))
         parts = ", ".join(f"{label} {n / total:.0%}" for label, n in
                           sorted(share.items(), key=lambda kv: -kv[1]))
@@ -167,11 +163,11 @@ def _candidates(ks) -> list[tuple[str, Codec, int]]:
         except CodecError as exc:  # an optional library missing
             log.info("quick selection: %s not available: %s", spec, exc)
     if ks.train:
-        data = _dictionary(ks.train)
+        data = train_kind_dictionary(ks.train)
         if data is not None:
             for level in _DICT_LEVELS:
-                codec = ZstdCodec(level, dict_data=data)
-                out.append((f"{codec.spec}[{ks.kind}]", codec, len(data)))
+                codec = ZstdCodec(level, dict_data=data)  # its spec is zstd:L+dict
+                out.append((codec.spec, codec, len(data)))
     return out
 
 
@@ -200,24 +196,28 @@ def _choose_kind(ks, encode_budget: float) -> KindChoice:
                       measured)
 
 
-def dict_policy(files: list[SourceFile], codec: Codec, chunk_size: int = 1 << 20,
-                seed: int = 0, root: str = ""):
-    """``--codec zstd:L+dict``: zstd at level L, with a dictionary per kind of many small
-    files (trained as the quick selection trains them; kinds without one keep plain L)."""
-    from fanstore.pack import CodecPolicy
-
-    if not isinstance(codec, ZstdCodec) or codec.dict_data is not None:
-        raise UsageError(f"--codec {codec.spec}+dict: only zstd:L takes a trained dictionary")
-    by_kind: dict[str, Codec] = {}
+def train_dictionaries(files: list[SourceFile], chunk_size: int = 1 << 20, seed: int = 0,
+                       root: str = "") -> dict[str, bytes]:
+    """A zstd dictionary per kind of many small files of ``files`` (trained as the quick
+    selection trains them: :data:`TRAIN_BYTES` of files in all), for ``--codec zstd:L+dict``;
+    kinds without one are left out."""
+    out: dict[str, bytes] = {}
     if any(f.size for f in files):
         sample = draw_sample(files, 0, chunk_size, seed, root=root, progress=False,
                              train_bytes=TRAIN_BYTES)
         for kind, ks in sorted(sample.kinds.items()):
-            data = _dictionary(ks.train) if ks.train else None
+            data = train_kind_dictionary(ks.train) if ks.train else None
             if data is not None:
-                by_kind[kind] = ZstdCodec(codec.level, dict_data=data)
-    return CodecPolicy(codec, by_kind)
+                out[kind] = data
+    return out
 
 
-__all__ = ["QuickSelection", "KindChoice", "quick_select", "dict_policy", "READ_COST_LIMIT",
-           "SAMPLE_MB"]
+__all__ = [
+    "FALLBACK",
+    "READ_COST_LIMIT",
+    "SAMPLE_MB",
+    "KindChoice",
+    "QuickSelection",
+    "quick_select",
+    "train_dictionaries",
+]

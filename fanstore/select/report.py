@@ -8,12 +8,11 @@ only as their id and size (the store's codec table holds the dictionary itself).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+import shlex
+from typing import Any
 
-from fanstore.errors import FanStoreError
-
-if TYPE_CHECKING:
-    from fanstore.select.selector import CandidateResult, SelectionResult
+from fanstore.errors import BudgetNotMetError, FanStoreError
+from fanstore.select.result import CandidateResult, SelectionResult
 
 MB = 1e6
 JSON_VERSION = 1
@@ -44,7 +43,7 @@ def _compact_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _cand_json(res: "SelectionResult", c: "CandidateResult") -> dict[str, Any]:
+def _cand_json(res: SelectionResult, c: CandidateResult) -> dict[str, Any]:
     read = 1.0 / c.cost.cpu if c.cost.cpu > 0 else math.inf
     dec = 1.0 / c.decode_s if c.decode_s > 0 else math.inf
     out: dict[str, Any] = {
@@ -72,7 +71,9 @@ def _cand_json(res: "SelectionResult", c: "CandidateResult") -> dict[str, Any]:
     return out
 
 
-def to_json(res: "SelectionResult") -> dict[str, Any]:
+def to_json(res: SelectionResult, capacity: int | None = None) -> dict[str, Any]:
+    """The JSON report; ``capacity``: also how many copies fit in that many bytes per node
+    (:func:`capacity_json`). It ends with the ``fanstore pack`` command of the choice."""
     b = res.budget
     opts = res.options
     chosen = res.candidate(res.chosen)
@@ -141,10 +142,71 @@ def to_json(res: "SelectionResult") -> dict[str, Any]:
         labels |= set(res.per_kind.values())
     doc["configs"] = {lb: _compact_config(res.candidate(lb).codec.get_config())
                       for lb in sorted(labels)}
+    if capacity is not None:
+        doc["local_capacity"] = capacity_json(res, capacity)
+    if _packs_per_kind(res):
+        doc["pack_command_single"] = pack_command(res, per_kind=False)
+    doc["pack_command"] = pack_command(res)
     return doc
 
 
-def assumptions(res: "SelectionResult") -> str:
+#: The defaults of the selection options as ``fanstore select`` spells them (an option at its
+#: default is left out of a command).
+_DEFAULT_SAMPLE_MB = 200.0
+_DEFAULT_CHUNK = 1 << 20
+
+
+def _packs_per_kind(res: SelectionResult) -> bool:
+    """Whether the choice is a per-kind mix pack can apply (``--codec auto --per-kind``)."""
+    return res.per_kind is not None and bool(res.per_kind_met)
+
+
+def pack_command(res: SelectionResult, dest: str = "DEST", per_kind: bool | None = None) -> str:
+    """The ``fanstore pack`` command that packs the source as this selection chose.
+
+    One codec: ``--codec LABEL``, the label as the report prints it (``zstd:19+dict+solid64k``
+    is a spec pack takes). A per-kind mix that meets the budget has no single spec: pack
+    applies it with ``--codec auto --per-kind`` and this selection's options, which selects
+    again (``per_kind=False``: the single choice instead).
+    """
+    opts = res.options
+    words = ["fanstore", "pack", shlex.quote(res.source), dest]
+    if opts.chunk_size != _DEFAULT_CHUNK:
+        words += ["--chunk-kb", str(opts.chunk_size >> 10)]
+    if per_kind is None:
+        per_kind = _packs_per_kind(res)
+    if not per_kind:
+        return " ".join(words + ["--codec", shlex.quote(res.chosen)])
+    words += ["--codec", "auto", "--per-kind"]
+    for flag, value, default in (
+            ("--mode", opts.mode, "sync"), ("--mb-per-sec", opts.mb_per_sec, None),
+            ("--files-per-sec", opts.files_per_sec, None), ("--cores", opts.cores, None),
+            ("--sample-mb", opts.sample_mb, _DEFAULT_SAMPLE_MB), ("--seed", opts.seed, 0),
+            ("--storage-mb-per-sec", opts.storage_mb_per_sec, None),
+            ("--storage-latency-us", opts.storage_latency_us, None),
+            ("--reader", opts.reader, None)):
+        if value is not None and value != default:
+            words += [flag, _word(value)]
+    return " ".join(words)
+
+
+def _word(value: object) -> str:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return shlex.quote(str(value))
+
+
+def pack_lines(res: SelectionResult) -> list[str]:
+    """The report's last lines: the ``fanstore pack`` command of the choice."""
+    command = pack_command(res)
+    if not _packs_per_kind(res):
+        return [f"pack      {command}"]
+    note = ("pack      --codec auto --per-kind selects again with these options and packs "
+            f"each kind with its codec (one codec for every file: --codec {res.chosen}):")
+    return [note, f"          {command}"]
+
+
+def assumptions(res: SelectionResult) -> str:
     """What the chosen mode's model takes for granted, in one sentence (printed with every
     report: a prediction is only as good as these)."""
     n = res.budget.cores
@@ -159,7 +221,7 @@ def assumptions(res: "SelectionResult") -> str:
             "min(n / (c + p + a/S + q*L), S / a)")
 
 
-def summary_line(res: "SelectionResult") -> str:
+def summary_line(res: SelectionResult) -> str:
     b = res.budget
     need = f"{_rate(b.required)}" + (" (default: 90% of the rate of storing raw)"
                                       if res.budget_from == "default" else "")
@@ -177,7 +239,13 @@ def summary_line(res: "SelectionResult") -> str:
             f"budget {need}: {verdict}")
 
 
-def not_met_message(res: "SelectionResult") -> str:
+def check_met(res: SelectionResult) -> None:
+    """Raise :class:`BudgetNotMetError` (exit status 3) if the budget is not met."""
+    if not res.budget_met:
+        raise BudgetNotMetError(not_met_message(res))
+
+
+def not_met_message(res: SelectionResult) -> str:
     b = res.budget
     c = res.candidate(res.chosen)
     text = (f"no codec meets the budget: {res.mode} mode needs {_rate(b.required)} "
@@ -190,7 +258,9 @@ def not_met_message(res: "SelectionResult") -> str:
     return text
 
 
-def table(res: "SelectionResult") -> str:
+def table(res: SelectionResult, capacity: int | None = None) -> str:
+    """The terminal report; ``capacity``: also how many copies fit in that many bytes per
+    node. It ends with the ``fanstore pack`` command of the choice."""
     b = res.budget
     opts = res.options
     lines = []
@@ -245,10 +315,13 @@ def table(res: "SelectionResult") -> str:
                          f"{_fmt(1 / dec / MB) if dec > 0 else 'inf':>9}")
         lines.append("")
     lines.append("chosen: " + summary_line(res))
+    if capacity is not None:
+        lines.append(capacity_line(capacity_json(res, capacity)))
+    lines += pack_lines(res)
     return "\n".join(lines)
 
 
-def capacity_json(res: "SelectionResult", capacity: int) -> dict[str, Any]:
+def capacity_json(res: SelectionResult, capacity: int) -> dict[str, Any]:
     """How many copies of the store packed as chosen fit in ``capacity`` bytes per node,
     from the predicted ratio (about: the index and partition headers are left out)."""
     mix = res.per_kind is not None and res.per_kind_cost is not None
@@ -297,7 +370,7 @@ def require_matplotlib() -> None:
                             "pip install 'fanstore[plot]'") from None
 
 
-def plot(res: "SelectionResult", path: str) -> None:
+def plot(res: SelectionResult, path: str) -> None:
     """Ratio against the model's node decode rate, the budget line, the choice marked."""
     require_matplotlib()
     import matplotlib
@@ -337,5 +410,16 @@ def plot(res: "SelectionResult", path: str) -> None:
     plt.close(fig)
 
 
-__all__ = ["to_json", "summary_line", "not_met_message", "table", "plot", "require_matplotlib",
-           "capacity_json", "capacity_line"]
+__all__ = [
+    "capacity_json",
+    "capacity_line",
+    "check_met",
+    "not_met_message",
+    "pack_command",
+    "pack_lines",
+    "plot",
+    "require_matplotlib",
+    "summary_line",
+    "table",
+    "to_json",
+]

@@ -102,7 +102,6 @@ class Sample:
 
 def list_source(src: str) -> list[SourceFile]:
     """Regular files of ``src`` as pack sees them (same scan, same relative paths)."""
-    from fanstore.format.index import KIND_FILE
     from fanstore.pack.scan import scan_tree
 
     if not os.path.isdir(src):
@@ -111,6 +110,13 @@ def list_source(src: str) -> list[SourceFile]:
     scan = scan_tree(src)
     for problem in scan.problems:
         log.debug("not sampled: %s", problem)
+    return source_files(scan)
+
+
+def source_files(scan) -> list[SourceFile]:
+    """The regular files of a tree pack scanned (``fanstore.pack.scan.ScanResult``)."""
+    from fanstore.format.index import KIND_FILE
+
     return [SourceFile(os.fsdecode(e.rel), os.path.join(scan.root, e.rel), e.size)
             for e in scan.entries if e.kind == KIND_FILE]
 
@@ -316,5 +322,14 @@ def _draw_training(sample: Sample, by_kind: dict[str, list[SourceFile]],
             got += len(data)
 
 
-__all__ = ["KindSample", "Sample", "SourceFile", "draw_sample", "list_source", "npy_itemsize",
-           "dict_eligible", "EXTENSION_TYPESIZE"]
+__all__ = [
+    "EXTENSION_TYPESIZE",
+    "KindSample",
+    "Sample",
+    "SourceFile",
+    "dict_eligible",
+    "draw_sample",
+    "list_source",
+    "npy_itemsize",
+    "source_files",
+]

@@ -11,221 +11,24 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
-from compressors import Codec, CodecError, parse_spec
-from fanstore.errors import BudgetNotMetError, FanStoreError, UsageError
-from fanstore.select import bench, policy
-from fanstore.select.calibrate import ReaderCost, calibrate, check_reader
+from compressors import CodecError
+from fanstore.errors import FanStoreError, UsageError
+from fanstore.select import bench, policy, readorder
+from fanstore.select.calibrate import ReaderCost, calibrate
 from fanstore.select.candidates import Candidate, per_kind_candidates, whole_set_candidates
+from fanstore.select.options import SelectionOptions
 from fanstore.select.policy import Budget, Cost
+from fanstore.select.result import CandidateResult, KindResult, SelectionResult
 from fanstore.select.sample import Sample, draw_sample, list_source
 
 log = logging.getLogger(__name__)
 
 MB = 1e6
-#: Encode time allowed per candidate over the whole sample (see bench.py).
-ENCODE_SECONDS = 4.0
 #: The default budget: this fraction of the rate the reader gets from the data stored raw
 #: (compression may cost a reader at most 10% of that rate; exactly 100% would refuse every
 #: codec on small files, where decoding costs a reader a few percent at most).
 DEFAULT_BUDGET = 0.9
-
-
-@dataclass
-class SelectionOptions:
-    """What to select for. Rates are per node; ``None`` rates mean the default budget."""
-
-    mode: str = "sync"
-    files_per_sec: float | None = None
-    mb_per_sec: float | None = None
-    cores: int | None = None  # None: the cores this process may run on
-    sample_mb: float = 200.0
-    seed: int = 0
-    per_kind: bool = False
-    storage_mb_per_sec: float | None = None  # None: measured
-    storage_latency_us: float | None = None  # None: measured with the bandwidth, else 0
-    storage_dir: str | None = None  # where to measure it (None: the temp directory)
-    reader: str | None = None  # calibrate the read path: "mount", "api" (None: not modelled)
-    chunk_size: int = 1 << 20
-    encode_seconds: float = ENCODE_SECONDS
-    progress: bool | None = None  # None: on a terminal only
-
-    def __post_init__(self) -> None:
-        if self.mode not in policy.MODES:
-            raise UsageError(f"--mode must be one of {', '.join(policy.MODES)}")
-        if self.files_per_sec is not None and self.mb_per_sec is not None:
-            raise UsageError("give --files-per-sec or --mb-per-sec, not both")
-        for name in ("files_per_sec", "mb_per_sec", "sample_mb", "storage_mb_per_sec"):
-            value = getattr(self, name)
-            if value is not None and not (value > 0 and math.isfinite(value)):
-                raise UsageError(f"--{name.replace('_', '-')} must be a positive number")
-        if self.cores is not None and self.cores < 1:
-            raise UsageError("--cores must be at least 1")
-        if self.storage_latency_us is not None and not (
-                self.storage_latency_us >= 0 and math.isfinite(self.storage_latency_us)):
-            raise UsageError("--storage-latency-us must be a number >= 0")
-        if self.reader is not None:
-            check_reader(self.reader)
-
-    @property
-    def n_cores(self) -> int:
-        if self.cores:
-            return self.cores
-        try:
-            return len(os.sched_getaffinity(0))
-        except AttributeError:  # pragma: no cover - not Linux
-            return os.cpu_count() or 1
-
-
-def selection_options(args: Any) -> SelectionOptions:
-    """Options from ``fanstore select``/``fanstore pack --codec auto`` arguments."""
-    return SelectionOptions(
-        mode=getattr(args, "mode", "sync") or "sync",
-        files_per_sec=getattr(args, "files_per_sec", None),
-        mb_per_sec=getattr(args, "mb_per_sec", None),
-        cores=getattr(args, "cores", None),
-        sample_mb=getattr(args, "sample_mb", None) or 200.0,
-        seed=getattr(args, "seed", 0) or 0,
-        per_kind=bool(getattr(args, "per_kind", False)),
-        storage_mb_per_sec=getattr(args, "storage_mb_per_sec", None),
-        storage_latency_us=getattr(args, "storage_latency_us", None),
-        reader=getattr(args, "reader", None) or _default_reader(),
-        chunk_size=(getattr(args, "chunk_kb", None) or 1024) * 1024,
-        progress=False if getattr(args, "no_progress", False) else None,
-    )
-
-
-def _default_reader() -> str:
-    """``mount`` where FUSE works here, else ``api`` (said once on stderr)."""
-    from fanstore.select.calibrate import fuse_problem
-
-    problem = fuse_problem()
-    if problem:
-        print(f"fanstore: --reader api (no FUSE here: {problem})", file=sys.stderr)
-        return "api"
-    return "mount"
-
-
-@dataclass
-class CandidateResult:
-    """One candidate over the whole source (its per-kind costs mixed by bytes).
-
-    ``decode_s`` is single-core decode seconds per raw byte (codec plus raw-chunk copies);
-    ``cost.cpu`` adds the checksum. ``node_rate`` is the model's raw bytes/s per node.
-    """
-
-    label: str
-    codec: Codec
-    cost: Cost
-    decode_s: float
-    encode_mb_per_s: float
-    measured_bytes: int
-    raw_fraction: float
-    node_rate: float
-    meets: bool
-    chosen: bool = False
-    kinds: list[str] | None = None  # per-kind extras: the kinds it was measured on
-    solid: int = 0  # solid block size (bytes), 0: none
-    by_kind: dict[str, Codec] = field(default_factory=dict)  # kinds with their own codec
-
-
-@dataclass
-class KindResult:
-    kind: str
-    files: int
-    raw_bytes: int
-    sample_bytes: int
-    typesize: int
-    typesize_from: str
-    costs: dict[str, Cost] = field(default_factory=dict)
-    decode_s: dict[str, float] = field(default_factory=dict)
-    chosen: str | None = None
-
-
-@dataclass
-class SelectionResult:
-    """Everything ``fanstore select`` reports and ``pack --codec auto`` records."""
-
-    source: str
-    options: SelectionOptions
-    budget: Budget
-    budget_from: str  # "mb_per_sec", "files_per_sec" or "default"
-    files: int
-    raw_bytes: int
-    sample_bytes: int
-    sample_units: int
-    storage_from: str
-    checksum_mb_per_s: float
-    candidates: list[CandidateResult]
-    kinds: dict[str, KindResult]
-    chosen: str
-    met: bool
-    per_kind: dict[str, str] | None = None
-    per_kind_cost: Cost | None = None
-    per_kind_met: bool | None = None
-    seconds: float = 0.0
-    reader: ReaderCost | None = None
-
-    # ------------------------------------------------------------------ accessors
-
-    @property
-    def mode(self) -> str:
-        return self.budget.mode
-
-    @property
-    def budget_met(self) -> bool:
-        """The verdict that counts: the per-kind mix if one was chosen, else the codec."""
-        return bool(self.per_kind_met) if self.per_kind is not None else self.met
-
-    def candidate(self, label: str) -> CandidateResult:
-        for c in self.candidates:
-            if c.label == label:
-                return c
-        raise KeyError(label)
-
-    @property
-    def chosen_codec(self) -> Codec:
-        return self.candidate(self.chosen).codec
-
-    def files_rate(self, bytes_rate: float) -> float:
-        return bytes_rate * self.files / self.raw_bytes if self.raw_bytes else 0.0
-
-    @property
-    def per_kind_rate(self) -> float | None:
-        if self.per_kind_cost is None:
-            return None
-        return policy.node_rate(self.per_kind_cost, self.budget)
-
-    @property
-    def per_kind_gain(self) -> float | None:
-        """Capacity of the per-kind mix over the single choice (1.10: 10% more data fits)."""
-        if self.per_kind_cost is None:
-            return None
-        return self.candidate(self.chosen).cost.stored / self.per_kind_cost.stored
-
-    # ------------------------------------------------------------------ reports
-
-    def summary_line(self) -> str:
-        from fanstore.select.report import summary_line
-
-        return summary_line(self)
-
-    def to_json(self) -> dict[str, Any]:
-        from fanstore.select.report import to_json
-
-        return to_json(self)
-
-    def not_met_message(self) -> str:
-        from fanstore.select.report import not_met_message
-
-        return not_met_message(self)
-
-    def check_met(self) -> None:
-        """Raise :class:`BudgetNotMetError` (exit status 3) if the budget is not met."""
-        if not self.budget_met:
-            raise BudgetNotMetError(self.not_met_message())
 
 
 # --------------------------------------------------------------------------- the run
@@ -243,7 +46,7 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
     """Sample ``src``, measure every candidate, and choose under the budget.
 
     Never raises because the budget is not met: the result says so (``budget_met``) and
-    :meth:`SelectionResult.check_met` raises :class:`BudgetNotMetError`.
+    :func:`fanstore.select.report.check_met` raises :class:`BudgetNotMetError`.
     """
     options = options or SelectionOptions()
     t_start = time.monotonic()
@@ -280,7 +83,10 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
                              sample.kinds[k].sample_bytes, sample.kinds[k].typesize,
                              sample.kinds[k].typesize_from) for k in kinds}
     path, seeks = _per_file_costs(files, sample, kinds, reader, options.chunk_size)
+    caches = (readorder.reader_caches(options.reader, options.n_cores)
+              if options.reader is not None else None)
     for cand in cands:
+        amps = _solid_amplification(sample, measures[cand.label], caches) if cand.solid else {}
         # A dictionary is stored once: charge it per raw byte of the kind(s) that use it.
         spread = cand.overhead / sum(sample.kinds[k].raw_bytes for k in measures[cand.label])
         for k, m in measures[cand.label].items():
@@ -290,8 +96,9 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
                          if own else 0.0)
             else:
                 extra = spread
-            # Solid blocks: a read decodes and checks its whole block (amplification).
-            amp = m.amplification
+            # Solid blocks: a read decodes and checks its whole block, unless the reader's
+            # caches still hold it (readorder: decodes per raw byte delivered).
+            amp = amps.get(k, 1.0)
             decode = (m.decode_s + m.raw_unit_bytes * base[k].copy) / m.raw_bytes * amp
             stored = m.stored_bytes / m.raw_bytes
             results[k].costs[cand.label] = Cost(
@@ -381,6 +188,23 @@ def _per_file_costs(files, sample: Sample, kinds: list[str], reader: ReaderCost 
     return path, {k: count.get(k, 0) / n for k, n in raw.items()}
 
 
+def _solid_amplification(sample: Sample, measures: dict[str, bench.KindMeasure],
+                         caches: readorder.Caches | None) -> dict[str, float]:
+    """Per kind, raw bytes decoded per raw byte delivered for solid blocks read in a
+    shuffled epoch (``readorder``): each kind's measured blocks stand for the kind's bytes
+    in the source, and all of them share the reader's caches. Without a reader (no
+    ``--reader``): no cache, every file read decodes its block."""
+    if caches is None:
+        return {k: m.amplification for k, m in measures.items()}
+    groups = {k: [(sample.kinds[k].raw_bytes / m.raw_bytes, raw, n) for raw, n in m.blocks]
+              for k, m in measures.items() if m.raw_bytes and m.blocks}
+    tau = readorder.cached_fraction([g for blocks in groups.values() for g in blocks], caches)
+    log.info("solid blocks stay cached %.0f%% of an epoch (%d caches of %.0f MiB)", tau * 100,
+             caches.workers, caches.bytes_each / (1 << 20))
+    return {k: readorder.amplification(blocks, caches, tau)
+            for k, blocks in groups.items()}
+
+
 def _measure_all(sample: Sample, kinds: list[str], cands: list[Candidate],
                  options: SelectionOptions) -> dict[str, dict[str, bench.KindMeasure]]:
     """Measure every candidate on its kinds; a codec that fails is left out (and removed
@@ -412,41 +236,3 @@ def _measure_all(sample: Sample, kinds: list[str], cands: list[Candidate],
         if bar is not None:
             bar.close()
     return out
-
-
-def policy_from_selection(result: SelectionResult):
-    """The pack policy for a selection: its codec, or its per-kind codecs.
-
-    Raises :class:`BudgetNotMetError` if the budget was not met: pack does not silently
-    store data with a codec too slow for the job.
-    """
-    from fanstore.pack import CodecPolicy
-
-    if not result.budget_met:
-        solid = result.candidate(result.chosen).solid
-        raise BudgetNotMetError(result.not_met_message() + "; to pack anyway, give the "
-                                f"codec: --codec {_packable(result.chosen_codec)}"
-                                + (f" --solid-kb {solid >> 10}" if solid else ""))
-    chosen = result.candidate(result.chosen)
-    default = chosen.codec
-    if result.per_kind is None:
-        return CodecPolicy(default, dict(chosen.by_kind), chosen.solid,
-                           {k: chosen.solid for k in chosen.by_kind})
-    by_kind, solid_by_kind = {}, {}
-    for kind, label in result.per_kind.items():
-        cand = result.candidate(label)
-        codec = cand.by_kind.get(kind, cand.codec)
-        if codec != default or cand.solid != chosen.solid:
-            by_kind[kind] = codec
-            solid_by_kind[kind] = cand.solid
-    return CodecPolicy(default, by_kind, chosen.solid, solid_by_kind)
-
-
-def _packable(codec: Codec) -> str:
-    """A spec pack accepts for this codec (a dictionary cannot be given on the command line)."""
-    spec = codec.spec
-    try:
-        parse_spec(spec)
-        return spec
-    except Exception:  # noqa: BLE001 - zstd:3+dict and the like
-        return spec  # pack trains the dictionaries itself (--codec zstd:L+dict)

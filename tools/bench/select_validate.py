@@ -40,9 +40,10 @@ sys.path.insert(0, ROOT)
 
 from compressors import parse_spec  # noqa: E402
 from fanstore.pack import CodecPolicy, PackOptions, pack  # noqa: E402
-from fanstore.select import policy_from_selection, run_selection  # noqa: E402
+from fanstore.pack.policy import policy_from_selection  # noqa: E402
+from fanstore.select import SelectionOptions, run_selection  # noqa: E402
 from fanstore.select.policy import Cost  # noqa: E402
-from fanstore.select.selector import SelectionOptions  # noqa: E402
+from fanstore.select.report import summary_line  # noqa: E402
 from fanstore.store import LocalStore  # noqa: E402
 
 MB = 1e6
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                                 storage_mb_per_sec=a.storage_mb_per_sec, progress=False)
         print(f"selecting on {data} ...", file=sys.stderr)
         result = run_selection(data, opts)
-        print(result.summary_line(), file=sys.stderr)
+        print(summary_line(result), file=sys.stderr)
 
         runs: list[tuple[str, object, Cost]] = []
         # The chosen candidate as pack applies it (dictionaries per kind, solid blocks).

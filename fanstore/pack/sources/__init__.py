@@ -6,7 +6,7 @@ scheme, a directory, an archive's magic bytes, a brace pattern or a list file of
 shards) and :func:`open_source` opens it.
 
 A directory is packed by the planned path (``scan_tree``, ``plan_partitions``, worker
-processes: ``fanstore.pack.write``); every other kind is a streaming source
+processes: ``fanstore.pack.write``, ``.worker``); every other kind is a streaming source
 (``fanstore.pack.stream``): read once, in its own order.
 """
 
@@ -70,11 +70,11 @@ def expand_braces(pattern: str) -> list[str]:
 
 
 def _sniff(path: str) -> str | None:
-    from fanstore.pack.sources import tar, zipsrc
+    from fanstore.pack.sources import tarstream, zipsrc
 
     if zipsrc.sniff(path):
         return "zip"
-    if tar.sniff(path):
+    if tarstream.sniff(path):
         return "tar"
     return None
 

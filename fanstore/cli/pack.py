@@ -1,0 +1,130 @@
+"""``fanstore pack``: the command and its arguments. What the codec options mean is
+``fanstore.pack.policy``'s; packing is ``fanstore.pack``'s (and, under an MPI launcher,
+``fanstore.daemon.mpipack``'s)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from fanstore.cli.common import (
+    add_select_budget_args,
+    add_storage_args,
+    nonneg_int,
+    positive_int,
+    say,
+    storage_setup,
+)
+from fanstore.errors import UsageError
+
+
+def add_parsers(sub, common) -> None:
+    s = sub.add_parser("pack", parents=[common], help="compress a dataset into a store",
+                       description="Compress SRC into a store at DEST (partitions + index). "
+                                   "SRC: a directory, a tar archive (plain, .gz, .bz2, .xz, "
+                                   ".zst), tar shards ('shards-{000..099}.tar' or a file "
+                                   "listing them), a zip archive, or s3://bucket/prefix. "
+                                   "DEST: a directory or s3://bucket/name.fs.")
+    s.add_argument("src", metavar="SRC")
+    s.add_argument("dest", metavar="DEST")
+    s.add_argument("--partitions", type=positive_int, default=8,
+                   help="number of partitions (default 8; at least the node count)")
+    s.add_argument("--codec", default=None, metavar="SPEC",
+                   help="NAME[:ARG...][+dict][+solidNk] pins one codec (zstd:3, lz4, "
+                        "lz4hc:9, snappy, blosc2:zstd:5:shuffle:4, zlib:6, none; any name "
+                        "'fanstore select' reports); +dict: zstd:L with a dictionary "
+                        "trained per kind of small files; +solidNk: as --solid-kb N; "
+                        "'auto': the full selector. Default: a quick selection per file "
+                        "kind (a few seconds on a small sample, reported in one line)")
+    s.add_argument("--solid-kb", type=nonneg_int, default=None, metavar="N",
+                   help="solid blocks: files of at most N KiB are packed back to back, by "
+                        "kind, into blocks of N KiB, each compressed as one chunk (more "
+                        "capacity on small files; a read decodes its whole block). 0: none. "
+                        "The same as +solidNk in --codec")
+    s.add_argument("--jobs", type=nonneg_int, default=0,
+                   help="compression workers (default: all cores); with an s3:// source "
+                        "also the parallel range reads (default 8)")
+    s.add_argument("--chunk-kb", type=positive_int, default=1024,
+                   help="chunk size for large files in KiB (default 1024)")
+    s.add_argument("--broadcast", action="append", metavar="RELDIR",
+                   help="put the files under RELDIR on every node (repeatable)")
+    s.add_argument("--skip-unreadable", action="store_true",
+                   help="leave out entries that cannot be packed instead of failing")
+    s.add_argument("--force", action="store_true", help="replace an existing store at DEST")
+    s.add_argument("--shared", action="store_true",
+                   help="let other users read the store as the umask allows even though the "
+                        "source holds entries they may not read (or is in S3); without it "
+                        "such a store is private to you (directory 0700, files 0600)")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_storage_args(s)
+    add_select_budget_args(s, for_pack=True)
+    s.set_defaults(func=cmd_pack)
+
+
+def cmd_pack(args) -> int:
+    from fanstore import storage
+    from fanstore.pack import PackOptions, pack, pack_any
+    from fanstore.pack.policy import PolicyRequest, plan_policy
+    from fanstore.pack.sources import detect
+
+    storage_setup(args)
+    extra: dict[str, Any] = {}
+    scanned: dict[str, Any] = {}
+    kind = detect(args.src)[0]
+    request = PolicyRequest(codec=args.codec, solid_kb=args.solid_kb,
+                            chunk_size=args.chunk_kb * 1024,
+                            skip_unreadable=args.skip_unreadable,
+                            selection=lambda: _selection_options(args), notify=say)
+
+    def make_policy():
+        plan = plan_policy(args.src, request, kind)
+        if plan.summary is not None:
+            print(f"codec selection: {plan.summary}", file=sys.stderr)
+        extra.update(plan.meta)
+        scanned["scan"] = plan.scan
+        return plan.policy
+
+    options = PackOptions(
+        partitions=args.partitions,
+        jobs=args.jobs,
+        chunk_size=args.chunk_kb * 1024,
+        skip_unreadable=args.skip_unreadable,
+        force=args.force,
+        broadcast=args.broadcast or [],
+        progress=None if not args.no_progress else False,
+        extra_meta=extra,
+        notify=say,
+        shared=args.shared,
+    )
+    request.check()
+    from fanstore.daemon.world import launcher_world_size
+
+    if launcher_world_size() is not None:
+        # One rank per node: rank 0 plans and writes the index, every rank compresses.
+        from fanstore.daemon.mpipack import pack_mpi
+
+        if kind != "directory" or storage.is_url(args.dest):
+            raise UsageError("a pack across MPI ranks needs a directory source and a "
+                             "destination on a shared file system; run one process for "
+                             "an archive, S3 source or S3 destination")
+
+        summary = pack_mpi(args.src, args.dest, make_policy, options)
+        if summary is None:
+            return 0
+    elif kind == "directory" and not storage.is_url(args.dest):
+        from fanstore.pack.write import check_arguments
+
+        check_arguments(args.src, args.dest, options)  # before a selection takes seconds
+        policy = make_policy()
+        summary = pack(args.src, args.dest, policy, options, scan=scanned.get("scan"))
+    else:
+        summary = pack_any(args.src, args.dest, make_policy(), options)
+    for line in summary.lines():
+        print(line)
+    return 0
+
+
+def _selection_options(args):
+    from fanstore.select import selection_options
+
+    return selection_options(args)

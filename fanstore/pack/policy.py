@@ -1,0 +1,232 @@
+"""The codec policy of a pack: which codec each file gets and which files go into solid
+blocks, from what the user asked for (``--codec``, ``--solid-kb``).
+
+==========================  =============================================================
+``--codec``                 policy
+==========================  =============================================================
+(none)                      the quick selection, a codec per file kind
+                            (``fanstore.select.quick``); a streamed source (tar, zip, S3):
+                            zstd:3, since nothing can be sampled before it is read
+``auto``                    the full selector (``fanstore.select``): its codec, or with
+                            ``--per-kind`` its codec per kind; refused (exit status 3)
+                            when no codec meets the budget
+``NAME[:ARG...]``           that codec for every file
+``...+dict``                zstd:L with a dictionary trained per kind of many small files
+                            (other kinds plain zstd:L)
+``...+solidNk``             with any of the above, files of at most N KiB packed back to
+                            back into solid blocks of N KiB (format v2); ``--solid-kb N`` is
+                            the same setting (given both, they must agree)
+==========================  =============================================================
+
+The spec grammar is ``compressors.spec``'s, so every name ``fanstore select`` reports is a
+``--codec`` value. :func:`plan_policy` is the one entry: it returns the
+:class:`~fanstore.pack.plan.CodecPolicy`, the index metadata to record (the selection's
+report) and the scan of a directory source it made on the way (pack reuses it).
+:func:`policy_from_selection` turns a selector's result into a policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from compressors import CodecError, CodecSpec, ZstdCodec, parse_codec_spec, parse_spec
+from fanstore.errors import BudgetNotMetError, UsageError
+from fanstore.pack.plan import CodecPolicy
+from fanstore.pack.scan import ScanResult, scan_tree
+
+if TYPE_CHECKING:
+    from fanstore.select.options import SelectionOptions
+    from fanstore.select.quick import QuickSelection
+    from fanstore.select.result import SelectionResult
+    from fanstore.select.sample import SourceFile
+
+log = logging.getLogger(__name__)
+
+#: ``--codec auto``: the full selector.
+AUTO = "auto"
+#: The codec of a streamed source packed without ``--codec``, and of a tree whose scan
+#: found entries it cannot pack (pack reports those before it uses a codec).
+STREAM_DEFAULT = "zstd:3"
+
+
+@dataclass
+class PolicyRequest:
+    """What the user asked for. ``codec``: the ``--codec`` text (None: the default, a quick
+    selection); ``solid_kb``: ``--solid-kb`` (None: not given, 0: no solid blocks);
+    ``selection``: makes the selector's options for ``--codec auto`` (called only then);
+    ``notify``: shows one line to the user (the CLI prints it)."""
+
+    codec: str | None = None
+    solid_kb: int | None = None
+    chunk_size: int = 1 << 20
+    skip_unreadable: bool = False
+    selection: Callable[[], SelectionOptions] | None = None
+    notify: Callable[[str], None] = field(default=lambda text: log.warning("%s", text))
+
+    def check(self) -> None:
+        """What can be refused before the source is looked at: ``--solid-kb`` larger than a
+        chunk."""
+        if self.solid_kb is not None and self.solid_kb * 1024 > self.chunk_size:
+            raise UsageError(f"--solid-kb {self.solid_kb} is larger than the chunk size "
+                             f"({self.chunk_size >> 10} KiB; raise --chunk-kb)")
+
+
+@dataclass
+class PolicyPlan:
+    """A pack's codec policy, the index metadata to record with it (``"selection"``: what a
+    selector chose and why), the scan of a directory source made on the way (or None), and
+    the full selector's one-line summary (``--codec auto``; None otherwise)."""
+
+    policy: CodecPolicy
+    meta: dict[str, Any] = field(default_factory=dict)
+    scan: ScanResult | None = None
+    summary: str | None = None
+
+
+def plan_policy(src: str, request: PolicyRequest,
+                source_kind: str = "directory") -> PolicyPlan:
+    """The policy for packing ``src`` (a ``source_kind`` of ``fanstore.pack.sources``) as
+    ``request`` asks. Raises :class:`UsageError` for a spec that is not one or does not go
+    with the source, :class:`BudgetNotMetError` when ``--codec auto`` finds no codec fast
+    enough."""
+    text = request.codec
+    spec = None if text in (None, AUTO) else _parse(text)
+    solid_kb = _solid_kb(text, spec, request)
+    if source_kind != "directory":
+        # The selectors and solid blocks sample and plan a tree; a streamed source is packed
+        # as it is read, with one codec.
+        if text == AUTO or (spec is not None and spec.dictionary) or solid_kb:
+            what = ("--codec auto" if text == AUTO else
+                    "--solid-kb" if request.solid_kb else f"--codec {text}")
+            raise UsageError(f"{what} needs a directory source; with a {source_kind} source "
+                             "give a codec (e.g. --codec zstd:3)")
+        if spec is None:
+            request.notify(f"a {source_kind} source is packed with {STREAM_DEFAULT} (the quick "
+                           "selection samples a directory; --codec pins another)")
+            spec = CodecSpec(parse_spec(STREAM_DEFAULT))
+    if text == AUTO:
+        plan = _auto(src, request)
+    elif spec is None or spec.dictionary:
+        scan = scan_tree(src) if os.path.isdir(src) else None  # else pack reports the source
+        if scan is not None and scan.problems and not request.skip_unreadable:
+            # pack lists the problems and stops before any codec is used
+            return PolicyPlan(CodecPolicy(parse_spec(STREAM_DEFAULT)), scan=scan)
+        files = _files(scan)
+        if spec is None:
+            plan = _quick(src, files, request)
+        else:
+            plan = PolicyPlan(_dict_policy(src, files, spec, request))
+        plan.scan = scan
+    else:
+        plan = PolicyPlan(CodecPolicy(spec.codec))
+    if solid_kb is not None:
+        block = solid_kb * 1024
+        plan.policy.solid = block
+        plan.policy.solid_by_kind = {kind: block for kind in plan.policy.by_kind}
+    return plan
+
+
+def _parse(text: str) -> CodecSpec:
+    try:
+        return parse_codec_spec(text)
+    except CodecError as exc:
+        raise UsageError(f"--codec: {exc}") from None
+
+
+def _solid_kb(text: str | None, spec: CodecSpec | None, request: PolicyRequest) -> int | None:
+    """The solid block size asked for, in KiB: by ``+solidNk`` or ``--solid-kb`` (None:
+    neither; 0: none)."""
+    suffix = spec.solid_kb if spec is not None else 0
+    if not suffix:
+        return request.solid_kb
+    if request.solid_kb is not None and request.solid_kb != suffix:
+        raise UsageError(f"--codec {text} and --solid-kb {request.solid_kb} ask for different "
+                         "solid blocks (give one of them)")
+    if suffix * 1024 > request.chunk_size:
+        raise UsageError(f"--codec {text}: solid blocks of {suffix} KiB are larger than the "
+                         f"chunk size ({request.chunk_size >> 10} KiB; raise --chunk-kb)")
+    return suffix
+
+
+def _files(scan: ScanResult | None) -> list[SourceFile]:
+    from fanstore.select.sample import source_files
+
+    return [] if scan is None else source_files(scan)
+
+
+def _quick(src: str, files: list[SourceFile], request: PolicyRequest) -> PolicyPlan:
+    """The default: a quick selection per kind, said in one line."""
+    from fanstore.select import quick
+
+    choice = quick.quick_select(files, request.chunk_size, root=src)
+    request.notify(choice.line())
+    return PolicyPlan(quick_policy(choice), {"selection": choice.to_json()})
+
+
+def quick_policy(choice: QuickSelection) -> CodecPolicy:
+    """The policy of a quick selection: its codec per kind over the fallback, zstd:3."""
+    from fanstore.select.quick import FALLBACK
+
+    default = parse_spec(FALLBACK)
+    return CodecPolicy(default, {k: c for k, c in choice.codecs().items() if c != default})
+
+
+def _dict_policy(src: str, files: list[SourceFile], spec: CodecSpec,
+                 request: PolicyRequest) -> CodecPolicy:
+    """``zstd:L+dict``: zstd at level L, with a dictionary per kind of many small files
+    (kinds without one keep plain zstd:L)."""
+    from fanstore.select.quick import train_dictionaries
+
+    codec = spec.codec
+    assert isinstance(codec, ZstdCodec)  # the grammar allows +dict on zstd:L only
+    dicts = train_dictionaries(files, request.chunk_size, root=src)
+    return CodecPolicy(codec, {kind: ZstdCodec(codec.level, dict_data=data)
+                               for kind, data in dicts.items()})
+
+
+def _auto(src: str, request: PolicyRequest) -> PolicyPlan:
+    """``--codec auto``: run the full selector and pack with its choice."""
+    from fanstore.select.options import SelectionOptions
+    from fanstore.select.report import summary_line, to_json
+    from fanstore.select.selector import run_selection
+
+    options = (request.selection() if request.selection is not None
+               else SelectionOptions(chunk_size=request.chunk_size))
+    result = run_selection(src, options)
+    policy = policy_from_selection(result)
+    return PolicyPlan(policy, {"selection": to_json(result)}, summary=summary_line(result))
+
+
+def policy_from_selection(result: SelectionResult) -> CodecPolicy:
+    """The pack policy for a selection: its codec, or its per-kind codecs.
+
+    Raises :class:`BudgetNotMetError` if the budget was not met: pack does not silently
+    store data with a codec too slow for the job (the message names the ``--codec`` that
+    packs with the fastest candidate anyway).
+    """
+    from fanstore.select.report import not_met_message
+
+    if not result.budget_met:
+        raise BudgetNotMetError(not_met_message(result) + "; to pack anyway, give the "
+                                f"codec: --codec {result.chosen}")
+    chosen = result.candidate(result.chosen)
+    default = chosen.codec
+    if result.per_kind is None:
+        return CodecPolicy(default, dict(chosen.by_kind), chosen.solid,
+                           {k: chosen.solid for k in chosen.by_kind})
+    by_kind, solid_by_kind = {}, {}
+    for kind, label in result.per_kind.items():
+        cand = result.candidate(label)
+        codec = cand.by_kind.get(kind, cand.codec)
+        if codec != default or cand.solid != chosen.solid:
+            by_kind[kind] = codec
+            solid_by_kind[kind] = cand.solid
+    return CodecPolicy(default, by_kind, chosen.solid, solid_by_kind)
+
+
+__all__ = ["AUTO", "PolicyPlan", "PolicyRequest", "plan_policy", "policy_from_selection",
+           "quick_policy"]

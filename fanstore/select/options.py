@@ -1,0 +1,96 @@
+"""What a selection is asked for: the mode, the budget, the cores, the sample, the reader.
+
+:class:`SelectionOptions` is what :func:`fanstore.select.run_selection` takes;
+:func:`selection_options` builds it from the arguments of ``fanstore select`` and
+``fanstore pack --codec auto`` (the same argument group).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from fanstore.errors import UsageError
+from fanstore.select import policy
+from fanstore.select.calibrate import check_reader
+
+#: Encode time allowed per candidate over the whole sample (see bench.py).
+ENCODE_SECONDS = 4.0
+
+
+@dataclass
+class SelectionOptions:
+    """What to select for. Rates are per node; ``None`` rates mean the default budget."""
+
+    mode: str = "sync"
+    files_per_sec: float | None = None
+    mb_per_sec: float | None = None
+    cores: int | None = None  # None: the cores this process may run on
+    sample_mb: float = 200.0
+    seed: int = 0
+    per_kind: bool = False
+    storage_mb_per_sec: float | None = None  # None: measured
+    storage_latency_us: float | None = None  # None: measured with the bandwidth, else 0
+    storage_dir: str | None = None  # where to measure it (None: the temp directory)
+    reader: str | None = None  # calibrate the read path: "mount", "api" (None: not modelled)
+    chunk_size: int = 1 << 20
+    encode_seconds: float = ENCODE_SECONDS
+    progress: bool | None = None  # None: on a terminal only
+
+    def __post_init__(self) -> None:
+        if self.mode not in policy.MODES:
+            raise UsageError(f"--mode must be one of {', '.join(policy.MODES)}")
+        if self.files_per_sec is not None and self.mb_per_sec is not None:
+            raise UsageError("give --files-per-sec or --mb-per-sec, not both")
+        for name in ("files_per_sec", "mb_per_sec", "sample_mb", "storage_mb_per_sec"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise UsageError(f"--{name.replace('_', '-')} must be a positive number")
+        if self.cores is not None and self.cores < 1:
+            raise UsageError("--cores must be at least 1")
+        if self.storage_latency_us is not None and not (
+                self.storage_latency_us >= 0 and math.isfinite(self.storage_latency_us)):
+            raise UsageError("--storage-latency-us must be a number >= 0")
+        if self.reader is not None:
+            check_reader(self.reader)
+
+    @property
+    def n_cores(self) -> int:
+        if self.cores:
+            return self.cores
+        try:
+            return len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - not Linux
+            return os.cpu_count() or 1
+
+
+def selection_options(args: Any) -> SelectionOptions:
+    """Options from ``fanstore select``/``fanstore pack --codec auto`` arguments."""
+    return SelectionOptions(
+        mode=getattr(args, "mode", "sync") or "sync",
+        files_per_sec=getattr(args, "files_per_sec", None),
+        mb_per_sec=getattr(args, "mb_per_sec", None),
+        cores=getattr(args, "cores", None),
+        sample_mb=getattr(args, "sample_mb", None) or 200.0,
+        seed=getattr(args, "seed", 0) or 0,
+        per_kind=bool(getattr(args, "per_kind", False)),
+        storage_mb_per_sec=getattr(args, "storage_mb_per_sec", None),
+        storage_latency_us=getattr(args, "storage_latency_us", None),
+        reader=getattr(args, "reader", None) or _default_reader(),
+        chunk_size=(getattr(args, "chunk_kb", None) or 1024) * 1024,
+        progress=False if getattr(args, "no_progress", False) else None,
+    )
+
+
+def _default_reader() -> str:
+    """``mount`` where FUSE works here, else ``api`` (said once on stderr)."""
+    from fanstore.select.calibrate import fuse_problem
+
+    problem = fuse_problem()
+    if problem:
+        print(f"fanstore: --reader api (no FUSE here: {problem})", file=sys.stderr)
+        return "api"
+    return "mount"

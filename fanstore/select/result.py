@@ -1,0 +1,112 @@
+"""What a selection found: every candidate's mixed cost and predicted rate, the per-kind
+figures, the choice. Data and accessors only: :mod:`fanstore.select.report` renders it
+(table, JSON, one-line summary) and :mod:`fanstore.select.selector` fills it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from compressors import Codec
+from fanstore.select import policy
+from fanstore.select.calibrate import ReaderCost
+from fanstore.select.options import SelectionOptions
+from fanstore.select.policy import Budget, Cost
+
+
+@dataclass
+class CandidateResult:
+    """One candidate over the whole source (its per-kind costs mixed by bytes).
+
+    ``decode_s`` is single-core decode seconds per raw byte (codec plus raw-chunk copies);
+    ``cost.cpu`` adds the checksum. ``node_rate`` is the model's raw bytes/s per node.
+    """
+
+    label: str
+    codec: Codec
+    cost: Cost
+    decode_s: float
+    encode_mb_per_s: float
+    measured_bytes: int
+    raw_fraction: float
+    node_rate: float
+    meets: bool
+    chosen: bool = False
+    kinds: list[str] | None = None  # per-kind extras: the kinds it was measured on
+    solid: int = 0  # solid block size (bytes), 0: none
+    by_kind: dict[str, Codec] = field(default_factory=dict)  # kinds with their own codec
+
+
+@dataclass
+class KindResult:
+    kind: str
+    files: int
+    raw_bytes: int
+    sample_bytes: int
+    typesize: int
+    typesize_from: str
+    costs: dict[str, Cost] = field(default_factory=dict)
+    decode_s: dict[str, float] = field(default_factory=dict)
+    chosen: str | None = None
+
+
+@dataclass
+class SelectionResult:
+    """Everything ``fanstore select`` reports and ``pack --codec auto`` records."""
+
+    source: str
+    options: SelectionOptions
+    budget: Budget
+    budget_from: str  # "mb_per_sec", "files_per_sec" or "default"
+    files: int
+    raw_bytes: int
+    sample_bytes: int
+    sample_units: int
+    storage_from: str
+    checksum_mb_per_s: float
+    candidates: list[CandidateResult]
+    kinds: dict[str, KindResult]
+    chosen: str
+    met: bool
+    per_kind: dict[str, str] | None = None
+    per_kind_cost: Cost | None = None
+    per_kind_met: bool | None = None
+    seconds: float = 0.0
+    reader: ReaderCost | None = None
+
+    # ------------------------------------------------------------------ accessors
+
+    @property
+    def mode(self) -> str:
+        return self.budget.mode
+
+    @property
+    def budget_met(self) -> bool:
+        """The verdict that counts: the per-kind mix if one was chosen, else the codec."""
+        return bool(self.per_kind_met) if self.per_kind is not None else self.met
+
+    def candidate(self, label: str) -> CandidateResult:
+        for c in self.candidates:
+            if c.label == label:
+                return c
+        raise KeyError(label)
+
+    @property
+    def chosen_codec(self) -> Codec:
+        return self.candidate(self.chosen).codec
+
+    def files_rate(self, bytes_rate: float) -> float:
+        return bytes_rate * self.files / self.raw_bytes if self.raw_bytes else 0.0
+
+    @property
+    def per_kind_rate(self) -> float | None:
+        if self.per_kind_cost is None:
+            return None
+        return policy.node_rate(self.per_kind_cost, self.budget)
+
+    @property
+    def per_kind_gain(self) -> float | None:
+        """Capacity of the per-kind mix over the single choice (1.10: 10% more data fits)."""
+        if self.per_kind_cost is None:
+            return None
+        return self.candidate(self.chosen).cost.stored / self.per_kind_cost.stored
