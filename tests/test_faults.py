@@ -46,6 +46,7 @@ from fanstore.format.index import (
     read_index,
 )
 from fanstore.format.partition import partition_name
+from fanstore.namespace import Namespace
 from fanstore.pack.write import TMP_MARK
 from fanstore.store import LocalStore
 from helpers import (
@@ -846,9 +847,10 @@ def _victims(store) -> list[tuple[str, int]]:
     """Two files of partition 3: a one-chunk file (chunk 0) and a multi-chunk one (its
     second chunk)."""
     index = read_index(str(store))
+    ns = Namespace(index)
     one = multi = None
     for rel in files_by_partition(store)[3]:
-        count = int(index.e["count"][index.resolve(rel)])
+        count = int(index.e["count"][ns.resolve(rel)])
         if count == 1 and one is None:
             one = (rel, 0)
         elif count > 2 and multi is None:

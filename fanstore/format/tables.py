@@ -8,13 +8,12 @@ symlink rule), which asks the index for one name at a time (:meth:`Index.lookup`
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from fanstore.format.layout import KIND_DIR, KIND_FILE, PartitionInfo, name_hash
+from fanstore.format.layout import KIND_FILE, PartitionInfo, name_hash
 from fanstore.format.validate import validate_index
 from fanstore.version import FORMAT_VERSION
 
@@ -112,22 +111,6 @@ class Index:
             found = self.lookup(int(parents[i]), names[i])
             out[i] = -1 if found is None else found
         return out
-
-    def resolve(self, path: bytes | str) -> int | None:
-        """Entry of a relative path inside the store (no symlinks followed), or None."""
-        if isinstance(path, str):
-            path = os.fsencode(path)
-        entry = 0
-        for part in path.split(b"/"):
-            if part in (b"", b"."):
-                continue
-            if int(self.e["kind"][entry]) != KIND_DIR:
-                return None
-            found = self.lookup(entry, part)
-            if found is None:
-                return None
-            entry = found
-        return entry
 
     def stored_bytes_of(self, entry: int) -> int:
         first, count = int(self.e["first"][entry]), int(self.e["count"][entry])
