@@ -40,8 +40,7 @@ from fanstore.daemon.nodegroup import LeaderSide
 from fanstore.daemon.replicas import decide as decide_replicas
 from fanstore.daemon.routing import PeerSource
 from fanstore.daemon.service import OWNER_OPS
-from fanstore.daemon.transport import node_name
-from fanstore.daemon.world import World, substitute
+from fanstore.daemon.world import World, node_name, substitute
 from fanstore.errors import FanStoreError, FormatError, MountError
 from fanstore.frontend import FrontendFactory, MountContext, MountOptions
 from fanstore.namespace import Namespace, metadata_bytes
@@ -323,7 +322,7 @@ class Node:
             if self.transport_factory is not None:
                 self.transport = self.transport_factory(self)
             else:
-                from fanstore.daemon.transport import MpiTransport
+                from fanstore.daemon.mpitransport import MpiTransport
 
                 self.transport = MpiTransport(self.job.comm, self.parts, self.on_control)
             self.transport.start()

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from fanstore.daemon.transport import Backoff, node_name, wait_request
+from fanstore.daemon.pacing import Backoff, wait_request
 from fanstore.errors import MountError, UsageError
 
 HYDRA_MARKERS = ("HYDI_CONTROL_FD", "HYDRA_CONTROL_FD")
@@ -459,6 +459,11 @@ def _slurm_tasks() -> int | None:
         return None  # mpiexec inside an allocation: its proxies are the Slurm tasks
     value = os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS")
     return int(value) if value and value.isdigit() else None
+
+
+def node_name() -> str:
+    """This node's name: Slurm's name for it when there is one, else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0]
 
 
 def substitute(path: str, node: int) -> str:
