@@ -128,7 +128,7 @@ def cmd_pack(args) -> int:
     if args.solid_kb is not None and args.solid_kb * 1024 > options.chunk_size:
         raise UsageError(f"--solid-kb {args.solid_kb} is larger than the chunk size "
                          f"({args.chunk_kb} KiB; raise --chunk-kb)")
-    from fanstore.daemon.world import launcher_world_size
+    from fanstore.daemon.jobenv import launcher_world_size
 
     if launcher_world_size() is not None:
         # One rank per node: rank 0 plans and writes the index, every rank compresses.

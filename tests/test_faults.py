@@ -35,7 +35,7 @@ import pytest
 
 from fanstore.daemon import stagecheck, stagecopy, staging
 from fanstore.daemon.placement import owners
-from fanstore.daemon.world import node_name
+from fanstore.daemon.jobenv import node_name
 from fanstore.errors import StageError
 from fanstore.format.index import (
     INDEX_NAME,

@@ -37,13 +37,14 @@ from fanstore import mounttable, runtime
 from fanstore.control import ControlServer
 from fanstore.daemon import placement as pl
 from fanstore.daemon import protocol as P
+from fanstore.daemon.jobenv import node_name, substitute
 from fanstore.daemon.launcher import launcher_alive
 from fanstore.daemon.nodegroup import LeaderSide
 from fanstore.daemon.peerwatch import PeerWatch
 from fanstore.daemon.replicas import decide as decide_replicas
 from fanstore.daemon.routing import PeerSource
 from fanstore.daemon.service import OWNER_OPS
-from fanstore.daemon.world import World, node_name, substitute
+from fanstore.daemon.world import World
 from fanstore.errors import FanStoreError, FormatError, MountError
 from fanstore.frontend import FrontendFactory, MountContext, MountOptions
 from fanstore.namespace import Namespace, metadata_bytes
