@@ -92,3 +92,8 @@ def launcher_world_size() -> int | None:
         value = os.environ.get(var)
         if value and value.isdigit() and int(value) > 1:
             return int(value)
+    if os.environ.get("SLURM_STEP_ID") is not None:
+        ntasks = os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS")
+        if ntasks and ntasks.isdigit() and int(ntasks) > 1:
+            return int(ntasks)
+    return None
