@@ -107,8 +107,8 @@ class _PeersOnly(Exception):
 
 
 def _build(job, spec):
-    from fanstore.daemon.routing import PeerSource
     from fanstore.daemon.mpitransport import MpiTransport
+    from fanstore.daemon.routing import PeerSource
     from fanstore.format.index import map_index_body
     from fanstore.namespace import Namespace
     from fanstore.read import ChunkReader, LocalPartitions, ReadStats, RoutedSource
