@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from fanstore import mounttable, process, runtime
+from fanstore.daemon.jobenv import launcher_world_size, substitute
 from fanstore.daemon.node import Node, NodeOptions
-from fanstore.daemon.world import World, launcher_world_size, substitute
+from fanstore.daemon.world import World
 from fanstore.errors import FanStoreError, MountError, UsageError
 from fanstore.frontend import FrontendFactory
 

@@ -8,7 +8,7 @@ spawned by it under hydra: :mod:`fanstore.daemon.world`). Each worker rank
   data directory and partitions, the placement table, the index copy (mapped, shared with
   every process of the node), the kernel frontend's worker socket;
 - answers other nodes' reads of this node's partitions with its own MPI server thread
-  (:class:`~fanstore.daemon.transport.MpiTransport`: pread + Isend from the buffer);
+  (:class:`~fanstore.daemon.mpitransport.MpiTransport`: pread + Isend from the buffer);
 - joins the kernel frontend (:func:`fanstore.fuse.kernelproc.serve_worker`: the /dev/fuse
   descriptor arrives by ``SCM_RIGHTS``) and serves READs with its own read core: this
   node's chunks by pread + decode, other nodes' straight over MPI from a rank of the
@@ -54,9 +54,9 @@ def run_worker(world: World, debug: bool = False) -> tuple[int, bool]:
         "%(message)s"))
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(s, signal.SIG_IGN)
-    from fanstore.daemon.transport import precise_sleeps
+    from fanstore.daemon.pacing import precise_sleeps
 
-    precise_sleeps()  # this thread polls for remote replies (transport.Pacer)
+    precise_sleeps()  # this thread polls for remote replies (pacing.Pacer)
     side = WorkerSide(job)
     side.hello()
     log.debug("leader pid %d", side.leader_pid)
@@ -107,8 +107,8 @@ class _PeersOnly(Exception):
 
 
 def _build(job, spec):
+    from fanstore.daemon.mpitransport import MpiTransport
     from fanstore.daemon.routing import PeerSource
-    from fanstore.daemon.transport import MpiTransport
     from fanstore.format.index import map_index_body
     from fanstore.namespace import Namespace
     from fanstore.read import ChunkReader, LocalPartitions, ReadStats, RoutedSource

@@ -349,10 +349,15 @@ def flip_bytes(path, offset: int, n: int = 8) -> bytes:
 
 def stored_extent(store, rel, chunk: int = 0) -> tuple[str, int, int]:
     """(partition file, offset, stored length) of chunk ``chunk`` of file ``rel`` of a store."""
+    from fanstore.errors import FanStoreError
     from fanstore.format.index import read_index
+    from fanstore.namespace import Namespace
 
     index = read_index(os.fspath(store))
-    entry = index.resolve(rel)
+    try:
+        entry = Namespace(index).resolve(rel)
+    except FanStoreError:
+        entry = None
     assert entry is not None, f"{rel} is not in {store}"
     first, count = int(index.e["first"][entry]), int(index.e["count"][entry])
     assert 0 <= chunk < count, f"{rel} has {count} chunks"

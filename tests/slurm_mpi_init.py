@@ -3,7 +3,7 @@
 Freed heap memory full of ';', newlines and random bytes is what a daemon has after its
 imports; with the PyPI MPICH's default UCX netmod, MPI_Init under ``srun --mpi=pmi2``
 then intermittently sends stale bytes in its PMI messages (see
-fanstore.daemon.node.choose_netmod). The launch must start, exchange a message and exit 0.
+fanstore.daemon.jobenv.choose_netmod). The launch must start, exchange a message and exit 0.
 """
 
 import os

@@ -30,6 +30,7 @@ import fanstore
 from compressors import parse_codec_spec
 from fanstore.errors import CorruptDataError
 from fanstore.format.index import read_index
+from fanstore.namespace import Namespace
 
 needs_fuse = pytest.mark.skipif(not fuse_available()[0], reason=fuse_available()[1])
 
@@ -100,6 +101,7 @@ def test_solid_store_is_format_v2_and_shares_chunks(solid_store, text_tree):
     index = read_index(str(solid_store))
     assert index.version == 2 == index.meta["format_version"]
     groups = _solid_groups(solid_store)
+    ns = Namespace(index)
     in_blocks = sum(len(v) for v in groups.values())
     assert in_blocks >= 550  # nearly every small file shares a block
     for paths in groups.values():  # one kind per block
@@ -108,12 +110,12 @@ def test_solid_store_is_format_v2_and_shares_chunks(solid_store, text_tree):
     for k, paths in groups.items():
         raw = int(index.c["raw"][k])
         assert raw <= 16 << 10
-        spans = sorted((int(index.e["offset"][index.resolve(p)]),
-                        int(index.e["size"][index.resolve(p)])) for p in paths)
+        spans = sorted((int(index.e["offset"][ns.resolve(p)]),
+                        int(index.e["size"][ns.resolve(p)])) for p in paths)
         assert spans[0][0] == 0
         assert all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))
         assert spans[-1][0] + spans[-1][1] == raw
-    big = index.resolve("big/large.bin")
+    big = ns.resolve("big/large.bin")
     assert int(index.e["count"][big]) == 3 and int(index.e["offset"][big]) == 0
     proc = run_cli("info", solid_store, check=True)
     assert re.search(rf"^solid blocks   {len(groups):,} chunks holding {in_blocks:,} files$",

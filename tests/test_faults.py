@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fanstore.daemon import staging
+from fanstore.daemon import stagecheck, stagecopy, staging
 from fanstore.daemon.placement import owners
-from fanstore.daemon.transport import node_name
+from fanstore.daemon.jobenv import node_name
 from fanstore.errors import StageError
 from fanstore.format.index import (
     INDEX_NAME,
@@ -46,6 +46,7 @@ from fanstore.format.index import (
     read_index,
 )
 from fanstore.format.partition import partition_name
+from fanstore.namespace import Namespace
 from fanstore.pack.dest import TMP_MARK
 from fanstore.store import LocalStore
 from helpers import (
@@ -550,11 +551,11 @@ def test_repeated_kills_of_different_ranks_with_replicas(data, tmp_path):
 _STAGE_AND_DIE = textwrap.dedent("""
     import os, signal, sys
     import xxhash
-    from fanstore.daemon import staging
+    from fanstore.daemon import stagecopy, staging
     from fanstore.format.index import read_index
 
     store, local, kill_after = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    staging.BLOCK = 64 << 10  # many blocks per partition: the kill lands inside a copy
+    stagecopy.BLOCK = 64 << 10  # many blocks per partition: the kill lands inside a copy
 
     class DyingHash:
         copied = 0
@@ -574,7 +575,7 @@ _STAGE_AND_DIE = textwrap.dedent("""
     class Shim:
         xxh3_128 = DyingHash
 
-    staging.xxhash = Shim
+    stagecopy.xxhash = Shim
     index = read_index(store)
     staging.stage_partitions(store, local, index, list(range(len(index.partitions))), jobs=1,
                              who="rank 0 (test)")
@@ -658,7 +659,7 @@ def test_local_storage_filling_up_during_a_copy(data, tmp_path, monkeypatch):
             f"({sizes[1]:,} bytes needed) into {local}")
         assert sorted(os.listdir(local)) == [partition_name(0), partition_name(0) + ".ok",
                                              "someone-else"]
-        assert staging._valid_copy(str(local / partition_name(0)), sizes[0],
+        assert stagecheck.valid_copy(str(local / partition_name(0)), sizes[0],
                                    index.partitions[0].checksum)
 
 
@@ -714,25 +715,25 @@ def _refuse_direct_io(monkeypatch, where: str) -> list[str]:
     not the alignment). Returns a log of what was refused."""
     refused: list[str] = []
     if where == "open":
-        real_fcntl = staging.fcntl.fcntl
+        real_fcntl = stagecopy.fcntl.fcntl
 
         def fcntl(fd, cmd, arg=0):
-            if cmd == staging.fcntl.F_SETFL and arg & staging._O_DIRECT:
+            if cmd == stagecopy.fcntl.F_SETFL and arg & stagecopy._O_DIRECT:
                 refused.append("open")
                 raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
             return real_fcntl(fd, cmd, arg)
 
-        monkeypatch.setattr(staging.fcntl, "fcntl", fcntl)
+        monkeypatch.setattr(stagecopy.fcntl, "fcntl", fcntl)
     else:
         real_pwrite = os.pwrite
 
         def pwrite(fd, data, offset):
-            if staging.fcntl.fcntl(fd, staging.fcntl.F_GETFL) & staging._O_DIRECT:
+            if stagecopy.fcntl.fcntl(fd, stagecopy.fcntl.F_GETFL) & stagecopy._O_DIRECT:
                 refused.append("write")
                 raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
             return real_pwrite(fd, data, offset)
 
-        monkeypatch.setattr(staging.os, "pwrite", pwrite)
+        monkeypatch.setattr(stagecopy.os, "pwrite", pwrite)
     return refused
 
 
@@ -742,11 +743,11 @@ def _count_direct_writes(monkeypatch) -> list[str]:
     real_pwrite = os.pwrite
 
     def pwrite(fd, data, offset):
-        if staging.fcntl.fcntl(fd, staging.fcntl.F_GETFL) & staging._O_DIRECT:
+        if stagecopy.fcntl.fcntl(fd, stagecopy.fcntl.F_GETFL) & stagecopy._O_DIRECT:
             seen.append("direct")
         return real_pwrite(fd, data, offset)
 
-    monkeypatch.setattr(staging.os, "pwrite", pwrite)
+    monkeypatch.setattr(stagecopy.os, "pwrite", pwrite)
     return seen
 
 
@@ -769,7 +770,7 @@ def test_a_damaged_or_short_source_is_never_installed(data, tmp_path, monkeypatc
     index = read_index(str(store))
     sizes = [p.size for p in index.partitions]
     bad = _damaged_store(store, tmp_path)
-    monkeypatch.setattr(staging, "BLOCK", 64 << 10)  # many blocks per partition, and a tail
+    monkeypatch.setattr(stagecopy, "BLOCK", 64 << 10)  # many blocks per partition, and a tail
     if direct == "used":
         refused = _count_direct_writes(monkeypatch)
     else:
@@ -777,7 +778,7 @@ def test_a_damaged_or_short_source_is_never_installed(data, tmp_path, monkeypatc
     local = tmp_path / "local"
     report = staging.stage_partitions(str(bad), str(local), index, [0], jobs=1, who="rank 3 (n)")
     assert report.copied == [0]
-    assert staging._valid_copy(str(local / partition_name(0)), sizes[0],
+    assert stagecheck.valid_copy(str(local / partition_name(0)), sizes[0],
                                index.partitions[0].checksum)
     if direct != "used":
         assert refused, "the refusal was never exercised"
@@ -801,16 +802,16 @@ def test_copies_of_every_size_are_exact(tmp_path, monkeypatch, size):
     byte for byte, with the file's own checksum."""
     import xxhash
 
-    monkeypatch.setattr(staging, "BLOCK", 64 << 10)
+    monkeypatch.setattr(stagecopy, "BLOCK", 64 << 10)
     content = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
     src = tmp_path / "src.fsp"
     src.write_bytes(content)
     (tmp_path / "local").mkdir(mode=0o700)
     dst = tmp_path / "local" / "part.fsp"
     checksum = xxhash.xxh3_128(content).hexdigest()
-    assert staging._copy(str(src), str(dst), size, checksum, "rank 0 (t)") == size
+    assert stagecopy.copy_partition(str(src), str(dst), size, checksum, "rank 0 (t)") == size
     assert dst.read_bytes() == content
-    assert staging._valid_copy(str(dst), size, checksum)
+    assert stagecheck.valid_copy(str(dst), size, checksum)
 
 
 @needs_cluster
@@ -846,9 +847,10 @@ def _victims(store) -> list[tuple[str, int]]:
     """Two files of partition 3: a one-chunk file (chunk 0) and a multi-chunk one (its
     second chunk)."""
     index = read_index(str(store))
+    ns = Namespace(index)
     one = multi = None
     for rel in files_by_partition(store)[3]:
-        count = int(index.e["count"][index.resolve(rel)])
+        count = int(index.e["count"][ns.resolve(rel)])
         if count == 1 and one is None:
             one = (rel, 0)
         elif count > 2 and multi is None:

@@ -20,7 +20,14 @@ import xxhash
 import zstandard
 
 from fanstore import FORMAT_VERSION
-from fanstore.errors import FormatError, NotAStoreError, VersionTooNewError, VersionTooOldError
+from fanstore.errors import (
+    FormatError,
+    NotADirectoryError_,
+    NotAStoreError,
+    NotFoundError,
+    VersionTooNewError,
+    VersionTooOldError,
+)
 from fanstore.format.index import (
     CHUNK_COLUMNS,
     ENTRY_COLUMNS,
@@ -140,9 +147,13 @@ def test_index_round_trip_by_hand():
     assert index.meta["counts"] == parts["meta"]["counts"]
     assert [index.path(i) for i in range(5)] == [b"", b"a", b"f", b"l", b"a/g"]
     assert index.target(3) == b"f"
-    assert index.resolve("a/g") == 4 and index.resolve(b"./a//g") == 4
-    assert index.resolve("") == 0
-    assert index.resolve("a/nope") is None and index.resolve("f/x") is None
+    ns = Namespace(index)  # paths are resolved by the namespace (the one symlink rule)
+    assert ns.resolve("a/g") == 4 and ns.resolve(b"./a//g") == 4
+    assert ns.resolve("") == 0
+    with pytest.raises(NotFoundError):
+        ns.resolve("a/nope")
+    with pytest.raises(NotADirectoryError_):
+        ns.resolve("f/x")
     assert index.lookup(0, b"g") is None  # g lives in a/, not in the root
     assert index.stored_bytes_of(2) == 150
 

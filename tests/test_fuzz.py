@@ -39,7 +39,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from fanstore.daemon import protocol as P
-from fanstore.daemon.transport import MpiTransport
+from fanstore.daemon.mpitransport import MpiTransport
 from fanstore.errors import FanStoreError
 from fanstore.format.index import (
     CHUNK_COLUMNS,

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from compressors import parse_spec
-from fanstore.errors import PackError
+from fanstore.errors import NotFoundError, PackError
 from fanstore.format.index import INDEX_NAME, KIND_DIR, KIND_FILE, KIND_SYMLINK, read_index
+from fanstore.namespace import Namespace
 from fanstore.pack import CodecPolicy, PackOptions, pack, plan_partitions, scan_tree
 from fanstore.pack.dest import OLD_MARK, TMP_MARK
 from fanstore.store import LocalStore
@@ -195,8 +196,9 @@ def test_pack_refuses_unreadable_files_and_directories(tmp_path):
         assert "skipped 2 entries" in proc.stdout
         with LocalStore(str(dest)) as s:
             assert s.read_file("ok.txt") == b"ok\n"
-            assert s.index.resolve("secret.txt") is None
-            assert s.index.resolve("locked/hidden.txt") is None
+            for rel in ("secret.txt", "locked/hidden.txt"):
+                with pytest.raises(NotFoundError):
+                    s.ns.resolve(rel)
     finally:
         os.chmod(src / "locked", 0o755)
         os.chmod(src / "secret.txt", 0o644)
@@ -329,8 +331,9 @@ def test_broadcast_directories_get_their_own_partitions(small_tree, tmp_path):
     index = read_index(str(dest))
     bc = [p.number for p in index.partitions if p.broadcast]
     assert bc and min(bc) == 2 and len(index.partitions) == 2 + len(bc)
+    ns = Namespace(index)
     for rel in files:
-        entry = index.resolve(rel)
+        entry = ns.resolve(rel)
         first, count = int(index.e["first"][entry]), int(index.e["count"][entry])
         if count:
             part = int(index.c["part"][first])
@@ -362,7 +365,8 @@ def test_refuses_to_overwrite_a_store_without_force(small_tree, tmp_path):
     assert proc.returncode == 0, proc.stderr
     with LocalStore(str(dest)) as s:
         assert s.read_file("new.txt") == b"new content\n"
-        assert s.index.resolve("a.txt") is None
+        with pytest.raises(NotFoundError):
+            s.ns.resolve("a.txt")
     leftovers = [n for n in os.listdir(tmp_path) if TMP_MARK in n or OLD_MARK in n]
     assert leftovers == []
 
@@ -403,7 +407,9 @@ def test_force_through_a_symlinked_destination(small_tree, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert os.readlink(link) == "scratch/store"
     with LocalStore(str(link)) as s:
-        assert s.read_file("new.txt") == b"new\n" and s.index.resolve("a.txt") is None
+        assert s.read_file("new.txt") == b"new\n"
+        with pytest.raises(NotFoundError):
+            s.ns.resolve("a.txt")
     assert sorted(os.listdir(tmp_path)) == ["link", "other-src", "scratch"]
     assert os.listdir(tmp_path / "scratch") == ["store"]
 

@@ -344,7 +344,7 @@ def test_probes_stop_at_the_drain_deadline_and_a_cut_ping_is_no_death():
     left its staged data behind), and a ping cut short by it marks nobody dead."""
     import time
 
-    from fanstore.daemon.node import Node, NodeOptions
+    from fanstore.daemon.peerwatch import PeerWatch
 
     hub = LocalHub()
     mine = LocalTransport(hub, 0, 3, None, max_wait=10.0)
@@ -353,14 +353,11 @@ def test_probes_stop_at_the_drain_deadline_and_a_cut_ping_is_no_death():
     asked = []
     ping = mine.ping
     mine.ping = lambda r, t: asked.append(t) or ping(r, t)
-    node = Node.__new__(Node)
-    node.rank, node.size = 0, 3
-    node.options = NodeOptions(store="s", mountpoint="m", remote_timeout=30.0)
-    node.transport = mine
-    node.peers = PeerSource(mine, [[0], [1], [2]], node=0, nodes=3, timeout=30.0,
-                            stats=None)
+    watch = PeerWatch(0, 3, [1, 2], timeout=30.0, who="rank 0 (t)")
+    watch.attach(mine, PeerSource(mine, [[0], [1], [2]], node=0, nodes=3, timeout=30.0,
+                                  stats=None))
     t0 = time.monotonic()
-    node._probe(deadline=t0 + 0.3)
+    watch.probe(deadline=t0 + 0.3)
     assert time.monotonic() - t0 < 1.0
     assert asked and all(t <= 0.3 for t in asked)
-    assert node.peers.dead == set()
+    assert watch.peers.dead == set()

@@ -30,7 +30,7 @@ from mpi_helpers import MpiJob, mpi_available, read_tree_bytes
 
 from fanstore.daemon import placement as pl
 from fanstore.daemon import replicas as R
-from fanstore.daemon.staging import _record_ok, staged_copies
+from fanstore.daemon.stagecheck import record_ok, staged_copies
 from fanstore.errors import StageError
 from fanstore.format.index import read_index
 from fanstore.format.partition import partition_name
@@ -243,7 +243,7 @@ def test_decide_auto_uses_the_free_space_and_counts_copies_already_staged(tmp_pa
         for p in (0, 4):
             path = local / partition_name(p)
             path.write_bytes(b"x" * 150_000)
-            _record_ok(str(path), index.partitions[p].checksum)
+            record_ok(str(path), index.partitions[p].checksum)
         assert staged_copies(str(local), index) == {0: 150_000, 4: 150_000}
         with caplog.at_level(logging.INFO):
             assert R.decide("auto", index, Others(), 0, 4, str(local), None, "n0") == 3

@@ -97,7 +97,7 @@ def cmd_pack(args) -> int:
         shared=args.shared,
     )
     request.check()
-    from fanstore.daemon.world import launcher_world_size
+    from fanstore.daemon.jobenv import launcher_world_size
 
     if launcher_world_size() is not None:
         # One rank per node: rank 0 plans and writes the index, every rank compresses.

@@ -25,9 +25,7 @@ import numpy as np
 from fanstore.daemon.world import World
 from fanstore.errors import FanStoreError, PackError
 from fanstore.pack.options import PackOptions, PackSummary
-from fanstore.pack.worker import PartResult as _PartResult
-from fanstore.pack.worker import PartTask as _PartTask
-from fanstore.pack.worker import run_tasks
+from fanstore.pack.worker import PartResult, PartTask, run_tasks
 from fanstore.pack.write import finish, prepare
 
 log = logging.getLogger(__name__)
@@ -42,7 +40,7 @@ class QuietPackError(FanStoreError):
     quiet = True
 
 
-def encode_tasks(tasks: list[_PartTask]) -> bytes:
+def encode_tasks(tasks: list[PartTask]) -> bytes:
     doc = {
         "codecs": tasks[0].codecs if tasks else [],
         "tasks": [
@@ -55,11 +53,11 @@ def encode_tasks(tasks: list[_PartTask]) -> bytes:
     return json.dumps(doc).encode()
 
 
-def decode_tasks(data: bytes) -> list[_PartTask]:
+def decode_tasks(data: bytes) -> list[PartTask]:
     doc = json.loads(data)
     codecs = doc["codecs"]
     return [
-        _PartTask(t["number"], t["path"],
+        PartTask(t["number"], t["path"],
                   [(e, os.fsencode(p), size, slot, solid, group)
                    for e, p, size, slot, solid, group in t["files"]],
                   codecs, t["chunk_size"])
@@ -67,7 +65,7 @@ def decode_tasks(data: bytes) -> list[_PartTask]:
     ]
 
 
-def encode_results(results: list[_PartResult]) -> bytes:
+def encode_results(results: list[PartResult]) -> bytes:
     out = bytearray()
     for r in results:
         arrays: list[tuple[str, np.ndarray]] = []
@@ -86,7 +84,7 @@ def encode_results(results: list[_PartResult]) -> bytes:
     return bytes(out)
 
 
-def decode_results(data: bytes) -> list[_PartResult]:
+def decode_results(data: bytes) -> list[PartResult]:
     results = []
     pos = 0
     view = memoryview(data)
@@ -95,7 +93,7 @@ def decode_results(data: bytes) -> list[_PartResult]:
         pos += _LEN.size
         header = json.loads(bytes(view[pos : pos + n]))
         pos += n
-        r = _PartResult(header["number"], header["size"], header["checksum"])
+        r = PartResult(header["number"], header["size"], header["checksum"])
         r.raw_bytes = header["raw_bytes"]
         r.error = header["error"]
         chunks: dict[str, np.ndarray] = {}
@@ -152,7 +150,7 @@ def _pack_ranks(src: str, dest: str, policy_factory: Callable[[], Any], options:
     try:
         results = run_tasks(mine, options, sum(f[2] for t in mine for f in t.files))
     except FanStoreError as exc:
-        results = [_PartResult(t.number, error=f"rank {rank}: {exc}") for t in mine]
+        results = [PartResult(t.number, error=f"rank {rank}: {exc}") for t in mine]
     gathered = world.gather_bytes(encode_results(results))
     summary = None
     outcome = b"ok"

@@ -13,9 +13,10 @@
    fail over, :mod:`fanstore.daemon.routing`).
 5. Stopping: SIGTERM/SIGINT stop every rank (SHUTDOWN to all peers); ``fanstore umount``
    stops this node only. An unmounted daemon keeps serving its peers ("drain") until
-   every rank is done or known dead, then exits; MPI_Finalize is called only when no peer
-   died (finalizing with a dead peer hangs or aborts): ``skip_finalize`` tells the caller
-   to exit without it.
+   every rank is done or known dead, then exits (the probes and the drain:
+   :mod:`fanstore.daemon.peerwatch`); MPI_Finalize is called only when no peer died
+   (finalizing with a dead peer hangs or aborts): ``skip_finalize`` tells the caller to
+   exit without it.
 
 The node knows nothing of FUSE: it is given a frontend factory (:mod:`fanstore.frontend`).
 """
@@ -28,20 +29,22 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from fanstore import mounttable, runtime
 from fanstore.control import ControlServer
 from fanstore.daemon import placement as pl
 from fanstore.daemon import protocol as P
+from fanstore.daemon.jobenv import node_name, substitute
 from fanstore.daemon.launcher import launcher_alive
 from fanstore.daemon.nodegroup import LeaderSide
+from fanstore.daemon.peerwatch import PeerWatch
 from fanstore.daemon.replicas import decide as decide_replicas
 from fanstore.daemon.routing import PeerSource
 from fanstore.daemon.service import OWNER_OPS
-from fanstore.daemon.transport import node_name
-from fanstore.daemon.world import World, substitute
+from fanstore.daemon.world import World
 from fanstore.errors import FanStoreError, FormatError, MountError
 from fanstore.frontend import FrontendFactory, MountContext, MountOptions
 from fanstore.namespace import Namespace, metadata_bytes
@@ -49,11 +52,6 @@ from fanstore.read import ChunkReader, LocalPartitions, ReadStats, RoutedSource
 from fanstore.read.stats import SUMMED
 
 log = logging.getLogger(__name__)
-
-#: How long a stopping job's daemon waits for its peers to say they are done (see _drain).
-DRAIN_GRACE = 2.0
-#: Seconds between probes of peers marked dead while serving.
-PROBE_INTERVAL = 5.0
 
 
 @dataclass
@@ -109,13 +107,15 @@ class Node:
         #: the reason this node stops, once it does
         self.stopping: str | None = None
         #: every rank is stopping (a signal or a peer's SHUTDOWN), so no peer will read from
-        #: us after its unmount: the drain waits only DRAIN_GRACE for the peers' DONE (under
-        #: scancel Slurm sends SIGKILL KillWait seconds after SIGTERM, often 5 s or less).
+        #: us after its unmount: the drain waits only DRAIN_GRACE for the peers' DONE
+        #: (fanstore.daemon.peerwatch).
         self.job_stopping = False
         self.terminated = 0  # the last terminating signal received
         self.drain_incomplete: list[int] = []
         self.skip_finalize = False
-        self._probe_now = threading.Event()
+        #: the other nodes: probes while serving, the drain after (attached in _connect)
+        self.watch = PeerWatch(self.rank, self.size, self._other_leaders(),
+                               options.remote_timeout, self.who, alive=launcher_alive)
         self._serving = threading.Event()
         self._sig_r = self._sig_w = -1
 
@@ -149,15 +149,12 @@ class Node:
             for signum in data:
                 if signum == signal.SIGUSR1:
                     log.warning("the MPI launcher reports a dead process; probing peers")
-                    self._probe_all = True
-                    self._probe_now.set()
+                    self.watch.alarm(everyone=True)
                     continue
                 self.terminated = signum
-                self._probe_now.set()
+                self.watch.alarm()
                 self.request_stop(f"signal {signal.Signals(signum).name}",
                                   everywhere=self.world.is_mpi)
-
-    _probe_all = False
 
     # ------------------------------------------------------------------ stopping
     def request_stop(self, reason: str, everywhere: bool = False) -> None:
@@ -165,10 +162,10 @@ class Node:
         if everywhere:
             self.job_stopping = True
             if self.transport is not None and self.stopping is None:
-                others = self._other_leaders()
                 # In a thread: the caller may be a frontend that must not wait on MPI.
                 threading.Thread(target=self.transport.send_control,
-                                 args=(P.Control.SHUTDOWN, others, reason), daemon=True).start()
+                                 args=(P.Control.SHUTDOWN, self.watch.others, reason),
+                                 daemon=True).start()
         if self.stopping is not None:
             return
         self.stopping = reason
@@ -253,8 +250,8 @@ class Node:
                 on_ready()
             self._serving.set()
             if self.world.is_mpi:
-                threading.Thread(target=self._watch_peers, name="fanstore-probe",
-                                 daemon=True).start()
+                threading.Thread(target=self.watch.watch, args=(self._serving, self.request_stop),
+                                 name="fanstore-probe", daemon=True).start()
             reason = self.frontend.serve()
             self._serving.clear()
             if self.stopping is None:
@@ -323,7 +320,7 @@ class Node:
             if self.transport_factory is not None:
                 self.transport = self.transport_factory(self)
             else:
-                from fanstore.daemon.transport import MpiTransport
+                from fanstore.daemon.mpitransport import MpiTransport
 
                 self.transport = MpiTransport(self.job.comm, self.parts, self.on_control)
             self.transport.start()
@@ -332,6 +329,7 @@ class Node:
                                     show=lambda e: ns.show(e),
                                     ranks_of=self.job.servers_of if self.job else None,
                                     me=self.job.rank if self.job else None)
+            self.watch.attach(self.transport, self.peers)
         reader = ChunkReader(index, RoutedSource(self.parts, self.peers),
                              cache_bytes=opts.mount.cache_mb << 20, stats=self.stats)
         self.stats.extra.update(self._static_stats(index, mine))
@@ -408,49 +406,6 @@ class Node:
         return out
 
     # ------------------------------------------------------------------ peers
-    def _watch_peers(self) -> None:
-        """While serving: re-probe unreachable peers every few seconds, probe every peer
-        when the launcher reports a dead process, stop if the launcher is gone."""
-        while self._serving.is_set():
-            if not launcher_alive():
-                self.request_stop("the MPI launcher is gone")
-                return
-            self._probe_now.wait(PROBE_INTERVAL)
-            if not self._serving.is_set():
-                return
-            everyone = self._probe_now.is_set() and self._probe_all
-            self._probe_now.clear()
-            self._probe_all = False
-            self._probe(only_dead=not everyone)
-
-    def _probe(self, only_dead: bool = False, deadline: float | None = None) -> None:
-        """Ping the ranks of the other nodes (only those marked dead, or all); no ping
-        waits past ``deadline`` (monotonic), and an expired one is not a death."""
-        if self.transport is None or self.peers is None:
-            return
-        timeout = min(5.0, self.options.remote_timeout)
-        for node in range(self.size):
-            if node == self.rank or node in self.peers.done:
-                continue
-            for r in self.peers.ranks_of(node):
-                if only_dead and r not in self.peers.dead:
-                    continue
-                wait = timeout
-                if deadline is not None:
-                    wait = min(wait, deadline - time.monotonic())
-                    if wait <= 0:
-                        return
-                if self.transport.ping(r, wait):
-                    self.peers.revive(r)
-                elif node in self.peers.done:
-                    # it said DONE while we waited: its ranks stopped serving on purpose
-                    # (a rank that ends its service does not answer pings; not a death)
-                    break
-                elif wait < timeout:
-                    return  # cut short by the deadline: no verdict
-                else:
-                    self.peers.mark_dead(r, f"no answer to a ping within {timeout:g} s")
-
     def _other_leaders(self) -> list[int]:
         """The transport ranks of the other nodes' daemons."""
         if self.job is None:
@@ -458,40 +413,15 @@ class Node:
         return [r for n, r in enumerate(self.job.leaders) if n != self.rank]
 
     def _drain(self) -> None:
-        """After unmounting: keep serving peers until every rank is done or dead."""
+        """After unmounting: keep serving peers until every node is done or dead."""
         if self.transport is None:
             return
-        others = [n for n in range(self.size) if n != self.rank]
         self.runtime.write_state(phase="draining")
-        self.transport.send_control(P.Control.DONE, self._other_leaders(), "unmounted")
+        self.watch.say_done()
         self.terminated = 0
-        grace_end = time.monotonic() + DRAIN_GRACE
         try:
-            last_probe = 0.0  # probe at once: a peer may have died while nobody asked it
-            announced = False
-            while not self.terminated and launcher_alive():
-                waiting = {n for n in others if n not in self.peers.done
-                           and not self.peers.node_dead(n)}
-                if not waiting:
-                    break
-                if self.job_stopping and time.monotonic() > grace_end:
-                    # Exit without MPI_Finalize: it could wait on them past SIGKILL.
-                    self.drain_incomplete = sorted(waiting)
-                    log.info("%s: the job is stopping; not waiting longer for nodes %s",
-                             self.who, self.drain_incomplete)
-                    break
-                if not announced:
-                    log.info("%s: unmounted; serving peers until nodes %s are done", self.who,
-                             sorted(waiting))
-                    announced = True
-                if self._probe_now.is_set() or time.monotonic() - last_probe > PROBE_INTERVAL:
-                    self._probe_now.clear()
-                    # Once the whole job stops, no probe may outlast the grace: Slurm's
-                    # SIGKILL follows SIGTERM by KillWait seconds, and a ping to a node that
-                    # finished meanwhile goes unanswered (CI: 5 s ping, staged data left).
-                    self._probe(deadline=grace_end if self.job_stopping else None)
-                    last_probe = time.monotonic()
-                time.sleep(0.05)
+            self.drain_incomplete = self.watch.drain(
+                stopped=lambda: bool(self.terminated), job_stopping=lambda: self.job_stopping)
         finally:
             self.transport.stop()
         if self.terminated:

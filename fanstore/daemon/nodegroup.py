@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fanstore.daemon.transport import Backoff
+from fanstore.daemon.pacing import Backoff
 from fanstore.errors import MountError
 from fanstore.process import pid_alive
 

@@ -24,6 +24,7 @@ Decoders here validate everything: a malformed message is a ProtocolError, never
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
@@ -76,6 +77,24 @@ class Request:
     length: int
     req_id: int
     piece: int = 0  # split the reply into messages of at most this many bytes (0: one)
+
+
+#: Where a response header's status (u16) is: a reply whose first message says other
+#: than OK (0) is that message alone.
+RESP_STATUS_AT = 6
+#: Reply messages under MPICH's eager limit on shared memory (8 KB: 8,000-byte sends
+#: complete at once, 10,000-byte ones wait for the receiver; measured here).
+DEFAULT_PIECE = 8000
+
+
+def piece_size() -> int:
+    """``FANSTORE_MPI_PIECE`` (bytes; 0: one message per reply) or DEFAULT_PIECE."""
+    text = os.environ.get("FANSTORE_MPI_PIECE", "")
+    try:
+        value = int(text) if text else DEFAULT_PIECE
+    except ValueError:
+        value = DEFAULT_PIECE
+    return value if value == 0 or value > RESP.size else DEFAULT_PIECE
 
 
 def pieces(length: int, piece: int) -> list[tuple[int, int]]:

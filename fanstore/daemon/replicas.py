@@ -249,7 +249,7 @@ def decide(requested: int | str, index: Index, world: World, node: int, nodes: i
             reused: dict[int, int] = {}
             room, where = capacity, "available (--local-capacity)"
         else:
-            from fanstore.daemon.staging import staged_copies
+            from fanstore.daemon.stagecheck import staged_copies
 
             free, keep = local_room(local_dir, who)
             reused = staged_copies(local_dir, index)

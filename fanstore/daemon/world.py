@@ -34,55 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from fanstore.daemon.transport import Backoff, node_name, wait_request
-from fanstore.errors import MountError, UsageError
-
-HYDRA_MARKERS = ("HYDI_CONTROL_FD", "HYDRA_CONTROL_FD")
-
-
-def choose_netmod(library_version: str, environ) -> str | None:
-    """The MPICH netmod to force, if any, for the MPI library described by ``library_version``.
-
-    The MPICH wheel from PyPI (5.0.2, ``ch4:ucx ofi``) defaults to UCX, whose large
-    addresses are exchanged through PMI in segments at MPI_Init; under ``srun --mpi=pmi2``
-    some of those PMI messages carry stale heap bytes, so a launch intermittently fails
-    ("mpi/pmi2: invalid client request" in slurmd's log) or, worse, a rank gets a wrong
-    address and its peers never reach it. Measured with a reproducer whose heap holds freed
-    data, 2 nodes x 1 rank: UCX 14 of 30 launches failed, OFI 0 of 60. So for that wheel
-    FanStore selects OFI; a site MPI, or an explicit ``MPIR_CVAR_CH4_NETMOD``, is left alone.
-    """
-    if "MPIR_CVAR_CH4_NETMOD" in environ:
-        return None
-    if "pypi.org/p/mpich" in library_version and "ucx" in library_version \
-            and "ofi" in library_version:
-        return "ofi"
-    return None
-
-
-# --------------------------------------------------------------------------- grouping
-
-
-def group_nodes(keys: list[str], ranks_per_node: int | None) -> list[int]:
-    """The node index of each launched rank. ``ranks_per_node``: blocks of that many
-    consecutive ranks form a node; None: ranks with the same ``keys`` entry (a host name)
-    form a node, nodes numbered in order of their first rank."""
-    if ranks_per_node is not None:
-        if ranks_per_node < 1 or len(keys) % ranks_per_node:
-            raise UsageError(f"--ranks-per-node {ranks_per_node} does not divide the "
-                             f"{len(keys)} ranks of this job")
-        return [r // ranks_per_node for r in range(len(keys))]
-    index: dict[str, int] = {}
-    return [index.setdefault(k, len(index)) for k in keys]
-
-
-def node_key(ranks_per_node: str | int) -> str:
-    """What this rank groups by under ``--ranks-per-node auto``: the Slurm node name under
-    ``srun`` (tasks of one node share a mount); elsewhere (hydra on one machine, the form
-    of the tests) the rank itself, so every launched rank is a node of its own."""
-    if ranks_per_node == "auto" and os.environ.get("SLURM_STEP_ID") is not None \
-            and not any(os.environ.get(m) for m in HYDRA_MARKERS):
-        return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    return ""  # filled with the rank by the caller
+from fanstore.daemon.jobenv import choose_netmod, group_nodes, node_key, slurm_tasks, under_hydra
+from fanstore.daemon.pacing import Backoff, wait_request
+from fanstore.errors import MountError
 
 
 @dataclass
@@ -151,18 +105,18 @@ class World:
         self.job = job
 
     @classmethod
-    def solo(cls) -> "World":
+    def solo(cls) -> World:
         return cls()
 
     @classmethod
     def from_mpi(cls, ranks_per_node: str | int = "auto", spawn_workers: int = 0,
-                 spawn_command: list[str] | None = None) -> "World":
+                 spawn_command: list[str] | None = None) -> World:
         """Initialise MPI, group the launched ranks into nodes and, when every node was
         launched with one rank under hydra and ``spawn_workers`` > 0, spawn that many
         worker ranks per node running ``spawn_command`` (argv after the interpreter)."""
         MPI = _init_mpi()
         world = MPI.COMM_WORLD
-        expected = _slurm_tasks()
+        expected = slurm_tasks()
         if expected is not None and world.Get_size() != expected:
             raise MountError(
                 f"MPI world size is {world.Get_size()} but Slurm started {expected} tasks: "
@@ -176,7 +130,7 @@ class World:
         node_of = group_nodes(keys, fixed)
         nodes = max(node_of) + 1
         one_each = nodes == n
-        spawned = bool(spawn_workers and one_each and n > 1 and _under_hydra())
+        spawned = bool(spawn_workers and one_each and n > 1 and under_hydra())
         link = None
         if spawned:
             comm, link = _spawn(launched, spawn_workers, spawn_command or [], MPI)
@@ -187,7 +141,7 @@ class World:
         return cls._from_layout(comm, MPI, node_of, spawned, link)
 
     @classmethod
-    def for_spawned_worker(cls) -> "World":
+    def for_spawned_worker(cls) -> World:
         """A worker rank started by :meth:`from_mpi`'s spawn: join the parents' job."""
         MPI = _init_mpi()
         parent = MPI.Comm.Get_parent()
@@ -201,7 +155,7 @@ class World:
 
     @classmethod
     def _from_layout(cls, comm, MPI, node_of: list[int], spawned: bool,
-                     link=None) -> "World":
+                     link=None) -> World:
         rank = comm.Get_rank()
         leaders: list[int] = []
         for r, node in enumerate(node_of):
@@ -275,13 +229,13 @@ class World:
             if c is not None:
                 try:
                     c.Free()
-                except Exception:  # noqa: BLE001 - freeing is a courtesy
+                except Exception:  # noqa: BLE001, S110 - freeing is a courtesy
                     pass
         self.comm = None
         if self._link is not None:
             try:
                 self._link.Disconnect()  # collective with the other side of the spawn
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001, S110 - a courtesy too
                 pass
             self._link = None
 
@@ -403,10 +357,6 @@ def _allgather_str(comm, text: str, MPI, width: int = 256) -> list[str]:
             for i in range(comm.Get_size())]
 
 
-def _under_hydra() -> bool:
-    return any(os.environ.get(m) for m in HYDRA_MARKERS)
-
-
 def _spawn(launched, per_node: int, command: list[str], MPI):
     """Spawn ``per_node`` worker ranks for every launched rank (each a node), on the
     launched rank's host; returns the merged communicator (launched ranks first, then
@@ -449,34 +399,3 @@ def _fill_spawned(node_of: list[int]) -> list[int]:
             out[i] = k // per_node
             k += 1
     return out
-
-
-def _slurm_tasks() -> int | None:
-    """Number of tasks of this Slurm step, if srun (not mpiexec) launched us."""
-    if os.environ.get("SLURM_STEP_ID") is None:
-        return None
-    if any(os.environ.get(m) for m in HYDRA_MARKERS):
-        return None  # mpiexec inside an allocation: its proxies are the Slurm tasks
-    value = os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS")
-    return int(value) if value and value.isdigit() else None
-
-
-def substitute(path: str, node: int) -> str:
-    """``{node}`` and ``{rank}`` (its older name: a rank was a node) become the node's
-    index in the job, ``{host}`` the node's name."""
-    return (path.replace("{node}", str(node)).replace("{rank}", str(node))
-            .replace("{host}", node_name()))
-
-
-def launcher_world_size() -> int | None:
-    """World size if we run under an MPI launcher with more than one rank, else None
-    (read from the launcher's environment; MPI is not initialised)."""
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"):
-        value = os.environ.get(var)
-        if value and value.isdigit() and int(value) > 1:
-            return int(value)
-    if os.environ.get("SLURM_STEP_ID") is not None:
-        ntasks = os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS")
-        if ntasks and ntasks.isdigit() and int(ntasks) > 1:
-            return int(ntasks)
-    return None

@@ -33,7 +33,8 @@ from fanstore.errors import PackError, StoreExistsError, UsageError
 from fanstore.format.index import INDEX_NAME
 from fanstore.pack.access import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE
 from fanstore.process import pid_alive
-from fanstore.storage import S3Location, is_url, open_location, split_parent
+from fanstore.storage import is_url, open_location, split_parent
+from fanstore.storage.s3 import S3Location
 
 log = logging.getLogger(__name__)
 

@@ -813,7 +813,7 @@ def main_parse(argv: list[str]) -> int:
     paths = [index.path(int(e)) for e in pick]
     t0 = time.perf_counter()
     for p in paths:
-        index.resolve(p)
+        ns.resolve(p)
     t_lookup = (time.perf_counter() - t0) / max(1, len(paths))
     del ns, index
     for _ in range(a.reps - 1):

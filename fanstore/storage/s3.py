@@ -1,345 +1,33 @@
-"""Where a store or a source lives: a local directory or an object-store prefix (``s3://``).
+"""The S3 backend: an ``s3://bucket/prefix`` location through s3fs (aiobotocore).
 
-``open_location(url)`` gives a :class:`Location` with the few operations FanStore needs:
-read an object whole or a byte range of it, its size, list what lies under the location,
-write an object (S3: multipart upload), copy and remove objects. Local paths and S3 prefixes
-behave the same; FanStore code above this module never imports s3fs or botocore.
-
-Schemes are a registry held as data (:data:`KNOWN_SCHEMES`): the class to use, the modules
-it needs and an install hint, imported on first use (s3fs is the optional extra
-``fanstore[s3]``).
-
-S3 configuration follows the standard AWS environment (``AWS_ENDPOINT_URL`` or
+Configuration follows the standard AWS environment (``AWS_ENDPOINT_URL`` or
 ``AWS_ENDPOINT_URL_S3``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
 ``AWS_SESSION_TOKEN``, ``AWS_REGION`` or ``AWS_DEFAULT_REGION``, ``AWS_PROFILE``,
-``AWS_SHARED_CREDENTIALS_FILE``), then the storage options (``--storage-options JSON``, or
-``$FANSTORE_STORAGE_OPTIONS``; either may be ``@FILE``, a file holding the JSON): keyword
-arguments of ``s3fs.S3FileSystem``, plus FanStore's own ``retries`` (attempts after the
-first, default 5), ``timeout`` (connect and read timeout in seconds, default 30; an upload
-may take that plus 1 s per MiB it sends) and ``part_size_mb`` (multipart upload part size,
-default 16).
-
-Credentials never need the command line, where every user of the node can read them
-(``ps``, ``/proc/PID/cmdline``): the environment and files are private to their owner.
-:func:`exposure_warnings` gives the lines the CLI shows when a secret (``key``,
-``secret``, ``token``, a password...) is given in argv anyway, or sits in a file others may
-read.
+``AWS_SHARED_CREDENTIALS_FILE``), then the storage options
+(:mod:`fanstore.storage.options`): keyword arguments of ``s3fs.S3FileSystem``, plus
+FanStore's own ``retries`` (attempts after the first, default 5), ``timeout`` (connect and
+read timeout in seconds, default 30; an upload may take that plus 1 s per MiB it sends)
+and ``part_size_mb`` (multipart upload part size, default 16).
 
 Every request is retried on transient errors (timeouts, refused connections, 5xx) with an
 exponential backoff (0.5 s doubling, at most 10 s), each retry logged as a warning; then it
 fails with one line naming the object. A missing bucket or refused credentials fail at once.
+s3fs is imported on first use, so this module loads without it.
 """
 
 from __future__ import annotations
 
-import importlib
-import json
 import logging
 import os
-import re
 import time
-from types import MappingProxyType
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fanstore.errors import StorageError, UsageError
+from fanstore.storage.location import Location, scheme_of
 
 log = logging.getLogger(__name__)
 
-#: scheme -> how to open it. "modules" are imported before the class; "err" is the hint.
-_KNOWN_SCHEMES: dict[str, dict[str, Any]] = {
-    "s3": {
-        "class": "fanstore.storage.S3Location",
-        "modules": ("s3fs",),
-        "err": "S3 support needs s3fs: pip install 'fanstore[s3]' (or pip install s3fs)",
-    },
-}
-KNOWN_SCHEMES = MappingProxyType(_KNOWN_SCHEMES)
-
-_URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
-
-#: Storage options set by the command line (``--storage-options``); see default_options().
-_default_options: dict[str, Any] | None = None
-
-
-def is_url(text: str | bytes | os.PathLike) -> bool:
-    """True for ``scheme://...`` (an object-store location), False for a local path."""
-    if isinstance(text, os.PathLike):
-        return False
-    if isinstance(text, bytes):
-        text = os.fsdecode(text)
-    return bool(_URL.match(text))
-
-
-def scheme_of(url: str) -> str:
-    m = _URL.match(url)
-    return m.group(1).lower() if m else ""
-
-
-#: Largest options file read (the JSON of a few keyword arguments).
-_MAX_OPTIONS_FILE = 1 << 20
-
-
-def _read_options_file(path: str, where: str) -> str:
-    if not path:
-        raise UsageError(f"{where}: '@' must be followed by the name of a file holding the "
-                         "JSON")
-    try:
-        with open(os.path.expanduser(path), "rb") as f:
-            data = f.read(_MAX_OPTIONS_FILE + 1)
-    except OSError as exc:
-        raise UsageError(f"{where}: cannot read {path}: {exc.strerror}") from None
-    if len(data) > _MAX_OPTIONS_FILE:
-        raise UsageError(f"{where}: {path} is larger than {_MAX_OPTIONS_FILE >> 20} MiB")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise UsageError(f"{where}: {path} is not UTF-8 text") from None
-
-
-def parse_storage_options(text: str | None, where: str = "--storage-options") -> dict[str, Any]:
-    """Storage options as a dict: ``text`` is a JSON object, or ``@FILE`` naming a file
-    that holds one (credentials stay out of the command line); a clear UsageError
-    otherwise. ``where`` names the setting in messages."""
-    if not text:
-        return {}
-    if text.startswith("@"):
-        where = f"{where} {text}"
-        text = _read_options_file(text[1:], where)
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise UsageError(f"{where}: not valid JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise UsageError(f"{where}: expected a JSON object, e.g. "
-                         '\'{"timeout": 10, "retries": 3}\'')
-    return value
-
-
-#: Option names (any level, any case) that hold credentials: s3fs's ``key``/``secret``/
-#: ``token``, botocore's ``aws_secret_access_key``/``aws_session_token``, passwords...
-_SECRET_WORDS = ("secret", "token", "password", "passwd", "credential", "access_key",
-                 "api_key", "apikey", "private_key")
-_SECRET_NAMES = frozenset({"key", "pass", "authorization"})
-
-
-def secret_names(options: Any) -> list[str]:
-    """The names of options (nested ones as ``outer.inner``) that look like credentials."""
-    found: list[str] = []
-
-    def walk(value: Any, prefix: str) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                name = str(k)
-                low = name.lower()
-                if low in _SECRET_NAMES or any(w in low for w in _SECRET_WORDS):
-                    if v not in (None, "", {}, []):
-                        found.append(prefix + name)
-                else:
-                    walk(v, f"{prefix}{name}.")
-        elif isinstance(value, list):
-            for v in value:
-                walk(v, prefix)
-
-    walk(options, "")
-    return found
-
-
-def exposure_warnings(text: str | None, options: dict[str, Any],
-                      on_command_line: bool = True) -> list[str]:
-    """Lines for the user when the storage options given as ``text`` expose a secret:
-    inline on the command line (readable by every user of the node), or in an ``@FILE``
-    that other users may read. ``on_command_line``: False for the environment (private
-    to its owner; only an ``@FILE`` there is checked)."""
-    names = secret_names(options)
-    if not text or not names:
-        return []
-    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-    if not text.startswith("@"):
-        if not on_command_line:
-            return []
-        return [f"--storage-options on the command line holds credentials ({shown}), which "
-                "every user of this node can read (ps, /proc/PID/cmdline) while FanStore "
-                "runs; put them in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
-                "AWS_SESSION_TOKEN), a credentials file (AWS_SHARED_CREDENTIALS_FILE) or a "
-                "file of your own (--storage-options @FILE, mode 0600)"]
-    path = os.path.expanduser(text[1:])
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return []
-    if mode & 0o077:
-        return [f"{text[1:]} holds credentials ({shown}) but other users may read it (mode "
-                f"{mode & 0o7777:04o}); chmod 600 {text[1:]}"]
-    return []
-
-
-def set_default_options(options: dict[str, Any] | None) -> None:
-    """Storage options for every location opened without explicit ones (the CLI sets them
-    once; forked workers and daemons inherit them)."""
-    global _default_options
-    _default_options = dict(options) if options else None
-
-
-def default_options() -> dict[str, Any]:
-    if _default_options is not None:
-        return dict(_default_options)
-    return parse_storage_options(os.environ.get("FANSTORE_STORAGE_OPTIONS"),
-                                 where="$FANSTORE_STORAGE_OPTIONS")
-
-
-def open_location(url: str, options: dict[str, Any] | None = None) -> "Location":
-    """A :class:`Location` for a local directory path or a ``scheme://`` URL."""
-    url = os.fspath(url)
-    if not is_url(url):
-        return LocalLocation(url)
-    scheme = scheme_of(url)
-    if scheme == "file":
-        return LocalLocation(url[len("file://"):])
-    spec = _KNOWN_SCHEMES.get(scheme)
-    if spec is None:
-        known = ", ".join(f"{s}://" for s in sorted(_KNOWN_SCHEMES))
-        raise UsageError(f"{url}: unknown storage scheme {scheme}:// (known: {known} and "
-                         "local paths)")
-    for mod in spec["modules"]:
-        try:
-            importlib.import_module(mod)
-        except ImportError:
-            raise StorageError(f"{url}: {spec['err']}") from None
-    module, _, name = spec["class"].rpartition(".")
-    cls = getattr(importlib.import_module(module), name)
-    return cls(url, default_options() if options is None else options)
-
-
-def split_parent(url: str) -> tuple[str, str]:
-    """(parent location, last name) of a path or URL: ``s3://b/x/y`` -> (``s3://b/x``, ``y``)."""
-    url = url.rstrip("/")
-    parent, _, name = url.rpartition("/")
-    return parent, name
-
-
-class Location:
-    """A directory-like place holding named objects (a local directory or an S3 prefix)."""
-
-    url: str
-    #: True when objects can be written in place and renamed (a local file system).
-    local = False
-
-    def show(self, name: str = "") -> str:
-        """How users see ``name`` inside this location (a path or URL)."""
-        return f"{self.url.rstrip('/')}/{name}" if name else self.url
-
-    def read_bytes(self, name: str) -> bytes:
-        raise NotImplementedError
-
-    def read_range(self, name: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of object ``name``."""
-        raise NotImplementedError
-
-    def size(self, name: str) -> int | None:
-        """Size of object ``name``, None if it does not exist."""
-        raise NotImplementedError
-
-    def list(self) -> dict[str, tuple[int, int]]:
-        """Every object under this location: relative name -> (size, mtime in ns)."""
-        raise NotImplementedError
-
-    def open_write(self, name: str):
-        """A writable binary file for ``name``: ``write``, ``close`` (the object appears
-        only then) and ``abort`` (nothing appears)."""
-        raise NotImplementedError
-
-    def write_bytes(self, name: str, data: bytes) -> None:
-        f = self.open_write(name)
-        try:
-            f.write(data)
-        except BaseException:
-            f.abort()
-            raise
-        f.close()
-
-    def remove(self, names: list[str]) -> None:
-        raise NotImplementedError
-
-    def check(self) -> None:
-        """Fail with one clear line if the location cannot be used at all (no bucket, ...)."""
-
-
-# --------------------------------------------------------------------------- local
-
-
-class LocalLocation(Location):
-    local = True
-
-    def __init__(self, path: str) -> None:
-        self.path = os.fspath(path)
-        self.url = self.path
-
-    def _p(self, name: str) -> str:
-        return os.path.join(self.path, name)
-
-    def read_bytes(self, name: str) -> bytes:
-        with open(self._p(name), "rb") as f:
-            return f.read()
-
-    def read_range(self, name: str, start: int, end: int) -> bytes:
-        with open(self._p(name), "rb", buffering=0) as f:
-            return os.pread(f.fileno(), end - start, start)
-
-    def size(self, name: str) -> int | None:
-        try:
-            return os.stat(self._p(name)).st_size
-        except FileNotFoundError:
-            return None
-
-    def list(self) -> dict[str, tuple[int, int]]:
-        out = {}
-        for top, _dirs, files in os.walk(self.path):
-            for fn in files:
-                p = os.path.join(top, fn)
-                st = os.stat(p)
-                out[os.path.relpath(p, self.path)] = (st.st_size, st.st_mtime_ns)
-        return out
-
-    def open_write(self, name: str):
-        return _LocalWriter(self._p(name))
-
-    def remove(self, names: list[str]) -> None:
-        for n in names:
-            try:
-                os.unlink(self._p(n))
-            except FileNotFoundError:
-                pass
-
-
-class _LocalWriter:
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._f = open(path, "wb", buffering=4 << 20)
-
-    def write(self, data) -> int:
-        return self._f.write(data)
-
-    def fileno(self) -> int:
-        return self._f.fileno()
-
-    def close(self) -> None:
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-
-    def abort(self) -> None:
-        try:
-            self._f.close()
-        except OSError:
-            pass
-        finally:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-
-
-# --------------------------------------------------------------------------- S3
 
 #: Multipart upload part size (S3 wants at least 5 MiB for every part but the last).
 PART_SIZE = 16 << 20
@@ -415,7 +103,7 @@ class S3Location(Location):
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix and name else (name or self.prefix)
 
-    def with_prefix(self, prefix: str) -> "S3Location":
+    def with_prefix(self, prefix: str) -> S3Location:
         """Another location in the same bucket, sharing this one's client."""
         other = S3Location.__new__(S3Location)
         other.__dict__.update(self.__dict__)
@@ -509,7 +197,7 @@ class S3Location(Location):
             if token:
                 kw["ContinuationToken"] = token
             page = self._call(f"listing {self.url}/",
-                              lambda: self.fs.call_s3("list_objects_v2", **kw))
+                              lambda kw=kw: self.fs.call_s3("list_objects_v2", **kw))
             for obj in page.get("Contents", []):
                 key = obj["Key"]
                 if key.endswith("/"):
@@ -533,13 +221,13 @@ class S3Location(Location):
             if token:
                 kw["ContinuationToken"] = token
             page = self._call(f"listing s3://{self.bucket}/{base}",
-                              lambda: self.fs.call_s3("list_objects_v2", **kw))
+                              lambda kw=kw: self.fs.call_s3("list_objects_v2", **kw))
             found += [p["Prefix"].rstrip("/") for p in page.get("CommonPrefixes", [])]
             if not page.get("IsTruncated"):
                 return found
             token = page.get("NextContinuationToken")
 
-    def open_write(self, name: str) -> "S3Writer":
+    def open_write(self, name: str) -> S3Writer:
         return S3Writer(self, name, self.part_size)
 
     def upload_timeout(self, nbytes: int) -> float:
@@ -552,10 +240,10 @@ class S3Location(Location):
         keys = [self.key(n) for n in names]
         for i in range(0, len(keys), 1000):
             batch = {"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True}
-            self._call(f"removing objects under {self.url}", lambda: self.fs.call_s3(
+            self._call(f"removing objects under {self.url}", lambda batch=batch: self.fs.call_s3(
                 "delete_objects", Bucket=self.bucket, Delete=batch))
 
-    def copy_from(self, src: "S3Location", name: str, dst_name: str | None = None) -> None:
+    def copy_from(self, src: S3Location, name: str, dst_name: str | None = None) -> None:
         """Server-side copy of ``src``/name to this location (no bytes through FanStore)."""
         a = f"{src.bucket}/{src.key(name)}"
         b = f"{self.bucket}/{self.key(dst_name or name)}"

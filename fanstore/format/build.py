@@ -1,0 +1,177 @@
+"""Building an index: the packer's rows in, the bytes of ``fanstore.idx`` out.
+
+:class:`IndexBuilder` collects the namespace and chunk rows during a pack,
+:func:`encode_index` lays them out (:mod:`fanstore.format.layout`) in the oldest format
+version that can hold them, and :func:`write_index` installs the bytes atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Any
+
+import numpy as np
+import xxhash
+import zstandard
+
+from fanstore.errors import FormatError
+from fanstore.format.layout import (
+    ABSENT_BEFORE,
+    CHUNK_COLUMNS,
+    CHUNK_PREFIX,
+    ENTRY_COLUMNS,
+    ENTRY_PREFIX,
+    INDEX_HEADER,
+    INDEX_HEADER_SIZE,
+    INDEX_MAGIC,
+    KIND_FILE,
+    name_hash,
+)
+from fanstore.version import __version__
+
+
+class IndexBuilder:
+    """Collects the namespace and chunk rows during a pack and serialises the index.
+
+    The packer adds entries in breadth-first order with children sorted by name; ``finish``
+    checks that and builds the lookup table.
+    """
+
+    def __init__(self, n_entries: int, n_chunks: int) -> None:
+        self.e = {name: np.zeros(n_entries, dtype=dt) for name, dt in ENTRY_COLUMNS}
+        self.c = {name: np.zeros(n_chunks, dtype=dt) for name, dt in CHUNK_COLUMNS}
+        self.names = bytearray()
+        self.targets = bytearray()
+
+    def set_name(self, entry: int, name: bytes) -> None:
+        self.e["name_off"][entry] = len(self.names)
+        self.e["name_len"][entry] = len(name)
+        self.names += name
+
+    def set_target(self, entry: int, target: bytes) -> None:
+        self.e["first"][entry] = len(self.targets)
+        self.e["count"][entry] = len(target)
+        self.targets += target
+
+    def build_lookup(self) -> tuple[np.ndarray, np.ndarray]:
+        n = self.e["kind"].shape[0]
+        hashes = np.zeros(n, dtype="<u8")
+        names = bytes(self.names)
+        parent, off, ln = self.e["parent"], self.e["name_off"], self.e["name_len"]
+        for i in range(1, n):
+            o = int(off[i])
+            hashes[i] = name_hash(int(parent[i]), names[o : o + int(ln[i])])
+        # The root (entry 0) has no name and is never looked up: leave it out.
+        order = np.argsort(hashes[1:], kind="stable") + 1
+        return hashes[order].astype("<u8"), order.astype("<u4")
+
+
+def encode_index(
+    meta: dict[str, Any],
+    e: dict[str, np.ndarray],
+    c: dict[str, np.ndarray],
+    lookup: tuple[np.ndarray, np.ndarray],
+    names: bytes,
+    targets: bytes,
+    level: int = 3,
+) -> bytes:
+    """Serialise an index (header + zstd body) to bytes.
+
+    The index is written in the oldest format version that can hold it: v1 unless some file
+    lives in a solid chunk (:func:`needs_v2`); a v1 index has no ``e_offset`` column, so its
+    bytes are exactly those of earlier releases.
+    """
+    offsets = e.get("offset")
+    version = 2 if offsets is not None and needs_v2(e, c) else 1
+    columns: list[tuple[str, bytes]] = []
+    for name, dt in ENTRY_COLUMNS:
+        if ABSENT_BEFORE.get(name, 0) > version:
+            continue
+        columns.append((ENTRY_PREFIX + name, np.ascontiguousarray(e[name], dtype=dt).tobytes()))
+    for name, dt in CHUNK_COLUMNS:
+        columns.append((CHUNK_PREFIX + name, np.ascontiguousarray(c[name], dtype=dt).tobytes()))
+    lk_hash, lk_entry = lookup
+    columns.append(("lk_hash", np.ascontiguousarray(lk_hash, dtype="<u8").tobytes()))
+    columns.append(("lk_entry", np.ascontiguousarray(lk_entry, dtype="<u4").tobytes()))
+    columns.append(("names", bytes(names)))
+    columns.append(("targets", bytes(targets)))
+
+    meta = dict(meta)
+    meta["format_version"] = version
+    meta.setdefault("created_by", f"fanstore {__version__}")
+    meta["n_entries"] = int(e["kind"].shape[0])
+    meta["n_chunks"] = int(c["part"].shape[0])
+
+    # Column offsets depend on the JSON length, which depends on the offsets: lay out the
+    # columns after a JSON area padded to a fixed size computed from a first estimate.
+    directory = {name: [0, len(data)] for name, data in columns}
+    meta["columns"] = directory
+    estimate = len(json.dumps(meta, sort_keys=True).encode()) + 32 * len(columns) + 64
+    data_start = _align(4 + estimate)
+    pos = data_start
+    for name, data in columns:
+        directory[name] = [pos, len(data)]
+        pos = _align(pos + len(data))
+    meta_bytes = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
+    if 4 + len(meta_bytes) > data_start:  # cannot happen with the estimate above
+        raise FormatError("internal error: index metadata larger than its reserved area")
+    body = bytearray(pos)
+    struct.pack_into("<I", body, 0, len(meta_bytes))
+    body[4 : 4 + len(meta_bytes)] = meta_bytes
+    for name, data in columns:
+        off = directory[name][0]
+        body[off : off + len(data)] = data
+
+    stored = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(bytes(body))
+    header = INDEX_HEADER.pack(
+        INDEX_MAGIC,
+        version,
+        0,
+        INDEX_HEADER_SIZE,
+        len(body),
+        len(stored),
+        xxhash.xxh3_64_intdigest(stored),
+    ).ljust(INDEX_HEADER_SIZE, b"\0")
+    return header + stored
+
+
+def needs_v2(e: dict[str, np.ndarray], c: dict[str, np.ndarray]) -> bool:
+    """True if some file lives in a solid chunk (format v2): at a non-zero offset, in a
+    chunk another file refers to too, or in a single chunk larger than itself."""
+    files = e["kind"] == KIND_FILE
+    if np.any(e["offset"][files] != 0):
+        return True
+    n_chunks = int(c["raw"].shape[0])
+    f_count = e["count"][files].astype(np.int64)
+    f_first = e["first"][files]  # unsigned: any value, even a hostile one, stays in range
+    used = f_count > 0
+    if int(f_count.sum()) != n_chunks or len(np.unique(f_first[used])) != int(used.sum()):
+        return True
+    single = f_count == 1
+    if not n_chunks or not single.any():
+        return False
+    at = np.minimum(f_first[single], np.uint64(n_chunks - 1)).astype(np.int64)
+    return bool(np.any(e["size"][files][single] != c["raw"][at]))
+
+
+def write_index(path: str, data: bytes) -> None:
+    """Write index bytes to ``path`` atomically (temp file, fsync, rename)."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _align(n: int) -> int:
+    return (n + 7) & ~7

@@ -1,0 +1,239 @@
+"""Loading an index: the bytes of ``fanstore.idx`` from a store, checked, parsed, validated.
+
+:func:`read_index` reads a store's index (a local directory or an object-store URL);
+:func:`read_index_bytes` checks the header (:func:`fanstore.format.layout.parse_index_header`),
+the body's checksum and size before it decompresses it (bounded), parses the body into an
+:class:`~fanstore.format.tables.Index` (:func:`parse_body`) and validates it
+(:func:`fanstore.format.validate.validate_index`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import struct
+from typing import Any
+
+import numpy as np
+import xxhash
+import zstandard
+
+from fanstore.errors import FormatError, NotAStoreError
+from fanstore.format.layout import (
+    ABSENT_BEFORE,
+    CHUNK_COLUMNS,
+    CHUNK_PREFIX,
+    ENTRY_COLUMNS,
+    ENTRY_PREFIX,
+    INDEX_HEADER,
+    INDEX_HEADER_SIZE,
+    INDEX_NAME,
+    MAX_META_INT,
+    PartitionInfo,
+    parse_index_header,
+)
+from fanstore.format.tables import Index
+from fanstore.format.validate import validate_index
+from fanstore.version import FORMAT_VERSION
+
+
+def read_index_file(store_dir: str) -> tuple[str, bytes]:
+    """Return (path, bytes) of ``<store_dir>/fanstore.idx`` without parsing them.
+
+    ``store_dir`` may also be an object-store URL (``s3://bucket/prefix``, see
+    ``fanstore.storage``).
+
+    The index is opened O_NONBLOCK and must be a regular file: a FIFO in its place is
+    refused instead of blocking the reader (and, in an MPI job, every rank waiting on it).
+    """
+    from fanstore.storage import is_url
+
+    if is_url(store_dir):
+        return _read_remote_index(store_dir)
+    path = os.path.join(store_dir, INDEX_NAME)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise FormatError(f"{path}: the index is not a regular file")
+            return path, f.read()
+    except FileNotFoundError:
+        if not os.path.isdir(store_dir):
+            raise NotAStoreError(f"{store_dir}: no such directory") from None
+        raise NotAStoreError(
+            f"{store_dir}: not a FanStore store (no {INDEX_NAME}; an interrupted pack leaves none)"
+        ) from None
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot read index: {exc.strerror}") from exc
+
+
+def _read_remote_index(url: str) -> tuple[str, bytes]:
+    """The index of a store in object storage (``s3://bucket/prefix``)."""
+    from fanstore.storage import open_location
+
+    loc = open_location(url)
+    path = loc.show(INDEX_NAME)
+    try:
+        return path, loc.read_bytes(INDEX_NAME)
+    except FileNotFoundError:
+        loc.check()  # a missing bucket says so
+        raise NotAStoreError(
+            f"{loc.url}: not a FanStore store (no {INDEX_NAME}; an interrupted pack leaves none)"
+        ) from None
+
+
+def read_index(store_dir: str) -> Index:
+    """Load and validate ``<store_dir>/fanstore.idx`` (partition sizes are not checked here)."""
+    path, data = read_index_file(store_dir)
+    return read_index_bytes(data, where=path)
+
+
+def read_index_bytes(data: bytes, where: str = "index") -> Index:
+    body_raw, body_stored, body_sum = parse_index_header(data, where)
+    version = INDEX_HEADER.unpack_from(data)[1]
+    stored = memoryview(data)[INDEX_HEADER_SIZE:]
+    if len(stored) != body_stored:
+        raise FormatError(
+            f"{where}: truncated or extended index (body {len(stored)} bytes, header says "
+            f"{body_stored})"
+        )
+    if xxhash.xxh3_64_intdigest(stored) != body_sum:
+        raise FormatError(f"{where}: index checksum mismatch (corrupt index)")
+    try:
+        params = zstandard.get_frame_parameters(stored)
+        if params.content_size != body_raw:
+            raise FormatError(f"{where}: index body size does not match its header")
+        body = zstandard.ZstdDecompressor().decompress(stored, max_output_size=body_raw)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"{where}: cannot decompress index: {exc}") from exc
+    if len(body) != body_raw:
+        raise FormatError(f"{where}: index body has the wrong size")
+    index = parse_body(body, where, version)
+    index.raw_body_size = body_raw
+    index.stored_size = len(data)
+    index.body = body
+    validate_index(index, where=where)
+    return index
+
+
+def parse_body(body: bytes, where: str, version: int = FORMAT_VERSION) -> Index:
+    """The decompressed ``body`` of a v``version`` index as an :class:`Index` whose arrays
+    are views of it (checked only as far as parsing needs: the caller validates)."""
+    if len(body) < 4:
+        raise FormatError(f"{where}: index body too short")
+    (meta_len,) = struct.unpack_from("<I", body)
+    if 4 + meta_len > len(body):
+        raise FormatError(f"{where}: index metadata runs past the body")
+    try:
+        meta = json.loads(bytes(body[4 : 4 + meta_len]).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise FormatError(f"{where}: index metadata is not valid JSON") from exc
+    if not isinstance(meta, dict):
+        raise FormatError(f"{where}: index metadata is not an object")
+    directory = meta.get("columns")
+    if not isinstance(directory, dict):
+        raise FormatError(f"{where}: index has no column directory")
+
+    def column(name: str, dtype: str | None) -> Any:
+        spec = directory.get(name)
+        if (
+            not isinstance(spec, list)
+            or len(spec) != 2
+            or not all(isinstance(v, int) and v >= 0 for v in spec)
+        ):
+            raise FormatError(f"{where}: index column {name!r} missing or malformed")
+        off, length = spec
+        if off + length > len(body) or off < 4 + meta_len:
+            raise FormatError(f"{where}: index column {name!r} lies outside the body")
+        if dtype is None:
+            return body[off : off + length]
+        itemsize = np.dtype(dtype).itemsize
+        if length % itemsize:
+            raise FormatError(f"{where}: index column {name!r} has a partial row")
+        arr = np.frombuffer(body, dtype=dtype, count=length // itemsize, offset=off)
+        return arr
+
+    for key in ("n_entries", "n_chunks", "chunk_size"):
+        if key not in meta:
+            raise FormatError(f"{where}: index metadata lacks {key!r}")
+        if not _meta_int(meta[key]):
+            raise FormatError(f"{where}: index metadata {key!r} is not a valid count")
+    n_entries = meta["n_entries"]
+    n_chunks = meta["n_chunks"]
+    counts = meta.get("counts", {})
+    if not isinstance(counts, dict) or not all(_meta_int(v) for v in counts.values()):
+        raise FormatError(f"{where}: index counts are malformed")
+    for key, kind in (("pack", dict), ("selection", dict), ("created_by", str)):
+        if meta.get(key) is not None and not isinstance(meta[key], kind):
+            raise FormatError(f"{where}: index metadata {key!r} is malformed")
+    if meta.get("format_version", version) != version:
+        raise FormatError(f"{where}: index metadata says format v{meta.get('format_version')}, "
+                          f"its header v{version}")
+    e = {}
+    absent = []
+    for name, dt in ENTRY_COLUMNS:
+        if ABSENT_BEFORE.get(name, 0) > version:
+            if ENTRY_PREFIX + name in directory:
+                raise FormatError(f"{where}: a v{version} index has a column {name!r} of a "
+                                  "later version")
+            absent.append((name, dt))
+        else:
+            e[name] = column(ENTRY_PREFIX + name, dt)
+    c = {name: column(CHUNK_PREFIX + name, dt) for name, dt in CHUNK_COLUMNS}
+    for name, arr in e.items():
+        if arr.shape[0] != n_entries:
+            raise FormatError(f"{where}: entry column {name!r} has the wrong length")
+    for name, dt in absent:  # only now: n_entries is the real length of the columns
+        zeros = np.zeros(n_entries, dtype=dt)
+        zeros.flags.writeable = False
+        e[name] = zeros
+    for name, arr in c.items():
+        if arr.shape[0] != n_chunks:
+            raise FormatError(f"{where}: chunk column {name!r} has the wrong length")
+    lk_hash = column("lk_hash", "<u8")
+    lk_entry = column("lk_entry", "<u4")
+    codecs = meta.get("codecs")
+    if not isinstance(codecs, list) or not all(isinstance(x, dict) and "id" in x for x in codecs):
+        raise FormatError(f"{where}: index codec table is malformed")
+    parts_raw = meta.get("partitions")
+    if not isinstance(parts_raw, list):
+        raise FormatError(f"{where}: index partition table is malformed")
+    partitions = []
+    for number, p in enumerate(parts_raw):
+        if not (
+            isinstance(p, dict)
+            and _meta_int(p.get("size"))
+            and isinstance(p.get("checksum"), str)
+            and _meta_int(p.get("files", 0))
+            and _meta_int(p.get("raw_bytes", 0))
+            and isinstance(p.get("broadcast", False), bool)
+        ):
+            raise FormatError(f"{where}: partition {number} entry is malformed")
+        partitions.append(
+            PartitionInfo(
+                number=number,
+                size=p["size"],
+                checksum=p["checksum"],
+                files=p.get("files", 0),
+                raw_bytes=p.get("raw_bytes", 0),
+                broadcast=p.get("broadcast", False),
+            )
+        )
+    return Index(
+        meta=meta,
+        e=e,
+        c=c,
+        lk_hash=lk_hash,
+        lk_entry=lk_entry,
+        names=column("names", None),
+        targets=column("targets", None),
+        codecs=codecs,
+        partitions=partitions,
+        version=version,
+    )
+
+
+def _meta_int(value: Any) -> bool:
+    """A JSON count: an integer (not a bool, float or string) in [0, 2**62]."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_META_INT
