@@ -185,6 +185,29 @@ def test_solid_store_reads_through_the_mount(frontend, mounted, solid_store, tex
 
 
 @needs_fuse
+def test_a_solid_block_is_decoded_once_per_worker_not_once_per_file(frontend, mounted,
+                                                                   solid_store, text_tree):
+    """Whole files of a solid block are slices of one decoded chunk: the mount keeps that
+    chunk in its cache (what select's read-order model counts on), so a shuffled pass
+    decodes each block about once per worker, not once per file."""
+    _, files = text_tree
+    mnt = mounted(solid_store, "--workers", "2")
+    order = sorted(files)
+    random.Random(9).shuffle(order)
+    for rel in order:
+        with open(mnt / rel, "rb", buffering=0) as f:
+            assert f.read() == files[rel], rel
+    st = json.loads(run_cli("stats", mnt, "--json", check=True).stdout)
+    index = read_index(str(solid_store))
+    blocks = int(np.count_nonzero(np.bincount(index.e["first"][index.e["kind"] == 0],
+                                              minlength=index.n_chunks) > 1))
+    assert blocks > 5
+    workers = 2 if frontend == "kernel" else 1
+    assert st["chunks_decoded"] <= workers * index.n_chunks, (st["chunks_decoded"], blocks)
+    assert st["chunks_decoded"] < len(files) // 2
+
+
+@needs_fuse
 def test_damaged_solid_block_fails_exactly_its_files(frontend, mounted, solid_store, text_tree,
                                                      tmp_path):
     _, files = text_tree

@@ -168,7 +168,8 @@ def test_unlisted_files_are_looked_up_then_pushed(tree, mounted, tmp_path):
     send_order(mnt, order, tmp_path)
     s = wait_prefetched(mnt, len(order) - 1)
     assert s["prefetch_pushed"] == len(order) - 1
-    assert s["prefetch_listings"] == 4  # d0..d3
+    # d0..d3, once each; two workers may both find a directory unlisted at the same moment
+    assert 4 <= s["prefetch_listings"] <= 8
     # (a worker that finds the directory being listed by another looks its file up)
     assert s["prefetch_lookups_ahead"] <= 20
     assert s["requests_by_op"].get("lookup", 0) <= 30

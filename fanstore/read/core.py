@@ -50,6 +50,7 @@ class ChunkReader:
         self.chunk_size = index.chunk_size
         e = index.e
         self._first = e["first"]
+        self._raw = index.c["raw"]  # decoded size of each chunk
         self._count = e["count"]
         self._size = e["size"]
         self._base = e.get("offset")  # format v2: where a file starts in a shared chunk
@@ -195,12 +196,15 @@ class ChunkReader:
 
         ``keep_whole=False``: a read of a whole file does not put its chunks into the LRU
         (a FUSE frontend whose reads land in the kernel's page cache would only hold a
-        second copy); reads of part of a file still do, for the rest of that chunk.
+        second copy); reads of part of a file still do, for the rest of that chunk, and so
+        does a whole file that shares its chunk (a solid block: its neighbours are read
+        from the same decoded block).
         """
         first, lo, hi, end, base, file_size = self._where(entry, offset, size)
         if hi == lo:
             return b""
-        keep = keep_whole or offset != 0 or end != file_size
+        keep = (keep_whole or offset != 0 or end != file_size or base != 0
+                or int(self._raw[first]) != file_size and hi - lo == 1)
         chunks = self.get_chunks(entry, first + lo, first + hi, keep=keep)
         return assemble(chunks, lo, offset, end, self.chunk_size, base)
 
