@@ -370,7 +370,7 @@ def test_select_says_how_many_copies_fit(dataset):
                    check=True, timeout=300)
     chosen = [ln for ln in proc.stdout.splitlines() if ln.startswith("chosen: ")]
     codec = chosen[0].split()[1].rstrip(":")  # timing may choose another codec this time
-    last = proc.stdout.splitlines()[-1]
+    last = next(ln for ln in proc.stdout.splitlines() if ln.startswith("capacity  "))
     assert re.fullmatch(rf"capacity  packed with {re.escape(codec)} at [0-9.]+x, the store "
                         r"would be about [0-9.]+ [KM]iB: 1 GiB per node holds [0-9]+ whole "
                         r"copies \(--replicas auto: every partition on every node, every read "

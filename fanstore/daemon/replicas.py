@@ -25,7 +25,7 @@ import shutil
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -33,8 +33,14 @@ from fanstore.errors import StageError
 from fanstore.units import show_size
 
 if TYPE_CHECKING:
-    from fanstore.daemon.world import World
     from fanstore.format.index import Index
+
+
+class Agreement(Protocol):
+    """What the decision needs of the job (a :class:`fanstore.daemon.world.World`, or a
+    stand-in in tests): the smallest of every rank's value, the same on every rank."""
+
+    def all_min(self, value: int) -> int: ...
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +223,7 @@ def local_room(local_dir: str, who: str = "node") -> tuple[int, int]:
     return usage.free, min(RESERVE_MAX, int(usage.total * RESERVE_FRACTION))
 
 
-def decide(requested: int | str, index: Index, world: World, node: int, nodes: int,
+def decide(requested: int | str, index: Index, world: Agreement, node: int, nodes: int,
            local_dir: str | None = None, capacity: int | None = None,
            who: str = "node") -> int:
     """The number of copies a job keeps: ``requested`` (capped at ``nodes``) or, for

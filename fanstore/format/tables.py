@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 
 from fanstore.format.layout import KIND_FILE, PartitionInfo, name_hash
-from fanstore.format.validate import validate_index
 from fanstore.version import FORMAT_VERSION
 
 
@@ -118,6 +117,3 @@ class Index:
 
     def file_entries(self) -> np.ndarray:
         return np.nonzero(self.e["kind"] == KIND_FILE)[0]
-
-    def validate(self, partition_sizes: dict[int, int] | None = None) -> None:
-        validate_index(self, partition_sizes)

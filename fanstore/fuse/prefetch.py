@@ -52,7 +52,7 @@ import os
 import socket
 import struct
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from fanstore.fuse.kernelstats import COL
 from fanstore.read.window import (
@@ -68,9 +68,6 @@ from fanstore.read.window import (
     WANTED,
     SharedWindow,
 )
-
-if TYPE_CHECKING:
-    from fanstore.fuse.prefetcher import Prefetcher
 
 log = logging.getLogger(__name__)
 
@@ -156,10 +153,22 @@ def available_memory() -> int:
 
 
 
+class PrefetchThread(Protocol):
+    """What the hooks use of their worker's prefetch thread
+    (:class:`fanstore.fuse.prefetcher.Prefetcher`)."""
+
+    window: SharedWindow
+    row: Any
+    sizes: Any
+    ns: Any
+
+    def directory_ahead(self, entry: int) -> None: ...
+
+
 class PrefetchHooks:
     """What a worker's main thread does in prefetch mode (called by the FUSE handler)."""
 
-    def __init__(self, prefetcher: Prefetcher) -> None:
+    def __init__(self, prefetcher: PrefetchThread) -> None:
         self.p = prefetcher
         self.window = prefetcher.window
         self.row = prefetcher.row

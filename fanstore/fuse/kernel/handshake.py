@@ -6,7 +6,7 @@ both sides agreed on; a newer kernel major is asked to retry with ours, an older
 than ``min_minor`` is refused (EPROTO and MountError). After INIT, :func:`set_read_ahead`
 raises the mount's read-ahead window through sysfs (the kernel offers only 128 KiB in
 INIT), and :func:`request_bufsize` sizes every worker's receive buffer from what was
-negotiated.
+negotiated. :class:`Connection` is what a negotiated connection offers the supervisor.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import os
 import select
 import time
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from fanstore.errors import MountError
 
@@ -243,3 +244,25 @@ def set_read_ahead(mountpoint: str, init: InitOptions, conn: ConnInfo) -> None:
     except OSError as exc:
         log.debug("%s: cannot set %s (%s); read-ahead stays %d KiB", mountpoint, path,
                   exc.strerror, conn.max_readahead // 1024)
+
+
+class Connection(Protocol):
+    """What the supervisor uses of its session (:class:`.session.KernelSession`): the
+    connection, the negotiated limits, the counters and the policies it supervises by."""
+
+    mountpoint: str
+    fd: int
+    conn: ConnInfo
+    counters: Any
+    engine: Any
+    clone_fd: bool
+    crash_limit: int
+    crash_window: float
+    stop_timeout: float
+    mounted: bool
+
+    def bufsize(self) -> int: ...
+
+    def clone(self) -> int: ...
+
+    def unmount_quietly(self) -> None: ...

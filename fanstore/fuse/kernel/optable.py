@@ -33,7 +33,7 @@ import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from . import counters as C
 from .proto import (
@@ -58,9 +58,6 @@ from .proto import (
     pack_statfs_out,
 )
 from .records import fit_records
-
-if TYPE_CHECKING:
-    from .dispatch import Dispatcher
 
 
 class FuseErrno(Exception):
@@ -175,7 +172,20 @@ _ENOSYS_OPS = frozenset({
 OpFunction = Callable[[int, int, int], Any]  # (unique, nodeid, end) -> payload | errno | None
 
 
-def build_ops(d: Dispatcher) -> list[OpFunction]:
+class DispatchState(Protocol):
+    """What the op functions use of their dispatcher (:class:`.dispatch.Dispatcher`)."""
+
+    handler: Any
+    buf: bytearray
+    mv: memoryview
+    options: EngineOptions
+    need: list[int]
+    row: Any
+    destroyed: bool
+    rlog: Callable[..., None]
+
+
+def build_ops(d: DispatchState) -> list[OpFunction]:
     """The op function of every opcode below OPS for dispatcher ``d`` (its handler, buffer
     and options), filling ``d.need`` from :data:`OPCODES` as it goes.
 

@@ -45,17 +45,14 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fanstore.errors import MountError
 
 from . import notify as _notify
 from .dispatch import Dispatcher
 from .handoff import HandoffServer
-from .handshake import ConnInfo
-
-if TYPE_CHECKING:
-    from .session import KernelSession
+from .handshake import Connection, ConnInfo
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +131,7 @@ class Supervisor:
     external : the handoff server while external workers serve, else None.
     """
 
-    def __init__(self, session: KernelSession, *, watch: Watch | None = None,
+    def __init__(self, session: Connection, *, watch: Watch | None = None,
                  on_worker_start: Callable[[int], None] | None = None) -> None:
         self.session = session
         self.watch: Watch = dict(watch or {})
