@@ -117,6 +117,18 @@ def test_every_module_has_a_layer():
         layer_of(module)
 
 
+#: A module owns one job; one that outgrows this is split along its seams
+#: (docs/architecture.md, "How modules are cut").
+MAX_MODULE_LINES = 500
+
+
+def test_no_module_outgrows_its_job():
+    sizes = {path.relative_to(ROOT).as_posix(): len(path.read_text().splitlines())
+             for top in ("compressors", "fanstore") for path in (ROOT / top).rglob("*.py")}
+    assert len(sizes) > 100
+    assert {p: n for p, n in sizes.items() if n > MAX_MODULE_LINES} == {}
+
+
 def test_imports_only_point_down():
     bad = []
     for src, dst, line in EDGES:

@@ -42,11 +42,10 @@ within 6% from 300 to 2,400 blocks of 5-100 files, 1-8 workers, caches holding n
 Pure: no I/O, so testable with synthetic numbers.
 
 Premise: a reader puts the block it decoded into its LRU. The API does
-(``ChunkReader.read_all``). The kernel frontend reads with ``keep_whole=False`` (a file
-read whole lands in the page cache, so its chunks are not kept twice), which as written
-also leaves out a solid block read for one of its files: through such a mount every file
-read decodes its block (``fanstore stats``: ``chunks_decoded`` = files read), and this
-model is optimistic until the frontend keeps chunks that other files share.
+(``ChunkReader.read_all``), and so does the kernel frontend for a chunk that other files
+share: it reads with ``keep_whole=False`` (a file read whole lands in the page cache, so a
+chunk of its own is not kept twice), but a solid block stays in the worker's LRU
+(``tests/test_capacity.py``: a shuffled pass decodes a block about once per worker).
 """
 
 from __future__ import annotations
