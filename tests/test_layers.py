@@ -67,9 +67,9 @@ def layer_of(module: str) -> tuple[str, int]:
     best = None
     for rank, (name, prefixes) in enumerate(LAYERS):
         for p in prefixes:
-            if module == p or module.startswith(p + "."):
-                if best is None or len(p) > best[2]:
-                    best = (name, SIBLINGS.get(name, rank), len(p))
+            inside = module == p or module.startswith(p + ".")
+            if inside and (best is None or len(p) > best[2]):
+                best = (name, SIBLINGS.get(name, rank), len(p))
     assert best is not None, f"{module} is in no layer: add it to LAYERS"
     return best[0], best[1]
 
