@@ -80,12 +80,22 @@ class LeaderSide:
         """After MPI_Finalize: wait (bounded) until every worker rank's process has exited,
         so that the launcher sees the workers end before their leader (hydra tears the
         job down, SIGKILL included, when the launched ranks are gone while spawned ones
-        still run)."""
+        still run).
+
+        Before MPI_Finalize (a peer died, so the job ends without it) the wait keeps MPI's
+        progress engine turning: the exit message's send completed here once it was handed
+        to the network, and with a manual-progress netmod (the one between a daemon and the
+        worker ranks it spawned) it reaches them only while this process calls into MPI.
+        Without that the workers waited for the message until this wait timed out (15 s)."""
+        from mpi4py import MPI
+
         deadline = time.monotonic() + timeout
         backoff = Backoff(1e-3, 50e-3)
         while any(pid_alive(p) for p in self.worker_pids):
             if time.monotonic() > deadline:
                 return False
+            if self.active and not MPI.Is_finalized():
+                self.job.node_comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
             backoff.sleep()
         return True
 
