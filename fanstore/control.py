@@ -44,6 +44,7 @@ from typing import Any, Callable
 
 from fanstore import errors as E
 from fanstore.errors import FanStoreError, MountError, UnsafePathError
+from fanstore.unixsock import address
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,8 @@ class ControlServer:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)  # the socket file itself 0600
         try:
-            sock.bind(self.path)
+            with address(self.path) as where:
+                sock.bind(where)
         finally:
             os.umask(old)
         sock.listen(128)
@@ -334,7 +336,8 @@ class ControlClient:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.settimeout(self.timeout)
             try:
-                s.connect(self.path)
+                with address(self.path) as where:
+                    s.connect(where)
                 pid, uid, _ = peer_credentials(s)
             except (FileNotFoundError, ConnectionRefusedError):
                 s.close()
@@ -407,7 +410,8 @@ class ControlClient:
         s.settimeout(self.timeout)
         fds: list[int] = []
         try:
-            s.connect(self.path)
+            with address(self.path) as where:
+                s.connect(where)
             _pid, uid, _ = peer_credentials(s)
             if not trusted_uid(uid):
                 raise UnsafePathError(f"{self.mountpoint}: the control socket {self.path} is "

@@ -26,7 +26,8 @@ DAEMON_SERVICES = tuple(f"fanstore.daemon.{m}" for m in (
     "replicas", "service", "staging", "stagecopy", "stagefetch", "stagecheck"))
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("codecs", ("compressors",)),
-    ("format", ("fanstore.version", "fanstore.errors", "fanstore.safeio", "fanstore.storage",
+    ("format", ("fanstore.version", "fanstore.errors", "fanstore.safeio", "fanstore.unixsock",
+                "fanstore.storage",
                 "fanstore.units", "fanstore.format")),
     ("read core", ("fanstore.namespace", "fanstore.read", "fanstore.store", "fanstore.verify",
                    "fanstore.kinds")),
@@ -45,7 +46,8 @@ OWNED = {"pyfuse3": ("fanstore.fuse",), "trio": ("fanstore.fuse",),
          "mpi4py": ("fanstore.daemon",), "s3fs": ("fanstore.storage",),
          "fsspec": ("fanstore.storage",), "botocore": ("fanstore.storage",)}
 #: The engine speaks the kernel's protocol for any file system: it knows only its errors.
-ENGINE_MAY_IMPORT = ("fanstore.fuse.kernel", "fanstore.errors")
+#: the engine's own modules, and FanStore's two standard-library-only leaves
+ENGINE_MAY_IMPORT = ("fanstore.fuse.kernel", "fanstore.errors", "fanstore.unixsock")
 
 
 def _modules() -> dict[str, Path]:

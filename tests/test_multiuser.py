@@ -39,7 +39,7 @@ from helpers import (
 )
 from second_user import fuse_device_for_all, reachable_for_others, shared_test_dir
 
-pytestmark = pytest.mark.fuse
+pytestmark = [pytest.mark.fuse, pytest.mark.second_user]
 
 ROOT = os.geteuid() == 0
 
@@ -194,18 +194,58 @@ def test_xdg_runtime_dir_is_used_when_set(monkeypatch, small_store, small_tree, 
     from fanstore import runtime
 
     monkeypatch.delenv("FANSTORE_RUNTIME_DIR", raising=False)
-    xdg = tmp_path / "xdg"
-    xdg.mkdir(mode=0o700)
+    # deep enough that the socket's path does not fit a socket address (107 bytes): it
+    # did, under a longer temporary directory, the mount failed with "AF_UNIX path too long"
+    xdg = tmp_path / ("deep" * 16) / "xdg"
+    xdg.mkdir(mode=0o700, parents=True)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
     m = mounted(small_store, mnt=tmp_path / "mnt")
     _read_all(m, small_tree[1])
     rt = runtime.MountRuntime.find(str(m))
     assert rt is not None and rt.root == str(xdg / "fanstore")
     assert stat.S_IMODE(os.lstat(rt.root).st_mode) == 0o700
-    assert os.path.exists(rt.socket_path)
+    assert os.path.exists(rt.socket_path) and len(rt.socket_path) > 107
     assert json.loads(run_cli("stats", m, "--json", check=True).stdout)["reads"] >= 0
     run_cli("umount", m, check=True)
     assert not is_mounted(m)
+
+
+def test_unix_sockets_of_any_path_length(tmp_path):
+    """The engine's handoff socket (worker ranks join a kernel mount through it) binds and
+    is joined at a path longer than a socket address holds; the socket file is where the
+    path says, 0600."""
+    import threading
+
+    from fanstore.fuse.kernel import handoff
+    from fanstore.unixsock import address
+
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    path = str(deep / "workers.sock")
+    assert len(path) > 107
+    with pytest.raises(OSError, match="too long"):
+        socket.socket(socket.AF_UNIX).bind(path)
+    server = handoff.HandoffServer(path)
+    try:
+        assert stat.S_ISSOCK(os.lstat(path).st_mode)
+        assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600
+        r, w = os.pipe()
+        t = threading.Thread(target=server.accept, args=(1, lambda slot: r, {"bufsize": 4096, "x": 1}, 10))
+        t.start()
+        grant, conn = handoff.join(path, 10)
+        t.join(10)
+        assert grant.slot == 1 and grant.bufsize == 4096 and grant.info["x"] == 1
+        conn.close()
+        os.close(grant.fd)
+        os.close(r)
+        os.close(w)
+    finally:
+        server.close()
+    assert not os.path.exists(path)
+    with address(path) as short:  # a name too long even below /proc/self/fd/N is an error
+        assert short.startswith("/proc/self/fd/") and short.endswith("/workers.sock")
+    with pytest.raises(OSError, match="socket name too long"), address(str(deep / ("n" * 100))):
+        pass
 
 
 # ============================================================================ shared memory

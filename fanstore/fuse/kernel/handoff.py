@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 
 from fanstore.errors import MountError
+from fanstore.unixsock import address
 
 _CRED = struct.Struct("3i")
 
@@ -70,7 +71,8 @@ class HandoffServer:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         old = os.umask(0o177)
         try:
-            self.sock.bind(path)
+            with address(path) as where:
+                self.sock.bind(where)
         finally:
             os.umask(old)
         self.sock.listen(64)
@@ -133,7 +135,8 @@ def join(path: str, timeout: float, alive=lambda: True) -> tuple[Grant, socket.s
     while True:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
-            s.connect(path)
+            with address(path) as where:
+                s.connect(where)
             break
         except (FileNotFoundError, ConnectionRefusedError):
             s.close()
