@@ -480,8 +480,12 @@ def _kill_mid_read(data, tmp_path, replicas: bool, timeout: float = 2.0) -> dict
             res = run_cli("umount", job.mnt(r), timeout=90)
             assert res.returncode == 0, res.stderr
         assert wait_gone([job.mnt(r) for r in survivors], 60), job.output()[-3000:]
+        # The dead node's mount is stale, or already gone: with worker ranks its frontend
+        # process unmounts when every rank serving it is gone, and the SIGKILL of those
+        # ranks may reach it before the daemon's death does (PR_SET_PDEATHSIG).
         res = run_cli("umount", job.mnt(victim))
-        assert res.returncode == 0 and "stale mount" in res.stderr, res.stderr
+        assert (res.returncode == 0 and "stale mount" in res.stderr) or (
+            res.returncode == 1 and "is not mounted" in res.stderr), res.stderr
         assert not is_mounted(job.mnt(victim))
         assert job.wait_exit(60) is not None, "mpiexec did not end"
     print(f"\nSIGKILL of rank {victim} mid-read ({'2 replicas' if replicas else 'no replica'}): "
