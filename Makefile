@@ -5,9 +5,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# test processes for `make test`: one per CPU, 2 to 8 (the suite is CPU-bound on 2 cores)
+TEST_JOBS ?= $(shell n=$$(nproc); echo $$(( n < 2 ? 2 : (n > 8 ? 8 : n) )))
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup system-deps demo test test-slow bench slurm-e2e clean
+.PHONY: setup system-deps demo test test-quick test-slow bench slurm-e2e clean
 
 ## setup: install missing Debian packages, create .venv, install FanStore with all extras
 setup: system-deps $(STAMP)
@@ -33,9 +35,17 @@ $(STAMP): pyproject.toml
 demo: setup
 	@bash tools/demo.sh
 
-## test: the whole default suite (real FUSE mounts, real MPI ranks, real local Slurm)
+## test: the whole default suite (real FUSE mounts, real MPI ranks, real local Slurm), on
+## TEST_JOBS processes; then the tests that must run alone (they drop the kernel's caches).
+## pytest's exit code 5 means "no test selected" (a -k in PYTEST_ARGS): not a failure.
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadscope -m "not slow and not serial" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "serial and not slow" $(PYTEST_ARGS) || test $$? -eq 5
+
+## test-quick: the tests without FUSE, MPI or Slurm (the format, codecs, CLI, selection)
+test-quick: setup
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadscope \
+	    -m "not fuse and not mpi and not slurm and not slow and not serial" $(PYTEST_ARGS)
 
 ## test-slow: the long stress and fuzz tests as well
 test-slow: setup

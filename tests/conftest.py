@@ -46,12 +46,48 @@ _FUSE_OK, _FUSE_WHY = fuse_available()
 
 
 def pytest_collection_modifyitems(config, items):
-    if _FUSE_OK:
-        return
-    skip = pytest.mark.skip(reason=f"FUSE unavailable: {_FUSE_WHY}")
-    for item in items:
-        if "fuse" in item.keywords:
-            item.add_marker(skip)
+    """Skip FUSE tests without FUSE; put the longest modules first, so that under
+    ``make test`` (several processes) none of them is left to run alone at the end."""
+    if not _FUSE_OK:
+        skip = pytest.mark.skip(reason=f"FUSE unavailable: {_FUSE_WHY}")
+        for item in items:
+            if "fuse" in item.keywords:
+                item.add_marker(skip)
+    items.sort(key=lambda item: _LONG_FIRST.get(item.nodeid.split("::")[0], len(_LONG_FIRST)))
+
+
+#: modules of more than a minute, longest first (``--durations``)
+_LONG_FIRST = {f"tests/{name}.py": i for i, name in enumerate(
+    ("test_slurm_e2e", "test_mpi", "test_faults", "test_sources", "test_load"))}
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist
+def pytest_xdist_make_scheduler(config, log):
+    """``make test`` runs ``pytest -n N --dist loadscope``: one unit of work per module and
+    FUSE frontend (so module fixtures, stores, mounts and MPI jobs, are built once per unit),
+    and the Slurm module whole (its one local cluster has fixed ports: one process starts
+    and stops it). The tests that change machine-wide modes take a lock for it
+    (``second_user.py``); those that drop the kernel's caches run afterwards, alone
+    (``serial`` marker)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleAndFrontend(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid)
+
+    return ModuleAndFrontend(config, log)
+
+
+def _work_unit(nodeid: str) -> str:
+    """The unit of work of a test id: its module, with the FUSE frontend it runs on."""
+    module = nodeid.split("::")[0]
+    if module.endswith("test_slurm_e2e.py"):
+        return module
+    params = nodeid.partition("[")[2].rstrip("]").split("-")
+    frontend = next((p for p in params if p in ("kernel", "pyfuse3")), "")
+    return f"{module}[{frontend}]" if frontend else module
 
 
 # --------------------------------------------------------------------------- trees and stores
@@ -224,7 +260,6 @@ def other_user():
 def _fanstore_safety_net(tmp_path_factory):
     """At session end: lazily unmount every FUSE mount under the pytest temp root and kill
     every daemon the tests started (or whose command line names a path under it)."""
-    started = time.time()
     yield
     from fanstore import mounttable
 
@@ -239,7 +274,17 @@ def _fanstore_safety_net(tmp_path_factory):
     for mnt in list(mounttable.fuse_mounts()):  # a killed daemon may leave a stale mount
         if mnt.startswith(base + "/"):
             lazy_unmount(mnt)
-    _remove_orphaned_mpi_shm(started)
+
+
+_SESSION_START = time.time()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Once every test process is done (the controller of an xdist run, or the one
+    process): MPI's orphaned shared-memory segments of this session. Not from a worker, which
+    could catch the other's job between creating a segment and mapping it."""
+    if not hasattr(session.config, "workerinput"):
+        _remove_orphaned_mpi_shm(_SESSION_START)
 
 
 def _remove_orphaned_mpi_shm(since: float) -> None:

@@ -18,12 +18,17 @@ user of the node would attack a FanStore mount:
   reach (pytest's own temporary directories are 0700 and would stop every attack before
   FanStore's own defences are reached, proving nothing).
 
+The modes :func:`reachable_for_others` and :func:`fuse_device_for_all` change are the
+machine's, not a test's: while one test process holds them changed, another (``make test``
+runs several) waits for a lock instead of changing and restoring them under its feet.
+
 The tests run as root (CI does); everything here is undone in ``finally`` blocks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import pwd
 import shutil
@@ -95,10 +100,40 @@ def other_user(name: str = NAME) -> tuple[OtherUser | None, str]:
     return OtherUser(name, pw.pw_uid, pw.pw_gid), ""
 
 
+#: one holder of machine-wide mode changes at a time, across test processes (root's /run)
+_LOCK_PATH = "/run/fanstore-tests-modes.lock"
+_lock_depth = 0
+_lock_fd = -1
+
+
+@contextlib.contextmanager
+def _machine_modes() -> Iterator[None]:
+    """Hold the machine-wide lock for the block (re-entrant within a process: the helpers
+    nest)."""
+    global _lock_depth, _lock_fd
+    if _lock_depth == 0:
+        fd = os.open(_LOCK_PATH, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _lock_fd = fd
+    _lock_depth += 1
+    try:
+        yield
+    finally:
+        _lock_depth -= 1
+        if _lock_depth == 0:
+            os.close(_lock_fd)  # releases the lock
+            _lock_fd = -1
+
+
 @contextlib.contextmanager
 def reachable_for_others(*paths) -> Iterator[None]:
     """Add ``o+x`` to every directory from / down to each of ``paths`` (and ``o+r`` to a
     file named), restoring every mode changed when the block ends."""
+    with _machine_modes():
+        yield from _reachable(paths)
+
+
+def _reachable(paths) -> Iterator[None]:
     changed: list[tuple[str, int]] = []
     try:
         for path in paths:
@@ -125,13 +160,14 @@ def reachable_for_others(*paths) -> Iterator[None]:
 @contextlib.contextmanager
 def fuse_device_for_all() -> Iterator[None]:
     """/dev/fuse 0666 as stock distributions ship it (this machine has 0600)."""
-    st = os.stat("/dev/fuse")
-    old = stat.S_IMODE(st.st_mode)
-    os.chmod("/dev/fuse", 0o666)
-    try:
-        yield
-    finally:
-        os.chmod("/dev/fuse", old)
+    with _machine_modes():
+        st = os.stat("/dev/fuse")
+        old = stat.S_IMODE(st.st_mode)
+        os.chmod("/dev/fuse", 0o666)
+        try:
+            yield
+        finally:
+            os.chmod("/dev/fuse", old)
 
 
 @contextlib.contextmanager

@@ -1173,7 +1173,6 @@ def test_crash_loop_stops_the_mount_with_a_message(tmp_path):
 
 @needs_fuse
 @pytest.mark.fuse
-@pytest.mark.second_user
 @pytest.mark.skipif(not ROOT, reason="needs root to switch to an unprivileged user")
 def test_unprivileged_mount_through_fusermount(memmount):
     from second_user import fuse_device_for_all, reachable_for_others

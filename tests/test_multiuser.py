@@ -39,7 +39,7 @@ from helpers import (
 )
 from second_user import fuse_device_for_all, reachable_for_others, shared_test_dir
 
-pytestmark = [pytest.mark.fuse, pytest.mark.second_user]
+pytestmark = pytest.mark.fuse
 
 ROOT = os.geteuid() == 0
 

@@ -38,6 +38,9 @@ from mpi_helpers import MpiJob, mpi_available
 _fuse_ok, _fuse_why = fuse_available()
 _mpi_ok, _mpi_why = mpi_available()
 ROOT = os.geteuid() == 0
+#: drop_caches empties every mount's page cache and dentries, which other mount tests
+#: count on: this module runs alone (``make test``'s second run).
+pytestmark = pytest.mark.serial
 
 
 @pytest.fixture(scope="module")
