@@ -42,10 +42,11 @@ test: setup
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadscope -m "not slow and not serial" $(PYTEST_ARGS)
 	$(PY) -m pytest -q -m "serial and not slow" $(PYTEST_ARGS) || test $$? -eq 5
 
-## test-quick: the tests without FUSE, MPI or Slurm (the format, codecs, CLI, selection)
+## test-quick: the edit loop: no FUSE, MPI, Slurm or S3 endpoint (format, codecs, read core,
+## kernel handler without a kernel, pack, select, CLI)
 test-quick: setup
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadscope \
-	    -m "not fuse and not mpi and not slurm and not slow and not serial" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist load \
+	    -m "not fuse and not mpi and not slurm and not s3 and not slow and not serial" $(PYTEST_ARGS)
 
 ## test-slow: the long stress and fuzz tests as well
 test-slow: setup

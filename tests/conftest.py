@@ -45,14 +45,17 @@ from helpers import (  # noqa: E402
 _FUSE_OK, _FUSE_WHY = fuse_available()
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects by the marks added here
 def pytest_collection_modifyitems(config, items):
-    """Skip FUSE tests without FUSE; put the longest modules first, so that under
-    ``make test`` (several processes) none of them is left to run alone at the end."""
-    if not _FUSE_OK:
-        skip = pytest.mark.skip(reason=f"FUSE unavailable: {_FUSE_WHY}")
-        for item in items:
-            if "fuse" in item.keywords:
-                item.add_marker(skip)
+    """Skip FUSE tests without FUSE; mark ``s3`` the tests that use the S3 endpoint; put the
+    longest modules first, so that under ``make test`` (several processes) none of them is
+    left to run alone at the end."""
+    skip = None if _FUSE_OK else pytest.mark.skip(reason=f"FUSE unavailable: {_FUSE_WHY}")
+    for item in items:
+        if skip is not None and "fuse" in item.keywords:
+            item.add_marker(skip)
+        if "s3_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.s3)
     items.sort(key=lambda item: _LONG_FIRST.get(item.nodeid.split("::")[0], len(_LONG_FIRST)))
 
 
