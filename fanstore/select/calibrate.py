@@ -13,7 +13,8 @@ whichever frontend serves the mount:
    packed there with ``--codec none`` (the codec's cost is measured separately, per
    candidate); the partition files are read once so that the page cache holds them.
 2. ``readers`` processes (the ``--cores`` of the selection) read them, started together:
-   first the small files (a share each, in random order), then one large file each,
+   first the small files (a share each, in random order; in three rounds of different
+   files, of which the median counts), then one large file each,
    through ``fanstore mount STORE MNT`` (a temporary mount, ``open/read/close`` per file;
    ``fanstore umount`` afterwards, whatever happens) or through
    ``fanstore.open_store(STORE).read`` in each process.
@@ -48,7 +49,11 @@ log = logging.getLogger(__name__)
 READERS = ("mount", "api")
 #: Calibration set: at most this many small files and bytes, at least this many files
 #: (copies are repeated when the source has fewer), and chunks per large file.
-MAX_FILES = 300
+MAX_FILES = 900
+#: the small files are read in this many rounds of different files; the median round counts
+#: (one round of 300 files lasts ~10 ms through a mount: a single one varied 1.7x from run to
+#: run, and the first also pays for the workers' first requests)
+ROUNDS = 3
 MAX_BYTES = 48 << 20
 MIN_FILES = 64
 BIG_CHUNKS = 8
@@ -133,7 +138,10 @@ def calibrate(files, reader: str, readers: int, chunk_size: int, seed: int = 0,
         rng = np.random.default_rng([seed, 11])
         order = [small[i] for i in rng.permutation(len(small))]
         n = min(readers, len(order))
-        t_small = _timed_pass(reader, root, [order[r::n] for r in range(n)])
+        rounds = [order[k::ROUNDS] for k in range(ROUNDS) if order[k::ROUNDS]]
+        per_round = sorted(_timed_pass(reader, root, [part[r::n] for r in range(n)])
+                           / len(part) for part in rounds if len(part) >= n)
+        t_small = per_round[len(per_round) // 2] * len(small)  # the median round's pace
         t_big = _timed_pass(reader, root, [[b] for b in big])
     finally:
         if mounted and _cli("umount", "--", mnt, check=False) != 0:

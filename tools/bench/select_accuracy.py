@@ -44,9 +44,9 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+def run(cmd: list[str], ok=(0,), **kw) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, **kw)
-    if proc.returncode != 0:
+    if proc.returncode not in ok:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}): "
                          f"{proc.stderr.strip()[-2000:]}")
     return proc
@@ -64,12 +64,9 @@ def tree_bytes(root: str) -> tuple[int, list[str]]:
 
 
 def pack_args(label: str) -> list[str]:
-    """``fanstore pack`` options that pack a selector candidate's label."""
-    args = []
-    if "+solid" in label:
-        label, kb = label.split("+solid")
-        args += ["--solid-kb", kb.rstrip("k")]
-    return ["--codec", label] + args
+    """``fanstore pack`` options that pack a selector candidate's label: the label itself
+    (one codec-spec grammar: ``zstd:19+dict+solid64k`` is a ``--codec``)."""
+    return ["--codec", label]
 
 
 # --------------------------------------------------------------------------- readers
@@ -133,15 +130,16 @@ def measure(data: str, name: str, a, rows: list[dict], emit) -> None:
     base = {"dataset": name, "files": len(rels), "raw_bytes": raw}
     log(f"{name}: {len(rels):,} files, {raw / 1e6:,.0f} MB")
 
-    img = os.path.join(work, "img.sqfs")
-    t0 = time.monotonic()
-    run(["mksquashfs", data, img, "-comp", "zstd", "-Xcompression-level", "3", "-noappend",
-         "-no-progress", "-quiet", "-processors", str(os.cpu_count() or 1)])
-    emit({**base, "kind": "capacity", "option": "mksquashfs zstd-3",
-          "stored_bytes": os.path.getsize(img), "seconds": round(time.monotonic() - t0, 1)})
-    os.unlink(img)
+    if not a.no_capacity:
+        img = os.path.join(work, "img.sqfs")
+        t0 = time.monotonic()
+        run(["mksquashfs", data, img, "-comp", "zstd", "-Xcompression-level", "3",
+             "-noappend", "-no-progress", "-quiet", "-processors", str(os.cpu_count() or 1)])
+        emit({**base, "kind": "capacity", "option": "mksquashfs zstd-3",
+              "stored_bytes": os.path.getsize(img), "seconds": round(time.monotonic() - t0, 1)})
+        os.unlink(img)
 
-    packs = [("fanstore pack (default)", [])]
+    packs = [] if a.no_capacity else [("fanstore pack (default)", [])]
     if name in a.auto:
         packs.append(("fanstore pack --codec auto", ["--codec", "auto", "--cores",
                                                      str(a.readers)]))
@@ -155,12 +153,16 @@ def measure(data: str, name: str, a, rows: list[dict], emit) -> None:
               "seconds": round(time.monotonic() - t0, 1), "line": line.strip()})
         shutil.rmtree(dest)
 
+    # one prediction per reader: the mount calibrated through each FUSE frontend (the
+    # selector measures whichever frontend `fanstore mount` uses: FANSTORE_FRONTEND)
     predictions = {}
-    for reader in ("mount", "api"):
-        proc = run([FANSTORE, "select", data, "--reader", reader, "--cores", str(a.readers),
-                    "--sample-mb", str(a.sample_mb), "--json"])
+    for reader in (*a.frontends, "api"):
+        env = dict(os.environ, FANSTORE_FRONTEND=reader) if reader != "api" else None
+        proc = run([FANSTORE, "select", data, "--reader", "api" if reader == "api" else "mount",
+                    "--cores", str(a.readers), "--sample-mb", str(a.sample_mb), "--json",
+                    *a.select_args.split()], ok=(0, 3), env=env)
         predictions[reader] = json.loads(proc.stdout)
-    chosen = predictions["mount"]["chosen"]
+    chosen = predictions[a.frontends[0]]["chosen"]
     store = os.path.join(work, "store-chosen")
     run([FANSTORE, "pack", data, store, "--no-progress", *pack_args(chosen)])
     stored = common.dir_bytes(store)
@@ -172,31 +174,41 @@ def measure(data: str, name: str, a, rows: list[dict], emit) -> None:
         f.write("".join(r + "\n" for r in pick))
 
     measured: dict[tuple[str, str], float] = {}
+    stats: dict[str, dict] = {}
     mnt = os.path.join(work, "mnt")
     os.makedirs(mnt, exist_ok=True)
-    run([FANSTORE, "mount", store, mnt, "--local-dir", os.path.join(work, "local")])
-    try:
-        run([FANSTORE, "wait", mnt])
-        common.drop_caches()
-        measured["mount", "cold"] = mount_pass(mnt, list_file, a.readers)
-        measured["mount", "warm"] = mount_pass(mnt, list_file, a.readers)
-    finally:
-        subprocess.run([FANSTORE, "umount", mnt], capture_output=True, check=False)
+    for frontend in a.frontends:
+        run([FANSTORE, "mount", store, mnt, "--local-dir", os.path.join(work, "local"),
+             "--frontend", frontend])
+        try:
+            run([FANSTORE, "wait", mnt])
+            common.drop_caches()
+            measured[frontend, "cold"] = mount_pass(mnt, list_file, a.readers)
+            stats[frontend] = json.loads(run([FANSTORE, "stats", mnt, "--json"]).stdout)
+            measured[frontend, "warm"] = mount_pass(mnt, list_file, a.readers)
+        finally:
+            subprocess.run([FANSTORE, "umount", mnt], capture_output=True, check=False)
     common.drop_caches()
     measured["api", "cold"] = api_pass(store, pick, a.readers)
     measured["api", "warm"] = api_pass(store, pick, a.readers)
-    for reader in ("mount", "api"):
+    for reader in (*a.frontends, "api"):
         doc = predictions[reader]
         row = next(c for c in doc["candidates"] if c["codec"] == chosen)
         for phase in ("cold", "warm"):
-            emit({**base, "kind": "accuracy", "reader": reader, "phase": phase,
+            extra = {}
+            if phase == "cold" and reader in stats:  # decodes per file read, cold pass
+                st = stats[reader]
+                extra = {"chunks_decoded": st.get("chunks_decoded"), "reads": st.get("reads"),
+                         "files_read_cold": len(pick)}
+            emit({**base, "kind": "accuracy", "reader": reader, "phase": phase, **extra,
                   "codec": chosen, "ratio": raw / stored, "readers": a.readers,
                   "files_read": len(pick),
                   "predicted_files_per_s": row["files_per_s"],
                   "measured_files_per_s": round(measured[reader, phase], 1),
                   "reader_calibration": doc.get("reader"),
                   "storage_mb_per_s": doc["budget"]["storage_mb_per_s"],
-                  "own_choice": doc["chosen"]})
+                  "read_amplification": row.get("read_amplification"),
+                  "select_args": a.select_args, "own_choice": doc["chosen"]})
     shutil.rmtree(work, ignore_errors=True)
 
 
@@ -208,8 +220,9 @@ def render(rows: list[dict], a) -> str:
            f"(commit {common.git_commit()}), "
            f"{a.readers} readers = `--cores {a.readers}`, sync mode, default budget; each "
            "pass reads the files in random order (a sample, or every file: column 'files "
-           "read'); cold = page cache dropped, a fresh mount; the mount is the default "
-           "frontend. Each data set's latest run (column 'run').", "",
+           "read'); cold = page cache dropped, a fresh mount; a mount row names its FUSE "
+           "frontend ('mount' alone: the default frontend of that run). Each data set's "
+           "latest run (column 'run').", "",
            "Capacity (stored bytes; ratio = raw / stored):", "",
            "| data set | files | raw MB | mksquashfs zstd-3 | fanstore pack (default) | "
            "default / mksquashfs | --codec auto | auto / mksquashfs |",
@@ -238,15 +251,22 @@ def render(rows: list[dict], a) -> str:
             "cold | cold / predicted | measured warm | warm / predicted |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for name in dict.fromkeys(r["dataset"] for r in rows):
-        for reader in ("mount", "api"):
+        readers = dict.fromkeys(r["reader"] for r in rows if r["dataset"] == name
+                                and r["kind"] == "accuracy")
+        for reader in readers:
             acc = {r["phase"]: r for r in rows if r["dataset"] == name
                    and r["kind"] == "accuracy" and r["reader"] == reader}
             if not acc:
                 continue
             p = acc["cold"]["predicted_files_per_s"]
             c, w = acc["cold"]["measured_files_per_s"], acc["warm"]["measured_files_per_s"]
-            out.append(f"| {name} | {acc['cold']['run_id']} | {acc['cold']['codec']} | "
-                       f"{reader} | {acc['cold'].get('files_read', 4000):,} | {common.num(p)} | "
+            label = {"mount": "mount (kernel)"}.get(reader, reader)
+            if reader in ("kernel", "pyfuse3"):
+                label = f"mount ({reader})"
+            args = acc["cold"].get("select_args")
+            out.append(f"| {name} | {acc['cold']['run_id']} | {acc['cold']['codec']}"
+                       f"{' (`' + args + '`)' if args else ''} | "
+                       f"{label} | {acc['cold'].get('files_read', 4000):,} | {common.num(p)} | "
                        f"{common.num(c)} | {common.ratio(c, p)} | {common.num(w)} | "
                        f"{common.ratio(w, p)} |")
     return "\n".join(out) + "\n"
@@ -264,11 +284,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample-mb", type=float, default=64.0)
     p.add_argument("--auto", default="", help="data set names also packed with --codec auto")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--frontends", default="kernel",
+                   help="FUSE frontends to read through, comma-separated (kernel,pyfuse3)")
+    p.add_argument("--select-args", default="",
+                   help="more `fanstore select` options, e.g. '--files-per-sec 1000'")
+    p.add_argument("--no-capacity", action="store_true",
+                   help="skip mksquashfs and the default pack (prediction only)")
     p.add_argument("--no-docs", action="store_true")
     p.add_argument("--results", default=os.path.join(common.RESULTS_DIR,
                                                      "select_accuracy.jsonl"))
     a = p.parse_args(argv)
     a.auto = set(filter(None, a.auto.split(",")))
+    a.frontends = [f for f in a.frontends.split(",") if f]
     if os.geteuid() != 0:
         p.error("needs root (drops the page cache for the cold passes)")
     rows: list[dict] = []
@@ -286,12 +313,16 @@ def main(argv: list[str] | None = None) -> int:
         measure(os.path.abspath(data), os.path.basename(os.path.normpath(data)), a, rows, emit)
     # The table: each data set's latest run in the results file (a data set can be measured
     # again alone, e.g. with --files 0, without losing the others).
-    latest: dict[str, str] = {}
+    # Capacity and accuracy rows each from their own latest run (a --no-capacity run keeps
+    # the data set's capacity row).
+    latest: dict[tuple[str, bool], str] = {}
     with open(a.results) as f:
         saved = [json.loads(line) for line in f if line.strip()]
     for r in saved:
-        latest[r["dataset"]] = max(latest.get(r["dataset"], ""), r["run_id"])
-    text = render([r for r in saved if r["run_id"] == latest[r["dataset"]]], a)
+        key = (r["dataset"], r["kind"] == "capacity")
+        latest[key] = max(latest.get(key, ""), r["run_id"])
+    text = render([r for r in saved
+                   if r["run_id"] == latest[r["dataset"], r["kind"] == "capacity"]], a)
     print(text)
     if not a.no_docs:
         common.replace_section("select_accuracy", text, path=SELECTION_MD)
