@@ -276,8 +276,11 @@ def test_a_bad_spec_is_one_mount_error_line(raw, field):
 
 def test_counter_columns_are_laid_out_once_and_unchanged():
     """The application columns of a worker's row, by name (the layout the daemon and the
-    frontend share): the read core's from APP_COL0 (96), prefetch mode's from 120."""
-    assert [COL[n] for n in READ_COLUMNS] == list(range(C.APP_COL0, C.APP_COL0 + 18))
+    frontend share): the read core's from APP_COL0 (96; the chunk spill's and the decode
+    counters appended after the first 18, which keep their places), prefetch mode's from
+    120."""
+    assert [COL[n] for n in READ_COLUMNS] == list(range(C.APP_COL0, C.APP_COL0 + 24))
+    assert COL["peers_marked_dead"] == C.APP_COL0 + 17 and COL["spill_refused"] == 119
     assert [COL[n] for n in PREFETCH_COLUMNS] == list(range(120, 120 + 17))
     assert len(set(COL.values())) == len(COL) and max(COL.values()) < C.COLS
 

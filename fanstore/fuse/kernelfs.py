@@ -38,8 +38,13 @@ class KernelHandler:
     """
 
     def __init__(self, fs: FsOps, reader, listing_budget: int = 32 << 20,
-                 publish=None, prefetch=None) -> None:
+                 publish=None, prefetch=None, spill=None) -> None:
         self.fs = fs
+        #: fanstore.fuse.spill.ChunkSpill: the rest of a chunk decoded for a partial READ
+        #: goes into the page cache
+        self._spill = None if spill is None else (
+            lambda entry, start, chunk, offset, end: spill.offer(entry + 1, start, chunk,
+                                                                 offset, end))
         #: prefetch mode: fanstore.fuse.prefetch.PrefetchHooks (READs may be answered from
         #: the buffer; LOOKUPs and IOCTLs tell where the readers are)
         self.prefetch = prefetch
@@ -116,7 +121,7 @@ class KernelHandler:
             # from the prefetch buffer, else the read core; whole-file reads land in the
             # page cache: no second copy in the chunk LRU
             data = self.reader.serve(entry, offset, size, keep_whole=False,
-                                     first=self._prefetched)
+                                     first=self._prefetched, spill=self._spill)
         except FanStoreError as exc:
             log.error("%s", exc)
             self.publish()

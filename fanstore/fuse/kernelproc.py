@@ -80,9 +80,20 @@ def make_handler_factory(spec: FrontendSpec, index, fs: FsOps, session,
                             wctx.channel, spec.mountpoint, row, publish=publisher.publish)
             pf.start()
             hooks = pf.hooks
-        return KernelHandler(fs, reader, publish=publisher.publish, prefetch=hooks)
+        return KernelHandler(fs, reader, publish=publisher.publish, prefetch=hooks,
+                             spill=make_spill(wctx.fd, reader.stats))
 
     return factory
+
+
+def make_spill(fd: int, stats):
+    """A worker's chunk spill thread (:mod:`fanstore.fuse.spill`); none when
+    ``FANSTORE_CHUNK_SPILL=0`` (for comparisons: benchmarks, experiments)."""
+    if os.environ.get("FANSTORE_CHUNK_SPILL", "1") == "0":
+        return None
+    from fanstore.fuse.spill import ChunkSpill
+
+    return ChunkSpill(fd, stats)
 
 
 def serve_worker(socket_path: str, index, reader, timeout: float = 300.0,
@@ -116,11 +127,14 @@ def serve_worker(socket_path: str, index, reader, timeout: float = 300.0,
                                 sock, spec["mountpoint"], row,
                                 publish=publisher.publish if publisher else None)
         prefetcher.start()
+    spill = make_spill(grant.fd, reader.stats)
     handler = KernelHandler(fs, reader, publish=publisher.publish if publisher else None,
-                            prefetch=prefetcher.hooks if prefetcher else None)
+                            prefetch=prefetcher.hooks if prefetcher else None, spill=spill)
     try:
         kernel.Dispatcher(grant.fd, handler, bufsize=grant.bufsize, row=row).run()
     finally:
+        if spill is not None:
+            spill.stop()
         if prefetcher is not None:
             prefetcher.stop()
         if publisher is not None:

@@ -16,12 +16,15 @@ from __future__ import annotations
 from typing import Any
 
 from fanstore.fuse.kernel.counters import APP_COL0, COLS, OP_COLS
+from fanstore.read.stats import decoded_per_returned
 
 #: The read core's counters in a worker's row, from APP_COL0 on.
 READ_COLUMNS = ("reads", "bytes_returned", "local_reads", "local_bytes", "remote_reads",
                 "remote_bytes", "refetched", "chunks_decoded", "errors", "decode_ns",
                 "cache_hits", "cache_misses", "cache_bytes", "cache_budget",
-                "served_requests", "served_bytes", "remote_failovers", "peers_marked_dead")
+                "served_requests", "served_bytes", "remote_failovers", "peers_marked_dead",
+                "bytes_decoded", "chunks_redecoded", "spill_chunks", "spill_bytes",
+                "spill_dropped", "spill_refused")
 #: Prefetch mode's counters (fanstore.fuse.prefetch), from PREFETCH_COL0 on; every one is
 #: summed over the workers except those of MAX_COLUMNS, which every worker copies alike.
 PREFETCH_COLUMNS = ("prefetch_files", "prefetch_pushed", "prefetch_bytes_pushed",
@@ -52,6 +55,9 @@ _CACHE_HITS, _CACHE_MISSES = COL["cache_hits"], COL["cache_misses"]
 _CACHE_BYTES, _CACHE_BUDGET = COL["cache_bytes"], COL["cache_budget"]
 _SERVED_REQUESTS, _SERVED_BYTES = COL["served_requests"], COL["served_bytes"]
 _FAILOVERS, _DEAD = COL["remote_failovers"], COL["peers_marked_dead"]
+_BYTES_DECODED, _REDECODED = COL["bytes_decoded"], COL["chunks_redecoded"]
+_SPILL_CHUNKS, _SPILL_BYTES = COL["spill_chunks"], COL["spill_bytes"]
+_SPILL_DROPPED, _SPILL_REFUSED = COL["spill_dropped"], COL["spill_refused"]
 
 
 class RowPublisher:
@@ -84,6 +90,12 @@ class RowPublisher:
         row[_CACHE_BUDGET] = c.budget
         row[_FAILOVERS] = s.remote_failovers
         row[_DEAD] = s.peers_marked_dead
+        row[_BYTES_DECODED] = s.bytes_decoded
+        row[_REDECODED] = s.chunks_redecoded
+        row[_SPILL_CHUNKS] = s.spill_chunks
+        row[_SPILL_BYTES] = s.spill_bytes
+        row[_SPILL_DROPPED] = s.spill_dropped
+        row[_SPILL_REFUSED] = s.spill_refused
         if self.served is not None:
             self.publish_served()
 
@@ -103,6 +115,8 @@ def summed_stats(counters, prefetch: bool = False) -> dict[str, Any]:
             col = COL[name]
             out[name] = counters.column_max(col) if name in MAX_COLUMNS else sums[col]
     out["decode_seconds"] = round(out.pop("decode_ns") / 1e9, 6)
+    out["decoded_per_returned"] = decoded_per_returned(out["bytes_decoded"],
+                                                       out["bytes_returned"])
     out["refetched_from_replica"] = out.pop("refetched")
     out["worker_served_requests"] = out.pop("served_requests")
     out["worker_served_bytes"] = out.pop("served_bytes")

@@ -54,6 +54,7 @@ class ChunkReader:
         self._count = e["count"]
         self._size = e["size"]
         self._base = e.get("offset")  # format v2: where a file starts in a shared chunk
+        self._seen = bytearray(len(self._raw))  # chunks this process has decoded
 
     # ------------------------------------------------------------------ geometry
     def span(self, entry: int) -> tuple[int, int, int, int]:
@@ -124,7 +125,7 @@ class ChunkReader:
                 source = other
             else:
                 stats.decode_seconds += time.perf_counter() - t
-                stats.chunks_decoded += b - a
+                self._count_decoded(a, b, out)
                 return out
         t0 = time.perf_counter()
         blob = source.fetch(part, off, length, entry)
@@ -134,8 +135,19 @@ class ChunkReader:
         t = time.perf_counter()
         out = decoder.decode_run(a, b - a, blob, entry)
         stats.decode_seconds += time.perf_counter() - t
-        stats.chunks_decoded += b - a
+        self._count_decoded(a, b, out)
         return out
+
+    def _count_decoded(self, a: int, b: int, out: list) -> None:
+        """Chunks and bytes decoded, and the chunks this process had decoded before."""
+        stats, seen = self.stats, self._seen
+        stats.chunks_decoded += b - a
+        stats.bytes_decoded += sum(len(x) for x in out)
+        for k in range(a, b):
+            if seen[k]:
+                stats.chunks_redecoded += 1
+            else:
+                seen[k] = 1
 
     def get_chunks(self, entry: int, a: int, b: int, counted: bool = True,
                    keep: bool = True) -> list[bytes]:
@@ -162,19 +174,19 @@ class ChunkReader:
 
     # ------------------------------------------------------------------ a reader's requests
     def serve(self, entry: int, offset: int = 0, size: int = -1, keep_whole: bool = True,
-              first=None):
+              first=None, spill=None):
         """A reader's request for bytes [offset, offset+size) of a file (:meth:`read`),
         counted: ``stats.reads`` when asked, ``stats.bytes_returned`` when answered.
 
         ``first(entry, offset, size)``, when given, may answer before the read core does
         (a prefetch buffer; the page cache through the mount) by returning the bytes, or
         None. Every frontend answers its readers through this (or :meth:`request` and
-        :meth:`answered`); none counts by itself.
+        :meth:`answered`); none counts by itself. ``spill``: see :meth:`read`.
         """
         self.stats.reads += 1
         data = None if first is None else first(entry, offset, size)
         if data is None:
-            data = self.read(entry, offset, size, keep_whole)
+            data = self.read(entry, offset, size, keep_whole, spill)
         return self.answered(data)
 
     def request(self, entry: int, offset: int, size: int) -> tuple[int, int, int]:
@@ -189,7 +201,8 @@ class ChunkReader:
         return data
 
     # ------------------------------------------------------------------ files
-    def read(self, entry: int, offset: int = 0, size: int = -1, keep_whole: bool = True):
+    def read(self, entry: int, offset: int = 0, size: int = -1, keep_whole: bool = True,
+             spill=None):
         """Bytes [offset, offset+size) of a file, short at EOF (a bytes-like object; a view
         into a cached chunk when one chunk covers the read). Not counted as a reader's
         request (:meth:`serve` is).
@@ -199,13 +212,23 @@ class ChunkReader:
         second copy); reads of part of a file still do, for the rest of that chunk, and so
         does a whole file that shares its chunk (a solid block: its neighbours are read
         from the same decoded block).
+
+        ``spill(entry, chunk_offset, chunk, offset, end)``, when given, is handed each
+        decoded chunk of a read of part of a file, when the chunk is the file's own (not a
+        solid block shared with others): the kernel frontend pushes the rest of it into the
+        page cache (:mod:`fanstore.fuse.spill`).
         """
         first, lo, hi, end, base, file_size = self._where(entry, offset, size)
         if hi == lo:
             return b""
-        keep = (keep_whole or offset != 0 or end != file_size or base != 0
+        partial = offset != 0 or end != file_size
+        keep = (keep_whole or partial or base != 0
                 or int(self._raw[first]) != file_size and hi - lo == 1)
         chunks = self.get_chunks(entry, first + lo, first + hi, keep=keep)
+        if spill is not None and partial and base == 0 and (
+                int(self._count[entry]) > 1 or int(self._raw[first]) == file_size):
+            for i, chunk in enumerate(chunks):
+                spill(entry, (lo + i) * self.chunk_size, chunk, offset, end)
         return assemble(chunks, lo, offset, end, self.chunk_size, base)
 
     def read_files(self, entries: list[int]) -> list:

@@ -9,7 +9,8 @@ from typing import Any
 #: Counters that add up across processes (a node with several reader processes sums them).
 SUMMED = ("opens", "reads", "bytes_returned", "local_reads", "local_bytes", "remote_reads",
           "remote_bytes", "remote_failovers", "refetched_from_replica", "decode_seconds",
-          "chunks_decoded", "errors", "cache_hits", "cache_misses", "cache_bytes",
+          "chunks_decoded", "bytes_decoded", "chunks_redecoded", "spill_chunks", "spill_bytes",
+          "spill_dropped", "spill_refused", "errors", "cache_hits", "cache_misses", "cache_bytes",
           "cache_budget", "peers_marked_dead")
 
 
@@ -31,6 +32,14 @@ class ReadStats:
     refetched: int = 0  # local chunks that failed their checksum, read again from a replica
     decode_seconds: float = 0.0
     chunks_decoded: int = 0
+    bytes_decoded: int = 0
+    chunks_redecoded: int = 0  # decoded again by the process that had decoded them before
+    # the kernel frontend's chunk spill (fanstore.fuse.spill): chunks whose other pages went
+    # into the page cache, those bytes, offers dropped (queue full), stores refused
+    spill_chunks: int = 0
+    spill_bytes: int = 0
+    spill_dropped: int = 0
+    spill_refused: int = 0
     errors: int = 0
     remote_latency: deque = field(default_factory=lambda: deque(maxlen=20000))
     extra: dict[str, Any] = field(default_factory=dict)
@@ -62,8 +71,21 @@ class ReadStats:
             "remote_latency_ms_p99": pct(0.99),
             "decode_seconds": round(self.decode_seconds, 6),
             "chunks_decoded": self.chunks_decoded,
+            "bytes_decoded": self.bytes_decoded,
+            "decoded_per_returned": decoded_per_returned(self.bytes_decoded,
+                                                         self.bytes_returned),
+            "chunks_redecoded": self.chunks_redecoded,
+            "spill_chunks": self.spill_chunks,
+            "spill_bytes": self.spill_bytes,
+            "spill_dropped": self.spill_dropped,
+            "spill_refused": self.spill_refused,
             "errors": self.errors,
         }
         for key, value in self.extra.items():
             out[key] = value() if callable(value) else value
         return out
+
+
+def decoded_per_returned(decoded: int, returned: int) -> float | None:
+    """Bytes decoded per byte returned to readers (read amplification of decoding)."""
+    return round(decoded / returned, 3) if returned else None
