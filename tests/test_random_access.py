@@ -166,13 +166,17 @@ def test_a_random_page_pass_decodes_each_chunk_about_once(tree, store, mounted, 
             assert page == data[off:off + PAGE], off
     touched = {off // MiB for offs in offsets for off in offs}
     first = _stats(mnt)
+    print(f"\n{frontend}: {sum(map(len, offsets))} preads, {len(touched)} chunks touched, "
+          f"{first['reads']} READs, {first['chunks_decoded']} decodes, "
+          f"{first.get('shared_hits')} shared hits, {first.get('spill_chunks')} spilled")
     assert first["errors"] == 0
     if frontend != "kernel":
         return  # the pyfuse3 frontend has no spill: correctness only
     assert first["spill_chunks"] >= 1, first
-    # about once per node: a READ that comes before its chunk's spill has landed, on the
-    # other worker, decodes it again; never once per page read
-    assert first["chunks_decoded"] <= len(touched) * 2, (first["chunks_decoded"], len(touched))
+    # once per node: a READ that reaches the other worker before the chunk's spill has
+    # landed copies the chunk from the shared table (read/shared.py), or waits for the
+    # worker decoding it; a decode twice only when both claimed it at the same instant
+    assert first["chunks_decoded"] <= len(touched) * 1.1 + 1, (first, len(touched))
     # and the preads were page-cache hits: far fewer READ requests than preads
     assert first["reads"] < sum(map(len, offsets)) / 10, first
     # the spill threads finish; then every page of every chunk touched is in the page cache

@@ -15,7 +15,7 @@ from fanstore.control import ControlClient, ControlServer, NodeSource
 from fanstore.daemon import placement as pl
 from fanstore.daemon.routing import PeerSource
 from fanstore.daemon.transport import LocalHub, LocalTransport
-from fanstore.errors import CorruptDataError, RemoteError
+from fanstore.errors import CorruptDataError, MountError, RemoteError
 from fanstore.format.index import read_index
 from fanstore.namespace import Namespace
 from fanstore.read import ChunkReader, LocalPartitions, ReadStats, RoutedSource
@@ -361,3 +361,44 @@ def test_probes_stop_at_the_drain_deadline_and_a_cut_ping_is_no_death():
     assert time.monotonic() - t0 < 1.0
     assert asked and all(t <= 0.3 for t in asked)
     assert watch.peers.dead == set()
+
+
+# --------------------------------------------------------------------------- shared chunks
+
+
+def test_shared_chunks_pass_a_decoded_chunk_between_processes():
+    """A chunk one process publishes is read by another (forked, as kernel workers are),
+    whole and checked; a wrong checksum, an unknown chunk or a reused slot give None."""
+    import multiprocessing as mp
+
+    import xxhash
+
+    from fanstore.read.shared import SharedChunks
+
+    shared = SharedChunks.create(workers=2, chunk_size=1 << 16)
+    data = bytes(range(256)) * 256
+    digest = xxhash.xxh3_64_intdigest(data)
+    shared.set_worker(1)
+    shared.put(7, data)
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+
+    def child() -> None:
+        shared.set_worker(2)
+        got = shared.get(7, digest)
+        q.put((got == data, shared.get(7, digest ^ 1), shared.get(8, digest)))
+        shared.put(9, b"from the other worker")
+
+    p = ctx.Process(target=child)
+    p.start()
+    ok, wrong_sum, unknown = q.get(timeout=30)
+    p.join(30)
+    assert ok and wrong_sum is None and unknown is None
+    other = b"from the other worker"
+    assert shared.get(9, xxhash.xxh3_64_intdigest(other)) == other
+    for k in range(shared.per_worker):  # worker 1's slots all reused: chunk 7 is gone
+        shared.put(100 + k, b"x" * 10)
+    assert shared.get(7, digest) is None
+    with pytest.raises(MountError):
+        shared.set_worker(3)
+    shared.close()

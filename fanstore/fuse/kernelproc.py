@@ -49,14 +49,15 @@ from fanstore.fuse.fsops import FsOps
 from fanstore.fuse.kernelfs import KernelHandler
 from fanstore.fuse.kernelspec import FrontendSpec, read_spec
 from fanstore.fuse.kernelstats import RowPublisher
+from fanstore.read.shared import SharedChunks
 
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 
 
-def make_handler_factory(spec: FrontendSpec, index, fs: FsOps, session,
-                         window=None) -> Callable[[kernel.WorkerContext], KernelHandler]:
+def make_handler_factory(spec: FrontendSpec, index, fs: FsOps, session, window=None,
+                         shared=None) -> Callable[[kernel.WorkerContext], KernelHandler]:
     """The per-worker set-up: this node's partitions opened here, other nodes' chunks
     through the daemon's socket, counters in the worker's row; in prefetch mode, the
     worker's prefetch thread (``window``: the shared window, made before the fork)."""
@@ -68,6 +69,9 @@ def make_handler_factory(spec: FrontendSpec, index, fs: FsOps, session,
                                path=spec.socket_path)
         reader = node_reader(index, client, spec.data_dir, spec.local_parts,
                              spec.replicated, spec.cache_bytes)
+        if shared is not None:  # made before the fork: this worker writes its own slots
+            shared.set_worker(wctx.slot)
+            reader.shared = shared
         # (serve() made the counters table before forking this worker)
         row = session.counters.row(wctx.slot)
         publisher = RowPublisher(row, reader.stats, reader.cache)
@@ -116,13 +120,18 @@ def serve_worker(socket_path: str, index, reader, timeout: float = 300.0,
         if served is not None:
             served.on_served = publisher.publish_served
     fs = FsOps(Namespace(index))
+    info = grant.info or {}
+    at = info.get("shared_chunks")
+    if at is not None and len(grant.extra_fds) >= at + 2:
+        reader.shared = SharedChunks(grant.extra_fds[at], grant.extra_fds[at + 1], grant.slot)
     prefetcher = window = None
-    spec = (grant.info or {}).get("prefetch")
-    if spec and len(grant.extra_fds) >= 2 and row is not None:
+    spec = info.get("prefetch")
+    at = (spec or {}).get("fds", 0)
+    if spec and len(grant.extra_fds) >= at + 2 and row is not None:
         from fanstore.fuse.prefetcher import Prefetcher
         from fanstore.read.window import SharedWindow
 
-        window = SharedWindow(grant.extra_fds[0], grant.extra_fds[1])
+        window = SharedWindow(grant.extra_fds[at], grant.extra_fds[at + 1])
         prefetcher = Prefetcher(window, reader, fs.ns, grant.slot, grant.workers, grant.fd,
                                 sock, spec["mountpoint"], row,
                                 publish=publisher.publish if publisher else None)
@@ -225,14 +234,23 @@ def _serve(spec: FrontendSpec, index, fs: FsOps, session, on_ready) -> str:
         orders = socket.socket(fileno=spec.order_fd)
         relay = OrderRelay(session, orders, window, spec.prefetch_bytes)
         watch[orders.fileno()] = relay.on_readable
+    workers = spec.external_workers or spec.workers
+    shared = SharedChunks.create(workers, index.chunk_size) if workers > 1 else None
     if spec.external_workers:
-        # MPI worker ranks serve (noderank.py): they connect and get the connection
-        extra = {} if window is None else {
-            "extra_fds": [window.state_fd, window.arena_fd],
-            "grant_info": {"prefetch": {"mountpoint": spec.mountpoint}}}
+        # MPI worker ranks serve (noderank.py): they connect and get the connection, the
+        # shared chunk table, and prefetch mode's window
+        fds: list[int] = []
+        info: dict[str, Any] = {}
+        if shared is not None:
+            info["shared_chunks"] = len(fds)
+            fds += [shared.table_fd, shared.arena_fd]
+        if window is not None:
+            info["prefetch"] = {"mountpoint": spec.mountpoint, "fds": len(fds)}
+            fds += [window.state_fd, window.arena_fd]
         return session.serve_external(spec.worker_socket, spec.external_workers,
-                                      on_ready=on_ready, watch=watch, **extra)
-    factory = make_handler_factory(spec, index, fs, session, window)
+                                      on_ready=on_ready, watch=watch, extra_fds=fds,
+                                      grant_info=info)
+    factory = make_handler_factory(spec, index, fs, session, window, shared)
     return session.serve(factory, workers=spec.workers, on_ready=on_ready,
                          channels=window is not None, watch=watch,
                          on_worker_start=relay.resend if relay else None)

@@ -35,14 +35,19 @@ PREFETCH_COLUMNS = ("prefetch_files", "prefetch_pushed", "prefetch_bytes_pushed"
                     "prefetch_window_bytes", "prefetch_orders", "prefetch_listings")
 PREFETCH_COL0 = 120
 MAX_COLUMNS = ("prefetch_window_bytes",)
+#: More read-core counters, after the prefetch columns (the read columns are full).
+MORE_COLUMNS = ("shared_hits",)
+MORE_COL0 = 140
 
 #: Every application column of a worker's row, by name.
 COL: dict[str, int] = {
     **{name: APP_COL0 + i for i, name in enumerate(READ_COLUMNS)},
     **{name: PREFETCH_COL0 + i for i, name in enumerate(PREFETCH_COLUMNS)},
+    **{name: MORE_COL0 + i for i, name in enumerate(MORE_COLUMNS)},
 }
 assert APP_COL0 + len(READ_COLUMNS) <= PREFETCH_COL0
-assert PREFETCH_COL0 + len(PREFETCH_COLUMNS) <= COLS
+assert PREFETCH_COL0 + len(PREFETCH_COLUMNS) <= MORE_COL0
+assert MORE_COL0 + len(MORE_COLUMNS) <= COLS
 
 # the columns RowPublisher writes after every request that read data (module constants:
 # one cached global load each, where a dict lookup per column would cost more than the copy)
@@ -58,6 +63,7 @@ _FAILOVERS, _DEAD = COL["remote_failovers"], COL["peers_marked_dead"]
 _BYTES_DECODED, _REDECODED = COL["bytes_decoded"], COL["chunks_redecoded"]
 _SPILL_CHUNKS, _SPILL_BYTES = COL["spill_chunks"], COL["spill_bytes"]
 _SPILL_DROPPED, _SPILL_REFUSED = COL["spill_dropped"], COL["spill_refused"]
+_SHARED_HITS = COL["shared_hits"]
 
 
 class RowPublisher:
@@ -96,6 +102,7 @@ class RowPublisher:
         row[_SPILL_BYTES] = s.spill_bytes
         row[_SPILL_DROPPED] = s.spill_dropped
         row[_SPILL_REFUSED] = s.spill_refused
+        row[_SHARED_HITS] = s.shared_hits
         if self.served is not None:
             self.publish_served()
 
@@ -109,7 +116,7 @@ def summed_stats(counters, prefetch: bool = False) -> dict[str, Any]:
     """What ``fanstore stats`` reports for the kernel frontend, from the shared table
     (with the prefetch counters in prefetch mode)."""
     sums = counters.column_sums()
-    out: dict[str, Any] = {name: sums[COL[name]] for name in READ_COLUMNS}
+    out: dict[str, Any] = {name: sums[COL[name]] for name in READ_COLUMNS + MORE_COLUMNS}
     if prefetch:
         for name in PREFETCH_COLUMNS:
             col = COL[name]

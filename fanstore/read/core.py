@@ -32,6 +32,7 @@ from fanstore.errors import CorruptDataError, FanStoreError
 from fanstore.format.index import Index
 from fanstore.read.cache import ChunkCache
 from fanstore.read.decode import Decoder, assemble, chunk_span
+from fanstore.read.shared import WAIT as SHARED_WAIT
 from fanstore.read.stats import ReadStats
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,9 @@ class ChunkReader:
         self.decoder = decoder or Decoder(index)
         self.cache = ChunkCache(cache_bytes)
         self.stats = stats if stats is not None else ReadStats()
+        #: fanstore.read.shared.SharedChunks: chunks of partial reads, shared with the
+        #: node's other reader processes (the kernel frontend's workers), or None
+        self.shared = None
         self.chunk_size = index.chunk_size
         e = index.e
         self._first = e["first"]
@@ -150,14 +154,29 @@ class ChunkReader:
                 seen[k] = 1
 
     def get_chunks(self, entry: int, a: int, b: int, counted: bool = True,
-                   keep: bool = True) -> list[bytes]:
+                   keep: bool = True, share: bool = False) -> list[bytes]:
         """Decoded chunks a..b-1 of ``entry``: cached ones from the LRU, the missing ones
-        loaded as one run. ``counted``: count cache hits/misses; ``keep``: cache the result."""
+        loaded as one run. ``counted``: count cache hits/misses; ``keep``: cache the result;
+        ``share``: look in, and publish to, the node's shared chunks (:attr:`shared`)."""
         cache = self.cache
         if b - a == 1:  # the common case: one chunk (a small file, or one READ of a big one)
             data = cache.get(a, counted)
             if data is None:
-                data = self.load(entry, a, b)[0]
+                shared = self.shared if share else None
+                if shared is not None:
+                    data = shared.get(a, self.decoder.checksum(a), SHARED_WAIT)
+                    if data is not None:
+                        self.stats.shared_hits += 1
+                if data is None:
+                    row = shared.claim(a) if shared is not None else None
+                    try:
+                        data = self.load(entry, a, b)[0]
+                    except BaseException:
+                        if row is not None:
+                            shared.abandon(row)
+                        raise
+                    if row is not None:
+                        shared.fill(row, data)
                 if keep:
                     cache.put(a, data)
             return [data]
@@ -224,9 +243,10 @@ class ChunkReader:
         partial = offset != 0 or end != file_size
         keep = (keep_whole or partial or base != 0
                 or int(self._raw[first]) != file_size and hi - lo == 1)
-        chunks = self.get_chunks(entry, first + lo, first + hi, keep=keep)
-        if spill is not None and partial and base == 0 and (
-                int(self._count[entry]) > 1 or int(self._raw[first]) == file_size):
+        own = partial and base == 0 and (int(self._count[entry]) > 1
+                                         or int(self._raw[first]) == file_size)
+        chunks = self.get_chunks(entry, first + lo, first + hi, keep=keep, share=own)
+        if spill is not None and own:
             for i, chunk in enumerate(chunks):
                 spill(entry, (lo + i) * self.chunk_size, chunk, offset, end)
         return assemble(chunks, lo, offset, end, self.chunk_size, base)

@@ -32,6 +32,10 @@ class Decoder:
         except CodecError as exc:
             raise FormatError(f"the store needs a codec this installation lacks: {exc}") from exc
 
+    def checksum(self, chunk: int) -> int:
+        """The XXH3-64 of ``chunk``'s decoded bytes (from the index)."""
+        return int(self._sum[chunk])
+
     def run_extent(self, first: int, count: int) -> tuple[int, int, int]:
         """(partition, offset, length) of the stored bytes of chunks [first, first+count)."""
         if count == 1:

@@ -10,7 +10,7 @@ from typing import Any
 SUMMED = ("opens", "reads", "bytes_returned", "local_reads", "local_bytes", "remote_reads",
           "remote_bytes", "remote_failovers", "refetched_from_replica", "decode_seconds",
           "chunks_decoded", "bytes_decoded", "chunks_redecoded", "spill_chunks", "spill_bytes",
-          "spill_dropped", "spill_refused", "errors", "cache_hits", "cache_misses", "cache_bytes",
+          "spill_dropped", "spill_refused", "shared_hits", "errors", "cache_hits", "cache_misses", "cache_bytes",
           "cache_budget", "peers_marked_dead")
 
 
@@ -40,6 +40,7 @@ class ReadStats:
     spill_bytes: int = 0
     spill_dropped: int = 0
     spill_refused: int = 0
+    shared_hits: int = 0  # chunks copied from another process's decode (read/shared.py)
     errors: int = 0
     remote_latency: deque = field(default_factory=lambda: deque(maxlen=20000))
     extra: dict[str, Any] = field(default_factory=dict)
@@ -79,6 +80,7 @@ class ReadStats:
             "spill_bytes": self.spill_bytes,
             "spill_dropped": self.spill_dropped,
             "spill_refused": self.spill_refused,
+            "shared_hits": self.shared_hits,
             "errors": self.errors,
         }
         for key, value in self.extra.items():
