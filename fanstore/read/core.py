@@ -245,6 +245,8 @@ class ChunkReader:
                 or int(self._raw[first]) != file_size and hi - lo == 1)
         own = partial and base == 0 and (int(self._count[entry]) > 1
                                          or int(self._raw[first]) == file_size)
+        if own and spill is not None and self.shared is not None:
+            keep = False  # the page cache gets it (spill), the node's workers the table
         chunks = self.get_chunks(entry, first + lo, first + hi, keep=keep, share=own)
         if spill is not None and own:
             for i, chunk in enumerate(chunks):
