@@ -205,3 +205,35 @@ def test_spill_can_be_turned_off_for_comparisons(tree, store, mounted, frontend,
     st = _stats(mnt)
     assert st["spill_chunks"] == 0
     assert st["chunks_decoded"] >= st["requests_by_op"]["read"] - 2, st
+
+
+@pytest.mark.mpi
+def test_worker_ranks_share_and_spill_chunks(tree, store, tmp_path, frontend):
+    """Two nodes of three MPI ranks (``--ranks-per-node 3``: on the kernel frontend two
+    worker ranks serve a node's mount; they receive the shared chunk table with their
+    /dev/fuse descriptor): random pages of the 12 MiB file from two processes on node 0,
+    right, some of its chunks remote; each chunk touched decoded about once on the node."""
+    from mpi_helpers import MpiJob, mpi_available
+
+    ok, why = mpi_available()
+    if not ok:
+        pytest.skip(why)
+    data = (tree["root"] / "pages.bin").read_bytes()
+    rng = random.Random(6)
+    offsets = [[rng.randrange(len(data) // PAGE) * PAGE for _ in range(400)] for _ in range(2)]
+    touched = {off // MiB for offs in offsets for off in offs}
+    with MpiJob(store, tmp_path, ranks=2, ranks_per_node=3, extra=["--cache-mb", "1"]) as job:
+        path = os.path.join(job.mnt(0), "pages.bin")
+        with mp.get_context("fork").Pool(2) as pool:
+            got = pool.starmap(_page_pass, [(path, o) for o in offsets])
+        for offs, pages in zip(offsets, got):
+            assert all(p == data[o:o + PAGE] for o, p in zip(offs, pages))
+        st = job.stats(0)
+        assert st["errors"] == 0
+        if frontend == "kernel":
+            assert st["workers"] == 2 and st["spill_chunks"] >= 1, st
+            assert st["chunks_decoded"] <= len(touched) * 1.1 + 1, (st, len(touched))
+            assert st["reads"] < sum(map(len, offsets)) / 10, st
+        for node in range(2):
+            assert run_cli("umount", job.mnt(node), timeout=60).returncode == 0
+        assert job.wait_exit(60) == 0, job.output()[-3000:]
