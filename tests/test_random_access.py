@@ -237,3 +237,37 @@ def test_worker_ranks_share_and_spill_chunks(tree, store, tmp_path, frontend):
         for node in range(2):
             assert run_cli("umount", job.mnt(node), timeout=60).returncode == 0
         assert job.wait_exit(60) == 0, job.output()[-3000:]
+
+
+def test_a_damaged_chunk_is_eio_for_its_pages_alone(store, tree, tmp_path, mounted, frontend):
+    """One chunk of the 12 MiB file damaged: a random page pass gets EIO for that chunk's
+    pages and right bytes everywhere else (nothing damaged is spilled or shared), and the
+    mount keeps serving."""
+    import errno
+
+    from helpers import copy_store, damage_file
+
+    bad = copy_store(store, tmp_path / "bad")
+    damage_file(bad, "pages.bin", chunk=5)
+    mnt = mounted(bad, "--cache-mb", "1")
+    data = (tree["root"] / "pages.bin").read_bytes()
+    path = os.path.join(mnt, "pages.bin")
+    rng = random.Random(8)
+    offsets = sorted({rng.randrange(len(data) // PAGE) * PAGE for _ in range(600)})
+    fd = os.open(path, os.O_RDONLY)
+    eio = 0
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        for off in offsets:
+            try:
+                page = os.pread(fd, PAGE, off)
+            except OSError as exc:
+                assert exc.errno == errno.EIO and off // MiB == 5, (off, exc)
+                eio += 1
+                continue
+            assert off // MiB != 5 and page == data[off:off + PAGE], off
+    finally:
+        os.close(fd)
+    assert eio == sum(1 for off in offsets if off // MiB == 5) > 0
+    with open(os.path.join(mnt, "array.npy"), "rb") as f:  # another file: still served
+        assert f.read(6) == b"\x93NUMPY"
