@@ -41,3 +41,19 @@ def extension(relpath: str) -> str:
 def file_kind(relpath: str, size: int) -> str:
     """Kind of a file: ``"npy/medium"``, ``"jpg/small"``, ``"noext/tiny"``."""
     return f"{extension(relpath)}/{size_band(size)}"
+
+
+#: Extensions of formats read at random offsets (memory-mapped or paged): LMDB, HDF5 and
+#: netCDF-4, numpy arrays, SQLite.
+RANDOM_ACCESS_EXTENSIONS = frozenset({"mdb", "lmdb", "h5", "hdf5", "he5", "nc", "nc4", "npy",
+                                      "sqlite", "sqlite3", "db"})
+
+
+def access_pattern(kind: str) -> str:
+    """How a kind's files are read, as the selector assumes: ``"whole"`` (a file within
+    one chunk, read at once), ``"random"`` (a large file of a random-access format: pages
+    read at random offsets), ``"sequential"`` (any other large file)."""
+    ext, _, band = kind.partition("/")
+    if band not in ("large", LAST_BAND):
+        return "whole"
+    return "random" if ext in RANDOM_ACCESS_EXTENSIONS else "sequential"

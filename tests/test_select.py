@@ -775,3 +775,31 @@ def test_solid_suffix_is_solid_kb(tmp_path):
                        index.meta["counts"]))
     assert stores[0] == stores[1] == stores[2]
     assert read_index(str(tmp_path / "s0")).version == 2
+
+
+def test_access_pattern_by_kind():
+    from fanstore.kinds import access_pattern
+
+    assert access_pattern(file_kind("db/data.mdb", 1 << 30)) == "random"
+    assert access_pattern(file_kind("rows.h5", 5 << 20)) == "random"
+    assert access_pattern(file_kind("a.npy", 100 << 10)) == "whole"  # within one chunk
+    assert access_pattern(file_kind("shard-0001.tar", 1 << 30)) == "sequential"
+
+
+def test_the_report_says_which_kinds_it_reads_at_random_offsets(tmp_path):
+    """A large HDF5 file beside small text files: the JSON gives each kind's access
+    pattern, and the text report says what it assumed for the one read at random offsets."""
+    src = tmp_path / "src"
+    (src / "t").mkdir(parents=True)
+    rng = np.random.default_rng(4)
+    (src / "rows.h5").write_bytes(smooth_floats(rng, 600_000).tobytes())
+    for i in range(40):
+        (src / "t" / f"{i}.txt").write_bytes(b"some words again " * (50 + i))
+    args = ["--sample-mb", "2", "--reader", "api", *LOOSE_ARGS]
+    doc = json.loads(run_cli("select", src, "--json", *args, timeout=300).stdout)
+    assert doc["kinds"]["h5/large"]["access"] == "random"
+    assert doc["kinds"]["txt/tiny"]["access"] == "whole"
+    text = run_cli("select", src, *args, timeout=300)
+    assert text.returncode == 0, text.stderr
+    line = next(x for x in text.stdout.splitlines() if x.startswith("access"))
+    assert "h5/large: read at random offsets" in line and "once per node" in line

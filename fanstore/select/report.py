@@ -12,6 +12,7 @@ import shlex
 from typing import Any
 
 from fanstore.errors import BudgetNotMetError, FanStoreError
+from fanstore.kinds import access_pattern
 from fanstore.select.result import CandidateResult, SelectionResult
 
 MB = 1e6
@@ -118,6 +119,7 @@ def to_json(res: SelectionResult, capacity: int | None = None) -> dict[str, Any]
             k: {"files": kr.files, "mb": _num(kr.raw_bytes / MB, 3),
                 "sample_mb": _num(kr.sample_bytes / MB, 3), "typesize": kr.typesize,
                 "typesize_from": kr.typesize_from, "chosen": kr.chosen,
+                "access": access_pattern(k),
                 "ratio": _num(kr.costs[kr.chosen].ratio, 4) if kr.chosen else None,
                 "decode_mb_per_s": _num(1 / kr.decode_s[kr.chosen] / MB)
                 if kr.chosen and kr.decode_s[kr.chosen] > 0 else None}
@@ -206,6 +208,13 @@ def pack_lines(res: SelectionResult) -> list[str]:
     return [note, f"          {command}"]
 
 
+#: What the model charges for a kind read at random offsets (docs/selection.md).
+RANDOM_ACCESS_NOTE = ("a page read decodes the chunk around it once per node (the kernel "
+                      "frontend spills decoded chunks into the page cache and shares them "
+                      "between its workers), so an epoch over these files costs what a "
+                      "sequential read of them costs")
+
+
 def assumptions(res: SelectionResult) -> str:
     """What the chosen mode's model takes for granted, in one sentence (printed with every
     report: a prediction is only as good as these)."""
@@ -276,6 +285,10 @@ def table(res: SelectionResult, capacity: int | None = None) -> str:
     lines.append(f"budget    {res.mode}: {_rate(b.required)} = "
                  f"{_files(res.files_rate(b.required))} per node on {b.cores} cores ({how})")
     lines.append(f"assumes   {assumptions(res)}")
+    random_kinds = sorted(k for k in res.kinds if access_pattern(k) == "random")
+    if random_kinds:
+        lines.append(f"access    {', '.join(random_kinds)}: read at random offsets; "
+                     f"{RANDOM_ACCESS_NOTE}")
     lines.append(f"storage   {_rate(b.storage)}, {b.latency * 1e6:,.0f} us per random read "
                  f"per reader ({res.storage_from})")
     if res.reader is not None:
