@@ -115,6 +115,10 @@ class _Reader:
             self.reader.after_fork()
             self._pid = os.getpid()
 
+    def _check_access(self, entry: int) -> None:
+        """What a mount would refuse this process (a store read directly: nothing beyond
+        its partitions' own modes)."""
+
     # ------------------------------------------------------------------ namespace
     def _file(self, path: str | bytes) -> int:
         return self.ns.file_entry(path)
@@ -171,10 +175,19 @@ class _Reader:
         return bytes(self.reader.serve(self._file(path), offset, size))
 
     def open(self, path: str | bytes, mode: str = "rb") -> io.BufferedReader:
-        """A read-only binary file object (the whole file is read and checked on open)."""
+        """A read-only binary file object. A file of one chunk is read and checked on open;
+        a larger one is read lazily: a ``seek`` and a ``read`` decode only the chunks they
+        touch (kept in this process's chunk cache, ``cache_mb``: an LMDB, HDF5 or .npy file
+        read at random offsets decodes each chunk once per process while it fits)."""
         if mode not in ("r", "rb"):
             raise UsageError(f"FanStore files are read-only (mode {mode!r})")
-        return io.BufferedReader(_BytesRaw(self.read(path), _show(path)))
+        entry = self._file(path)
+        size = self.stat(path).st_size
+        if size <= self.reader.chunk_size:
+            return io.BufferedReader(_BytesRaw(bytes(self.read_entry(entry)), _show(path)))
+        self._check_access(entry)
+        return io.BufferedReader(_RangeRaw(self, entry, size, _show(path)),
+                                 buffer_size=64 << 10)
 
     def close(self) -> None:
         pass
@@ -207,6 +220,43 @@ class _BytesRaw(io.RawIOBase):
 
     def tell(self) -> int:
         return self._buf.tell()
+
+
+class _RangeRaw(io.RawIOBase):
+    """A read-only raw stream over a large file of a store, read range by range."""
+
+    def __init__(self, store: _Reader, entry: int, size: int, name: str) -> None:
+        self._store = store
+        self._entry = entry
+        self._size = size
+        self._pos = 0
+        self.name = name
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        n = min(len(b), max(0, self._size - self._pos))
+        if n == 0:
+            return 0
+        self._store._after_fork()
+        data = self._store.reader.serve(self._entry, self._pos, n)
+        b[:len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        if base + offset < 0:
+            raise ValueError("negative seek position")
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
 
 
 def _node_index(path: str | None, owner: int):

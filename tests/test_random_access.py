@@ -271,3 +271,31 @@ def test_a_damaged_chunk_is_eio_for_its_pages_alone(store, tree, tmp_path, mount
     assert eio == sum(1 for off in offsets if off // MiB == 5) > 0
     with open(os.path.join(mnt, "array.npy"), "rb") as f:  # another file: still served
         assert f.read(6) == b"\x93NUMPY"
+
+
+def test_the_api_reads_a_large_file_lazily(tree, store):
+    """``open_store(STORE).open`` of a 12 MiB file: random seeks and reads decode only the
+    chunks they touch, each once while the cache holds it; with a 1 MiB cache (smaller than
+    the file) memory stays within it and every byte is still right. numpy reads a .npy
+    through the same file object."""
+    import fanstore
+
+    data = (tree["root"] / "pages.bin").read_bytes()
+    rng = random.Random(9)
+    offsets = [rng.randrange(len(data) - PAGE) for _ in range(400)]
+    for cache_mb in (64, 1):
+        with fanstore.open_store(str(store), cache_mb=cache_mb) as s, s.open("pages.bin") as f:
+            for off in offsets:
+                f.seek(off)
+                assert f.read(PAGE) == data[off:off + PAGE], off
+            f.seek(-5, os.SEEK_END)
+            assert f.read() == data[-5:] and f.read() == b""
+            st = s.stats()
+            span = 64 << 10  # the file object's buffer: what one read asks of the store
+            touched = {c for off in offsets
+                       for c in range(off // MiB, min(len(data), off + span) // MiB + 1)}
+            if cache_mb == 64:
+                assert st["chunks_decoded"] <= len(touched), st
+            assert st["cache_bytes"] <= cache_mb << 20, st
+        with fanstore.open_store(str(store), cache_mb=cache_mb) as s, s.open("array.npy") as f:
+            assert np.array_equal(np.load(f), tree["array"])
