@@ -46,7 +46,8 @@ test: setup
 ## kernel handler without a kernel, pack, select, CLI)
 test-quick: setup
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist load \
-	    -m "not fuse and not mpi and not slurm and not s3 and not slow and not serial" $(PYTEST_ARGS)
+	    -m "not fuse and not mpi and not slurm and not s3 and not long and not slow and not serial" \
+	    $(PYTEST_ARGS)
 
 ## test-slow: the long stress and fuzz tests as well
 test-slow: setup

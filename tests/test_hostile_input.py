@@ -264,6 +264,7 @@ def test_pax_header_of_a_gigabyte_is_refused_unread(tmp_path):
     assert str(archive) in line
 
 
+@pytest.mark.long
 def test_a_run_of_pax_headers_is_bounded(tmp_path):
     """70 pax headers of just under 1 MiB each before one member: their records piled up
     in one dict (5 million entries); now only the keys the packer uses are kept, and more

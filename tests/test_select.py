@@ -690,6 +690,7 @@ def _pack_and_check(src: str, dest, files: dict[str, bytes], *args: str) -> dict
     return info
 
 
+@pytest.mark.long
 def test_every_name_select_prints_is_a_codec_pack_takes(tmp_path):
     """The names of a real selection (one codec, per kind, the extras per kind) go to
     `pack --codec` as they are, and pack applies what they say."""
@@ -710,6 +711,7 @@ def test_every_name_select_prints_is_a_codec_pack_takes(tmp_path):
         assert any("dict" in cfg for cfg in info["codecs"]) == ("+dict" in name), name
 
 
+@pytest.mark.long
 def test_the_report_ends_with_the_pack_command(tmp_path):
     """Text and JSON reports end with a `fanstore pack` command that packs as chosen; with
     --per-kind it is `--codec auto --per-kind` with the selection's options."""
@@ -792,10 +794,10 @@ def test_the_report_says_which_kinds_it_reads_at_random_offsets(tmp_path):
     src = tmp_path / "src"
     (src / "t").mkdir(parents=True)
     rng = np.random.default_rng(4)
-    (src / "rows.h5").write_bytes(smooth_floats(rng, 600_000).tobytes())
+    (src / "rows.h5").write_bytes(smooth_floats(rng, 300_000).tobytes()[:(1 << 20) + 4096])
     for i in range(40):
         (src / "t" / f"{i}.txt").write_bytes(b"some words again " * (50 + i))
-    args = ["--sample-mb", "2", "--reader", "api", *LOOSE_ARGS]
+    args = ["--sample-mb", "1", "--reader", "api", *LOOSE_ARGS]
     doc = json.loads(run_cli("select", src, "--json", *args, timeout=300).stdout)
     assert doc["kinds"]["h5/large"]["access"] == "random"
     assert doc["kinds"]["txt/tiny"]["access"] == "whole"

@@ -551,6 +551,7 @@ def test_the_store_does_not_depend_on_the_number_of_workers(tmp_path):
     assert run_cli("verify", stores[0], "--no-progress").returncode == 0
 
 
+@pytest.mark.long
 def test_a_compression_worker_that_dies_fails_the_pack(tmp_path):
     """A worker process killed mid-pack (as the OOM killer would): one line naming it, a
     non-zero exit, nothing left behind, no process left running."""
