@@ -103,7 +103,8 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
             stored = m.stored_bytes / m.raw_bytes
             results[k].costs[cand.label] = Cost(
                 stored + extra, decode + base[k].checksum * amp,
-                stored * amp if cand.solid else None, path.get(k, 0.0), seeks.get(k, 0.0))
+                stored * amp if cand.solid else None, path.get(k, 0.0),
+                _solid_seeks(seeks.get(k, 0.0), m, amp) if cand.solid else seeks.get(k, 0.0))
             results[k].decode_s[cand.label] = decode
     weights = {k: float(sample.kinds[k].raw_bytes) for k in kinds}
     wsum = sum(weights.values())
@@ -186,6 +187,18 @@ def _per_file_costs(files, sample: Sample, kinds: list[str], reader: ReaderCost 
     raw = {k: sample.kinds[k].raw_bytes for k in kinds if sample.kinds[k].raw_bytes}
     path = {k: seconds.get(k, 0.0) / n for k, n in raw.items()} if reader is not None else {}
     return path, {k: count.get(k, 0) / n for k, n in raw.items()}
+
+
+def _solid_seeks(per_file: float, m: bench.KindMeasure, amp: float) -> float:
+    """Random storage reads per raw byte of a kind packed in solid blocks: one per decode of
+    a block (its stored bytes are one extent; the files read from a block a cache still
+    holds need no read at all), ``amp`` / the mean block's raw size; never more than one per
+    file (``per_file``). On 60,000 small files in 64 KiB blocks that is 0.17 reads per file
+    where one per file had predicted half the measured rate."""
+    total = sum(raw for raw, _ in m.blocks)
+    if not total:
+        return per_file
+    return min(per_file, amp * len(m.blocks) / total)
 
 
 def _solid_amplification(sample: Sample, measures: dict[str, bench.KindMeasure],
