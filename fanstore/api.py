@@ -182,7 +182,7 @@ class _Reader:
         if mode not in ("r", "rb"):
             raise UsageError(f"FanStore files are read-only (mode {mode!r})")
         entry = self._file(path)
-        size = self.stat(path).st_size
+        size = self.reader.span(entry)[3]
         if size <= self.reader.chunk_size:
             return io.BufferedReader(_BytesRaw(bytes(self.read_entry(entry)), _show(path)))
         self._check_access(entry)

@@ -70,11 +70,16 @@ class SharedChunks:
         slots = per_worker * workers
         table_fd = os.memfd_create("fanstore-chunks", os.MFD_CLOEXEC)
         arena_fd = os.memfd_create("fanstore-chunk-arena", os.MFD_CLOEXEC)
-        os.ftruncate(table_fd, 24 + slots * 24)
-        os.ftruncate(arena_fd, slots * chunk_size)
-        with mmap.mmap(table_fd, 24) as m:
-            m[:24] = np.array([slots, per_worker, chunk_size], dtype=np.uint64).tobytes()
-        return cls(table_fd, arena_fd)
+        try:
+            os.ftruncate(table_fd, 24 + slots * 24)
+            os.ftruncate(arena_fd, slots * chunk_size)
+            os.pwrite(table_fd, np.array([slots, per_worker, chunk_size],
+                                         dtype=np.uint64).tobytes(), 0)
+            return cls(table_fd, arena_fd)
+        except (OSError, MountError):  # as SharedWindow.create: no descriptor left open
+            os.close(table_fd)
+            os.close(arena_fd)
+            raise
 
     def set_worker(self, slot: int) -> None:
         """This process writes the slots of worker ``slot`` (1..K)."""
