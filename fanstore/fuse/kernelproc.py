@@ -163,6 +163,7 @@ def frontend_main(spec_fd: int) -> int:
     from fanstore.fuse.kernel.handshake import parse_flags
     from fanstore.namespace import Namespace
     from fanstore.process import setup_logging
+    from fanstore.read.decode import Decoder
 
     try:
         spec = read_spec(spec_fd)
@@ -187,6 +188,10 @@ def frontend_main(spec_fd: int) -> int:
     try:
         index = map_index_body(spec.index_path, owner=os.geteuid())
         fs = FsOps(Namespace(index))
+        # Import the store's codec libraries here, before the workers fork (a missing one
+        # fails the mount, not every read): each worker's first request paid the import,
+        # ~100 ms of blosc2's, which a measured epoch of a few thousand files could not hide
+        Decoder(index)
         mopts = kernel.MountOptions(fsname=spec.fsname, subtype="fanstore", read_only=True,
                                     allow_other=spec.allow_other)
         # The engine's defaults, READDIRPLUS included: listing then reading 300,000 files (a
