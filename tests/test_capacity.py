@@ -13,6 +13,8 @@ import json
 import os
 import random
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -417,3 +419,40 @@ def test_select_on_one_10_gb_file(tmp_path):
                    "--reader", "api")
     assert proc.returncode == 0 and "chosen:" in proc.stdout
     assert_no_traceback(proc)
+
+
+_BURN = "import time\nt = time.time() + 120\nwhile time.time() < t:\n    pass\n"
+
+
+def test_the_default_pack_is_a_function_of_the_data(tmp_path):
+    """Two default packs of one tree, the second beside a busy loop on every core: the
+    same codecs and the same bytes, file for file (the index records no time)."""
+    src = tmp_path / "src"
+    rng = np.random.default_rng(8)
+    words = [bytes(rng.choice(list(b"abcdefghij klmnop"), 6)) for _ in range(300)]
+    for i in range(600):
+        d = src / f"c{i % 12}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{i}.txt").write_bytes(b" ".join(words[j] for j in rng.integers(0, 300, 400)))
+    for i in range(6):
+        arr = np.cumsum(rng.standard_normal(100_000).astype(np.float32))
+        np.save(src / f"a{i}.npy", arr.astype(np.float32))
+    run_cli("pack", src, tmp_path / "quiet", "--no-progress", check=True, timeout=300)
+    burners = [subprocess.Popen([sys.executable, "-c", _BURN])
+               for _ in range(len(os.sched_getaffinity(0)))]
+    try:
+        run_cli("pack", src, tmp_path / "busy", "--no-progress", check=True, timeout=300)
+    finally:
+        for p in burners:
+            p.kill()
+            p.wait()
+    names = sorted(os.listdir(tmp_path / "quiet"))
+    assert names == sorted(os.listdir(tmp_path / "busy"))
+    for name in names:
+        assert (tmp_path / "quiet" / name).read_bytes() == \
+            (tmp_path / "busy" / name).read_bytes(), name
+    info = json.loads(run_cli("info", tmp_path / "quiet", "--json").stdout)
+    sel = info["selection"]
+    assert sel["quick"] is True and "seconds" not in sel
+    assert any("+dict" in lb for lb in sel["per_kind"].values())  # the text files
+    assert any(":shuffle:4" in lb for lb in sel["per_kind"].values())  # the arrays

@@ -1,59 +1,63 @@
-"""The default of ``fanstore pack``: a quick, bounded codec choice per file kind.
+"""The default of ``fanstore pack``: a codec per file kind, a function of the data alone.
 
 ``fanstore pack SRC DEST`` without ``--codec`` runs this instead of the full selector: a
 small seeded sample (:data:`SAMPLE_MB`, stratified by kind as :mod:`.sample` draws it), a
-short list of candidates per kind, a few seconds in all (:data:`TIME_LIMIT` bounds it:
-kinds not measured by then keep ``zstd:3``). The rule, from the capacity study
-(``tools/bench/capacity_study.py``, docs/selection.md "The default of pack"):
+short list of candidates per kind, each encoding the kind's whole sample. The rule, from
+the capacity study (``tools/bench/capacity_study.py``, docs/selection.md "The default of
+pack"):
 
-    per kind, the best ratio among the candidates whose read cost (decode + checksum CPU
-    per byte, measured here) is at most :data:`READ_COST_LIMIT` times that of ``zstd:3``,
-    the previous default; ratios within 1% are a tie, won by the cheaper read.
+    per kind, the best ratio among the candidates (the dictionary charged to its kind);
+    ratios within 1% are a tie, won by the candidate earlier in :data:`READ_COST_ORDER`
+    (the cheaper read).
 
-So the default never makes a kind notably slower to read than ``zstd:3`` did, and takes
-every byte of capacity that comes at that price: per-kind trained zstd dictionaries for
-kinds of many small files (which *decode faster* than plain zstd on small files and store
-them 1.3-1.4x smaller), ``zstd:9`` where it is as fast to read, byte-shuffled blosc2 for
-numeric arrays, ``none`` for incompressible data. Levels above 9 are left out: on small
-files ``zstd:19`` encodes at about 3 MB/s per core, which would make packing 10x slower;
-``--codec auto`` weighs them (and solid blocks) with the full selector.
+Nothing here is timed: the sample, the dictionaries (zstd's trainer is deterministic), the
+encoders and the rule are functions of the data and of this FanStore version, so the same
+source packs to the same codecs, and the same bytes, on a quiet machine or a busy one. The
+read cost enters as a fixed order, not as a measurement: on the four data sets of the study
+every candidate here read at 0.03-1.15x the CPU of ``zstd:3`` on the kinds where it had the
+best ratio (docs/selection.md §9 has the table), so no kind is notably slower to read than
+with ``zstd:3``, the previous default. Per-kind trained zstd dictionaries on kinds of many
+small files (which decode faster than plain zstd there and store them 1.3-1.4x smaller),
+``zstd:9`` where it buys ratio, byte-shuffled blosc2 on numeric arrays, ``none`` on
+incompressible data. Levels above 9 are left out: on small files ``zstd:19`` encodes at
+about 3 MB/s per core, which would make packing 10x slower; ``--codec auto`` weighs them
+(and solid blocks) with the full selector.
 
 A dictionary is charged to the stored bytes of its kind (it lives in the store's codec
 table), and trained on files of the kind that are not in the measured sample when the
-source has enough of them (:func:`.sample.draw_sample`).
+source has enough of them (:func:`.sample.draw_sample`). At most :data:`MAX_KINDS` kinds
+are chosen for (the largest by bytes); the others keep ``zstd:3``.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from compressors import Codec, CodecError, ZstdCodec, parse_spec
-from fanstore.errors import FanStoreError
-from fanstore.select import bench
 from fanstore.select.candidates import train_kind_dictionary
 from fanstore.select.sample import SourceFile, draw_sample
 
 log = logging.getLogger(__name__)
 
 MB = 1e6
-#: Sample size and dictionary training data (bytes), encode CPU per candidate over the
-#: whole sample (seconds), and the wall-clock bound of the whole choice (seconds).
+#: Sample size and dictionary training data (bytes).
 SAMPLE_MB = 8
 TRAIN_BYTES = 2 << 20
-ENCODE_SECONDS = 0.3
-TIME_LIMIT = 20.0
-#: A candidate may cost at most this many times the read CPU of zstd:3 on the same kind.
-READ_COST_LIMIT = 1.25
+#: Kinds chosen for, the largest by bytes (ties by name); the others keep FALLBACK.
+MAX_KINDS = 64
 RATIO_TIE = 0.01
-REFERENCE = "zstd:3"
 FALLBACK = "zstd:3"
 _BASE = ("none", "lz4", "zstd:3", "zstd:9")
 _DICT_LEVELS = (3, 9)
 _BLOSC = ("blosc2:zstd:5:shuffle:{t}", "blosc2:lz4:5:shuffle:{t}")
+#: Ties go to the earlier: the order of read CPU per byte found by the capacity study
+#: (none a copy; lz4 and blosc2 lz4 a fraction of zstd; a dictionary decodes small files
+#: faster than plain zstd; level 9 no faster than level 3).
+READ_COST_ORDER = ("none", "blosc2:lz4:5:shuffle", "lz4", "blosc2:zstd:5:shuffle",
+                   "zstd:3+dict", "zstd:3", "zstd:9+dict", "zstd:9")
 
 
 @dataclass
@@ -64,8 +68,7 @@ class KindChoice:
     label: str
     codec: Codec
     ratio: float  # on the sample, dictionary charged
-    cpu: float  # read CPU seconds per raw byte (decode + checksum), one core
-    measured: dict[str, tuple[float, float]] = field(default_factory=dict)  # label: (ratio, cpu)
+    measured: dict[str, float] = field(default_factory=dict)  # label: ratio
 
 
 @dataclass
@@ -77,7 +80,7 @@ class QuickSelection:
     raw_bytes: int
     sample_bytes: int
     seconds: float
-    timed_out: bool = False
+    left_out: int = 0  # kinds beyond MAX_KINDS (FALLBACK)
 
     @property
     def ratio(self) -> float:
@@ -87,7 +90,7 @@ class QuickSelection:
         return raw / stored if stored > 0 else 1.0
 
     def codecs(self) -> dict[str, Codec]:
-        """Each kind's codec (kinds not measured: :data:`FALLBACK`)."""
+        """Each kind's codec (kinds not chosen for: :data:`FALLBACK`)."""
         return {k: c.codec for k, c in self.choices.items()}
 
     def line(self) -> str:
@@ -97,34 +100,33 @@ class QuickSelection:
             share[c.label] = share.get(c.label, 0) + c.raw_bytes
         total = max(1, sum(share.values()))
         parts = ", ".join(f"{label} {n / total:.0%}" for label, n in
-                          sorted(share.items(), key=lambda kv: -kv[1]))
-        cut = "; time limit reached, the rest zstd:3" if self.timed_out else ""
+                          sorted(share.items(), key=lambda kv: (-kv[1], kv[0])))
+        cut = (f"; {self.left_out} more kinds {FALLBACK}" if self.left_out else "")
         return (f"codec: quick selection on a {self.sample_bytes / MB:,.1f} MB sample in "
                 f"{self.seconds:.1f} s: {parts} of the bytes{cut}; predicted ratio "
                 f"{self.ratio:.2f}x (--codec SPEC pins one, --codec auto runs the full "
                 f"selector)")
 
     def to_json(self) -> dict[str, Any]:
+        """The record the index keeps: no time or speed in it, so that the same source
+        packs to the same index bytes."""
         return {
-            "version": 1,
+            "version": 2,
             "quick": True,
             "chosen": "per kind (quick)",
             "mode": "quick",
-            "rule": f"per kind, best ratio with read CPU <= {READ_COST_LIMIT} x {REFERENCE}'s",
+            "rule": "per kind, the best ratio; ties within 1% to the cheaper read",
             "per_kind": {k: c.label for k, c in sorted(self.choices.items())},
             "predicted": {"ratio": round(self.ratio, 4)},
             "kinds": {k: {"files": c.files, "mb": round(c.raw_bytes / MB, 3),
-                          "ratio": round(c.ratio, 4),
-                          "read_mb_per_s": round(1 / c.cpu / MB, 1) if c.cpu > 0 else None}
+                          "ratio": round(c.ratio, 4)}
                       for k, c in sorted(self.choices.items())},
             "sample_mb": round(self.sample_bytes / MB, 3),
-            "seconds": round(self.seconds, 2),
         }
 
 
 def quick_select(files: list[SourceFile], chunk_size: int = 1 << 20, seed: int = 0,
-                 root: str = "", sample_mb: float = SAMPLE_MB,
-                 time_limit: float = TIME_LIMIT) -> QuickSelection:
+                 root: str = "", sample_mb: float = SAMPLE_MB) -> QuickSelection:
     """Choose a codec per kind of ``files`` (see the module docstring)."""
     t0 = time.monotonic()
     if not any(f.size for f in files):  # nothing to compress: the default codec, no sample
@@ -132,26 +134,16 @@ def quick_select(files: list[SourceFile], chunk_size: int = 1 << 20, seed: int =
     sample = draw_sample(files, int(sample_mb * MB), chunk_size, seed, root=root,
                          progress=False, train_bytes=TRAIN_BYTES)
     choices: dict[str, KindChoice] = {}
-    timed_out = False
     fallback = parse_spec(FALLBACK)
-    kinds = sorted(sample.kinds.values(), key=lambda ks: -ks.raw_bytes)  # biggest first
-    budget = ENCODE_SECONDS / max(1, sample.sample_bytes)
-    for ks in kinds:
-        if not ks.units:  # only empty files: nothing to store
+    kinds = sorted(sample.kinds.values(), key=lambda ks: (-ks.raw_bytes, ks.kind))
+    for n, ks in enumerate(kinds):
+        if not ks.units or n >= MAX_KINDS:  # nothing to store, or beyond the bound
             choices[ks.kind] = KindChoice(ks.kind, ks.files, ks.raw_bytes, FALLBACK,
-                                          fallback, 1.0, 0.0)
+                                          fallback, 1.0)
             continue
-        if time.monotonic() - t0 > time_limit:
-            timed_out = True
-            choices[ks.kind] = KindChoice(ks.kind, ks.files, ks.raw_bytes, FALLBACK,
-                                          fallback, math.nan, math.nan)
-            continue
-        choices[ks.kind] = _choose_kind(ks, budget * ks.sample_bytes)
-    for c in choices.values():  # a kind cut by the time limit: ratio unknown, assume 1
-        if not c.ratio == c.ratio:
-            c.ratio = 1.0
+        choices[ks.kind] = _choose_kind(ks)
     return QuickSelection(choices, sample.files, sample.raw_bytes, sample.sample_bytes,
-                          time.monotonic() - t0, timed_out)
+                          time.monotonic() - t0, max(0, len(kinds) - MAX_KINDS))
 
 
 def _candidates(ks) -> list[tuple[str, Codec, int]]:
@@ -171,29 +163,37 @@ def _candidates(ks) -> list[tuple[str, Codec, int]]:
     return out
 
 
-def _choose_kind(ks, encode_budget: float) -> KindChoice:
-    base = bench.baseline(ks.units)
-    measured: dict[str, tuple[float, float]] = {}
+def _rank(label: str) -> int:
+    """A label's place in :data:`READ_COST_ORDER` (blosc2's element size left out)."""
+    key = label.rsplit(":", 1)[0] if label.startswith("blosc2:") else label
+    return READ_COST_ORDER.index(key) if key in READ_COST_ORDER else len(READ_COST_ORDER)
+
+
+def stored_bytes(codec: Codec, units: list[bytes]) -> int:
+    """What pack stores for ``units`` with ``codec``: each unit compressed, or kept raw
+    when compression does not shrink it."""
+    encode = codec.encode
+    return sum(min(len(encode(u)), len(u)) for u in units)
+
+
+def _choose_kind(ks) -> KindChoice:
+    raw = sum(len(u) for u in ks.units)
+    ratios: dict[str, float] = {}
     codecs: dict[str, Codec] = {}
     for label, codec, overhead in _candidates(ks):
         try:
-            m = bench.measure(codec, ks.units, encode_budget)
-        except (CodecError, FanStoreError) as exc:
+            stored = stored_bytes(codec, ks.units)
+        except CodecError as exc:
             log.info("quick selection: %s left out on %s: %s", label, ks.kind, exc)
             continue
-        stored = m.stored_bytes / m.raw_bytes + overhead / max(1, ks.raw_bytes)
-        cpu = (m.decode_s + m.raw_unit_bytes * base.copy) / m.raw_bytes + base.checksum
-        measured[label] = (1 / stored, cpu)
+        share = overhead * raw / max(1, ks.raw_bytes)  # the dictionary, charged pro rata
+        ratios[label] = raw / max(1.0, stored + share)
         codecs[label] = codec
-    ref = measured.get(REFERENCE)
-    limit = READ_COST_LIMIT * ref[1] if ref else math.inf
-    ok = {lb: v for lb, v in measured.items() if v[1] <= limit} or measured
-    best = max(v[0] for v in ok.values())
-    ties = [lb for lb, v in ok.items() if v[0] >= best * (1 - RATIO_TIE)]
-    label = min(ties, key=lambda lb: ok[lb][1])
-    ratio, cpu = measured[label]
-    return KindChoice(ks.kind, ks.files, ks.raw_bytes, label, codecs[label], ratio, cpu,
-                      measured)
+    best = max(ratios.values())
+    ties = [lb for lb, r in ratios.items() if r >= best / (1 + RATIO_TIE)]
+    label = min(ties, key=lambda lb: (_rank(lb), -ratios[lb], lb))
+    return KindChoice(ks.kind, ks.files, ks.raw_bytes, label, codecs[label], ratios[label],
+                      ratios)
 
 
 def train_dictionaries(files: list[SourceFile], chunk_size: int = 1 << 20, seed: int = 0,
@@ -214,7 +214,7 @@ def train_dictionaries(files: list[SourceFile], chunk_size: int = 1 << 20, seed:
 
 __all__ = [
     "FALLBACK",
-    "READ_COST_LIMIT",
+    "READ_COST_ORDER",
     "SAMPLE_MB",
     "KindChoice",
     "QuickSelection",
