@@ -17,6 +17,8 @@ class FanStoreError(Exception):
     errno = _errno.EIO
     #: Already reported elsewhere (e.g. by rank 0 of a parallel job): exit without a message.
     quiet = False
+    #: How the CLI names it: ``fanstore: <label>: <message>``.
+    label = "error"
 
 
 class UsageError(FanStoreError):
@@ -126,6 +128,8 @@ class StorageError(FanStoreError):
 
 
 class BudgetNotMetError(FanStoreError):
-    """The codec selector found no candidate meeting the decompression budget."""
+    """The codec selector found no candidate meeting the decompression budget (not a
+    failure: the report names the fastest choice; the status tells scripts)."""
 
     exit_code = 3
+    label = "budget not met"

@@ -54,6 +54,38 @@ def pid_alive(pid: int | None) -> bool:
         return False
 
 
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every live process below it (a mount's daemon, its frontend process and
+    workers), from ``/proc/PID/task/TID/children``."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            pass
+    return out
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of ``pids`` (all their threads); gone ones count 0."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        total += int(rest[11]) + int(rest[12])  # utime, stime (fields 14 and 15)
+    return total / _CLK_TCK
+
+
 def setup_logging(debug: bool = False, stream=None, fmt: str | None = None) -> None:
     """Log to ``stream`` (stderr) at INFO, or DEBUG with ``debug``."""
     handler = logging.StreamHandler(stream or sys.stderr)

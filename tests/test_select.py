@@ -552,7 +552,7 @@ def test_reports_state_what_their_mode_assumes(tmp_path):
 
 def test_plot_written(tmp_path):
     pytest.importorskip("matplotlib")
-    from fanstore.select.report import plot
+    from fanstore.select.plot import plot
 
     res = select(random_set(tmp_path / "d", n=4))
     plot(res, str(tmp_path / "sel.png"))
@@ -696,7 +696,7 @@ def test_every_name_select_prints_is_a_codec_pack_takes(tmp_path):
     `pack --codec` as they are, and pack applies what they say."""
     src, files = _names_tree(tmp_path / "src")
     proc = run_cli("select", src, "--per-kind", "--json", "--sample-mb", "2", "--reader", "api",
-                   *LOOSE_ARGS, timeout=300)
+                   "--trials", "0", *LOOSE_ARGS, timeout=300)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     names = ({c["codec"] for c in doc["candidates"]}
@@ -718,7 +718,7 @@ def test_the_report_ends_with_the_pack_command(tmp_path):
     import shlex
 
     src, files = _names_tree(tmp_path / "src")
-    args = ["--sample-mb", "2", "--reader", "api", *LOOSE_ARGS]
+    args = ["--sample-mb", "2", "--reader", "api", "--trials", "0", *LOOSE_ARGS]
     text = run_cli("select", src, *args, timeout=300)
     assert text.returncode == 0, text.stderr
     doc = json.loads(run_cli("select", src, "--json", *args, timeout=300).stdout)
@@ -740,7 +740,7 @@ def test_the_report_ends_with_the_pack_command(tmp_path):
     assert per_kind["met"] and list(per_kind)[-1] == "pack_command"
     assert per_kind["pack_command"] == (
         f"fanstore pack {src} DEST --codec auto --per-kind --mode prefetch --mb-per-sec 1 "
-        "--cores 2 --sample-mb 2 --storage-mb-per-sec 100000 --reader api")
+        "--cores 2 --sample-mb 2 --storage-mb-per-sec 100000 --reader api --trials 0")
     assert per_kind["pack_command_single"] == f"fanstore pack {src} DEST --codec " \
                                               f"{per_kind['chosen']}"
     info = run(per_kind["pack_command"], tmp_path / "mix")
@@ -797,7 +797,7 @@ def test_the_report_says_which_kinds_it_reads_at_random_offsets(tmp_path):
     (src / "rows.h5").write_bytes(smooth_floats(rng, 300_000).tobytes()[:(1 << 20) + 4096])
     for i in range(40):
         (src / "t" / f"{i}.txt").write_bytes(b"some words again " * (50 + i))
-    args = ["--sample-mb", "1", "--reader", "api", *LOOSE_ARGS]
+    args = ["--sample-mb", "1", "--reader", "api", "--trials", "0", *LOOSE_ARGS]
     doc = json.loads(run_cli("select", src, "--json", *args, timeout=300).stdout)
     assert doc["kinds"]["h5/large"]["access"] == "random"
     assert doc["kinds"]["txt/tiny"]["access"] == "whole"

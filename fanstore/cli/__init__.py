@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
             traceback.print_exc()
         if not exc.quiet:
-            print(f"fanstore: error: {exc}", file=sys.stderr)
+            print(f"fanstore: {exc.label}: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("fanstore: interrupted", file=sys.stderr)

@@ -119,8 +119,9 @@ def add_storage_args(s) -> None:
 
 def add_select_budget_args(s, for_pack: bool) -> None:
     g = s.add_argument_group("codec selection" + (" (with --codec auto)" if for_pack else ""))
-    g.add_argument("--mode", choices=("sync", "prefetch"), default="sync",
-                   help="sync: decode on the read path; prefetch: decode overlaps compute")
+    g.add_argument("--mode", choices=("sync", "prefetch"), default=None,
+                   help="sync (default): decode on the read path; prefetch: decode overlaps "
+                        "compute")
     rate = g.add_mutually_exclusive_group()
     rate.add_argument("--files-per-sec", type=positive_float, help="required files/s per node")
     rate.add_argument("--mb-per-sec", type=positive_float, help="required MB/s per node")
@@ -138,7 +139,10 @@ def add_select_budget_args(s, for_pack: bool) -> None:
                         "readers at once (sync model; default: measured with the bandwidth, "
                         "0 when --storage-mb-per-sec is given)")
     g.add_argument("--reader", choices=("mount", "api"), default=None,
-                   help="the read path the job will use, calibrated on this node (a few "
-                        "hundred files through a temporary mount or the Python API) and "
-                        "charged per file and per chunk: mount (default; api where FUSE is "
-                        "missing) or api")
+                   help="the read path the job will use, measured on this node: mount "
+                        "(default; api where FUSE is missing): a temporary mount in the "
+                        "--mode given, or api: the Python API")
+    g.add_argument("--trials", type=nonneg_int, default=None, metavar="N",
+                   help="finalists measured at most: each packed from a miniature of the "
+                        "source and read cold the way the budget is defined (default 6; 0: "
+                        "the model alone, in seconds)")

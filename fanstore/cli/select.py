@@ -1,6 +1,8 @@
-"""``fanstore select SRC``: print the report (table or JSON), draw the plot, set the status.
+"""``fanstore select SRC``: print the report (table or JSON), draw the plot, set the status;
+``fanstore select --check STORE_OR_MOUNT``: read a packed store as the report predicted.
 
-Exit status 3 (:class:`BudgetNotMetError`) when no codec meets the budget; the report is
+Exit status 3 (:class:`BudgetNotMetError`) when no codec meets the budget (or, with
+``--check``, when the store read slower than the budget it was chosen for); the report is
 printed first, so ``--json`` output is complete either way.
 """
 
@@ -9,26 +11,47 @@ from __future__ import annotations
 import json
 import sys
 
-from fanstore.cli.common import add_select_budget_args, size
+from fanstore.cli.common import add_select_budget_args, nonneg_int, size
+from fanstore.errors import BudgetNotMetError, UsageError
 
 
 def add_parsers(sub, common) -> None:
     s = sub.add_parser("select", parents=[common], help="benchmark codecs and pick one",
-                       description="Benchmark codecs on a sample of SRC and pick the best "
-                                   "ratio that meets the decompression budget.")
-    s.add_argument("src", metavar="SRC")
+                       description="Benchmark codecs on a sample of SRC, measure the "
+                                   "finalists the way the budget is defined, and pick the best "
+                                   "ratio that meets it. With --check, read a packed store "
+                                   "the way a selection predicted and compare.")
+    s.add_argument("src", metavar="SRC", nargs="?")
     add_select_budget_args(s, for_pack=False)
     s.add_argument("--local-capacity", type=size, default=None, metavar="SIZE",
                    help="also say how many copies of the store packed with the chosen codec "
                         "fit in SIZE per node (500G, 1.5T, 800M or bytes)")
     s.add_argument("--json", action="store_true", help="print the report as JSON")
-    s.add_argument("--plot", metavar="FILE", help="draw ratio vs decode rate (matplotlib)")
+    s.add_argument("--plot", metavar="FILE", help="draw ratio vs rate per node (matplotlib)")
+    g = s.add_argument_group("checking a choice")
+    g.add_argument("--check", metavar="STORE_OR_MOUNT",
+                   help="read this packed store (cold, through a temporary mount) or live "
+                        "mount once, every file, the way the prediction was made, and print "
+                        "predicted vs measured (instead of selecting)")
+    g.add_argument("--report", metavar="FILE",
+                   help="with --check: the prediction, a saved 'fanstore select --json' "
+                        "(default: the selection a --codec auto pack recorded, if any)")
+    g.add_argument("--check-files", type=nonneg_int, default=0, metavar="N",
+                   help="with --check: read a random N of the files (default: all)")
     s.set_defaults(func=cmd_select)
 
 
 def cmd_select(args) -> int:
+    if getattr(args, "check", None):
+        return _check(args)
+    if getattr(args, "report", None) or getattr(args, "check_files", 0):
+        raise UsageError("--report and --check-files go with --check STORE_OR_MOUNT")
+    if not args.src:
+        raise UsageError("give SRC (the data to select a codec for) or --check "
+                         "STORE_OR_MOUNT")
     from fanstore.select.options import selection_options
-    from fanstore.select.report import check_met, plot, require_matplotlib, table, to_json
+    from fanstore.select.plot import plot, require_matplotlib
+    from fanstore.select.report import check_met, table, to_json
     from fanstore.select.selector import run_selection
 
     if getattr(args, "plot", None):
@@ -46,4 +69,26 @@ def cmd_select(args) -> int:
         plot(result, args.plot)
         print(f"fanstore: plot written to {args.plot}", file=sys.stderr)
     check_met(result)
+    return 0
+
+
+def _check(args) -> int:
+    from fanstore.select.check import report_lines, run_check, to_json
+
+    if args.src:
+        raise UsageError("give SRC or --check STORE_OR_MOUNT, not both")
+    res = run_check(args.check, args.mode, args.cores, args.reader, args.report,
+                    args.check_files, args.seed)
+    if args.json:
+        json.dump(to_json(res), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print("\n".join(report_lines(res)))
+    sys.stdout.flush()
+    if res.met is False:
+        p = res.prediction
+        assert p is not None and p.required_bytes_per_s
+        raise BudgetNotMetError(f"{args.check} read at {res.bytes_per_s / 1e6:,.0f} MB/s, "
+                                f"{res.bytes_per_s / p.required_bytes_per_s:.0%} of the "
+                                f"budget of {p.required_bytes_per_s / 1e6:,.0f} MB/s")
     return 0

@@ -202,7 +202,8 @@ def _auto(src: str, request: PolicyRequest) -> PolicyPlan:
 
 
 def policy_from_selection(result: SelectionResult) -> CodecPolicy:
-    """The pack policy for a selection: its codec, or its per-kind codecs.
+    """The pack policy for a selection: its codec, or its per-kind codecs when that mix
+    meets the budget.
 
     Raises :class:`BudgetNotMetError` if the budget was not met: pack does not silently
     store data with a codec too slow for the job (the message names the ``--codec`` that
@@ -213,19 +214,9 @@ def policy_from_selection(result: SelectionResult) -> CodecPolicy:
     if not result.budget_met:
         raise BudgetNotMetError(not_met_message(result) + "; to pack anyway, give the "
                                 f"codec: --codec {result.chosen}")
-    chosen = result.candidate(result.chosen)
-    default = chosen.codec
-    if result.per_kind is None:
-        return CodecPolicy(default, dict(chosen.by_kind), chosen.solid,
-                           {k: chosen.solid for k in chosen.by_kind})
-    by_kind, solid_by_kind = {}, {}
-    for kind, label in result.per_kind.items():
-        cand = result.candidate(label)
-        codec = cand.by_kind.get(kind, cand.codec)
-        if codec != default or cand.solid != chosen.solid:
-            by_kind[kind] = codec
-            solid_by_kind[kind] = cand.solid
-    return CodecPolicy(default, by_kind, chosen.solid, solid_by_kind)
+    if result.per_kind is not None and result.per_kind_met:
+        return result.mix_policy(result.per_kind)
+    return result.candidate(result.chosen).policy()
 
 
 __all__ = ["AUTO", "PolicyPlan", "PolicyRequest", "plan_policy", "policy_from_selection",

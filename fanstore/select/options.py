@@ -19,6 +19,8 @@ from fanstore.select.calibrate import check_reader
 
 #: Encode time allowed per candidate over the whole sample (see bench.py).
 ENCODE_SECONDS = 4.0
+#: Finalists measured at most (``--trials``; see finalists.py).
+TRIALS = 6
 
 
 @dataclass
@@ -35,10 +37,11 @@ class SelectionOptions:
     storage_mb_per_sec: float | None = None  # None: measured
     storage_latency_us: float | None = None  # None: measured with the bandwidth, else 0
     storage_dir: str | None = None  # where to measure it (None: the temp directory)
-    reader: str | None = None  # calibrate the read path: "mount", "api" (None: not modelled)
+    reader: str | None = None  # the read path measured: "mount", "api" (None: model only)
     chunk_size: int = 1 << 20
     encode_seconds: float = ENCODE_SECONDS
     progress: bool | None = None  # None: on a terminal only
+    trials: int = TRIALS  # finalists measured at most (0: the model alone); needs a reader
 
     def __post_init__(self) -> None:
         if self.mode not in policy.MODES:
@@ -51,6 +54,8 @@ class SelectionOptions:
                 raise UsageError(f"--{name.replace('_', '-')} must be a positive number")
         if self.cores is not None and self.cores < 1:
             raise UsageError("--cores must be at least 1")
+        if self.trials < 0:
+            raise UsageError("--trials must be 0 or more")
         if self.storage_latency_us is not None and not (
                 self.storage_latency_us >= 0 and math.isfinite(self.storage_latency_us)):
             raise UsageError("--storage-latency-us must be a number >= 0")
@@ -82,6 +87,7 @@ def selection_options(args: Any) -> SelectionOptions:
         reader=getattr(args, "reader", None) or _default_reader(),
         chunk_size=(getattr(args, "chunk_kb", None) or 1024) * 1024,
         progress=False if getattr(args, "no_progress", False) else None,
+        trials=TRIALS if getattr(args, "trials", None) is None else args.trials,
     )
 
 

@@ -11,12 +11,15 @@ import math
 import shlex
 from typing import Any
 
-from fanstore.errors import BudgetNotMetError, FanStoreError
+from fanstore.errors import BudgetNotMetError
 from fanstore.kinds import access_pattern
+from fanstore.select.options import TRIALS
 from fanstore.select.result import CandidateResult, SelectionResult
 
 MB = 1e6
-JSON_VERSION = 1
+#: 2: ``files_per_s``/``mb_per_s`` are the measured rates of the finalists (``rate_from``),
+#: the model's are ``model_*``; ``measurement`` says how the finalists were measured.
+JSON_VERSION = 2
 
 
 def _num(x: float, digits: int = 1) -> float | None:
@@ -61,15 +64,28 @@ def _cand_json(res: SelectionResult, c: CandidateResult) -> dict[str, Any]:
         out["solid_kb"] = c.solid >> 10
         out["read_amplification"] = _num(c.cost.read / c.cost.stored, 2)
     if c.kinds is None:
-        # The model's rates per node; with a calibrated reader, what that reader gets.
-        out.update(node_mb_per_s=_num(c.node_rate / MB),
-                   node_files_per_s=_num(res.files_rate(c.node_rate)),
-                   mb_per_s=_num(c.node_rate / MB),
-                   files_per_s=_num(res.files_rate(c.node_rate)),
+        # The rate the choice used: measured for a finalist, else the model's.
+        out.update(mb_per_s=_num(c.rate / MB), files_per_s=_num(res.files_rate(c.rate)),
+                   rate_from=c.rate_from,
+                   model_mb_per_s=_num(c.node_rate / MB),
+                   model_files_per_s=_num(res.files_rate(c.node_rate)),
+                   measured=c.measured.to_json() if c.measured is not None else None,
                    meets_budget=bool(c.meets), chosen=bool(c.chosen))
+        if c.measure_error:
+            out["measure_error"] = c.measure_error
     else:
         out["kinds"] = list(c.kinds)
     return out
+
+
+def _measurement_json(res: SelectionResult) -> dict[str, Any] | None:
+    info = res.measurement
+    if info is None:
+        return None
+    return {"measured": info.measured, "how": info.how or None, "readers": info.readers,
+            "cores": info.cores, "trials": info.trials, "seconds": _num(info.seconds, 2),
+            "model_correction": _num(info.correction, 3), "model_chosen": info.model_chosen,
+            "note": info.note}
 
 
 def to_json(res: SelectionResult, capacity: int | None = None) -> dict[str, Any]:
@@ -106,13 +122,15 @@ def to_json(res: SelectionResult, capacity: int | None = None) -> dict[str, Any]
         },
         "checksum_mb_per_s": _num(res.checksum_mb_per_s),
         "reader": res.reader.to_json() if res.reader is not None else None,
+        "measurement": _measurement_json(res),
         "candidates": [_cand_json(res, c) for c in res.candidates if c.kinds is None],
         "chosen": res.chosen,
         "met": res.budget_met,
         "predicted": {
             "ratio": _num(chosen.cost.ratio, 4),
-            "node_mb_per_s": _num(chosen.node_rate / MB),
-            "node_files_per_s": _num(res.files_rate(chosen.node_rate)),
+            "mb_per_s": _num(chosen.rate / MB),
+            "files_per_s": _num(res.files_rate(chosen.rate)),
+            "rate_from": chosen.rate_from,
             "read_mb_per_s_one_core": _num(1 / chosen.cost.cpu / MB) if chosen.cost.cpu else None,
         },
         "kinds": {
@@ -136,8 +154,10 @@ def to_json(res: SelectionResult, capacity: int | None = None) -> dict[str, Any]
         rate = res.per_kind_rate or 0.0
         doc["per_kind_predicted"] = {
             "ratio": _num(res.per_kind_cost.ratio, 4),
-            "node_mb_per_s": _num(rate / MB),
-            "node_files_per_s": _num(res.files_rate(rate)),
+            "mb_per_s": _num(rate / MB),
+            "files_per_s": _num(res.files_rate(rate)),
+            "rate_from": "measured" if res.per_kind_measured is not None else "model",
+            "measured": res.per_kind_measured.to_json() if res.per_kind_measured else None,
             "gain_over_single": _num(res.per_kind_gain or 1.0, 4),
             "met": bool(res.per_kind_met),
         }
@@ -149,6 +169,11 @@ def to_json(res: SelectionResult, capacity: int | None = None) -> dict[str, Any]
     if _packs_per_kind(res):
         doc["pack_command_single"] = pack_command(res, per_kind=False)
     doc["pack_command"] = pack_command(res)
+    if not res.budget_met:
+        doc["not_met"] = {"fastest": res.chosen, "mb_per_s": _num(chosen.rate / MB),
+                          "files_per_s": _num(res.files_rate(chosen.rate)),
+                          "of_budget": _num(chosen.rate / b.required, 3),
+                          "short_mb_per_s": _num((b.required - chosen.rate) / MB)}
     return doc
 
 
@@ -186,7 +211,7 @@ def pack_command(res: SelectionResult, dest: str = "DEST", per_kind: bool | None
             ("--sample-mb", opts.sample_mb, _DEFAULT_SAMPLE_MB), ("--seed", opts.seed, 0),
             ("--storage-mb-per-sec", opts.storage_mb_per_sec, None),
             ("--storage-latency-us", opts.storage_latency_us, None),
-            ("--reader", opts.reader, None)):
+            ("--reader", opts.reader, None), ("--trials", opts.trials, TRIALS)):
         if value is not None and value != default:
             words += [flag, _word(value)]
     return " ".join(words)
@@ -235,16 +260,18 @@ def summary_line(res: SelectionResult) -> str:
     need = f"{_rate(b.required)}" + (" (default: 90% of the rate of storing raw)"
                                       if res.budget_from == "default" else "")
     verdict = "met" if res.budget_met else "NOT met"
-    if res.per_kind is not None and res.per_kind_cost is not None:
+    if _packs_per_kind(res) and res.per_kind is not None and res.per_kind_cost is not None:
         rate = res.per_kind_rate or 0.0
         n = len(set(res.per_kind.values()))
+        how = "measured" if res.per_kind_measured is not None else "modelled"
         return (f"per kind ({n} codec{'s' if n != 1 else ''} over {len(res.per_kind)} kinds): "
                 f"ratio {res.per_kind_cost.ratio:.2f}x ({(res.per_kind_gain or 1) - 1:+.1%} "
-                f"over {res.chosen} alone), {_rate(rate)} per node on {b.cores} cores, "
+                f"over {res.chosen} alone), {how} {_rate(rate)} per node on {b.cores} cores, "
                 f"{res.mode}; budget {need}: {verdict}")
     c = res.candidate(res.chosen)
-    return (f"{c.label}: ratio {c.cost.ratio:.2f}x, {_rate(c.node_rate)} "
-            f"({_files(res.files_rate(c.node_rate))}) per node on {b.cores} cores, {res.mode}; "
+    how = "measured" if c.measured is not None else "modelled"
+    return (f"{c.label}: ratio {c.cost.ratio:.2f}x, {how} {_rate(c.rate)} "
+            f"({_files(res.files_rate(c.rate))}) per node on {b.cores} cores, {res.mode}; "
             f"budget {need}: {verdict}")
 
 
@@ -255,16 +282,36 @@ def check_met(res: SelectionResult) -> None:
 
 
 def not_met_message(res: SelectionResult) -> str:
+    """One line: what the budget needs, the fastest choice, what it reaches."""
     b = res.budget
     c = res.candidate(res.chosen)
+    how = "measured" if c.measured is not None else "modelled"
     text = (f"no codec meets the budget: {res.mode} mode needs {_rate(b.required)} "
-            f"({_files(res.files_rate(b.required))}) per node on {b.cores} cores; the fastest "
-            f"candidate, {c.label}, reaches {_rate(c.node_rate)} (ratio {c.cost.ratio:.2f}x)")
-    if res.per_kind is not None and res.per_kind_cost is not None:
+            f"({_files(res.files_rate(b.required))}) per node on {b.cores} cores; the fastest, "
+            f"{c.label}, reaches {_rate(c.rate)} {how} ({c.rate / b.required:.0%} of it, "
+            f"ratio {c.cost.ratio:.2f}x)")
+    if res.per_kind is not None and res.per_kind_cost is not None and not res.per_kind_met:
         text += f", the fastest per-kind mix {_rate(res.per_kind_rate or 0.0)}"
     if c.cost.read > 0 and b.storage / c.cost.read < b.required:
         text += f" and storage reads at {_rate(b.storage)} cap it"
     return text
+
+
+def answer_lines(res: SelectionResult) -> list[str]:
+    """The report's last lines: the choice, or when nothing meets the budget the fastest
+    choice and the gap; then its ``fanstore pack`` command."""
+    if res.budget_met:
+        return ["chosen    " + summary_line(res)] + pack_lines(res)
+    b = res.budget
+    c = res.candidate(res.chosen)
+    how = "measured" if c.measured is not None else "modelled"
+    short = b.required - c.rate
+    return [f"not met   no codec reaches {_rate(b.required)} "
+            f"({_files(res.files_rate(b.required))}) per node on {b.cores} cores, {res.mode}; "
+            f"the fastest, {c.label} (ratio {c.cost.ratio:.2f}x), reaches {_rate(c.rate)} "
+            f"({_files(res.files_rate(c.rate))}) {how}: {c.rate / b.required:.0%} of the "
+            f"budget, {_rate(short)} short",
+            f"pack      {pack_command(res)}   (the fastest; exit status 3: budget not met)"]
 
 
 def table(res: SelectionResult, capacity: int | None = None) -> str:
@@ -294,25 +341,30 @@ def table(res: SelectionResult, capacity: int | None = None) -> str:
     if res.reader is not None:
         lines.append(f"reader    {res.reader.describe()}")
     else:
-        lines.append("reader    not modelled (--reader mount|api calibrates the read path)")
+        lines.append("reader    not modelled (--reader mount|api measures the read path)")
     lines.append(f"checksum  xxh3-64 at {res.checksum_mb_per_s:,.0f} MB/s on one core, "
                  "charged to every candidate")
+    lines.append(measure_line(res))
     lines.append("")
-    head = (f"{'codec':<30} {'ratio':>7} {'enc MB/s':>9} {'dec MB/s':>9} {'files/s':>9} "
-            f"{'node MB/s':>10} {'node files/s':>12}  budget")
+    head = (f"{'codec':<30} {'ratio':>7} {'enc MB/s':>9} {'dec MB/s':>9} {'model':>10} "
+            f"{'measured':>10} {'measured':>9}  budget")
     lines.append(head)
-    lines.append(f"{'':<30} {'':>7} {'1 core':>9} {'1 core':>9} {'1 core':>9} "
-                 f"{'model':>10} {'model':>12}")
+    lines.append(f"{'':<30} {'':>7} {'1 core':>9} {'1 core':>9} {'files/s':>10} "
+                 f"{'files/s':>10} {'MB/s':>9}")
     whole_cands = sorted((c for c in res.candidates if c.kinds is None),
-                         key=lambda c: (-c.cost.ratio, -c.node_rate))
+                         key=lambda c: (-c.cost.ratio, -c.rate))
     for c in whole_cands:
         dec = 1 / c.decode_s if c.decode_s > 0 else math.inf
-        mark = "ok" if c.meets else "--"
+        if c.measured is not None:
+            mark = "met" if c.meets else "not met"
+            got = f"{_fmt(res.files_rate(c.rate)):>10} {_fmt(c.rate / MB):>9}"
+        else:
+            mark = "(model: ok)" if c.meets else "(model: --)"
+            got = f"{'failed' if c.measure_error else '-':>10} {'-':>9}"
         if c.chosen:
             mark += "  <- chosen"
         lines.append(f"{c.label:<30} {c.cost.ratio:>7.3f} {_fmt(c.encode_mb_per_s):>9} "
-                     f"{_fmt(dec / MB):>9} {_fmt(res.files_rate(dec)):>9} "
-                     f"{_fmt(c.node_rate / MB):>10} {_fmt(res.files_rate(c.node_rate)):>12}"
+                     f"{_fmt(dec / MB):>9} {_fmt(res.files_rate(c.node_rate)):>10} {got}"
                      f"  {mark}")
     lines.append("")
     if res.per_kind is not None:
@@ -327,11 +379,25 @@ def table(res: SelectionResult, capacity: int | None = None) -> str:
                          f"{cost.ratio if cost else math.nan:>7.3f} "
                          f"{_fmt(1 / dec / MB) if dec > 0 else 'inf':>9}")
         lines.append("")
-    lines.append("chosen: " + summary_line(res))
     if capacity is not None:
         lines.append(capacity_line(capacity_json(res, capacity)))
-    lines += pack_lines(res)
+    lines += answer_lines(res)
     return "\n".join(lines)
+
+
+def measure_line(res: SelectionResult) -> str:
+    """How the finalists were measured, or why they were not."""
+    info = res.measurement
+    if info is None or not info.measured:
+        note = info.note if info is not None and info.note else "not measured"
+        return f"measured  nothing: {note}; every rate below is the model's"
+    scaled = (f"; rates scaled from {info.readers} to {info.cores} cores by the CPU each file "
+              "cost (the lower of that bound and linear scaling)"
+              if info.cores > info.readers else "")
+    return (f"measured  {info.trials} finalists, each a miniature of the source (trial.py) "
+            f"packed with it and read by {info.how}, the median of 3 rounds scaled to the "
+            f"whole source ({info.seconds:.0f} s; the model was off by "
+            f"{info.correction:.2f}x){scaled}")
 
 
 def capacity_json(res: SelectionResult, capacity: int) -> dict[str, Any]:
@@ -372,66 +438,15 @@ def _fmt(x: float) -> str:
     return f"{x:,.0f}" if x >= 10 else f"{x:.2f}"
 
 
-# --------------------------------------------------------------------------- plot
-
-
-def require_matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise FanStoreError("--plot needs matplotlib, which is not installed: "
-                            "pip install 'fanstore[plot]'") from None
-
-
-def plot(res: SelectionResult, path: str) -> None:
-    """Ratio against the model's node decode rate, the budget line, the choice marked."""
-    require_matplotlib()
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    b = res.budget
-    cands = [c for c in res.candidates if c.kinds is None]
-    fig, ax = plt.subplots(figsize=(9, 6))
-    for ok, color, name in ((True, "tab:green", "meets the budget"),
-                            (False, "tab:gray", "too slow")):
-        xs = [c.node_rate / MB for c in cands if c.meets == ok]
-        ys = [c.cost.ratio for c in cands if c.meets == ok]
-        if xs:
-            ax.scatter(xs, ys, color=color, label=name, zorder=3)
-    for c in cands:
-        ax.annotate(c.label, (c.node_rate / MB, c.cost.ratio), fontsize=7,
-                    xytext=(4, 3), textcoords="offset points")
-    chosen = res.candidate(res.chosen)
-    ax.scatter([chosen.node_rate / MB], [chosen.cost.ratio], marker="*", s=300,
-               color="tab:red", label=f"chosen: {chosen.label}", zorder=4)
-    if res.per_kind is not None and res.per_kind_cost is not None:
-        ax.scatter([(res.per_kind_rate or 0) / MB], [res.per_kind_cost.ratio], marker="P", s=160,
-                   color="tab:purple", label="per-kind mix", zorder=4)
-    ax.axvline(b.required / MB, color="tab:red", linestyle="--",
-               label=f"budget {b.required / MB:,.0f} MB/s")
-    ax.set_xscale("log")
-    ax.set_xlabel(f"predicted read rate per node, MB/s (model: {res.mode}, {b.cores} cores, "
-                  f"storage {b.storage / MB:,.0f} MB/s)")
-    ax.set_ylabel("compression ratio")
-    ax.set_title(f"codec selection for {res.source}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 __all__ = [
     "capacity_json",
     "capacity_line",
     "check_met",
+    "answer_lines",
+    "measure_line",
     "not_met_message",
     "pack_command",
     "pack_lines",
-    "plot",
-    "require_matplotlib",
     "summary_line",
     "table",
     "to_json",

@@ -1,6 +1,7 @@
-"""What a selection found: every candidate's mixed cost and predicted rate, the per-kind
-figures, the choice. Data and accessors only: :mod:`fanstore.select.report` renders it
-(table, JSON, one-line summary) and :mod:`fanstore.select.selector` fills it.
+"""What a selection found: every candidate's mixed cost, modelled rate and, for the
+finalists, measured rate; the per-kind figures; the choice. Data and accessors only:
+:mod:`fanstore.select.report` renders it (table, JSON, one-line summary) and
+:mod:`fanstore.select.selector` fills it.
 """
 
 from __future__ import annotations
@@ -8,10 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from compressors import Codec
+from fanstore.pack.plan import CodecPolicy
 from fanstore.select import policy
 from fanstore.select.calibrate import ReaderCost
 from fanstore.select.options import SelectionOptions
 from fanstore.select.policy import Budget, Cost
+from fanstore.select.trial import Measured
 
 
 @dataclass
@@ -19,7 +22,9 @@ class CandidateResult:
     """One candidate over the whole source (its per-kind costs mixed by bytes).
 
     ``decode_s`` is single-core decode seconds per raw byte (codec plus raw-chunk copies);
-    ``cost.cpu`` adds the checksum. ``node_rate`` is the model's raw bytes/s per node.
+    ``cost.cpu`` adds the checksum. ``node_rate`` is the model's raw bytes/s per node;
+    ``measured`` the finalist's measured epoch (None: not measured), which, when there is
+    one, is the rate the choice and the report use (:attr:`rate`).
     """
 
     label: str
@@ -35,6 +40,22 @@ class CandidateResult:
     kinds: list[str] | None = None  # per-kind extras: the kinds it was measured on
     solid: int = 0  # solid block size (bytes), 0: none
     by_kind: dict[str, Codec] = field(default_factory=dict)  # kinds with their own codec
+    measured: Measured | None = None
+    measure_error: str | None = None  # why a finalist's measurement failed
+
+    @property
+    def rate(self) -> float:
+        """Raw bytes/s per node: measured if this candidate was, else modelled."""
+        return self.measured.bytes_per_s if self.measured is not None else self.node_rate
+
+    @property
+    def rate_from(self) -> str:
+        return "measured" if self.measured is not None else "model"
+
+    def policy(self) -> CodecPolicy:
+        """How pack stores the data with this candidate."""
+        return CodecPolicy(self.codec, dict(self.by_kind), self.solid,
+                           {k: self.solid for k in self.by_kind})
 
 
 @dataclass
@@ -48,6 +69,25 @@ class KindResult:
     costs: dict[str, Cost] = field(default_factory=dict)
     decode_s: dict[str, float] = field(default_factory=dict)
     chosen: str | None = None
+
+
+@dataclass
+class MeasurementInfo:
+    """How the finalists were measured (``how``: one line), or why not (``note``); the
+    model's correction (median of measured / modelled) and what the model alone chose."""
+
+    how: str
+    readers: int
+    cores: int
+    trials: int = 0
+    seconds: float = 0.0
+    correction: float = 1.0
+    model_chosen: str | None = None
+    note: str | None = None
+
+    @property
+    def measured(self) -> bool:
+        return self.note is None and self.trials > 0
 
 
 @dataclass
@@ -73,6 +113,8 @@ class SelectionResult:
     per_kind_met: bool | None = None
     seconds: float = 0.0
     reader: ReaderCost | None = None
+    measurement: MeasurementInfo | None = None
+    per_kind_measured: Measured | None = None
 
     # ------------------------------------------------------------------ accessors
 
@@ -82,8 +124,12 @@ class SelectionResult:
 
     @property
     def budget_met(self) -> bool:
-        """The verdict that counts: the per-kind mix if one was chosen, else the codec."""
-        return bool(self.per_kind_met) if self.per_kind is not None else self.met
+        """The verdict that counts: met by the per-kind mix or by the single codec."""
+        return bool(self.per_kind_met) or self.met
+
+    @property
+    def measured(self) -> bool:
+        return self.measurement is not None and self.measurement.measured
 
     def candidate(self, label: str) -> CandidateResult:
         for c in self.candidates:
@@ -102,7 +148,23 @@ class SelectionResult:
     def per_kind_rate(self) -> float | None:
         if self.per_kind_cost is None:
             return None
+        if self.per_kind_measured is not None:
+            return self.per_kind_measured.bytes_per_s
         return policy.node_rate(self.per_kind_cost, self.budget)
+
+    def mix_policy(self, assign: dict[str, str]) -> CodecPolicy:
+        """How pack stores a per-kind assignment (kind -> candidate label), over the single
+        choice (the codec of kinds the sample did not see)."""
+        chosen = self.candidate(self.chosen)
+        default = chosen.codec
+        by_kind, solid_by_kind = {}, {}
+        for kind, label in assign.items():
+            cand = self.candidate(label)
+            codec = cand.by_kind.get(kind, cand.codec)
+            if codec != default or cand.solid != chosen.solid:
+                by_kind[kind] = codec
+                solid_by_kind[kind] = cand.solid
+        return CodecPolicy(default, by_kind, chosen.solid, solid_by_kind)
 
     @property
     def per_kind_gain(self) -> float | None:

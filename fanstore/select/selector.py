@@ -1,11 +1,14 @@
-"""Run a selection: sample, measure every candidate, apply the budget, keep a small report.
+"""Run a selection: sample, model every candidate, measure the finalists, choose.
 
-The steps are in :func:`run_selection`; the model and its formulas are in
-:mod:`fanstore.select.policy` and ``docs/selection.md``.
+The steps are in :func:`run_selection`: the model (:func:`_model`; its formulas are in
+:mod:`fanstore.select.policy` and ``docs/selection.md``) ranks the candidates, and with a
+reader the finalists are measured (:func:`_decide`: :mod:`.finalists` picks them,
+:mod:`.measuring` measures them) and the choice is made on the measurements.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -14,13 +17,16 @@ import time
 
 from compressors import CodecError
 from fanstore.errors import FanStoreError, UsageError
-from fanstore.select import bench, policy, readorder
-from fanstore.select.calibrate import ReaderCost, calibrate
+from fanstore.select import bench, finalists, policy, readorder
+from fanstore.select.calibrate import ReaderCost
 from fanstore.select.candidates import Candidate, per_kind_candidates, whole_set_candidates
+from fanstore.select.measuring import Measuring, why_not_measured
 from fanstore.select.options import SelectionOptions
 from fanstore.select.policy import Budget, Cost
-from fanstore.select.result import CandidateResult, KindResult, SelectionResult
+from fanstore.select.result import (CandidateResult, KindResult, MeasurementInfo,
+                                    SelectionResult)
 from fanstore.select.sample import Sample, draw_sample, list_source
+from fanstore.select.trial import Measured, TrialError
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +49,7 @@ def _progress_bar(total: int, desc: str, progress: bool | None):
 
 
 def run_selection(src: str, options: SelectionOptions | None = None) -> SelectionResult:
-    """Sample ``src``, measure every candidate, and choose under the budget.
+    """Sample ``src``, model every candidate, measure the finalists, choose under the budget.
 
     Never raises because the budget is not met: the result says so (``budget_met``) and
     :func:`fanstore.select.report.check_met` raises :class:`BudgetNotMetError`.
@@ -68,11 +74,31 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
     if given_latency is not None:
         latency = given_latency * 1e-6
 
-    reader = None
-    if options.reader is not None:
-        reader = calibrate(files, options.reader, options.n_cores, options.chunk_size,
-                           options.seed, options.storage_dir)
-        log.info("reader %s", reader.describe())
+    note = why_not_measured(options)
+    measuring = Measuring(files, options) if note is None else None
+    try:
+        reader = none_trial = None
+        if measuring is not None:
+            none_trial, reader = measuring.calibrate(storage, latency)
+            log.info("reader %s", reader.describe())
+        result = _model(src, files, sample, kinds, options, storage, latency, storage_from,
+                        reader)
+        result.measurement = MeasurementInfo(
+            measuring.how.describe() if measuring else "", measuring.readers if measuring
+            else 0, options.n_cores, note=note)
+        if measuring is not None and none_trial is not None:
+            _decide(result, measuring, none_trial, options)
+    finally:
+        if measuring is not None:
+            measuring.close()
+    result.seconds = time.monotonic() - t_start
+    return result
+
+
+def _model(src: str, files, sample: Sample, kinds: list[str], options: SelectionOptions,
+           storage: float, latency: float, storage_from: str,
+           reader: ReaderCost | None) -> SelectionResult:
+    """Every candidate measured on the sample and modelled for the node: the ranking."""
     base = {k: bench.baseline(sample.kinds[k].units) for k in kinds}
     cands = whole_set_candidates(sample)
     if options.per_kind:
@@ -109,7 +135,7 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
     weights = {k: float(sample.kinds[k].raw_bytes) for k in kinds}
     wsum = sum(weights.values())
 
-    # The budget.
+    # The budget (a default one is set again from the measured `none` when measured).
     cores = options.n_cores
     if options.mb_per_sec is not None:
         required, budget_from = options.mb_per_sec * MB, "mb_per_sec"
@@ -123,7 +149,6 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
         budget_from = "default"
     budget = Budget(options.mode, required, cores, storage, latency)
 
-    order = [c.label for c in cands]
     cand_results: list[CandidateResult] = []
     for cand in cands:
         ks = [k for k in kinds if cand.label in results[k].costs]
@@ -141,10 +166,9 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
             rate, cand.kinds is None and policy.meets(cost, budget),
             kinds=None if cand.kinds is None else sorted(cand.kinds), solid=cand.solid,
             by_kind=dict(cand.by_kind)))
+    order = [c.label for c in cands]
     single_costs = {c.label: c.cost for c in cand_results if c.kinds is None}
     chosen, met = policy.choose(single_costs, budget, order)
-    for c in cand_results:
-        c.chosen = c.label == chosen
 
     result = SelectionResult(
         source=os.path.abspath(src), options=options, budget=budget, budget_from=budget_from,
@@ -152,17 +176,105 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
         sample_units=sample.units, storage_from=storage_from,
         checksum_mb_per_s=wsum / sum(weights[k] * base[k].checksum for k in kinds) / MB,
         candidates=cand_results, kinds=results, chosen=chosen, met=met, reader=reader)
+    _mark_chosen(result)
     if options.per_kind:
-        mc = policy.choose_per_kind({k: results[k].costs for k in kinds}, weights, budget,
-                                    single=chosen if met else None, order=order)
-        result.per_kind, result.per_kind_cost, result.per_kind_met = mc.assign, mc.cost, mc.met
-        for k, label in mc.assign.items():
-            results[k].chosen = label
-    else:
-        for k in kinds:
-            results[k].chosen = chosen
-    result.seconds = time.monotonic() - t_start
+        _choose_per_kind(result, weights, order)
     return result
+
+
+def _mark_chosen(result: SelectionResult) -> None:
+    for c in result.candidates:
+        c.chosen = c.label == result.chosen
+    for k in result.kinds.values():
+        k.chosen = result.chosen
+
+
+def _choose_per_kind(result: SelectionResult, weights: dict[str, float], order: list[str],
+                     correction: float = 1.0) -> None:
+    """The per-kind mix under the budget; ``correction`` (measured / modelled, see
+    finalists.py) scales the model's rates before the budget is applied."""
+    kinds = list(result.kinds)
+    budget = result.budget
+    if correction != 1.0:
+        budget = dataclasses.replace(budget, required=budget.required / correction)
+    mc = policy.choose_per_kind({k: result.kinds[k].costs for k in kinds}, weights, budget,
+                                single=result.chosen if result.met else None, order=order)
+    result.per_kind, result.per_kind_cost, result.per_kind_met = mc.assign, mc.cost, mc.met
+    for k, label in mc.assign.items():
+        result.kinds[k].chosen = label
+
+
+def _decide(result: SelectionResult, measuring: Measuring, none_trial: Measured,
+            options: SelectionOptions) -> None:
+    """Measure finalists (finalists.py says which) and choose among the measured."""
+    info = result.measurement
+    assert info is not None
+    singles = [c for c in result.candidates if c.kinds is None]
+    by_label = {c.label: c for c in singles}
+    by_label["none"].measured = none_trial
+    info.trials = 1
+    info.model_chosen = result.chosen
+    if result.budget_from == "default":  # 90% of what the data stored raw measured
+        result.budget = dataclasses.replace(
+            result.budget, required=DEFAULT_BUDGET * none_trial.bytes_per_s)
+    required = result.budget.required
+    opts = [finalists.Option(c.label, c.cost.ratio, c.node_rate) for c in singles]
+    measured = {"none": none_trial.bytes_per_s}
+    bar = _progress_bar(options.trials, "measuring finalists", options.progress)
+    try:
+        while True:
+            label = finalists.next_to_measure(opts, measured, required, options.trials)
+            if label is None:
+                break
+            cand = by_label[label]
+            try:
+                cand.measured = measuring.measure(cand.policy(), _encode_rate(cand), label)
+                measured[label] = cand.measured.bytes_per_s
+            except TrialError as exc:
+                log.warning("finalist %s could not be measured: %s", label, exc)
+                cand.measure_error = str(exc)
+                measured[label] = 0.0
+            info.trials += 1
+            if bar is not None:
+                bar.set_postfix_str(label)
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    info.correction = finalists.correction(opts, {k: v for k, v in measured.items() if v})
+    for c in singles:
+        c.meets = c.rate >= required * (1 - 1e-9)
+    result.chosen, result.met = finalists.choose_measured(
+        opts, {k: v for k, v in measured.items() if v > 0}, required)
+    _mark_chosen(result)
+    if options.per_kind and result.per_kind is not None:
+        weights = {k: float(kr.raw_bytes) for k, kr in result.kinds.items()}
+        _choose_per_kind(result, weights, [c.label for c in result.candidates],
+                         info.correction)
+        if len(set(result.per_kind.values())) > 1:
+            _measure_mix(result, measuring)
+    info.seconds = measuring.seconds
+
+
+def _measure_mix(result: SelectionResult, measuring: Measuring) -> None:
+    """The per-kind mix is a finalist of its own: met only if its measurement is."""
+    assert result.per_kind is not None
+    labels = set(result.per_kind.values())
+    rate = min(_encode_rate(result.candidate(lb)) for lb in labels)
+    try:
+        m = measuring.measure(result.mix_policy(result.per_kind), rate, "per-kind mix")
+    except TrialError as exc:
+        log.warning("the per-kind mix could not be measured: %s", exc)
+        result.per_kind_met = False
+        return
+    result.per_kind_measured = m
+    result.per_kind_met = m.bytes_per_s >= result.budget.required * (1 - 1e-9)
+    if result.measurement is not None:
+        result.measurement.trials += 1
+
+
+def _encode_rate(cand: CandidateResult) -> float:
+    return cand.encode_mb_per_s * MB if math.isfinite(cand.encode_mb_per_s) else math.inf
 
 
 def _per_file_costs(files, sample: Sample, kinds: list[str], reader: ReaderCost | None,

@@ -1,0 +1,127 @@
+"""The measuring half of a selection: the trial set, the calibration, the finalists.
+
+:class:`Measuring` owns a temporary directory for the whole selection (the trial set,
+:mod:`.trial`; each finalist's store and mount come and go inside it). It first measures the
+``none`` trial, which both calibrates the read path (:func:`.calibrate.reader_cost`) and
+is the reference of the default budget; then the selector asks it for finalists one at a
+time (:mod:`.finalists` says which). :meth:`Measuring.close` removes everything, whatever
+happened; no mount is ever left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+
+from compressors import parse_spec
+from fanstore.select import trial
+from fanstore.select.calibrate import CalibrationError, ReaderCost, fuse_problem, reader_cost
+from fanstore.select.options import SelectionOptions
+from fanstore.select.trial import HowToRead, Measured, TrialError
+
+log = logging.getLogger(__name__)
+
+
+def local_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def why_not_measured(options: SelectionOptions) -> str | None:
+    """Why this selection cannot measure its finalists here, or None."""
+    if options.reader is None:
+        return "no --reader: the model alone"
+    if options.trials <= 0:
+        return "--trials 0: the model alone"
+    if options.reader == "mount" or options.mode == "prefetch":
+        problem = fuse_problem()
+        if problem:
+            what = "--reader mount" if options.reader == "mount" else "prefetch mode"
+            return f"{what} is measured through a mount and FUSE is missing ({problem})"
+    return None
+
+
+def copy_checksum_cost() -> float:
+    """Seconds per byte of what ``none`` costs a read (a copy and the XXH3 check)."""
+    from fanstore.select import bench
+
+    units = [np.random.default_rng(3).bytes(64 << 10) for _ in range(64)]
+    base = bench.baseline(units)
+    return base.copy + base.checksum
+
+
+class Measuring:
+    """Trials of one selection (see the module docstring)."""
+
+    def __init__(self, files, options: SelectionOptions) -> None:
+        self.options = options
+        self.readers = max(1, min(options.n_cores, local_cores()))
+        self.how = HowToRead(options.reader or "api", options.mode, self.readers,
+                             options.n_cores)
+        self.jobs = local_cores()
+        self.tmp = tempfile.mkdtemp(prefix="fanstore-select-", dir=options.storage_dir)
+        self.count = 0
+        self.seconds = 0.0
+        t0 = time.monotonic()
+        try:
+            self.trial = trial.make_trial_set(files, os.path.join(self.tmp, "set"),
+                                              options.chunk_size, self.readers, options.seed)
+        except BaseException:
+            self.close()
+            raise
+        self.seconds += time.monotonic() - t0
+        if not self.trial.whole and not self.trial.pieces:
+            self.close()
+            raise CalibrationError("no file of the source could be copied for the trials")
+
+    # ------------------------------------------------------------------ trials
+
+    def measure(self, policy, encode_bytes_per_s: float, label: str) -> Measured:
+        """One finalist: ``policy`` (a ``CodecPolicy``) measured as :mod:`.trial` says."""
+        n_whole, n_pieces = trial.prefix_sizes(self.trial, encode_bytes_per_s, self.jobs,
+                                               self.readers)
+        self.count += 1
+        t0 = time.monotonic()
+        try:
+            m = trial.measure(self.trial, policy, self.how,
+                              os.path.join(self.tmp, f"trial-{self.count}"), n_whole,
+                              n_pieces, self.options.seed, self.jobs)
+        finally:
+            self.seconds += time.monotonic() - t0
+        log.info("measured %s: %.0f files/s (%.0f MB/s) for the source, rounds %s", label,
+                 m.files_per_s, m.bytes_per_s / 1e6, [round(r) for r in m.rounds])
+        return m
+
+    def calibrate(self, storage: float, latency: float) -> tuple[Measured, ReaderCost]:
+        """The ``none`` trial and the reader's cost fitted to it."""
+        from fanstore.pack.plan import CodecPolicy
+
+        try:
+            m = self.measure(CodecPolicy(parse_spec("none")), float("inf"), "none")
+        except TrialError as exc:
+            raise CalibrationError(f"calibration: {exc}") from None
+        cost = reader_cost(m.latencies, self.how.reader, self.how.mode, self.readers,
+                           self.options.chunk_size, copy_checksum_cost(), storage, latency,
+                           m.measured_files_per_s, m.seconds)
+        return m, cost
+
+    def close(self) -> None:
+        trial_dirs = [os.path.join(self.tmp, d) for d in os.listdir(self.tmp)] \
+            if os.path.isdir(self.tmp) else []
+        for d in trial_dirs:
+            mnt = os.path.join(d, "mnt")
+            if os.path.ismount(mnt):
+                trial.unmount(mnt)
+        if not any(os.path.ismount(os.path.join(d, "mnt")) for d in trial_dirs):
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+__all__ = ["Measuring", "copy_checksum_cost", "local_cores",
+           "why_not_measured"]

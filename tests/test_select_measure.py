@@ -1,0 +1,305 @@
+"""The selector's measurements: which finalists, a measured epoch, the trial set and its
+scaling, the reader's fit, the report's answer when nothing meets the budget, and
+``select --check``.
+
+Pure parts are tested with synthetic numbers; the real parts read through real mounts and
+the real CLI. Nothing here asserts a speed: the measured rates are compared with what the
+same measurement says (a budget met or not, the best ratio among the measured), never with
+a clock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from helpers import assert_cli_error, assert_no_traceback, cleanup_mount, mount_store, run_cli
+
+from fanstore.select import finalists
+from fanstore.select.calibrate import reader_cost
+from fanstore.select.epoch import PassResult, Target, drop_page_cache, run_pass
+from fanstore.select.finalists import Option, choose_measured, next_to_measure
+from fanstore.select.trial import TrialFile, TrialSet, _scale, make_trial_set, prefix_sizes
+
+MB = 1e6
+needs_fuse = pytest.mark.fuse  # (conftest.py skips these without FUSE)
+
+
+# --------------------------------------------------------------------------- finalists
+
+
+def _search(options, truth, required, limit=6):
+    """Run the finalist search against ``truth`` (label -> measured rate); returns the
+    measured rates and the choice."""
+    measured = {"none": truth["none"]}
+    while (label := next_to_measure(options, measured, required, limit)) is not None:
+        assert label not in measured
+        measured[label] = truth[label]
+    return measured, choose_measured(options, measured, required)
+
+
+TRUTH = {"zstd:19": 150.0, "zstd:9": 160.0, "lz4": 300.0, "none": 320.0}
+RATIOS = {"zstd:19": 3.0, "zstd:9": 2.5, "lz4": 2.0, "none": 1.0}
+
+
+def _options(model_over_truth: float) -> list[Option]:
+    return [Option(lb, RATIOS[lb], TRUTH[lb] * model_over_truth) for lb in TRUTH]
+
+
+def test_a_pessimistic_model_cannot_hide_a_winner():
+    """The model says every codec is half as fast as it is: zstd:19 (modelled at 75, the
+    budget 100) is measured anyway and chosen."""
+    measured, (label, met) = _search(_options(0.5), TRUTH, required=100.0)
+    assert (label, met) == ("zstd:19", True)
+    assert measured["zstd:19"] == 150.0
+    assert finalists.correction(_options(0.5), measured) == pytest.approx(2.0)
+
+
+def test_an_optimistic_model_is_caught_by_the_measurement():
+    """The model says twice the truth: zstd:19 and zstd:9 look fine (300, 320 for a budget
+    of 200) and are measured; both fail; lz4 meets it and is chosen."""
+    measured, (label, met) = _search(_options(2.0), TRUTH, required=200.0)
+    assert {"zstd:19", "zstd:9", "lz4"} <= set(measured)
+    assert (label, met) == ("lz4", True)
+
+
+def test_nothing_meets_the_budget_the_fastest_measured_is_named():
+    measured, (label, met) = _search(_options(1.0), TRUTH, required=1000.0)
+    assert not met and label == "none" and measured["none"] == 320.0
+    assert len(measured) >= finalists.MIN_MEASURED
+
+
+def test_the_search_stops_at_its_limit_and_at_min_measured():
+    opts = [Option(f"c{i}", 10.0 - i, 100.0) for i in range(10)] + [Option("none", 1, 500)]
+    truth = {o.label: o.model for o in opts}
+    measured, (label, met) = _search(opts, truth, required=50.0, limit=4)
+    assert len(measured) <= 4 and (label, met) == ("c0", True)
+    # an exact model: the best ratio meets it, and only the minimum is measured
+    measured, _ = _search(opts, truth, required=50.0, limit=10)
+    assert len(measured) == finalists.MIN_MEASURED
+
+
+def test_measured_ties_go_to_the_faster():
+    opts = [Option("a", 2.000, 100), Option("b", 1.995, 100), Option("none", 1, 100)]
+    label, met = choose_measured(opts, {"a": 120.0, "b": 180.0, "none": 300.0}, 100.0)
+    assert (label, met) == ("b", True)
+
+
+# --------------------------------------------------------------------------- scaling
+
+
+def _pass(latency: list[float], sizes: list[int], wall: float, readers: int = 2):
+    return PassResult(files=len(latency), bytes=sum(sizes), readers=readers, seconds=wall,
+                      latency=latency, reader_cpu=wall, mount_cpu=wall)
+
+
+def test_a_trial_pass_is_scaled_by_whole_files_and_by_bytes_of_large_files():
+    """1,000 whole files and 100 MB in 10 large files; the trial read 10 whole files at
+    1 ms each and 2 pieces of 10 MB at 20 ms each, two readers busy all along."""
+    whole = [TrialFile(f"w/{i}", 1000, False, "txt/tiny") for i in range(10)]
+    pieces = [TrialFile(f"l/{i}", 10_000_000, True, "f32/large") for i in range(2)]
+    trial = TrialSet("/nowhere", whole, pieces, 1000, 1_000_000, 10, 100_000_000, 1 << 20)
+    order = whole + pieces
+    lat = [0.001] * 10 + [0.020] * 2
+    files_s, bytes_s, cpu = _scale(trial, order, _pass(lat, [f.size for f in order],
+                                                       wall=sum(lat) / 2))
+    # reader-seconds: 1 ms x 1,000 + (40 ms / 20 MB) x 100 MB = 1.2 s; two at once: 0.6 s
+    assert files_s == pytest.approx(1010 / 0.6)
+    assert bytes_s == pytest.approx(101_000_000 / 0.6)
+    assert cpu == pytest.approx(0.6 * 2 / 1010)  # CPU = 2 x wall in the synthetic pass
+
+
+def test_the_reader_fit_recovers_its_costs():
+    """Latencies made of 120 µs per file, 400 µs per further chunk, the copy and the
+    storage: the fit finds the first two."""
+    rng = np.random.default_rng(1)
+    chunk, copy, storage, latency = 1 << 20, 0.2e-9, 2e9, 80e-6
+    files = []
+    for _ in range(500):
+        size = int(rng.integers(1, 20 * chunk))
+        chunks = -(-size // chunk)
+        files.append((size, 120e-6 + (chunks - 1) * 400e-6 + size * copy + latency
+                      + size / storage))
+    cost = reader_cost(files, "mount", "sync", 2, chunk, copy, storage, latency, 1000.0, 1.0)
+    assert cost.per_file == pytest.approx(120e-6, rel=1e-6)
+    assert cost.per_chunk == pytest.approx(400e-6, rel=1e-6)
+    assert cost.file_cost(3) == pytest.approx(920e-6, rel=1e-6)
+    # prefetch mode charges no storage in the fit: it stays in the per-file cost
+    pre = reader_cost(files, "mount", "prefetch", 2, chunk, copy, storage, latency, 1.0, 1.0)
+    assert pre.per_file > cost.per_file
+
+
+# --------------------------------------------------------------------------- a pass
+
+
+def _tree(root, n=40, size=3000, seed=5) -> dict[str, bytes]:
+    rng = np.random.default_rng(seed)
+    files = {f"d{i % 4}/{i:03d}.txt": rng.bytes(size) for i in range(n)}
+    for rel, data in files.items():
+        p = os.path.join(root, rel)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "wb") as f:
+            f.write(data)
+    return files
+
+
+def test_a_pass_reads_every_file_once_and_counts_what_fails(tmp_path):
+    files = _tree(tmp_path)
+    rels = sorted(files) + ["d0/missing.txt"]
+    r = run_pass(Target("mount", str(tmp_path)), rels, readers=3)
+    assert r.files == len(rels) and r.readers == 3 and len(r.latency) == len(rels)
+    assert r.bytes == sum(len(d) for d in files.values())
+    assert r.errors == 1 and "d0/missing.txt" in r.first_error
+    assert all(x > 0 for x in r.latency) and r.seconds > 0 and r.mount_cpu is None
+    # more readers than files: one per file
+    assert run_pass(Target("mount", str(tmp_path)), sorted(files)[:2], readers=8).readers == 2
+
+
+def test_a_pass_through_the_api_reads_the_store(tmp_path):
+    files = _tree(tmp_path / "src")
+    run_cli("pack", tmp_path / "src", tmp_path / "s", "--codec", "zstd:3", "--no-progress",
+            check=True)
+    drop_page_cache([str(tmp_path / "s")])
+    r = run_pass(Target("api", str(tmp_path / "s"), cache_mb=1), sorted(files), readers=2)
+    assert r.errors == 0 and r.bytes == sum(len(d) for d in files.values())
+
+
+# --------------------------------------------------------------------------- the trial set
+
+
+def test_the_trial_set_keeps_kinds_directories_and_bytes(tmp_path):
+    """Whole files keep their kind and size, in directories as full as the source's; a
+    large file is cut into pieces of its own bytes at chunk-aligned offsets."""
+    from fanstore.kinds import file_kind
+    from fanstore.select.sample import list_source
+
+    src = tmp_path / "src"
+    files = _tree(src, n=120)
+    chunk = 64 << 10
+    rng = np.random.default_rng(9)
+    big = {f"big/{i}.f32": rng.bytes(200 * chunk + 123) for i in range(2)}
+    for rel, data in big.items():
+        os.makedirs(src / "big", exist_ok=True)
+        (src / rel).write_bytes(data)
+    trial = make_trial_set(list_source(str(src)), str(tmp_path / "set"), chunk, readers=2)
+    assert (trial.source_whole_files, trial.source_large_files) == (120, 2)
+    assert trial.source_large_bytes == sum(len(d) for d in big.values())
+    assert len(trial.whole) == 120 and len(trial.pieces) == 4
+    per_dir: dict[str, int] = {}
+    for f in trial.whole:
+        per_dir[os.path.dirname(f.rel)] = per_dir.get(os.path.dirname(f.rel), 0) + 1
+        assert file_kind(f.rel, f.size) == f.kind == "txt/tiny"
+        assert (tmp_path / "set" / f.rel).read_bytes() in files.values()
+    assert set(per_dir.values()) == {30}  # 120 files in 4 directories at the source
+    for p in trial.pieces:
+        data = (tmp_path / "set" / p.rel).read_bytes()
+        assert len(data) == 64 * chunk and p.kind == "f32/large"
+        found = [(rel, whole.find(data)) for rel, whole in big.items() if data in whole]
+        assert found and found[0][1] % chunk == 0
+    # a slow encoder reads a prefix: every piece one reader needs, and MIN_FILES whole files
+    n_whole, n_pieces = prefix_sizes(trial, 1.0, jobs=2, readers=2)
+    assert (n_whole, n_pieces) == (min(120, 500), 2)
+
+
+# --------------------------------------------------------------------------- the CLI
+
+
+def _npy_tree(root, n=12):
+    rng = np.random.default_rng(3)
+    os.makedirs(root, exist_ok=True)
+    for i in range(n):
+        arr = np.cumsum(rng.standard_normal(20_000).astype(np.float32) * 0.01)
+        np.save(os.path.join(root, f"{i:03d}.npy"), arr.astype(np.float32))
+    return str(root)
+
+
+@needs_fuse
+def test_a_budget_no_codec_meets_ends_with_the_fastest_and_its_pack_command(tmp_path):
+    src = _npy_tree(tmp_path / "d")
+    proc = run_cli("select", src, "--mode", "sync", "--mb-per-sec", "1000000000", "--cores",
+                   "1", "--sample-mb", "1", "--trials", "2", timeout=300)
+    assert proc.returncode == 3, proc.stderr
+    assert_no_traceback(proc)
+    last = proc.stdout.rstrip("\n").splitlines()[-2:]
+    assert last[0].startswith("not met   no codec reaches 1,000,000,000 MB/s")
+    assert "the fastest," in last[0] and "measured" in last[0] and "short" in last[0]
+    assert last[1].startswith(f"pack      fanstore pack {src} DEST --codec ")
+    err = proc.stderr.strip().splitlines()
+    assert err[-1].startswith("fanstore: budget not met: no codec meets the budget")
+    assert not any(line.startswith("fanstore: error") for line in err)
+    doc = json.loads(run_cli("select", src, "--mode", "sync", "--mb-per-sec", "1000000000",
+                             "--cores", "1", "--sample-mb", "1", "--trials", "2", "--json",
+                             timeout=300).stdout)
+    assert doc["met"] is False and doc["not_met"]["fastest"] == doc["chosen"]
+    assert doc["candidates"][0]["rate_from"] in ("measured", "model")
+    assert doc["pack_command"].endswith(f"--codec {doc['chosen']}")
+
+
+@needs_fuse
+def test_check_reads_a_store_as_its_report_predicted(tmp_path):
+    src = _npy_tree(tmp_path / "d", n=40)
+    sel = run_cli("select", src, "--json", "--mb-per-sec", "1", "--cores", "2",
+                  "--sample-mb", "2", "--trials", "2", timeout=300)
+    assert sel.returncode == 0, sel.stderr
+    report = tmp_path / "sel.json"
+    report.write_text(sel.stdout)
+    doc = json.loads(sel.stdout)
+    store = tmp_path / "s"
+    run_cli("pack", src, store, "--codec", doc["chosen"], "--no-progress", check=True)
+    proc = run_cli("select", "--check", store, "--report", report, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = {ln[:10].strip(): ln for ln in proc.stdout.splitlines()}
+    assert "40 files" in lines["check"] and doc["chosen"].split("+")[0] in lines["check"]
+    assert "sync, 2 readers through a temporary mount, cold" in lines["read"]
+    assert f"for {doc['chosen']}" in lines["predicted"] and str(report) in lines["predicted"]
+    assert "x the prediction" in lines["measured"] and lines["budget"].endswith(": met")
+    out = json.loads(run_cli("select", "--check", store, "--report", report, "--json",
+                             timeout=300).stdout)
+    assert out["files"] == 40 and out["met"] is True and out["kind"] == "store"
+    assert out["measured_over_predicted"] == pytest.approx(
+        out["measured"]["files_per_s"] / out["predicted"]["files_per_s"], rel=1e-2)
+    # The same store against a budget its measurement cannot meet: status 3, one line.
+    doc["budget"]["required_mb_per_s"] = 1e9
+    report.write_text(json.dumps(doc))
+    proc = run_cli("select", "--check", store, "--report", report, timeout=300)
+    assert proc.returncode == 3 and "NOT met" in proc.stdout
+    assert proc.stderr.strip().startswith("fanstore: budget not met:")
+    with open("/proc/mounts") as f:
+        assert str(tmp_path) not in f.read()
+
+
+@needs_fuse
+def test_check_reads_a_live_mount_and_a_store_packed_with_auto(tmp_path):
+    src = _npy_tree(tmp_path / "d", n=20)
+    store = tmp_path / "s"
+    proc = run_cli("pack", src, store, "--codec", "auto", "--mb-per-sec", "1", "--cores", "2",
+                   "--sample-mb", "2", "--trials", "2", "--no-progress", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    mnt = tmp_path / "mnt"
+    pid = mount_store(store, mnt)
+    try:
+        out = json.loads(run_cli("select", "--check", mnt, "--json", timeout=300).stdout)
+        assert out["kind"] == "mount" and out["files"] == 20 and out["mode"] == "sync"
+        assert out["predicted"]["from"] == "the store's recorded selection"
+        assert out["predicted"]["rate_from"] == "measured" and out["met"] is True
+    finally:
+        cleanup_mount(mnt, pid)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--check", "{tmp}/nothing"), "does not exist"),
+    (("--check", "{tmp}"), "neither a FanStore store nor a live FanStore mount"),
+    (("{tmp}", "--check", "{tmp}"), "give SRC or --check STORE_OR_MOUNT, not both"),
+    (("{tmp}", "--report", "{tmp}/r.json"), "--report and --check-files go with --check"),
+    ((), "give SRC (the data to select a codec for) or --check STORE_OR_MOUNT"),
+    (("--check", "{store}", "--report", "{tmp}/bad.json"), "not JSON"),
+    (("--check", "{store}", "--report", "{tmp}/quick.json"), "not the report of a full"),
+])
+def test_check_bad_input(tmp_path, small_store, args, message):
+    (tmp_path / "bad.json").write_text("{nope")
+    (tmp_path / "quick.json").write_text(json.dumps({"quick": True}))
+    argv = [a.format(tmp=tmp_path, store=small_store) for a in args]
+    proc = run_cli("select", *argv)
+    assert_cli_error(proc, code=2, contains=message)
