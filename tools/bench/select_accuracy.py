@@ -1,33 +1,38 @@
 #!/usr/bin/env python3
-"""Does the selector predict what a reader gets, and does the default pack beat mksquashfs?
+"""Does `fanstore select` report what the mount then reads? And is the default pack stable?
 
-For each data set (a directory), in one sitting:
+For each data set (a directory), in one sitting, for each mode (sync, prefetch) and FUSE
+frontend (the kernel frontend; pyfuse3 in sync mode, where it applies):
 
-1. ``mksquashfs -comp zstd -Xcompression-level 3`` and ``fanstore pack`` with its default
-   (the quick selection) and, optionally, ``--codec auto``: stored bytes and ratio.
-2. ``fanstore select --reader mount`` and ``--reader api`` (``--cores N``, sync mode, the
-   default budget): the chosen candidate and its predicted files/s per node.
-3. The store packed with the mount selection's choice, read by N processes in random order,
-   ``--files`` files: through a real ``fanstore mount`` (the default frontend) and through
-   ``fanstore.open_store`` (the Python API), each cold (page cache dropped) and warm.
-   Predicted vs measured, for the same codec (the API prediction is the api report's row of
-   that codec).
+1. ``fanstore select DATA --cores N --json`` with the budget given (``--budget``; the
+   default budget otherwise), through that frontend (``FANSTORE_FRONTEND``): the chosen
+   codec, its reported files/s (measured for a finalist), the report's verdict, the time
+   the selection took.
+2. The whole data set packed with the chosen codec, then read ``--passes`` times: a fresh
+   mount in the same mode, the partitions dropped from the page cache, every file once in
+   a shuffled order (prefetch: the order handed to the mount first) by N reader processes:
+   ``fanstore.select.epoch.run_pass``, the very definition the selector's trials use, but
+   over the whole data set. The median pass is the truth; the report's files/s over it is
+   the accuracy, and the report's met/not met against the full pass's is the verdict check.
 
-Results go to ``tools/bench/results/select_accuracy.jsonl`` and, unless ``--no-docs``, to the
-``select_accuracy`` section of docs/selection.md.
+Then the default pack twice, the second beside a busy loop on every core: the same codecs
+and the same bytes? And its size against ``mksquashfs -comp zstd -Xcompression-level 3``.
 
-    tools/bench/select_accuracy.py /work/cap/small-text /work/cap/peers /work/cap/mixed \\
-        --work /tmp/acc --readers 2 --auto small-text
+Results go to ``tools/bench/results/select_accuracy.jsonl`` and (unless ``--no-docs``) to
+the ``select_accuracy`` section of docs/selection.md.
+
+    tools/bench/select_accuracy.py --work /work/acc --data /work/data \\
+        --sets small60k,peers,demo,big64 --budget small60k=files:1000
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -36,8 +41,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 REPO = common.REPO
+sys.path.insert(0, REPO)
+from fanstore.select.epoch import Target, drop_page_cache, run_pass  # noqa: E402
+
 FANSTORE = os.path.join(os.path.dirname(sys.executable), "fanstore")
+GEN = os.path.join(REPO, "tools", "gen_dataset.py")
 SELECTION_MD = os.path.join(REPO, "docs", "selection.md")
+#: The data sets of the issue: name -> gen_dataset.py arguments.
+SETS = {
+    "small60k": ["--preset", "small-text", "--scale", "0.2"],
+    "peers": ["--preset", "peers"],
+    "demo": ["--files", "1500", "--classes", "15", "--large", "1", "--large-mb", "32"],
+    "big64": ["--files", "0", "--large", "16", "--large-mb", "64"],
+}
+BURN = "import time\nt = time.time() + 600\nwhile time.time() < t:\n    pass\n"
 
 
 def log(msg: str) -> None:
@@ -52,277 +69,243 @@ def run(cmd: list[str], ok=(0,), **kw) -> subprocess.CompletedProcess:
     return proc
 
 
-def tree_bytes(root: str) -> tuple[int, list[str]]:
-    total, rels = 0, []
-    for d, _dirs, files in os.walk(root):
-        for name in files:
+def files_of(root: str) -> list[tuple[str, int]]:
+    out = []
+    for d, _dirs, names in os.walk(root):
+        for name in names:
             p = os.path.join(d, name)
-            if os.path.isfile(p) and not os.path.islink(p):
-                total += os.path.getsize(p)
-                rels.append(os.path.relpath(p, root))
-    return total, rels
+            out.append((os.path.relpath(p, root), os.path.getsize(p)))
+    return sorted(out)
 
 
-def pack_args(label: str) -> list[str]:
-    """``fanstore pack`` options that pack a selector candidate's label: the label itself
-    (one codec-spec grammar: ``zstd:19+dict+solid64k`` is a ``--codec``)."""
-    return ["--codec", label]
+# --------------------------------------------------------------------------- accuracy
 
 
-# --------------------------------------------------------------------------- readers
-
-
-def _api_reader(store: str, rels: list[str], barrier, out, slot: int) -> None:
-    import fanstore
-
-    try:
-        with fanstore.open_store(store) as s:
-            barrier.wait(600)
-            t0 = time.perf_counter()
-            for rel in rels:
-                s.read(rel)
-            out[slot] = time.perf_counter() - t0
-    except BaseException:  # noqa: BLE001 - the parent reports a failed pass
-        out[slot] = -1.0
-        try:
-            barrier.abort()
-        except Exception:  # noqa: BLE001
-            pass
-
-
-def api_pass(store: str, rels: list[str], readers: int) -> float:
-    """Files/s of ``readers`` processes reading ``rels`` dealt round-robin (fork, barrier)."""
-    ctx = mp.get_context("fork")
-    barrier = ctx.Barrier(readers + 1)
-    out = ctx.Array("d", readers)
-    procs = [ctx.Process(target=_api_reader, args=(store, rels[i::readers], barrier, out, i))
-             for i in range(readers)]
-    for p in procs:
-        p.start()
-    barrier.wait(600)
-    t0 = time.perf_counter()
-    for p in procs:
-        p.join(900)
-    wall = time.perf_counter() - t0
-    if any(v < 0 for v in out):
-        raise SystemExit(f"an API reader of {store} failed")
-    return len(rels) / wall
-
-
-def mount_pass(mnt: str, list_file: str, readers: int) -> float:
-    proc = run([sys.executable, os.path.join(REPO, "tools", "bench", "reader.py"), "read",
-                "--root", mnt, "--list", list_file, "--workers", str(readers),
-                "--seed", "1"])
-    row = json.loads(proc.stdout.strip().splitlines()[-1])
-    if row.get("errors"):
-        raise SystemExit(f"reading through {mnt}: {row.get('first_error')}")
-    return float(row["files_per_s"])
-
-
-# --------------------------------------------------------------------------- one data set
-
-
-def measure(data: str, name: str, a, rows: list[dict], emit) -> None:
-    work = os.path.join(a.work, name)
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
-    raw, rels = tree_bytes(data)
-    base = {"dataset": name, "files": len(rels), "raw_bytes": raw}
-    log(f"{name}: {len(rels):,} files, {raw / 1e6:,.0f} MB")
-
-    if not a.no_capacity:
-        img = os.path.join(work, "img.sqfs")
-        t0 = time.monotonic()
-        run(["mksquashfs", data, img, "-comp", "zstd", "-Xcompression-level", "3",
-             "-noappend", "-no-progress", "-quiet", "-processors", str(os.cpu_count() or 1)])
-        emit({**base, "kind": "capacity", "option": "mksquashfs zstd-3",
-              "stored_bytes": os.path.getsize(img), "seconds": round(time.monotonic() - t0, 1)})
-        os.unlink(img)
-
-    packs = [] if a.no_capacity else [("fanstore pack (default)", [])]
-    if name in a.auto:
-        packs.append(("fanstore pack --codec auto", ["--codec", "auto", "--cores",
-                                                     str(a.readers)]))
-    for label, extra in packs:
-        dest = os.path.join(work, "store-default")
-        t0 = time.monotonic()
-        proc = run([FANSTORE, "pack", data, dest, "--no-progress", "--force", *extra])
-        line = next((ln for ln in proc.stderr.splitlines() if "selection" in ln), "")
-        emit({**base, "kind": "capacity", "option": label,
-              "stored_bytes": common.dir_bytes(dest),
-              "seconds": round(time.monotonic() - t0, 1), "line": line.strip()})
-        shutil.rmtree(dest)
-
-    # one prediction per reader: the mount calibrated through each FUSE frontend (the
-    # selector measures whichever frontend `fanstore mount` uses: FANSTORE_FRONTEND)
-    predictions = {}
-    for reader in (*a.frontends, "api"):
-        env = dict(os.environ, FANSTORE_FRONTEND=reader) if reader != "api" else None
-        proc = run([FANSTORE, "select", data, "--reader", "api" if reader == "api" else "mount",
-                    "--cores", str(a.readers), "--sample-mb", str(a.sample_mb), "--json",
-                    *a.select_args.split()], ok=(0, 3), env=env)
-        predictions[reader] = json.loads(proc.stdout)
-    chosen = predictions[a.frontends[0]]["chosen"]
-    store = os.path.join(work, "store-chosen")
-    run([FANSTORE, "pack", data, store, "--no-progress", *pack_args(chosen)])
-    stored = common.dir_bytes(store)
-
-    rng = random.Random(a.seed)
-    pick = rng.sample(rels, min(a.files, len(rels)) if a.files > 0 else len(rels))
-    list_file = os.path.join(work, "list.txt")
-    with open(list_file, "w") as f:
-        f.write("".join(r + "\n" for r in pick))
-
-    measured: dict[tuple[str, str], float] = {}
-    stats: dict[str, dict] = {}
+def full_passes(store: str, rels: list[str], mode: str, frontend: str, readers: int,
+                passes: int, work: str) -> list[dict]:
+    """``passes`` cold epochs of the whole store through a fresh mount each."""
     mnt = os.path.join(work, "mnt")
     os.makedirs(mnt, exist_ok=True)
-    for frontend in a.frontends:
-        run([FANSTORE, "mount", store, mnt, "--local-dir", os.path.join(work, "local"),
-             "--frontend", frontend])
+    out = []
+    for k in range(passes):
+        order = list(rels)
+        random.Random(100 + k).shuffle(order)
+        drop_page_cache([store])
+        run([FANSTORE, "mount", "--mode", mode, "--frontend", frontend, store, mnt])
         try:
-            run([FANSTORE, "wait", mnt])
-            common.drop_caches()
-            measured[frontend, "cold"] = mount_pass(mnt, list_file, a.readers)
-            stats[frontend] = json.loads(run([FANSTORE, "stats", mnt, "--json"]).stdout)
-            measured[frontend, "warm"] = mount_pass(mnt, list_file, a.readers)
+            r = run_pass(Target("mount", mnt, order_to=mnt if mode == "prefetch" else None),
+                         order, readers, watch=mnt)
         finally:
             subprocess.run([FANSTORE, "umount", mnt], capture_output=True, check=False)
-    common.drop_caches()
-    measured["api", "cold"] = api_pass(store, pick, a.readers)
-    measured["api", "warm"] = api_pass(store, pick, a.readers)
-    for reader in (*a.frontends, "api"):
-        doc = predictions[reader]
-        row = next(c for c in doc["candidates"] if c["codec"] == chosen)
-        for phase in ("cold", "warm"):
-            extra = {}
-            if phase == "cold" and reader in stats:  # decodes per file read, cold pass
-                st = stats[reader]
-                extra = {"chunks_decoded": st.get("chunks_decoded"), "reads": st.get("reads"),
-                         "files_read_cold": len(pick)}
-            emit({**base, "kind": "accuracy", "reader": reader, "phase": phase, **extra,
-                  "codec": chosen, "ratio": raw / stored, "readers": a.readers,
-                  "files_read": len(pick),
-                  "predicted_files_per_s": row["files_per_s"],
-                  "measured_files_per_s": round(measured[reader, phase], 1),
-                  "reader_calibration": doc.get("reader"),
-                  "storage_mb_per_s": doc["budget"]["storage_mb_per_s"],
-                  "read_amplification": row.get("read_amplification"),
-                  "select_args": a.select_args, "own_choice": doc["chosen"]})
+        if r.errors:
+            raise SystemExit(f"full pass of {store}: {r.errors} errors ({r.first_error})")
+        out.append({"files_per_s": r.files_per_s, "mb_per_s": r.bytes_per_s / 1e6,
+                    "seconds": r.seconds,
+                    "cpu_us_per_file": r.cpu / max(1, r.files) * 1e6})
+        log(f"    full pass {k + 1}: {r.files_per_s:,.0f} files/s, {r.bytes_per_s / 1e6:,.0f} "
+            f"MB/s, {r.cpu / r.files * 1e6:,.0f} us CPU per file")
+    return out
+
+
+def accuracy(name: str, data: str, a, emit) -> None:
+    rels = [r for r, _ in files_of(data)]
+    budget = a.budgets.get(name, [])
+    for mode in a.modes:
+        for frontend in a.frontends:
+            if frontend == "pyfuse3" and mode == "prefetch":
+                continue  # pyfuse3 serves sync mode only
+            work = os.path.join(a.work, f"{name}-{mode}-{frontend}")
+            shutil.rmtree(work, ignore_errors=True)
+            os.makedirs(work)
+            env = dict(os.environ, FANSTORE_FRONTEND=frontend, TMPDIR=work)
+            log(f"{name} {mode} {frontend}: fanstore select {' '.join(budget)}")
+            t0 = time.monotonic()
+            proc = run([FANSTORE, "select", data, "--mode", mode, "--cores", str(a.readers),
+                        "--json", *budget, *a.select_args], ok=(0, 3), env=env)
+            seconds = time.monotonic() - t0
+            doc = json.loads(proc.stdout)
+            chosen = doc["chosen"]
+            row = next(c for c in doc["candidates"] if c["codec"] == chosen)
+            log(f"  chose {chosen}: {row['files_per_s']:,.0f} files/s ({row['rate_from']}), "
+                f"model {row['model_files_per_s']:,.0f}; met {doc['met']}; {seconds:.0f} s")
+            store = os.path.join(work, "store")
+            t0 = time.monotonic()
+            run([FANSTORE, "pack", data, store, "--codec", chosen, "--no-progress"])
+            pack_s = time.monotonic() - t0
+            os.sync()
+            time.sleep(3)  # let the pack's writeback settle before a cold pass
+            passes = full_passes(store, rels, mode, frontend, a.readers, a.passes, work)
+            truth = statistics.median(p["files_per_s"] for p in passes)
+            required = doc["budget"]["required_files_per_s"]
+            emit({"kind": "accuracy", "dataset": name, "mode": mode, "frontend": frontend,
+                  "readers": a.readers, "budget": " ".join(budget) or "default",
+                  "required_files_per_s": required, "codec": chosen,
+                  "ratio": row["ratio"], "reported_files_per_s": row["files_per_s"],
+                  "reported_from": row["rate_from"],
+                  "model_files_per_s": row["model_files_per_s"],
+                  "rounds": (row.get("measured") or {}).get("rounds_files_per_s"),
+                  "full_files_per_s": [round(p["files_per_s"], 1) for p in passes],
+                  "full_mb_per_s": [round(p["mb_per_s"], 1) for p in passes],
+                  "full_cpu_us_per_file": [round(p["cpu_us_per_file"], 1) for p in passes],
+                  "truth_files_per_s": round(truth, 1),
+                  "reported_over_truth": round(row["files_per_s"] / truth, 3),
+                  "reported_met": doc["met"], "full_met": truth >= required,
+                  "select_seconds": round(seconds, 1), "pack_seconds": round(pack_s, 1),
+                  "measured": doc.get("measurement"),
+                  "candidates_measured": [c["codec"] for c in doc["candidates"]
+                                          if c["rate_from"] == "measured"]})
+            shutil.rmtree(work, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- the default
+
+
+def default_pack(name: str, data: str, a, emit) -> None:
+    work = os.path.join(a.work, f"{name}-default")
     shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    raw = sum(s for _, s in files_of(data))
+    img = os.path.join(work, "img.sqfs")
+    t0 = time.monotonic()
+    run(["mksquashfs", data, img, "-comp", "zstd", "-Xcompression-level", "3", "-noappend",
+         "-no-progress", "-quiet", "-processors", str(os.cpu_count() or 1)])
+    sq, sq_s = os.path.getsize(img), time.monotonic() - t0
+    os.unlink(img)
+    stores = {}
+    for label, busy in (("quiet", False), ("busy", True)):
+        dest = os.path.join(work, label)
+        burners = [subprocess.Popen([sys.executable, "-c", BURN])
+                   for _ in range(os.cpu_count() or 1)] if busy else []
+        try:
+            t0 = time.monotonic()
+            proc = run([FANSTORE, "pack", data, dest, "--no-progress"])
+            secs = time.monotonic() - t0
+        finally:
+            for p in burners:
+                p.kill()
+                p.wait()
+        line = next((ln for ln in proc.stderr.splitlines() if "quick selection" in ln), "")
+        stores[label] = (dest, secs, line)
+    names = sorted(os.listdir(stores["quiet"][0]))
+    same = names == sorted(os.listdir(stores["busy"][0])) and all(
+        _same(os.path.join(stores["quiet"][0], n), os.path.join(stores["busy"][0], n))
+        for n in names)
+    info = json.loads(run([FANSTORE, "info", stores["quiet"][0], "--json"]).stdout)
+    stored = common.dir_bytes(stores["quiet"][0])
+    emit({"kind": "default", "dataset": name, "raw_bytes": raw, "files": len(files_of(data)),
+          "mksquashfs_bytes": sq, "mksquashfs_seconds": round(sq_s, 1),
+          "fanstore_bytes": stored, "capacity_vs_mksquashfs": round(sq / stored, 4),
+          "quiet_seconds": round(stores["quiet"][1], 1),
+          "busy_seconds": round(stores["busy"][1], 1), "identical": same,
+          "per_kind": (info.get("selection") or {}).get("per_kind"),
+          "line": stores["quiet"][2]})
+    log(f"{name} default pack: {raw / stored:.2f}x (mksquashfs {raw / sq:.2f}x), quiet and "
+        f"busy packs identical: {same}")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def _same(a: str, b: str) -> bool:
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while True:
+            x, y = fa.read(1 << 20), fb.read(1 << 20)
+            if x != y:
+                return False
+            if not x:
+                return True
 
 
 # --------------------------------------------------------------------------- output
 
 
 def render(rows: list[dict], a) -> str:
+    acc = [r for r in rows if r["kind"] == "accuracy"]
     out = [f"Measured by `tools/bench/select_accuracy.py` on {time.strftime('%Y-%m-%d')} "
-           f"(commit {common.git_commit()}), "
-           f"{a.readers} readers = `--cores {a.readers}`, sync mode, default budget; each "
-           "pass reads the files in random order (a sample, or every file: column 'files "
-           "read'); cold = page cache dropped, a fresh mount; a mount row names its FUSE "
-           "frontend ('mount' alone: the default frontend of that run). Each data set's "
-           "latest run (column 'run').", "",
-           "Capacity (stored bytes; ratio = raw / stored):", "",
-           "| data set | files | raw MB | mksquashfs zstd-3 | fanstore pack (default) | "
-           "default / mksquashfs | --codec auto | auto / mksquashfs |",
-           "|---|---|---|---|---|---|---|---|"]
-    for name in dict.fromkeys(r["dataset"] for r in rows):
-        cap = {r["option"]: r for r in rows if r["dataset"] == name and r["kind"] == "capacity"}
-        if not cap:
-            continue
-        any_row = next(iter(cap.values()))
-        raw = any_row["raw_bytes"]
-
-        def ratio(opt):
-            r = cap.get(opt)
-            return raw / r["stored_bytes"] if r else None
-
-        sq, de, au = (ratio("mksquashfs zstd-3"), ratio("fanstore pack (default)"),
-                      ratio("fanstore pack --codec auto"))
-        out.append(f"| {name} | {any_row['files']:,} | {raw / 1e6:,.0f} | "
-                   f"{common.num(sq, 3)}x | {common.num(de, 3)}x | "
-                   f"{common.ratio(de, sq) if de and sq else '-'} | "
-                   f"{common.num(au, 3) + 'x' if au else '-'} | "
-                   f"{common.ratio(au, sq) if au and sq else '-'} |")
-    out += ["", "Predicted vs measured files/s for the codec `fanstore select --reader mount` "
-            "chose (the api row is the api report's prediction for the same codec):", "",
-            "| data set | run | codec | reader | files read | predicted files/s | measured "
-            "cold | cold / predicted | measured warm | warm / predicted |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
-    for name in dict.fromkeys(r["dataset"] for r in rows):
-        readers = dict.fromkeys(r["reader"] for r in rows if r["dataset"] == name
-                                and r["kind"] == "accuracy")
-        for reader in readers:
-            acc = {r["phase"]: r for r in rows if r["dataset"] == name
-                   and r["kind"] == "accuracy" and r["reader"] == reader}
-            if not acc:
-                continue
-            p = acc["cold"]["predicted_files_per_s"]
-            c, w = acc["cold"]["measured_files_per_s"], acc["warm"]["measured_files_per_s"]
-            label = {"mount": "mount (kernel)"}.get(reader, reader)
-            if reader in ("kernel", "pyfuse3"):
-                label = f"mount ({reader})"
-            args = acc["cold"].get("select_args")
-            out.append(f"| {name} | {acc['cold']['run_id']} | {acc['cold']['codec']}"
-                       f"{' (`' + args + '`)' if args else ''} | "
-                       f"{label} | {acc['cold'].get('files_read', 4000):,} | {common.num(p)} | "
-                       f"{common.num(c)} | {common.ratio(c, p)} | {common.num(w)} | "
-                       f"{common.ratio(w, p)} |")
+           f"(commit {common.git_commit()}), one run: {a.readers} readers = `--cores "
+           f"{a.readers}`; 'reported' is the files/s `fanstore select` printed for the codec "
+           "it chose (measured: the median of its 3 trial rounds, scaled to the whole data "
+           "set); 'full pass' is the whole data set packed with that codec and read once, "
+           "cold (a fresh mount, the partitions dropped from the page cache), every file in a "
+           "shuffled order (prefetch: the order handed to the mount first), by the same "
+           f"readers through the same frontend, {a.passes} times (median, then each).", "",
+           "| data set | mode | frontend | budget | chosen | ratio | reported files/s | "
+           "full pass files/s (median; each) | reported / full | model / full | met: "
+           "reported / full pass | select s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in acc:
+        each = ", ".join(f"{x:,.0f}" for x in r["full_files_per_s"])
+        out.append(
+            f"| {r['dataset']} | {r['mode']} | {r['frontend']} | {r['budget']} "
+            f"({r['required_files_per_s']:,.0f} files/s) | {r['codec']} | {r['ratio']:.2f}x | "
+            f"{r['reported_files_per_s']:,.0f} ({r['reported_from']}) | "
+            f"{r['truth_files_per_s']:,.0f} ({each}) | {r['reported_over_truth']:.2f}x | "
+            f"{r['model_files_per_s'] / r['truth_files_per_s']:.2f}x | "
+            f"{'met' if r['reported_met'] else 'not met'} / "
+            f"{'met' if r['full_met'] else 'not met'} | {r['select_seconds']:.0f} |")
+    dflt = [r for r in rows if r["kind"] == "default"]
+    if dflt:
+        out += ["", "The default pack (no `--codec`), twice: once on a quiet machine, once "
+                "beside a busy loop on every core; against `mksquashfs -comp zstd "
+                "-Xcompression-level 3`:", "",
+                "| data set | files | raw MB | mksquashfs MB | default pack MB | capacity vs "
+                "mksquashfs | pack s quiet / busy | mksquashfs s | the two packs |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for r in dflt:
+            out.append(f"| {r['dataset']} | {r['files']:,} | {r['raw_bytes'] / 1e6:,.1f} | "
+                       f"{r['mksquashfs_bytes'] / 1e6:,.1f} | {r['fanstore_bytes'] / 1e6:,.1f} "
+                       f"| {r['capacity_vs_mksquashfs']:.3f}x | {r['quiet_seconds']:.1f} / "
+                       f"{r['busy_seconds']:.1f} | {r['mksquashfs_seconds']:.1f} | "
+                       f"{'byte-identical' if r['identical'] else 'DIFFER'} |")
     return "\n".join(out) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("data", nargs="+")
-    p.add_argument("--work", required=True)
+    p.add_argument("--work", required=True, help="scratch directory (stores, mounts)")
+    p.add_argument("--data", required=True,
+                   help="directory of the data sets (generated there when missing)")
+    p.add_argument("--sets", default=",".join(SETS))
+    p.add_argument("--modes", default="sync,prefetch")
+    p.add_argument("--frontends", default="kernel,pyfuse3")
     p.add_argument("--readers", type=int, default=2)
-    p.add_argument("--files", type=int, default=4000,
-                   help="files read per pass, a random sample (0: every file, an epoch: "
-                        "needed where a few large files hold most bytes, since the model's "
-                        "files/s is bytes/s over the mean file size)")
-    p.add_argument("--sample-mb", type=float, default=64.0)
-    p.add_argument("--auto", default="", help="data set names also packed with --codec auto")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--frontends", default="kernel",
-                   help="FUSE frontends to read through, comma-separated (kernel,pyfuse3)")
-    p.add_argument("--select-args", default="",
-                   help="more `fanstore select` options, e.g. '--files-per-sec 1000'")
-    p.add_argument("--no-capacity", action="store_true",
-                   help="skip mksquashfs and the default pack (prediction only)")
+    p.add_argument("--passes", type=int, default=3)
+    p.add_argument("--budget", action="append", default=[],
+                   help="NAME=files:N or NAME=mb:N (default: the default budget)")
+    p.add_argument("--select-args", default="", help="more `fanstore select` options")
+    p.add_argument("--no-default", action="store_true", help="skip the default-pack part")
     p.add_argument("--no-docs", action="store_true")
     p.add_argument("--results", default=os.path.join(common.RESULTS_DIR,
                                                      "select_accuracy.jsonl"))
     a = p.parse_args(argv)
-    a.auto = set(filter(None, a.auto.split(",")))
+    a.modes = [m for m in a.modes.split(",") if m]
     a.frontends = [f for f in a.frontends.split(",") if f]
+    a.select_args = a.select_args.split()
+    a.budgets = {}
+    for b in a.budget:
+        name, _, spec = b.partition("=")
+        what, _, value = spec.partition(":")
+        a.budgets[name] = ["--files-per-sec" if what == "files" else "--mb-per-sec", value]
     if os.geteuid() != 0:
-        p.error("needs root (drops the page cache for the cold passes)")
-    rows: list[dict] = []
-    run_id = time.strftime("%Y%m%dT%H%M%S")
+        p.error("needs root (mounts, and drops page caches for the cold passes)")
+    os.makedirs(a.work, exist_ok=True)
     os.makedirs(os.path.dirname(a.results), exist_ok=True)
+    run_id = time.strftime("%Y%m%dT%H%M%S")
+    rows: list[dict] = []
 
     def emit(row: dict) -> None:
         row["run_id"] = run_id
         rows.append(row)
         with open(a.results, "a") as f:
             f.write(json.dumps(row) + "\n")
-        log(json.dumps({k: v for k, v in row.items() if k != "reader_calibration"}))
 
-    for data in a.data:
-        measure(os.path.abspath(data), os.path.basename(os.path.normpath(data)), a, rows, emit)
-    # The table: each data set's latest run in the results file (a data set can be measured
-    # again alone, e.g. with --files 0, without losing the others).
-    # Capacity and accuracy rows each from their own latest run (a --no-capacity run keeps
-    # the data set's capacity row).
-    latest: dict[tuple[str, bool], str] = {}
-    with open(a.results) as f:
-        saved = [json.loads(line) for line in f if line.strip()]
-    for r in saved:
-        key = (r["dataset"], r["kind"] == "capacity")
-        latest[key] = max(latest.get(key, ""), r["run_id"])
-    text = render([r for r in saved
-                   if r["run_id"] == latest[r["dataset"], r["kind"] == "capacity"]], a)
+    for name in [s for s in a.sets.split(",") if s]:
+        data = os.path.join(a.data, name)
+        if not os.path.isdir(data):
+            log(f"generating {name}")
+            run([sys.executable, GEN, data, *SETS[name]])
+        accuracy(name, data, a, emit)
+        if not a.no_default:
+            default_pack(name, data, a, emit)
+    text = render(rows, a)
     print(text)
     if not a.no_docs:
         common.replace_section("select_accuracy", text, path=SELECTION_MD)
