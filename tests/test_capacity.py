@@ -370,7 +370,7 @@ def test_select_measures_its_finalists(text_tree, tmp_path, reader):
     for c in cands.values():
         if c["rate_from"] == "measured":
             got = c["measured"]
-            assert len(got["rounds_files_per_s"]) == 3 and got["trial_files"] > 0
+            assert 3 <= len(got["rounds_files_per_s"]) <= 5 and got["trial_files"] > 0
             assert c["files_per_s"] == pytest.approx(got["files_per_s"], rel=1e-3)
             assert c["meets_budget"] == (c["files_per_s"] >= required * 0.9999)
         else:

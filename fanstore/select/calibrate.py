@@ -9,8 +9,8 @@ a reader gets.
 The calibration is the ``none`` trial of :mod:`.trial`: the trial set (at least 1,500 of the
 source's own files, in directories as full as the source's, and pieces of up to 64 chunks
 of its large files) packed raw, read cold by ``--cores`` readers through a temporary mount
-in the user's mode (or the Python API), three times, the median round kept. That is an
-epoch's cost in steady state: no single slow first request weighs on it, and storage is
+in the user's mode (or the Python API), three to five times, the median round kept. That is
+an epoch's cost in steady state: no single slow first request weighs on it, and storage is
 cold where the mode reads cold storage. :func:`reader_cost` fits the median round's files::
 
     latency(file) - (copy + checksum) x bytes - storage(file)  =  t_file + (chunks - 1) t_chunk

@@ -395,7 +395,7 @@ def measure_line(res: SelectionResult) -> str:
               "cost (the lower of that bound and linear scaling)"
               if info.cores > info.readers else "")
     return (f"measured  {info.trials} finalists, each a miniature of the source (trial.py) "
-            f"packed with it and read by {info.how}, the median of 3 rounds scaled to the "
+            f"packed with it and read by {info.how}, the median of 3-5 rounds scaled to the "
             f"whole source ({info.seconds:.0f} s; the model was off by "
             f"{info.correction:.2f}x){scaled}")
 
