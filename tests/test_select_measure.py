@@ -303,3 +303,39 @@ def test_check_bad_input(tmp_path, small_store, args, message):
     argv = [a.format(tmp=tmp_path, store=small_store) for a in args]
     proc = run_cli("select", *argv)
     assert_cli_error(proc, code=2, contains=message)
+
+
+@needs_fuse
+def test_a_selection_killed_mid_trial_leaves_nothing_behind(tmp_path):
+    """SIGTERM while a finalist's trial mount is up: the selection unwinds, unmounts and
+    removes its temporary directory, and exits 130."""
+    import signal
+    import subprocess
+    import time
+
+    from helpers import FANSTORE, wait_until
+
+    src = _npy_tree(tmp_path / "d", n=40)
+    work = tmp_path / "tmp"
+    work.mkdir()
+    proc = subprocess.Popen([FANSTORE, "select", src, "--mb-per-sec", "1", "--cores", "2",
+                             "--sample-mb", "2"], env=dict(os.environ, TMPDIR=str(work)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        def trial_mounted() -> bool:
+            with open("/proc/mounts") as f:
+                return str(work) in f.read()
+
+        assert wait_until(trial_mounted, timeout=120, interval=0.02), "no trial mount seen"
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "fanstore: interrupted" in err and "Traceback" not in err
+    time.sleep(0.5)
+    with open("/proc/mounts") as f:
+        assert str(tmp_path) not in f.read()
+    assert os.listdir(work) == []

@@ -9,6 +9,7 @@ printed first, so ``--json`` output is complete either way.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 
 from fanstore.cli.common import add_select_budget_args, nonneg_int, size
@@ -41,7 +42,18 @@ def add_parsers(sub, common) -> None:
     s.set_defaults(func=cmd_select)
 
 
+def _stop_cleanly_on_sigterm() -> None:
+    """SIGTERM (a job's time limit, ``kill``) unwinds like Ctrl-C: the trials' temporary
+    mounts and stores are removed on the way out (``fanstore: interrupted``, status 130)."""
+
+    def handler(_signum, _frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def cmd_select(args) -> int:
+    _stop_cleanly_on_sigterm()
     if getattr(args, "check", None):
         return _check(args)
     if getattr(args, "report", None) or getattr(args, "check_files", 0):
