@@ -229,6 +229,9 @@ def report_lines(res: CheckResult) -> list[str]:
     lines.append(f"measured  {res.files_per_s:,.0f} files/s ({res.bytes_per_s / MB:,.0f} MB/s) "
                  f"per node{scaled}{ratio_s}; {cpu:,.0f} µs of CPU per file (readers and "
                  "mount)")
+    if p is not None and p.chosen and _base(p.chosen) not in res.codecs:
+        lines.append(f"note      the prediction is for {p.chosen}; this store holds "
+                     f"{', '.join(res.codecs)}")
     if p is not None and p.mode != res.mode:
         lines.append(f"note      the prediction is for {p.mode} mode; this {res.kind} was read "
                      f"in {res.mode} mode")
@@ -240,6 +243,12 @@ def report_lines(res: CheckResult) -> list[str]:
                      + (": met" if res.met else
                         f": NOT met ({res.bytes_per_s / need:.0%} of it)"))
     return lines
+
+
+def _base(label: str) -> str:
+    """A codec label without its solid-block suffix (the codec table does not name it)."""
+    head, plus, tail = label.rpartition("+solid")
+    return head if plus and tail.endswith("k") else label
 
 
 def to_json(res: CheckResult) -> dict[str, Any]:
