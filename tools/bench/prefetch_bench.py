@@ -808,7 +808,7 @@ class Bench(common.RowLog):
         mine = cand.get(self.a.codec) or {}
         self.emit({"kind": "model", "assumes": doc.get("assumes"), "chosen": doc.get("chosen"),
                    "codec": self.a.codec, "files_per_s": mine.get("files_per_s"),
-                   "chosen_files_per_s": (doc.get("predicted") or {}).get("node_files_per_s"),
+                   "chosen_files_per_s": (doc.get("predicted") or {}).get("files_per_s"),
                    "cores": (doc.get("budget") or {}).get("cores"),
                    "reader": doc.get("reader")})
         log(f"  {self.a.codec}: {mine.get('files_per_s')} files/s predicted (prefetch); "

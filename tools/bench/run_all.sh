@@ -14,9 +14,10 @@
 #   5. tools/bench/fuse_bench.py                  the two FUSE frontends next to squashfuse_ll
 #                                                 and raw: peers, 300,000 and 1,280,000 small
 #                                                 files, directory listing (~60 min)
-#   6. tools/bench/select_accuracy.py             capacity vs mksquashfs and the selector's
-#                                                 predictions vs real reads on three data sets
-#                                                 made by tools/gen_dataset.py (~30 min)
+#   6. tools/bench/select_accuracy.py             the selector's reported files/s vs a cold
+#                                                 full pass, both modes and frontends, on four
+#                                                 data sets; the default pack twice (one beside
+#                                                 a CPU load) vs mksquashfs (~45 min)
 #   7. tools/bench/sources_bench.py               pack from a tar vs extract + pack; S3
 #                                                 stage-in, 1 vs 8 streams (~15 min)
 #   8. tools/bench/stage_bench.py                 stage-in from a shared directory next to
@@ -88,14 +89,9 @@ for step in $ONLY; do
         ;;
     select_accuracy)
         echo "[$(date +%T)] run_all: select_accuracy" >&2
-        for set in small-text peers mixed; do
-            [ -d "$SEL_WORK/data/$set" ] || "$PY" "$REPO/tools/gen_dataset.py" \
-                "$SEL_WORK/data/$set" --preset "$set" || status=$?
-        done
-        "$PY" "$HERE/select_accuracy.py" "$SEL_WORK/data/small-text" "$SEL_WORK/data/peers" \
-            --work "$SEL_WORK/run" --readers 2 --files 4000 || status=$?
-        "$PY" "$HERE/select_accuracy.py" "$SEL_WORK/data/mixed" --work "$SEL_WORK/run" \
-            --readers 2 --files 0 || status=$?
+        # generates its four data sets under $SEL_WORK/data when they are missing
+        "$PY" "$HERE/select_accuracy.py" --work "$SEL_WORK/run" --data "$SEL_WORK/data" \
+            --sets small60k,peers,demo,big64 --budget small60k=files:1000 || status=$?
         ;;
     sources_bench)
         echo "[$(date +%T)] run_all: sources_bench" >&2
