@@ -632,6 +632,11 @@ def test_pack_auto_per_kind_applies_the_policy(tmp_path):
     sel = index.meta["selection"]
     per_kind = sel["per_kind"]
     assert len(set(per_kind.values())) >= 3  # none, a shuffle filter, a zstd for the JSON
+    # the mix is a finalist of its own: packed and read like the single codecs
+    mix = sel["per_kind_predicted"]
+    assert mix["rate_from"] == "measured" and mix["met"] is True
+    assert mix["files_per_s"] >= sel["budget"]["required_files_per_s"]
+    assert 3 <= len(mix["measured"]["rounds_files_per_s"]) <= 5
     slots_seen: dict[str, set[str]] = {}
     for entry in range(index.n_entries):
         if int(index.e["kind"][entry]) != KIND_FILE:

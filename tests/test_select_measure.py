@@ -339,3 +339,26 @@ def test_a_selection_killed_mid_trial_leaves_nothing_behind(tmp_path):
     with open("/proc/mounts") as f:
         assert str(tmp_path) not in f.read()
     assert os.listdir(work) == []
+
+
+def test_more_cores_than_here_are_scaled_by_the_cpu_per_file_and_said(tmp_path):
+    """--cores 16 on this machine: the trials read with the cores here, and each finalist's
+    rate is scaled to 16 by the lower of linear scaling and the CPU each file cost."""
+    src = _npy_tree(tmp_path / "d", n=30)
+    here = len(os.sched_getaffinity(0))
+    args = [src, "--reader", "api", "--mode", "sync", "--mb-per-sec", "1", "--cores", "16",
+            "--sample-mb", "2", "--trials", "2", "--storage-mb-per-sec", "1000"]
+    doc = json.loads(run_cli("select", *args, "--json", timeout=300).stdout)
+    assert doc["measurement"]["readers"] == min(16, here) and doc["budget"]["cores"] == 16
+    for c in doc["candidates"]:
+        m = c["measured"]
+        if m is None:
+            continue
+        assert m["readers"] == min(16, here) and m["scaled_to_cores"] == 16
+        linear = m["files_per_s_as_measured"] * 16 / m["readers"]
+        cpu_bound = 16 / (m["cpu_us_per_file"] * 1e-6)
+        assert m["files_per_s"] == pytest.approx(
+            max(m["files_per_s_as_measured"], min(linear, cpu_bound)), rel=0.02)
+    text = run_cli("select", *args, timeout=300).stdout
+    line = next(x for x in text.splitlines() if x.startswith("measured  "))
+    assert f"rates scaled from {min(16, here)} to 16 cores by the CPU each file" in line
