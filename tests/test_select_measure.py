@@ -362,3 +362,35 @@ def test_more_cores_than_here_are_scaled_by_the_cpu_per_file_and_said(tmp_path):
     text = run_cli("select", *args, timeout=300).stdout
     line = next(x for x in text.splitlines() if x.startswith("measured  "))
     assert f"rates scaled from {min(16, here)} to 16 cores by the CPU each file" in line
+
+
+def test_a_finalist_whose_trial_fails_is_left_out_and_said(tmp_path, monkeypatch):
+    """One finalist's trial fails (here: made to): it is reported with why, never chosen,
+    and the selection goes on with the others."""
+    from fanstore.select import SelectionOptions, run_selection
+    from fanstore.select.measuring import Measuring
+    from fanstore.select.report import table, to_json
+    from fanstore.select.trial import TrialError
+
+    src = _npy_tree(tmp_path / "d", n=20)
+    real = Measuring.measure
+    failed = []
+
+    def measure(self, policy, rate, label):
+        if label != "none" and not failed:
+            failed.append(label)
+            raise TrialError("'fanstore mount' of a temporary store failed: test")
+        return real(self, policy, rate, label)
+
+    monkeypatch.setattr(Measuring, "measure", measure)
+    res = run_selection(src, SelectionOptions(
+        mode="sync", mb_per_sec=1.0, cores=2, sample_mb=2.0, reader="api", trials=4,
+        storage_mb_per_sec=1000.0, progress=False, storage_dir=str(tmp_path)))
+    bad = res.candidate(failed[0])
+    assert bad.measured is None and "test" in bad.measure_error and not bad.chosen
+    assert res.chosen != failed[0] and res.candidate(res.chosen).measured is not None
+    row = next(c for c in to_json(res)["candidates"] if c["codec"] == failed[0])
+    assert row["measure_error"] and row["rate_from"] == "model"
+    line = next(x for x in table(res).splitlines() if x.startswith(failed[0] + " "))
+    assert " failed " in line
+    assert [p for p in os.listdir(tmp_path) if p.startswith("fanstore-select-")] == []
