@@ -17,7 +17,7 @@
 #   6. tools/bench/select_accuracy.py             the selector's reported files/s vs a cold
 #                                                 full pass, both modes and frontends, on four
 #                                                 data sets; the default pack twice (one beside
-#                                                 a CPU load) vs mksquashfs (~45 min)
+#                                                 a CPU load) vs mksquashfs (~90 min)
 #   7. tools/bench/sources_bench.py               pack from a tar vs extract + pack; S3
 #                                                 stage-in, 1 vs 8 streams (~15 min)
 #   8. tools/bench/stage_bench.py                 stage-in from a shared directory next to
@@ -91,7 +91,11 @@ for step in $ONLY; do
         echo "[$(date +%T)] run_all: select_accuracy" >&2
         # generates its four data sets under $SEL_WORK/data when they are missing
         "$PY" "$HERE/select_accuracy.py" --work "$SEL_WORK/run" --data "$SEL_WORK/data" \
-            --sets small60k,peers,demo,big64 --budget small60k=files:1000 || status=$?
+            --sets small60k,peers,demo,big64 \
+            --budget small60k=files:1000 --budget small60k=default \
+            --budget peers=files:2000 --budget peers=default \
+            --budget demo=files:1000 --budget demo=default \
+            --budget big64=mb:500 --budget big64=default || status=$?
         ;;
     sources_bench)
         echo "[$(date +%T)] run_all: sources_bench" >&2
