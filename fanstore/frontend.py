@@ -66,7 +66,7 @@ class MountContext:
     #: a frontend may create files (counters)
     runtime: Any = None
     #: worker ranks of this node that serve the mount (MPI processes that join the
-    #: frontend: fanstore.noderank); 0: the frontend forks its own workers
+    #: frontend: fanstore.workerrank); 0: the frontend forks its own workers
     external_workers: int = 0
 
 

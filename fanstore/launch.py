@@ -55,15 +55,15 @@ def frontend_factory(name: str) -> FrontendFactory:
         raise MountError("/dev/fuse does not exist: FUSE is not available on this machine")
     if name == "pyfuse3":
         try:
-            from fanstore.fuse import pyfuse3_frontend
+            from fanstore.fuse.pyfuse3 import frontend as pyfuse3_frontend
         except ImportError as exc:
             raise MountError(
                 f"the pyfuse3 frontend is not installed ({exc.name} missing): pip install "
                 "'fanstore[fuse]' (needs libfuse3-dev, fuse3 and pkg-config)") from None
         return pyfuse3_frontend.create
-    from fanstore.fuse import kernelfront
+    from fanstore.fuse.kernelfs import frontend as kernelfs_frontend
 
-    return kernelfront.create
+    return kernelfs_frontend.create
 
 
 def mount(options: NodeOptions, foreground: bool = False, debug: bool = False,
@@ -115,7 +115,7 @@ def _mount_rank(options: NodeOptions, factory: FrontendFactory, debug: bool,
     from fanstore.daemon.launcher import shim
 
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # hydra's "a peer died"; handled once serving
-    # With the kernel frontend the mount is served by worker ranks (fanstore.noderank):
+    # With the kernel frontend the mount is served by worker ranks (fanstore.workerrank):
     # launched with the node (--ranks-per-node K, srun --ntasks-per-node=K), or spawned
     # here when every node was launched with one rank under hydra (mpiexec -n N).
     spawn = options.mount.worker_count() if options.mount.frontend == "kernel" else 0
@@ -127,14 +127,14 @@ def _mount_rank(options: NodeOptions, factory: FrontendFactory, debug: bool,
     if code is not None:
         return Outcome(code, hard_exit=True)
     world = World.from_mpi(options.ranks_per_node, spawn_workers=spawn,
-                           spawn_command=["-m", "fanstore.noderank"]
+                           spawn_command=["-m", "fanstore.workerrank"]
                            + (["--debug"] if debug else []))
     job = world.job
     if not job.is_leader:  # a launched worker rank (K tasks per node)
-        from fanstore import noderank
+        from fanstore import workerrank
 
-        code, clean = noderank.run_worker(world, debug)
-        return Outcome(code, hard_exit=not noderank.finish(world, clean))
+        code, clean = workerrank.run_worker(world, debug)
+        return Outcome(code, hard_exit=not workerrank.finish(world, clean))
     runtime.sweep_shared()  # every node's leader: what killed daemons left on its host
     process.setup_logging(debug, sys.stderr, fmt=(
         f"%(asctime)s fanstore[node {world.rank}/{world.size}] %(levelname)s: %(message)s"))

@@ -2,8 +2,8 @@
 
 Files hold slices of one pseudo-random pool (so 20,000 files of 100 kB cost no memory and
 any reader can recompute the expected bytes with :func:`content_for`). Everything a request
-needs is prebuilt: an :class:`~fanstore.fuse.kernel.records.EntryTable` for LOOKUP/GETATTR
-and one :class:`~fanstore.fuse.kernel.records.DirListing` per directory for READDIR(PLUS); the
+needs is prebuilt: an :class:`~fanstore.fuse.engine.records.EntryTable` for LOOKUP/GETATTR
+and one :class:`~fanstore.fuse.engine.records.DirListing` per directory for READDIR(PLUS); the
 handler only indexes. A test double of the engine's tests (tests/test_kernel_fuse.py), kept
 out of the product package.
 
@@ -36,9 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from fanstore.fuse.kernel import EngineOptions, FuseErrno
-from fanstore.fuse.kernel import proto as P
-from fanstore.fuse.kernel import records as R
+from fanstore.fuse.engine import EngineOptions, FuseErrno
+from fanstore.fuse.engine import proto as P
+from fanstore.fuse.engine import records as R
 
 POOL_SIZE = 8 << 20
 POOL_SEED = 20240611
@@ -256,8 +256,8 @@ class MemHandler:
 
 def main(argv: list[str] | None = None) -> int:
     from fanstore.errors import FanStoreError
-    from fanstore.fuse.kernel import DEFAULT_INIT_FLAGS, InitOptions, KernelSession, MountOptions
-    from fanstore.fuse.kernel.handshake import parse_flags
+    from fanstore.fuse.engine import DEFAULT_INIT_FLAGS, InitOptions, KernelSession, MountOptions
+    from fanstore.fuse.engine.handshake import parse_flags
 
     ap = argparse.ArgumentParser(prog="python tests/kernel_memfs.py")
     ap.add_argument("mountpoint")

@@ -1,4 +1,4 @@
-"""The kernel-protocol FUSE engine (fanstore/fuse/kernel): unit tests without a kernel, then
+"""The kernel-protocol FUSE engine (fanstore/fuse/engine): unit tests without a kernel, then
 real mounts of its in-memory file system (memfs) served by forked workers.
 
 Every mount is made by a fixture whose teardown stops the supervisor, kills every process it
@@ -32,13 +32,13 @@ import numpy as np
 import pytest
 
 from fanstore.errors import MountError
-from fanstore.fuse.kernel import Dispatcher, EngineOptions, FuseErrno, KernelSession
-from fanstore.fuse.kernel import counters as C
-from fanstore.fuse.kernel import proto as P
-from fanstore.fuse.kernel import records as R
-from fanstore.fuse.kernel.mount import cleanup_stale, is_mounted, mount_state
-from fanstore.fuse.kernel.notify import notify_inval_inode, notify_store
-from fanstore.fuse.kernel.optable import OPCODES
+from fanstore.fuse.engine import Dispatcher, EngineOptions, FuseErrno, KernelSession
+from fanstore.fuse.engine import counters as C
+from fanstore.fuse.engine import proto as P
+from fanstore.fuse.engine import records as R
+from fanstore.fuse.engine.mount import cleanup_stale, is_mounted, mount_state
+from fanstore.fuse.engine.notify import notify_inval_inode, notify_store
+from fanstore.fuse.engine.optable import OPCODES
 
 ROOT = os.geteuid() == 0
 MEMFS = memfs.__file__  # run as a script by the mount tests
@@ -165,7 +165,7 @@ def test_init_out_layout():
 
 
 def test_the_engine_imports_nothing_of_fanstore_but_its_errors():
-    """fanstore.fuse.kernel is a layer of its own, below fanstore.fuse: it may use
+    """fanstore.fuse.engine is a layer of its own, below fanstore.fuse: it may use
     fanstore.errors (MountError) and fanstore.unixsock (socket paths of any length, standard
     library only) and nothing else of FanStore."""
     import ast
@@ -184,7 +184,7 @@ def test_the_engine_imports_nothing_of_fanstore_but_its_errors():
                       if n.startswith("..") or (n.startswith("fanstore")
                                                  and n not in ("fanstore.errors",
                                                                "fanstore.unixsock")
-                                                 and not n.startswith("fanstore.fuse.kernel"))]
+                                                 and not n.startswith("fanstore.fuse.engine"))]
     assert not found, found
 
 
@@ -1137,7 +1137,7 @@ def test_outside_unmount_ends_the_session(memmount, how):
 _CRASHY = r"""
 import sys
 from fanstore.errors import MountError
-from fanstore.fuse.kernel import KernelSession
+from fanstore.fuse.engine import KernelSession
 s = KernelSession(sys.argv[1], crash_limit=3, crash_window=30)
 s.mount()
 def factory():

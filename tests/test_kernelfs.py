@@ -21,13 +21,13 @@ from helpers import copy_store, damage_file
 
 from fanstore.errors import MountError
 from fanstore.fuse.fsops import TIMEOUT, FsOps
-from fanstore.fuse.kernel import Dispatcher, RequestCounters
-from fanstore.fuse.kernel import counters as C
-from fanstore.fuse.kernel import proto as P
-from fanstore.fuse.kernel.records import iter_dirents
-from fanstore.fuse.kernelfs import KernelHandler
-from fanstore.fuse.kernelspec import FrontendSpec, read_spec
-from fanstore.fuse.kernelstats import (
+from fanstore.fuse.engine import Dispatcher, RequestCounters
+from fanstore.fuse.engine import counters as C
+from fanstore.fuse.engine import proto as P
+from fanstore.fuse.engine.records import iter_dirents
+from fanstore.fuse.kernelfs.handler import KernelHandler
+from fanstore.fuse.kernelfs.spec import FrontendSpec, read_spec
+from fanstore.fuse.kernelfs.stats import (
     COL,
     PREFETCH_COLUMNS,
     READ_COLUMNS,
@@ -299,7 +299,7 @@ def test_summed_stats_adds_the_workers_rows(device):
 
 
 def test_the_frontend_process_refuses_a_bad_spec_in_one_line(capsys):
-    from fanstore.fuse.kernelproc import frontend_main
+    from fanstore.fuse.kernelfs.process import frontend_main
 
     r, w = os.pipe()
     os.write(w, json.dumps(_spec(workers=-3)).encode())

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: Layers, lowest first; a module may import its own layer and those below. The daemon's
 #: MPI world and the FUSE frontends share a rank but never import each other; the kernel
-#: protocol engine (fanstore.fuse.kernel) is a layer of its own below the frontends, and the
+#: protocol engine (fanstore.fuse.engine) is a layer of its own below the frontends, and the
 #: daemon's MPI-free services (placement, the peer protocol, routing, staging, the control
 #: requests) a layer below the MPI world.
 DAEMON_SERVICES = tuple(f"fanstore.daemon.{m}" for m in (
@@ -35,10 +35,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                   "fanstore.control", "fanstore.frontend", "fanstore.api", "fanstore.torch",
                   "fanstore.pack", "fanstore.select")),
     ("daemon services", DAEMON_SERVICES),
-    ("kernel engine", ("fanstore.fuse.kernel",)),
+    ("kernel engine", ("fanstore.fuse.engine",)),
     ("daemon", ("fanstore.daemon",)),
     ("fuse", ("fanstore.fuse",)),
-    ("cli", ("fanstore.cli", "fanstore.launch", "fanstore.noderank", "fanstore")),
+    ("cli", ("fanstore.cli", "fanstore.launch", "fanstore.workerrank", "fanstore")),
 ]
 SIBLINGS = {"daemon": 6, "fuse": 6}  # same rank
 #: Third-party libraries only one part of the code may import.
@@ -47,7 +47,7 @@ OWNED = {"pyfuse3": ("fanstore.fuse",), "trio": ("fanstore.fuse",),
          "fsspec": ("fanstore.storage",), "botocore": ("fanstore.storage",)}
 #: The engine speaks the kernel's protocol for any file system: it knows only its errors.
 #: the engine's own modules, and FanStore's two standard-library-only leaves
-ENGINE_MAY_IMPORT = ("fanstore.fuse.kernel", "fanstore.errors", "fanstore.unixsock")
+ENGINE_MAY_IMPORT = ("fanstore.fuse.engine", "fanstore.errors", "fanstore.unixsock")
 
 
 def _modules() -> dict[str, Path]:
@@ -146,7 +146,7 @@ def test_imports_only_point_down():
 def test_the_engine_knows_nothing_of_fanstore():
     bad = [f"{MODULES[src].relative_to(ROOT)}:{line}: {src} imports {dst}"
            for src, dst, line in EDGES
-           if (src == "fanstore.fuse.kernel" or src.startswith("fanstore.fuse.kernel."))
+           if (src == "fanstore.fuse.engine" or src.startswith("fanstore.fuse.engine."))
            and dst.startswith("fanstore")
            and not any(dst == p or dst.startswith(p + ".") for p in ENGINE_MAY_IMPORT)]
     assert not bad, "the kernel engine imports FanStore:\n" + "\n".join(bad)
@@ -215,14 +215,14 @@ def test_no_import_cycles():
 
 
 @pytest.mark.parametrize("src, dst", [
-    ("fanstore.daemon.node", "fanstore.fuse.ops"),
-    ("fanstore.fuse.ops", "fanstore.daemon.node"),
+    ("fanstore.daemon.node", "fanstore.fuse.pyfuse3.operations"),
+    ("fanstore.fuse.pyfuse3.operations", "fanstore.daemon.node"),
     ("fanstore.read.core", "fanstore.control"),
     ("fanstore.format.index", "fanstore.read.core"),
     ("compressors.zstd", "fanstore.errors"),
     ("fanstore.daemon.routing", "fanstore.daemon.world"),
-    ("fanstore.fuse.kernel.dispatch", "fanstore.fuse.kernelfs"),
-    ("fanstore.daemon.placement", "fanstore.fuse.kernel.proto"),
+    ("fanstore.fuse.engine.dispatch", "fanstore.fuse.kernelfs.handler"),
+    ("fanstore.daemon.placement", "fanstore.fuse.engine.proto"),
 ])
 def test_the_rules_catch_a_forbidden_edge(src, dst):
     """The checker itself: each of these edges breaks a rule."""
@@ -233,8 +233,8 @@ def test_the_rules_catch_a_forbidden_edge(src, dst):
 def test_the_parser_sees_lazy_and_relative_imports(tmp_path):
     """Imports inside functions and relative imports are edges too."""
     path = tmp_path / "m.py"
-    path.write_text("def f():\n    from fanstore.fuse import ops\n"
+    path.write_text("def f():\n    from fanstore.fuse.pyfuse3 import operations\n"
                     "from . import routing\nimport pyfuse3\n")
     names = {n for n, _ in imports_of("fanstore.daemon.x", path)}
-    assert {"fanstore.fuse.ops", "fanstore.daemon.routing", "pyfuse3"} <= names
+    assert {"fanstore.fuse.pyfuse3.operations", "fanstore.daemon.routing", "pyfuse3"} <= names
     assert os.path.exists(MODULES["fanstore.daemon.node"])

@@ -216,7 +216,7 @@ def test_unix_sockets_of_any_path_length(tmp_path):
     path says, 0600."""
     import threading
 
-    from fanstore.fuse.kernel import handoff
+    from fanstore.fuse.engine import handoff
     from fanstore.unixsock import address
 
     deep = tmp_path / ("d" * 100)

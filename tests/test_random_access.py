@@ -3,7 +3,7 @@
 ``.npy``, and plain ``pread`` of pages. Every value is checked against the source.
 
 On the kernel frontend a chunk decoded for a partial READ is spilled into the page cache
-(fanstore/fuse/spill.py): the tests check that a page-sized random pass decodes each chunk
+(fanstore/fuse/kernelfs/spill.py): the tests check that a page-sized random pass decodes each chunk
 it touches about once for the whole node, that the pages of the chunks it touched are then
 read with no request at all, by any process, and that a file larger than the chunk cache
 is served right with a cache of 1 MiB.

@@ -288,8 +288,8 @@ def test_pyfuse3_handlers_called_directly(special_ops, special_tree, special_sto
     """S3QL-style: the pyfuse3 operations class without a kernel."""
     trio = pytest.importorskip("trio")
     pyfuse3 = pytest.importorskip("pyfuse3")
-    from fanstore.fuse.asyncread import AsyncReader
-    from fanstore.fuse.ops import FanStoreOps
+    from fanstore.fuse.pyfuse3.reader import AsyncReader
+    from fanstore.fuse.pyfuse3.operations import FanStoreOps
 
     fs, store = special_ops
     ops = FanStoreOps(fs, AsyncReader(store.ns, store.reader))
@@ -318,9 +318,9 @@ def test_pyfuse3_handlers_called_directly(special_ops, special_tree, special_sto
 def test_pyfuse3_read_of_corrupt_data_is_eio(small_store, tmp_path):
     trio = pytest.importorskip("trio")
     pyfuse3 = pytest.importorskip("pyfuse3")
-    from fanstore.fuse.asyncread import AsyncReader
+    from fanstore.fuse.pyfuse3.reader import AsyncReader
     from fanstore.fuse.fsops import FsOps
-    from fanstore.fuse.ops import FanStoreOps
+    from fanstore.fuse.pyfuse3.operations import FanStoreOps
     from fanstore.store import LocalStore
 
     bad = copy_store(small_store, tmp_path / "bad")

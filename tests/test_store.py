@@ -11,7 +11,7 @@ import stat
 import pytest
 import trio
 
-from fanstore.fuse.asyncread import AsyncReader
+from fanstore.fuse.pyfuse3.reader import AsyncReader
 from fanstore.errors import (
     CorruptDataError,
     IsADirectoryError_,

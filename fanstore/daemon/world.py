@@ -5,7 +5,7 @@ into *nodes* (:func:`group_nodes`): the ranks of one node share its mount, its n
 partitions and its remote service. Each node has a *leader* (its lowest rank: the node
 daemon, :mod:`fanstore.daemon.node`) and *worker ranks* that answer other nodes' reads of
 this node's partitions directly over MPI and, with the kernel frontend, serve the mount's
-FUSE requests (:mod:`fanstore.noderank`): no single process of a node is on the remote
+FUSE requests (:mod:`fanstore.workerrank`): no single process of a node is on the remote
 path. Worker ranks are either launched with the leader (``srun
 --ntasks-per-node=K``, or ``mpiexec -n N*K ... --ranks-per-node K``) or, when each node
 was launched with one rank under MPICH's hydra (``mpiexec -n N``), spawned by the leaders

@@ -1,6 +1,6 @@
 """The file system's logic, shared by both FUSE frontends: one operations object, two thin
-adapters (pyfuse3 in :mod:`fanstore.fuse.ops`, the kernel protocol in
-:mod:`fanstore.fuse.kernelfs`).
+adapters (pyfuse3 in :mod:`fanstore.fuse.pyfuse3.operations`, the kernel protocol in
+:mod:`fanstore.fuse.kernelfs.handler`).
 
 Everything here answers from the namespace (no I/O, no FUSE types) and raises FanStore
 errors carrying their errno; each adapter turns answers into its own reply format and

@@ -235,7 +235,7 @@ class ChunkReader:
         ``spill(entry, chunk_offset, chunk, offset, end)``, when given, is handed each
         decoded chunk of a read of part of a file, when the chunk is the file's own (not a
         solid block shared with others): the kernel frontend pushes the rest of it into the
-        page cache (:mod:`fanstore.fuse.spill`).
+        page cache (:mod:`fanstore.fuse.kernelfs.spill`).
         """
         first, lo, hi, end, base, file_size = self._where(entry, offset, size)
         if hi == lo:

@@ -2,10 +2,10 @@
 
 The kernel frontend's workers each decode the chunks of the READs they get. For a file read
 at random offsets, the first READ in a chunk makes one worker decode it and spill the rest
-into the page cache (:mod:`fanstore.fuse.spill`); a READ for another page of that chunk that
-reaches a different worker before the spill has landed (an LMDB get faults a leaf page and
-then its overflow pages, back to back) used to decode the chunk a second time. With this
-table that worker copies the chunk the first one decoded instead.
+into the page cache (:mod:`fanstore.fuse.kernelfs.spill`); a READ for another page of that
+chunk that reaches a different worker before the spill has landed (an LMDB get faults a leaf
+page and then its overflow pages, back to back) used to decode the chunk a second time. With
+this table that worker copies the chunk the first one decoded instead.
 
 Layout: two anonymous shared-memory files made before the workers start
 (``memfd_create``: no name anyone could open; forked workers inherit them, worker ranks

@@ -34,8 +34,8 @@ class ReadStats:
     chunks_decoded: int = 0
     bytes_decoded: int = 0
     chunks_redecoded: int = 0  # decoded again by the process that had decoded them before
-    # the kernel frontend's chunk spill (fanstore.fuse.spill): chunks whose other pages went
-    # into the page cache, those bytes, offers dropped (queue full), stores refused
+    # the kernel frontend's chunk spill (fanstore.fuse.kernelfs.spill): chunks whose other
+    # pages went into the page cache, those bytes, offers dropped (queue full), stores refused
     spill_chunks: int = 0
     spill_bytes: int = 0
     spill_dropped: int = 0

@@ -1,6 +1,6 @@
 """The prefetch window shared by one node's kernel-frontend workers, and the orders it follows.
 
-Prefetch mode (:mod:`fanstore.fuse.prefetch`) runs a prefetch thread in every worker
+Prefetch mode (:mod:`fanstore.fuse.kernelfs.orders`) runs a prefetch thread in every worker
 process of the mount. They coordinate through two anonymous shared-memory files made by the
 frontend process before it starts its workers (``memfd_create``: no name anyone could open;
 forked workers inherit them, worker ranks receive them with their /dev/fuse descriptor):

@@ -1,4 +1,4 @@
-"""Benchmark of the kernel-protocol FUSE engine (fanstore/fuse/kernel) with its memfs.
+"""Benchmark of the kernel-protocol FUSE engine (fanstore/fuse/engine) with its memfs.
 
 For each worker count and reader mode, a fresh mount of memfs (N files of SIZE bytes held in
 memory) is read by R reader processes in a shuffled order: a cold pass (first after the
@@ -43,8 +43,8 @@ sys.path.insert(0, os.path.join(REPO, "tests"))  # kernel_memfs: the engine's te
 
 import kernel_memfs as memfs
 
-from fanstore.fuse.kernel.counters import RequestCounters, diff
-from fanstore.fuse.kernel.mount import is_mounted
+from fanstore.fuse.engine.counters import RequestCounters, diff
+from fanstore.fuse.engine.mount import is_mounted
 
 READER = r"""
 import os, sys, time, json
@@ -216,7 +216,7 @@ def readdir_bench(args, work: str) -> list[dict]:
     """READDIRPLUS of a 10,000-entry directory; relisting with either opendir answer."""
     import numpy as np
 
-    from fanstore.fuse.kernel import records as R
+    from fanstore.fuse.engine import records as R
 
     n = 10_000
     names = [f"entry-{i:06d}-with-a-longer-name".encode() for i in range(n)]

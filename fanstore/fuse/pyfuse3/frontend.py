@@ -15,9 +15,9 @@ import trio
 from fanstore import mounttable
 from fanstore.errors import MountError
 from fanstore.frontend import MountContext
-from fanstore.fuse.asyncread import AsyncReader
+from fanstore.fuse.pyfuse3.reader import AsyncReader
 from fanstore.fuse.fsops import FsOps
-from fanstore.fuse.ops import FanStoreOps
+from fanstore.fuse.pyfuse3.operations import FanStoreOps
 
 log = logging.getLogger(__name__)
 

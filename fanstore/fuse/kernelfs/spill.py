@@ -13,7 +13,7 @@ through ``read()`` or a memory map, is a page-cache hit that sends no request at
 chunk is decoded once per node while the kernel keeps its pages (the page cache is the
 kernel's to reclaim: FanStore holds no second copy).
 
-Rules this follows (:mod:`fanstore.fuse.kernel.notify`, "Deadlock hazard"): the store is
+Rules this follows (:mod:`fanstore.fuse.engine.notify`, "Deadlock hazard"): the store is
 written by a thread that serves no requests; it never covers the READ's own range (locked
 until the worker replies); it never goes past the file's size; the pages it fills are whole
 (the chunk starts on a page boundary and ends on one or at the end of the file). Only a
@@ -28,7 +28,7 @@ import logging
 import threading
 from collections import deque
 
-from fanstore.fuse.kernel import notify
+from fanstore.fuse.engine import notify
 
 log = logging.getLogger(__name__)
 

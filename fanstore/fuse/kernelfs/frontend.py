@@ -2,8 +2,8 @@
 serves, stop it, read its counters, hand it prefetch orders.
 
 The daemon never forks after MPI_Init: :meth:`KernelFrontend.mount` starts the frontend
-process (:mod:`fanstore.fuse.kernelproc`) with ``subprocess`` (fork + exec at once, the
-environment cleaned of PMI variables), hands it a :class:`~fanstore.fuse.kernelspec.
+process (:mod:`fanstore.fuse.kernelfs.process`) with ``subprocess`` (fork + exec at once, the
+environment cleaned of PMI variables), hands it a :class:`~fanstore.fuse.kernelfs.spec.
 FrontendSpec` through a pipe and waits for "ready" (or the error) on another. The frontend
 process and its workers die with the daemon (PR_SET_PDEATHSIG).
 """
@@ -25,10 +25,10 @@ import numpy as np
 from fanstore.errors import MountError
 from fanstore.format.index import KIND_FILE
 from fanstore.frontend import MountContext
-from fanstore.fuse.kernel import RequestCounters
-from fanstore.fuse.kernelspec import FrontendSpec
-from fanstore.fuse.kernelstats import summed_stats
-from fanstore.fuse.prefetch import DROP, ORDER, PUSH_PIECE, encode
+from fanstore.fuse.engine import RequestCounters
+from fanstore.fuse.kernelfs.spec import FrontendSpec
+from fanstore.fuse.kernelfs.stats import summed_stats
+from fanstore.fuse.kernelfs.orders import DROP, ORDER, PUSH_PIECE, encode
 from fanstore.process import read_ready
 from fanstore.read.window import CLIENTS, SharedWindow, write_order
 
@@ -88,7 +88,7 @@ class KernelFrontend:
                                                   self.window.state_fd, self.window.arena_fd)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "fanstore.fuse.kernelproc", "--spec-fd", str(spec_r)],
+                [sys.executable, "-m", "fanstore.fuse.kernelfs.process", "--spec-fd", str(spec_r)],
                 pass_fds=fds, env=env, stdin=subprocess.DEVNULL)
         finally:
             os.close(w)

@@ -2,7 +2,7 @@
 fills its row, and what ``fanstore stats`` sums from the rows.
 
 Every worker (forked, or a worker rank) has a row of the engine's counters table
-(:class:`fanstore.fuse.kernel.RequestCounters`, shared memory in the mount's runtime
+(:class:`fanstore.fuse.engine.RequestCounters`, shared memory in the mount's runtime
 directory): columns 0..63 count requests by opcode, 64..95 the engine's events, and the
 application's columns, from ``APP_COL0``, are laid out here, once, by name (:data:`COL`):
 :data:`READ_COLUMNS` (the worker's read core and chunk cache, and what a worker rank served
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fanstore.fuse.kernel.counters import APP_COL0, COLS, OP_COLS
+from fanstore.fuse.engine.counters import APP_COL0, COLS, OP_COLS
 from fanstore.read.stats import decoded_per_returned
 
 #: The read core's counters in a worker's row, from APP_COL0 on.
@@ -25,7 +25,7 @@ READ_COLUMNS = ("reads", "bytes_returned", "local_reads", "local_bytes", "remote
                 "served_requests", "served_bytes", "remote_failovers", "peers_marked_dead",
                 "bytes_decoded", "chunks_redecoded", "spill_chunks", "spill_bytes",
                 "spill_dropped", "spill_refused")
-#: Prefetch mode's counters (fanstore.fuse.prefetch), from PREFETCH_COL0 on; every one is
+#: Prefetch mode's counters (fanstore.fuse.kernelfs.orders), from PREFETCH_COL0 on; every one is
 #: summed over the workers except those of MAX_COLUMNS, which every worker copies alike.
 PREFETCH_COLUMNS = ("prefetch_files", "prefetch_pushed", "prefetch_bytes_pushed",
                     "prefetch_push_refused", "prefetch_lookups_ahead", "prefetch_buffered",

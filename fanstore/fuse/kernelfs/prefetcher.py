@@ -1,4 +1,4 @@
-"""Prefetch mode: the prefetch thread of one worker (see :mod:`fanstore.fuse.prefetch` for
+"""Prefetch mode: the prefetch thread of one worker (see :mod:`fanstore.fuse.kernelfs.orders` for
 the whole picture).
 
 The thread takes its stripe of each client's order (the indices i with i % K == slot - 1),
@@ -8,7 +8,7 @@ REMOTE_BATCH at a time, one exchange per holder), decodes and checks (the read c
 and pushes each file into its page cache with FUSE_NOTIFY_STORE. When the kernel does not
 hold the inode (ENOENT) it lists the file's directory through the mount once and pushes
 again; what is still refused, or what a READ is waiting for, goes to the worker's
-:class:`~fanstore.fuse.slab.Slab` of the shared buffer. Without any order, a READ of a file
+:class:`~fanstore.fuse.kernelfs.slab.Slab` of the shared buffer. Without any order, a READ of a file
 whose predecessor in its directory was read prefetches the next DIRECTORY_AHEAD files.
 
 Stores come only from this thread, which serves no requests (notify.py's deadlock rule);
@@ -32,10 +32,10 @@ import numpy as np
 
 from fanstore.errors import FanStoreError
 from fanstore.format.index import KIND_FILE
-from fanstore.fuse.kernel.notify import notify_store
-from fanstore.fuse.kernelstats import COL
-from fanstore.fuse.prefetch import MSG, MSG_MAGIC, ORDER, PUSH_PIECE, PrefetchHooks
-from fanstore.fuse.slab import Slab
+from fanstore.fuse.engine.notify import notify_store
+from fanstore.fuse.kernelfs.stats import COL
+from fanstore.fuse.kernelfs.orders import MSG, MSG_MAGIC, ORDER, PUSH_PIECE, PrefetchHooks
+from fanstore.fuse.kernelfs.slab import Slab
 from fanstore.read.window import (
     CLIENTS,
     INFLIGHT,

@@ -1,8 +1,8 @@
 """What the node daemon tells the kernel frontend process it starts: :class:`FrontendSpec`.
 
-The daemon (:class:`~fanstore.fuse.kernelfront.KernelFrontend`) writes the spec as one JSON
+The daemon (:class:`~fanstore.fuse.kernelfs.frontend.KernelFrontend`) writes the spec as one JSON
 object to a pipe (``--spec-fd``, never a file another user could read or swap) and closes
-it; the frontend process (:func:`~fanstore.fuse.kernelproc.frontend_main`) reads it to EOF
+it; the frontend process (:func:`~fanstore.fuse.kernelfs.process.frontend_main`) reads it to EOF
 with :func:`read_spec`. A spec is checked whenever one is made, on either side: every field
 present and of its type, numbers in range, no unknown field; a bad one is a single
 MountError line.

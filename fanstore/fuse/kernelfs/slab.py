@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import collections
 
-from fanstore.fuse.kernelstats import COL
+from fanstore.fuse.kernelfs.stats import COL
 from fanstore.read.window import NONE, PAGE, SERVED, WANTED, SharedWindow
 
 BUFFER_MAX_FILE = 64 << 20  # larger files are never buffered (a READ decodes them)

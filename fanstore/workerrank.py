@@ -9,7 +9,7 @@ spawned by it under hydra: :mod:`fanstore.daemon.world`). Each worker rank
   every process of the node), the kernel frontend's worker socket;
 - answers other nodes' reads of this node's partitions with its own MPI server thread
   (:class:`~fanstore.daemon.mpitransport.MpiTransport`: pread + Isend from the buffer);
-- joins the kernel frontend (:func:`fanstore.fuse.kernelproc.serve_worker`: the /dev/fuse
+- joins the kernel frontend (:func:`fanstore.fuse.kernelfs.process.serve_worker`: the /dev/fuse
   descriptor arrives by ``SCM_RIGHTS``) and serves READs with its own read core: this
   node's chunks by pread + decode, other nodes' straight over MPI from a rank of the
   holder node (:class:`~fanstore.daemon.routing.PeerSource`); with the pyfuse3 frontend
@@ -22,7 +22,7 @@ ask K different ranks of the holder. A worker rank ignores SIGTERM/SIGINT (its l
 coordinates the stop) and exits at once if its leader's process is gone.
 
 This is the composition of the daemon layer (MPI) and the FUSE layer (kernel protocol),
-so it lives beside :mod:`fanstore.launch`. ``python -m fanstore.noderank`` is what a
+so it lives beside :mod:`fanstore.launch`. ``python -m fanstore.workerrank`` is what a
 leader spawns.
 """
 
@@ -42,7 +42,7 @@ from fanstore.daemon.world import World
 from fanstore.errors import FanStoreError
 from fanstore.process import setup_logging
 
-log = logging.getLogger("fanstore.noderank")
+log = logging.getLogger("fanstore.workerrank")
 
 
 def run_worker(world: World, debug: bool = False) -> tuple[int, bool]:
@@ -76,9 +76,9 @@ def run_worker(world: World, debug: bool = False) -> tuple[int, bool]:
             # the node's frontend serves its mount itself (pyfuse3): this rank answers the
             # other nodes' reads of the node's partitions until the node is done
             raise _PeersOnly()
-        from fanstore.fuse import kernelproc
+        from fanstore.fuse.kernelfs import process as kernelfs_process
 
-        reason = kernelproc.serve_worker(spec["worker_socket"], reader.index, reader,
+        reason = kernelfs_process.serve_worker(spec["worker_socket"], reader.index, reader,
                                          timeout=float(spec.get("connect_timeout", 300)),
                                          alive=lambda: side.leader_alive()
                                          and not side.exit_posted(),
@@ -162,7 +162,7 @@ def _watch_leader(side: WorkerSide) -> None:
 
 
 def spawned_main() -> int:
-    """``python -m fanstore.noderank``: a worker rank spawned by the leaders."""
+    """``python -m fanstore.workerrank``: a worker rank spawned by the leaders."""
     code = shim()  # under hydra: continue in a forked process of its own process group
     if code is not None:
         sys.exit(code)

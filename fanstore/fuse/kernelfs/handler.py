@@ -5,8 +5,8 @@ Thin: the logic is :class:`~fanstore.fuse.fsops.FsOps` (shared with the pyfuse3 
 and the read core (``ChunkReader.serve``: a READ is a reader's request, counted there);
 this module packs the answers (``fuse_entry_out``, ``fuse_attr_out``, directory listings
 packed once per directory with numpy and sliced per READDIRPLUS). Where it runs:
-:mod:`fanstore.fuse.kernelproc` (the frontend process and its workers, or a node's worker
-ranks); what the daemon runs: :mod:`fanstore.fuse.kernelfront`.
+:mod:`fanstore.fuse.kernelfs.process` (the frontend process and its workers, or a node's worker
+ranks); what the daemon runs: :mod:`fanstore.fuse.kernelfs.frontend`.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import numpy as np
 from fanstore.errors import FanStoreError, NotFoundError
 from fanstore.format.index import KIND_DIR, KIND_FILE
 from fanstore.fuse.fsops import BLKSIZE, TIMEOUT, FsOps
-from fanstore.fuse.kernel import DirListing, FuseErrno
-from fanstore.fuse.kernel.proto import ATTR_OUT, ENTRY_OUT, negative_entry, pack_statfs_out
-from fanstore.fuse.kernel.records import ENTRY_OUT_DTYPE
+from fanstore.fuse.engine import DirListing, FuseErrno
+from fanstore.fuse.engine.proto import ATTR_OUT, ENTRY_OUT, negative_entry, pack_statfs_out
+from fanstore.fuse.engine.records import ENTRY_OUT_DTYPE
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +40,12 @@ class KernelHandler:
     def __init__(self, fs: FsOps, reader, listing_budget: int = 32 << 20,
                  publish=None, prefetch=None, spill=None) -> None:
         self.fs = fs
-        #: fanstore.fuse.spill.ChunkSpill: the rest of a chunk decoded for a partial READ
+        #: fanstore.fuse.kernelfs.spill.ChunkSpill: the rest of a chunk decoded for a partial READ
         #: goes into the page cache
         self._spill = None if spill is None else (
             lambda entry, start, chunk, offset, end: spill.offer(entry + 1, start, chunk,
                                                                  offset, end))
-        #: prefetch mode: fanstore.fuse.prefetch.PrefetchHooks (READs may be answered from
+        #: prefetch mode: fanstore.fuse.kernelfs.orders.PrefetchHooks (READs may be answered from
         #: the buffer; LOOKUPs and IOCTLs tell where the readers are)
         self.prefetch = prefetch
         self._prefetched = prefetch.read if prefetch is not None else None

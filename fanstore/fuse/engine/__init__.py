@@ -21,7 +21,7 @@ Using it
 --------
 ::
 
-    from fanstore.fuse.kernel import KernelSession, MountOptions, InitOptions, EngineOptions
+    from fanstore.fuse.engine import KernelSession, MountOptions, InitOptions, EngineOptions
 
     session = KernelSession("/mnt/x", MountOptions(fsname="fanstore", read_only=True))
     session.mount()                                  # cleans a stale mount first

@@ -5,8 +5,8 @@ Process model (one node)::
     node daemon (MPI rank, or a world of one)      frontend process (never touches MPI)
     ─────────────────────────────────────────      ─────────────────────────────────────
     index, placement, staging, peers, control  ──▶ spawned fresh (``python -m
-    socket; read_stored for other nodes' chunks      fanstore.fuse.kernelproc``, exec'd:
-    (fanstore.fuse.kernelfront)                      nothing of MPI is inherited); loads the
+    socket; read_stored for other nodes' chunks      fanstore.fuse.kernelfs.process``, exec'd:
+    (fanstore.fuse.kernelfs.frontend)                      nothing of MPI is inherited); loads the
                                                      index copy, mounts /dev/fuse, answers
                                                      INIT, forks K workers
                                                    worker 1..K: read requests from the same
@@ -19,17 +19,17 @@ exec at once), and this process, which never initialises MPI, forks the workers.
 workers die with the daemon (PR_SET_PDEATHSIG: SIGKILL of the daemon leaves a stale mount
 that the next ``fanstore mount`` or ``umount`` cleans, exactly as with the pyfuse3
 frontend); SIGTERM to it unmounts and stops every worker; an unmount from outside ends them
-all. With worker ranks (:mod:`fanstore.noderank`) it forks none: the ranks join it through
+all. With worker ranks (:mod:`fanstore.workerrank`) it forks none: the ranks join it through
 the handoff socket and serve with :func:`serve_worker`.
 
-What the kernel is offered (see :mod:`fanstore.fuse.kernel`): zero-message open and opendir,
+What the kernel is offered (see :mod:`fanstore.fuse.engine`): zero-message open and opendir,
 cached directory listings, readdirplus, cached symlinks, parallel directory operations,
 max_pages so one READ covers a 1 MiB chunk, entry and attribute timeouts of 10^6 s (the
 data never changes while mounted) and negative entries cached as long, no automatic data
 invalidation: a file read once is served by the page cache with no request at all.
 
 Counters: every worker counts its requests by opcode and its reads in its own row of a
-shared table in the runtime directory (:mod:`fanstore.fuse.kernelstats`).
+shared table in the runtime directory (:mod:`fanstore.fuse.kernelfs.stats`).
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ from collections.abc import Callable
 from typing import Any
 
 from fanstore.errors import FanStoreError, MountError
-from fanstore.fuse import kernel
+from fanstore.fuse import engine
 from fanstore.fuse.fsops import FsOps
-from fanstore.fuse.kernelfs import KernelHandler
-from fanstore.fuse.kernelspec import FrontendSpec, read_spec
-from fanstore.fuse.kernelstats import RowPublisher
+from fanstore.fuse.kernelfs.handler import KernelHandler
+from fanstore.fuse.kernelfs.spec import FrontendSpec, read_spec
+from fanstore.fuse.kernelfs.stats import RowPublisher
 from fanstore.read.shared import SharedChunks
 
 log = logging.getLogger(__name__)
@@ -57,12 +57,12 @@ _PR_SET_PDEATHSIG = 1
 
 
 def make_handler_factory(spec: FrontendSpec, index, fs: FsOps, session, window=None,
-                         shared=None) -> Callable[[kernel.WorkerContext], KernelHandler]:
+                         shared=None) -> Callable[[engine.WorkerContext], KernelHandler]:
     """The per-worker set-up: this node's partitions opened here, other nodes' chunks
     through the daemon's socket, counters in the worker's row; in prefetch mode, the
     worker's prefetch thread (``window``: the shared window, made before the fork)."""
 
-    def factory(wctx: kernel.WorkerContext) -> KernelHandler:
+    def factory(wctx: engine.WorkerContext) -> KernelHandler:
         from fanstore.control import ControlClient, node_reader
 
         client = ControlClient(spec.mountpoint, timeout=spec.remote_timeout + 30,
@@ -78,7 +78,7 @@ def make_handler_factory(spec: FrontendSpec, index, fs: FsOps, session, window=N
         publisher.publish()
         hooks = None
         if window is not None:
-            from fanstore.fuse.prefetcher import Prefetcher
+            from fanstore.fuse.kernelfs.prefetcher import Prefetcher
 
             pf = Prefetcher(window, reader, fs.ns, wctx.slot, wctx.workers, wctx.fd,
                             wctx.channel, spec.mountpoint, row, publish=publisher.publish)
@@ -91,26 +91,26 @@ def make_handler_factory(spec: FrontendSpec, index, fs: FsOps, session, window=N
 
 
 def make_spill(fd: int, stats):
-    """A worker's chunk spill thread (:mod:`fanstore.fuse.spill`); none when
+    """A worker's chunk spill thread (:mod:`fanstore.fuse.kernelfs.spill`); none when
     ``FANSTORE_CHUNK_SPILL=0`` (for comparisons: benchmarks, experiments)."""
     if os.environ.get("FANSTORE_CHUNK_SPILL", "1") == "0":
         return None
-    from fanstore.fuse.spill import ChunkSpill
+    from fanstore.fuse.kernelfs.spill import ChunkSpill
 
     return ChunkSpill(fd, stats)
 
 
 def serve_worker(socket_path: str, index, reader, timeout: float = 300.0,
                  alive=lambda: True, served=None) -> str:
-    """An external worker (an MPI worker rank of a node, :mod:`fanstore.noderank`): join
-    the kernel frontend at ``socket_path`` (:mod:`fanstore.fuse.kernel.handoff`), serve
+    """An external worker (an MPI worker rank of a node, :mod:`fanstore.workerrank`): join
+    the kernel frontend at ``socket_path`` (:mod:`fanstore.fuse.engine.handoff`), serve
     FUSE requests with ``reader`` (this node's partitions from disk, other nodes' over
     MPI) until the mount goes away, then tell the frontend. Returns why it stopped."""
-    from fanstore.fuse.kernel import handoff
+    from fanstore.fuse.engine import handoff
     from fanstore.namespace import Namespace
 
     grant, sock = handoff.join(socket_path, timeout, alive)
-    counters = kernel.RequestCounters.attach(grant.counters, writable=True) \
+    counters = engine.RequestCounters.attach(grant.counters, writable=True) \
         if grant.counters else None
     row = counters.row(grant.slot) if counters is not None else None
     publisher = RowPublisher(row, reader.stats, reader.cache, served) if row is not None \
@@ -128,7 +128,7 @@ def serve_worker(socket_path: str, index, reader, timeout: float = 300.0,
     spec = info.get("prefetch")
     at = (spec or {}).get("fds", 0)
     if spec and len(grant.extra_fds) >= at + 2 and row is not None:
-        from fanstore.fuse.prefetcher import Prefetcher
+        from fanstore.fuse.kernelfs.prefetcher import Prefetcher
         from fanstore.read.window import SharedWindow
 
         window = SharedWindow(grant.extra_fds[at], grant.extra_fds[at + 1])
@@ -140,7 +140,7 @@ def serve_worker(socket_path: str, index, reader, timeout: float = 300.0,
     handler = KernelHandler(fs, reader, publish=publisher.publish if publisher else None,
                             prefetch=prefetcher.hooks if prefetcher else None, spill=spill)
     try:
-        kernel.Dispatcher(grant.fd, handler, bufsize=grant.bufsize, row=row).run()
+        engine.Dispatcher(grant.fd, handler, bufsize=grant.bufsize, row=row).run()
     finally:
         if spill is not None:
             spill.stop()
@@ -156,11 +156,11 @@ def serve_worker(socket_path: str, index, reader, timeout: float = 300.0,
 
 
 def frontend_main(spec_fd: int) -> int:
-    """``python -m fanstore.fuse.kernelproc --spec-fd N``: the frontend process (see the
+    """``python -m fanstore.fuse.kernelfs.process --spec-fd N``: the frontend process (see the
     module docstring). Reads its spec from the pipe ``spec_fd``; reports "ready" or
     "error: ..." on the pipe fd named in the spec."""
     from fanstore.format.index import map_index_body
-    from fanstore.fuse.kernel.handshake import parse_flags
+    from fanstore.fuse.engine.handshake import parse_flags
     from fanstore.namespace import Namespace
     from fanstore.process import setup_logging
     from fanstore.read.decode import Decoder
@@ -192,15 +192,15 @@ def frontend_main(spec_fd: int) -> int:
         # fails the mount, not every read): each worker's first request paid the import,
         # ~100 ms of blosc2's, which a measured epoch of a few thousand files could not hide
         Decoder(index)
-        mopts = kernel.MountOptions(fsname=spec.fsname, subtype="fanstore", read_only=True,
+        mopts = engine.MountOptions(fsname=spec.fsname, subtype="fanstore", read_only=True,
                                     allow_other=spec.allow_other)
         # The engine's defaults, READDIRPLUS included: listing then reading 300,000 files (a
         # first epoch) took 26.5 s with it and 38.2 s with plain READDIR, which costs a
         # LOOKUP per file; only a bare cold `find` is faster without it (docs/benchmarks.md,
         # fuse_bench-small300k-dirs). FANSTORE_FUSE_FLAGS="+NAME,-NAME" edits the flags
         # (-DO_READDIRPLUS for metadata-only work; experiments and benchmarks).
-        init = kernel.InitOptions(flags=parse_flags(spec.init_flags, kernel.DEFAULT_INIT_FLAGS))
-        session = kernel.KernelSession(spec.mountpoint, mopts, init,
+        init = engine.InitOptions(flags=parse_flags(spec.init_flags, engine.DEFAULT_INIT_FLAGS))
+        session = engine.KernelSession(spec.mountpoint, mopts, init,
                                        counters_path=spec.counters_path)
         session.mount()
 
@@ -230,7 +230,7 @@ def _serve(spec: FrontendSpec, index, fs: FsOps, session, on_ready) -> str:
     window = relay = None
     watch: dict[int, Any] = {}
     if spec.prefetch:
-        from fanstore.fuse.prefetch import OrderRelay
+        from fanstore.fuse.kernelfs.orders import OrderRelay
         from fanstore.read.window import SharedWindow
 
         assert spec.window_fds is not None and spec.order_fd is not None
@@ -242,7 +242,7 @@ def _serve(spec: FrontendSpec, index, fs: FsOps, session, on_ready) -> str:
     workers = spec.external_workers or spec.workers
     shared = SharedChunks.create(workers, index.chunk_size) if workers > 1 else None
     if spec.external_workers:
-        # MPI worker ranks serve (noderank.py): they connect and get the connection, the
+        # MPI worker ranks serve (fanstore/workerrank.py): they connect and get the connection, the
         # shared chunk table, and prefetch mode's window
         fds: list[int] = []
         info: dict[str, Any] = {}
@@ -263,5 +263,6 @@ def _serve(spec: FrontendSpec, index, fs: FsOps, session, on_ready) -> str:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] != "--spec-fd":
-        sys.exit("usage: python -m fanstore.fuse.kernelproc --spec-fd N (started by the daemon)")
+        sys.exit("usage: python -m fanstore.fuse.kernelfs.process --spec-fd N (started by the "
+                 "daemon)")
     sys.exit(frontend_main(int(sys.argv[2])))

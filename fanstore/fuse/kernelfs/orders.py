@@ -40,9 +40,9 @@ Without any order, a READ of a file at offset 0 prefetches the next files of its
 directory (``DIRECTORY_AHEAD``).
 
 Modules: this one (the messages on the channels; the frontend process's OrderRelay; what a
-worker's main thread does, PrefetchHooks), :mod:`fanstore.fuse.prefetcher` (the prefetch
-thread), :mod:`fanstore.fuse.slab` (a worker's slab of the shared buffer); the shared state
-itself is :mod:`fanstore.read.window`, the counters :mod:`fanstore.fuse.kernelstats`.
+worker's main thread does, PrefetchHooks), :mod:`fanstore.fuse.kernelfs.prefetcher` (the prefetch
+thread), :mod:`fanstore.fuse.kernelfs.slab` (a worker's slab of the shared buffer); the shared state
+itself is :mod:`fanstore.read.window`, the counters :mod:`fanstore.fuse.kernelfs.stats`.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ import struct
 import time
 from typing import Any, Protocol
 
-from fanstore.fuse.kernelstats import COL
+from fanstore.fuse.kernelfs.stats import COL
 from fanstore.read.window import (
     BUFFERED,
     CLIENTS,
@@ -155,7 +155,7 @@ def available_memory() -> int:
 
 class PrefetchThread(Protocol):
     """What the hooks use of their worker's prefetch thread
-    (:class:`fanstore.fuse.prefetcher.Prefetcher`)."""
+    (:class:`fanstore.fuse.kernelfs.prefetcher.Prefetcher`)."""
 
     window: SharedWindow
     row: Any

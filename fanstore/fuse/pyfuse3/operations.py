@@ -35,7 +35,7 @@ class FanStoreOps(pyfuse3.Operations):
     def __init__(self, fs: FsOps, reader) -> None:
         super().__init__()
         self.fs = fs
-        self.reader = reader  # fanstore.fuse.asyncread.AsyncReader
+        self.reader = reader  # fanstore.fuse.pyfuse3.reader.AsyncReader
         self.stats = reader.stats
         self._attrs: dict[int, pyfuse3.EntryAttributes] = {}
 

@@ -18,7 +18,7 @@ forever.
 
 How the multi-process engine avoids it: every worker answers requests on its own, and
 stores are written by a process or thread that serves no requests (FanStore's prefetch
-threads, one per worker: fanstore/fuse/prefetch.py; a dedicated thread with
+threads, one per worker: fanstore/fuse/kernelfs/orders.py; a dedicated thread with
 :meth:`KernelSession.notify_fd`). A store that meets a locked page waits until some worker's
 main thread answers the READ holding it, which it always does, because no main thread ever
 waits on a store for long (FanStore's waits for a file being decoded are capped at 2 ms). Rules for handlers: never store from
