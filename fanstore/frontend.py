@@ -27,6 +27,11 @@ class MountOptions:
     mode: str = "sync"  # or "prefetch"
     prefetch_mb: int = 1024
     fsname: str = "fanstore"
+    # the kernel frontend's switches (``fanstore mount --fuse-flags``, ``--no-chunk-spill``,
+    # ``--no-prefetch-lookup``)
+    fuse_flags: str = ""  # +NAME,-NAME edits of the INIT flags
+    chunk_spill: bool = True
+    prefetch_lookup: bool = True
 
     def decode_threads(self) -> int:
         if self.threads:

@@ -16,7 +16,8 @@ from typing import Callable
 
 from fanstore import mounttable, process, runtime
 from fanstore.daemon.jobenv import launcher_world_size, substitute
-from fanstore.daemon.node import Node, NodeOptions
+from fanstore.daemon.node import Node
+from fanstore.daemon.options import NodeOptions
 from fanstore.daemon.world import World
 from fanstore.errors import FanStoreError, MountError, UsageError
 from fanstore.frontend import FrontendFactory
@@ -119,9 +120,9 @@ def _mount_rank(options: NodeOptions, factory: FrontendFactory, debug: bool,
     # launched with the node (--ranks-per-node K, srun --ntasks-per-node=K), or spawned
     # here when every node was launched with one rank under hydra (mpiexec -n N).
     spawn = options.mount.worker_count() if options.mount.frontend == "kernel" else 0
-    if os.environ.get("FANSTORE_WORKER_RANKS") == "0":
-        # (benchmarks) the older shape: forked FUSE workers, remote reads relayed by the
-        # node's daemon over its control socket
+    if not options.worker_ranks:
+        # --no-worker-ranks (comparisons): the older shape, forked FUSE workers whose
+        # remote reads the node's daemon relays over its control socket
         spawn = 0
     code = shim()  # under hydra: continue in a forked daemon (see launcher.py)
     if code is not None:

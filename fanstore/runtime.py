@@ -38,12 +38,13 @@ import stat
 import time
 from typing import Any
 
-from fanstore import safeio
+from fanstore import safeio, settings
 from fanstore.errors import FanStoreError, UnsafePathError
 
 #: Where the node's shared-memory files go when it is usable (tmpfs: its pages are never
-#: dropped the way page-cache pages of a disk file are, e.g. by drop_caches).
-SHM_DIR = "/dev/shm"
+#: dropped the way page-cache pages of a disk file are, e.g. by drop_caches);
+#: $FANSTORE_SHM_DIR (fanstore.settings) names another.
+SHM_DIR = settings.SHM_DIR
 
 
 def candidate_roots() -> list[str]:
@@ -51,13 +52,12 @@ def candidate_roots() -> list[str]:
     alone; else ``$XDG_RUNTIME_DIR/fanstore`` (when set) and ``/tmp/fanstore-<uid>``.
     A daemon uses the first; a command looking for a mount tries each (a login shell
     may have XDG_RUNTIME_DIR where a Slurm step has none)."""
-    explicit = os.environ.get("FANSTORE_RUNTIME_DIR")
-    if explicit:
-        return [os.path.abspath(explicit)]
+    env = settings.current()
+    if env.runtime_dir:
+        return [env.runtime_dir]
     roots = []
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isabs(xdg):
-        roots.append(os.path.join(xdg, "fanstore"))
+    if env.xdg_runtime_dir:
+        roots.append(os.path.join(env.xdg_runtime_dir, "fanstore"))
     roots.append(f"/tmp/fanstore-{os.geteuid()}")
     return roots
 
@@ -199,7 +199,7 @@ class MountRuntime:
 def _shm_dir() -> str | None:
     """SHM_DIR if it is a real directory that is either sticky or writable only by its
     owner (root or us), and we may create files in it; else None."""
-    shm = os.environ.get("FANSTORE_SHM_DIR", SHM_DIR)
+    shm = settings.current().shm_dir
     try:
         st = os.lstat(shm)
     except OSError:

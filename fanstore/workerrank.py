@@ -38,6 +38,7 @@ import time
 
 from fanstore.daemon.launcher import launcher_alive, shim
 from fanstore.daemon.nodegroup import WorkerSide
+from fanstore.daemon.rankspec import WorkerRankSpec
 from fanstore.daemon.world import World
 from fanstore.errors import FanStoreError
 from fanstore.process import setup_logging
@@ -72,17 +73,15 @@ def run_worker(world: World, debug: bool = False) -> tuple[int, bool]:
     transport = parts = None
     try:
         transport, parts, reader = _build(job, spec)
-        if not spec.get("worker_socket"):
+        if not spec.worker_socket:
             # the node's frontend serves its mount itself (pyfuse3): this rank answers the
             # other nodes' reads of the node's partitions until the node is done
             raise _PeersOnly()
         from fanstore.fuse.kernelfs import process as kernelfs_process
 
-        reason = kernelfs_process.serve_worker(spec["worker_socket"], reader.index, reader,
-                                         timeout=float(spec.get("connect_timeout", 300)),
-                                         alive=lambda: side.leader_alive()
-                                         and not side.exit_posted(),
-                                         served=transport)
+        reason = kernelfs_process.serve_worker(
+            spec.worker_socket, reader.index, reader, timeout=spec.connect_timeout,
+            alive=lambda: side.leader_alive() and not side.exit_posted(), served=transport)
         log.debug("FUSE serving ended (%s); serving peers until the node is done", reason)
     except _PeersOnly:
         log.debug("serving peers only (the node's frontend serves its mount)")
@@ -106,26 +105,26 @@ class _PeersOnly(Exception):
     """This worker rank has no FUSE share: it serves peers only."""
 
 
-def _build(job, spec):
+def _build(job, spec: WorkerRankSpec):
     from fanstore.daemon.mpitransport import MpiTransport
     from fanstore.daemon.routing import PeerSource
     from fanstore.format.index import map_index_body
     from fanstore.namespace import Namespace
     from fanstore.read import ChunkReader, LocalPartitions, ReadStats, RoutedSource
 
-    index = map_index_body(spec["index_copy"], owner=os.geteuid())
-    parts = LocalPartitions(spec["data_dir"], index, [int(p) for p in spec["local_parts"]])
+    index = map_index_body(spec.index_copy, owner=os.geteuid())
+    parts = LocalPartitions(spec.data_dir, index, list(spec.local_parts))
     transport = MpiTransport(job.comm, parts, on_control=lambda msg: None,
-                             idle_sleep=float(spec.get("idle_sleep", 2e-3)))
+                             idle_sleep=spec.idle_sleep, piece=spec.mpi_piece)
     transport.start()
     stats = ReadStats()
     ns = Namespace(index)
-    peers = PeerSource(transport, spec["table"], job.node, job.nodes,
-                       float(spec["remote_timeout"]), stats, show=ns.show,
+    peers = PeerSource(transport, [list(row) for row in spec.table], job.node, job.nodes,
+                       spec.remote_timeout, stats, show=ns.show,
                        ranks_of=job.servers_of, me=job.rank)
-    reader = ChunkReader(index, RoutedSource(parts, peers),
-                         cache_bytes=int(spec["cache_bytes"]), stats=stats)
-    threading.Thread(target=_probe_dead, args=(peers, transport, float(spec["remote_timeout"])),
+    reader = ChunkReader(index, RoutedSource(parts, peers), cache_bytes=spec.cache_bytes,
+                         stats=stats)
+    threading.Thread(target=_probe_dead, args=(peers, transport, spec.remote_timeout),
                      name="fanstore-probe", daemon=True).start()
     return transport, parts, reader
 

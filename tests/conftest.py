@@ -93,6 +93,31 @@ def _work_unit(nodeid: str) -> str:
     return f"{module}[{frontend}]" if frontend else module
 
 
+# --------------------------------------------------------------------------- the environment
+
+
+@pytest.fixture(autouse=True)
+def _settings_follow_the_environment(monkeypatch):
+    """fanstore.settings reads the environment once per process; a test that changes it
+    (monkeypatch.setenv/delenv) and then calls FanStore in-process sees the change."""
+    from fanstore import settings
+
+    settings.reset()
+    setenv, delenv = monkeypatch.setenv, monkeypatch.delenv
+
+    def set_and_reset(*args, **kwargs):
+        setenv(*args, **kwargs)
+        settings.reset()
+
+    def del_and_reset(*args, **kwargs):
+        delenv(*args, **kwargs)
+        settings.reset()
+
+    monkeypatch.setenv, monkeypatch.delenv = set_and_reset, del_and_reset
+    yield
+    settings.reset()
+
+
 # --------------------------------------------------------------------------- trees and stores
 
 

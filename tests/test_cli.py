@@ -320,3 +320,22 @@ def test_debug_flag_shows_the_traceback(tmp_path):
     proc = run_cli("--debug", "info", tmp_path / "missing")
     assert proc.returncode == 1
     assert "Traceback" in proc.stderr and "NotAStoreError" in proc.stderr
+
+
+@pytest.mark.parametrize("var, value, message", [
+    ("FANSTORE_MPI_PIECE", "lots", "$FANSTORE_MPI_PIECE must be 0"),
+    ("FANSTORE_MPI_PIECE", "12", "of at least 64"),
+    ("FANSTORE_FRONTEND", "fusepy", "$FANSTORE_FRONTEND must be one of auto, kernel, pyfuse3"),
+    ("FANSTORE_FUSE_FLAGS", "DO_READDIRPLUS", "is not +NAME or -NAME"),
+])
+def test_a_bad_environment_variable_is_one_line_and_status_2(tmp_path, var, value, message):
+    """The environment is read once, at the start, into typed settings: a bad value is
+    refused there, whatever the command, never replaced by a default."""
+    proc = run_cli("info", tmp_path, env={var: value})
+    assert_cli_error(proc, code=2, contains=message)
+
+
+def test_mount_switches_are_checked_at_the_edge(tmp_path, small_store):
+    proc = run_cli("mount", small_store, tmp_path / "m", "--fuse-flags=-NO_SUCH_FLAG")
+    assert proc.returncode == 2 and "bad flag edit '-NO_SUCH_FLAG'" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "m").exists()

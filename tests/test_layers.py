@@ -23,10 +23,12 @@ ROOT = Path(__file__).resolve().parent.parent
 #: requests) a layer below the MPI world.
 DAEMON_SERVICES = tuple(f"fanstore.daemon.{m}" for m in (
     "jobenv", "placement", "protocol", "pacing", "transport", "routing", "peerwatch",
-    "replicas", "service", "staging", "stagecopy", "stagefetch", "stagecheck"))
+    "replicas", "service", "staging", "stagecopy", "stagefetch", "stagecheck", "rankspec",
+    "options"))
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("codecs", ("compressors",)),
-    ("format", ("fanstore.version", "fanstore.errors", "fanstore.safeio", "fanstore.unixsock",
+    ("format", ("fanstore.version", "fanstore.errors", "fanstore.settings", "fanstore.safeio",
+                "fanstore.unixsock",
                 "fanstore.storage",
                 "fanstore.units", "fanstore.format")),
     ("read core", ("fanstore.namespace", "fanstore.read", "fanstore.store", "fanstore.verify",
@@ -238,3 +240,55 @@ def test_the_parser_sees_lazy_and_relative_imports(tmp_path):
     names = {n for n, _ in imports_of("fanstore.daemon.x", path)}
     assert {"fanstore.fuse.pyfuse3.operations", "fanstore.daemon.routing", "pyfuse3"} <= names
     assert os.path.exists(MODULES["fanstore.daemon.node"])
+
+
+def _environment_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, variable) of every read of a constant-named environment variable:
+    ``os.environ.get(NAME)``, ``os.environ[NAME]``, ``os.getenv(NAME)``, ``NAME in
+    os.environ``."""
+    out = []
+
+    def is_environ(node) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "environ"
+                and isinstance(node.value, ast.Name) and node.value.id == "os")
+
+    for node in ast.walk(tree):
+        name = None
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            f = node.func
+            if (isinstance(f, ast.Attribute) and f.attr in ("get", "pop")
+                    and is_environ(f.value)) or (isinstance(f, ast.Attribute)
+                                                 and f.attr == "getenv"):
+                name = node.args[0].value
+        elif isinstance(node, ast.Subscript) and is_environ(node.value) \
+                and isinstance(node.slice, ast.Constant):
+            name = node.slice.value
+        elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant) \
+                and any(is_environ(c) for c in node.comparators):
+            name = node.left.value
+        if isinstance(name, str):
+            out.append((node.lineno, name))
+    return out
+
+
+def test_fanstore_variables_are_read_in_settings_only():
+    """Every FANSTORE_* variable is read by fanstore/settings.py alone (once, at the edge,
+    into typed options): no module deeper in, and no worker process, reads one."""
+    reads = []
+    for module, path in MODULES.items():
+        for line, name in _environment_reads(ast.parse(path.read_text(), str(path))):
+            if name.startswith("FANSTORE_") and module != "fanstore.settings":
+                reads.append(f"{path.relative_to(ROOT)}:{line} reads {name}")
+    assert reads == []
+    settings = MODULES["fanstore.settings"].read_text()
+    assert "os.environ" in settings  # (the checker sees reads: current() has one)
+
+
+def test_every_variable_settings_reads_is_in_its_table():
+    from fanstore import settings
+
+    doc = settings.__doc__ or ""
+    assert all(f"``{name}``" in doc for name in settings.VARIABLES)
+    arch = (ROOT / "docs" / "architecture.md").read_text()
+    assert all(f"`{name}`" in arch for name in settings.VARIABLES)
+

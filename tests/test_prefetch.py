@@ -87,7 +87,8 @@ def wait_prefetched(mnt, n: int, timeout: float = 60) -> dict:
         last = stats(mnt)
         return (last["prefetch_pushed"] + last["prefetch_buffered"]
                 + last["prefetch_errors"]) >= n
-    assert wait_until(done, timeout, 0.1), {k: v for k, v in last.items() if "prefetch" in k or k == "requests_by_op"}
+    assert wait_until(done, timeout, 0.1), {
+        k: v for k, v in last.items() if "prefetch" in k or k == "requests_by_op"}
     return last
 
 
@@ -188,8 +189,8 @@ def test_refused_pushes_are_served_from_the_buffer(tree, mounted, tmp_path, monk
     """No look-ups and no listing: the kernel holds no inode, every push is refused and the
     files wait in the shared buffer; READs (any worker) are answered from it."""
     src, store, files = tree
-    monkeypatch.setenv("FANSTORE_PREFETCH_LOOKUP", "0")
-    mnt = mounted(store, "--mode", "prefetch", "--prefetch-mb", "64", "--workers", "2")
+    mnt = mounted(store, "--mode", "prefetch", "--prefetch-mb", "64", "--workers", "2",
+                  "--no-prefetch-lookup")
     drop_caches()
     small = [f for f in files if (src / f).stat().st_size < 1_000_000 and
              (src / f).stat().st_size > 0]
@@ -211,8 +212,8 @@ def test_the_buffer_stays_within_prefetch_mb(tree, mounted, tmp_path, monkeypatc
     """A 4 MB budget for ~5 MB of refused pushes: the oldest are dropped unread (counted),
     the buffer never holds more than its share, and reads stay right."""
     src, store, files = tree
-    monkeypatch.setenv("FANSTORE_PREFETCH_LOOKUP", "0")
-    mnt = mounted(store, "--mode", "prefetch", "--prefetch-mb", "4", "--workers", "2")
+    mnt = mounted(store, "--mode", "prefetch", "--prefetch-mb", "4", "--workers", "2",
+                  "--no-prefetch-lookup")
     drop_caches()
     small = [f for f in files if 0 < (src / f).stat().st_size < 1_000_000]
     send_order(mnt, small, tmp_path)

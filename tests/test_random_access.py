@@ -191,13 +191,12 @@ def test_a_random_page_pass_decodes_each_chunk_about_once(tree, store, mounted, 
     assert after["decoded_per_returned"] is not None
 
 
-def test_spill_can_be_turned_off_for_comparisons(tree, store, mounted, frontend, monkeypatch):
-    """FANSTORE_CHUNK_SPILL=0 (benchmarks compare with and without): the same bytes, no
-    spill, and a page pass decodes a chunk per READ that misses the 1 MiB cache."""
+def test_spill_can_be_turned_off_for_comparisons(tree, store, mounted, frontend):
+    """--no-chunk-spill (benchmarks compare with and without): the same bytes, no spill,
+    and a page pass decodes a chunk per READ that misses the 1 MiB cache."""
     if frontend != "kernel":
         pytest.skip("the spill is the kernel frontend's")
-    monkeypatch.setenv("FANSTORE_CHUNK_SPILL", "0")
-    mnt = mounted(store, "--cache-mb", "0")
+    mnt = mounted(store, "--cache-mb", "0", "--no-chunk-spill")
     data = (tree["root"] / "pages.bin").read_bytes()
     offsets = [random.Random(5).randrange(len(data) // PAGE) * PAGE for _ in range(200)]
     pages = _page_pass(os.path.join(mnt, "pages.bin"), offsets)

@@ -16,6 +16,7 @@ import argparse
 import logging
 import sys
 
+from fanstore import settings
 from fanstore.cli import mount, pack, select, store
 from fanstore.cli.common import Parser
 from fanstore.errors import FanStoreError, UsageError
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
     try:
+        settings.current()  # the environment, read once: a bad value stops here (status 2)
         args = build_parser().parse_args(argv)
         if not getattr(args, "command", None):
             raise UsageError("no command given (see 'fanstore --help')")

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 
 from fanstore.errors import UsageError
+from fanstore.settings import current
 
 
 def say(text: str) -> None:
@@ -94,7 +94,7 @@ def storage_setup(args) -> None:
     text = getattr(args, "storage_options", None)
     options = storage.parse_storage_options(text)
     warnings = storage.exposure_warnings(text, options) if text else []
-    env = os.environ.get("FANSTORE_STORAGE_OPTIONS")
+    env = current().storage_options
     if not text and env and env.startswith("@"):
         try:  # a bad one is reported where it is used (not every command uses S3)
             env_options = storage.parse_storage_options(env, "$FANSTORE_STORAGE_OPTIONS")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -19,13 +20,21 @@ from fanstore.cli.common import (
 )
 from fanstore.errors import MountError, UsageError
 
-#: The FUSE frontend of ``fanstore mount`` unless --frontend or $FANSTORE_FRONTEND says
-#: otherwise: "auto" is the kernel-protocol frontend, or pyfuse3 in prefetch mode
+#: The FUSE frontend of ``fanstore mount`` unless --frontend or $FANSTORE_FRONTEND
+#: (fanstore.settings) says otherwise: "auto" is the kernel-protocol frontend
 #: (launch.resolve_frontend; docs/benchmarks.md says why).
 DEFAULT_FRONTEND = "auto"
 
 
 def add_parsers(sub, common) -> None:
+    _add_mount(sub, common)
+    _add_live(sub, common)
+
+
+def _add_mount(sub, common) -> None:
+    from fanstore.settings import current
+
+    env = current()
     s = sub.add_parser("mount", parents=[common], help="mount a store read-only",
                        description="Mount STORE read-only at MOUNTPOINT. Returns once the mount "
                                    "is ready (unless --foreground). Under an MPI launcher, one "
@@ -36,7 +45,7 @@ def add_parsers(sub, common) -> None:
     s.add_argument("--cache-mb", type=nonneg_int, default=256,
                    help="decoded-chunk cache budget in MB (default 256)")
     s.add_argument("--frontend", choices=("auto", "kernel", "pyfuse3"),
-                   default=os.environ.get("FANSTORE_FRONTEND") or DEFAULT_FRONTEND,
+                   default=env.frontend or DEFAULT_FRONTEND,
                    help="how FUSE is served: kernel (the kernel's FUSE protocol spoken "
                         "directly by --workers processes), pyfuse3 (one process, libfuse), or "
                         "auto (kernel; pyfuse3 with --mode prefetch); default "
@@ -82,8 +91,36 @@ def add_parsers(sub, common) -> None:
                    help="partition copies in flight while staging (default 4); from an "
                         "s3:// store: parallel range reads")
     add_storage_args(s)
+    g = s.add_argument_group("the kernel frontend's switches (for comparisons and "
+                             "metadata-only work)")
+    g.add_argument("--fuse-flags", type=fuse_flags, default=env.fuse_flags, metavar="EDITS",
+                   help="+NAME,-NAME edits of the INIT flags offered to the kernel, e.g. "
+                        "-DO_READDIRPLUS for a bare `find` over millions of files (write "
+                        "--fuse-flags=-NAME: the value starts with a dash; default "
+                        "$FANSTORE_FUSE_FLAGS, else none)")
+    g.add_argument("--no-chunk-spill", dest="chunk_spill", action="store_false",
+                   help="do not push the rest of a chunk decoded for a partial read into the "
+                        "page cache (the mount as it was before the spill)")
+    g.add_argument("--no-prefetch-lookup", dest="prefetch_lookup", action="store_false",
+                   help="prefetch mode: do not look files up ahead of their push")
+    g.add_argument("--no-worker-ranks", dest="worker_ranks", action="store_false",
+                   help="in an MPI job, serve the mount with forked workers whose remote "
+                        "reads go through the node's daemon, not with worker ranks")
     s.set_defaults(func=cmd_mount)
 
+
+def fuse_flags(text: str) -> str:
+    """``--fuse-flags``: every edit names a flag the kernel frontend knows."""
+    from fanstore.fuse.engine.handshake import parse_flags
+
+    try:
+        parse_flags(text, 0)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _add_live(sub, common) -> None:
     s = sub.add_parser("umount", parents=[common], help="unmount a FanStore mount")
     s.add_argument("mountpoint", metavar="MOUNTPOINT")
     s.add_argument("--lazy", "-z", action="store_true", help="detach even if busy")
@@ -118,8 +155,9 @@ def add_parsers(sub, common) -> None:
 
 def cmd_mount(args) -> int:
     from fanstore import launch
-    from fanstore.daemon.node import NodeOptions
+    from fanstore.daemon.options import NodeOptions
     from fanstore.frontend import MountOptions
+    from fanstore.settings import current
 
     storage_setup(args)
     from fanstore.storage import is_url
@@ -138,10 +176,13 @@ def cmd_mount(args) -> int:
         mount=MountOptions(frontend=args.frontend, cache_mb=args.cache_mb,
                            threads=args.threads, workers=args.workers,
                            allow_other=args.allow_other, mode=args.mode,
-                           prefetch_mb=args.prefetch_mb),
+                           prefetch_mb=args.prefetch_mb, fuse_flags=args.fuse_flags,
+                           chunk_spill=args.chunk_spill,
+                           prefetch_lookup=args.prefetch_lookup),
         local_dir=args.local_dir, replicas=args.replicas, local_capacity=args.local_capacity,
         remote_timeout=args.remote_timeout, keep_local=args.keep_local,
-        stage_jobs=args.stage_jobs, ranks_per_node=args.ranks_per_node)
+        stage_jobs=args.stage_jobs, ranks_per_node=args.ranks_per_node,
+        worker_ranks=args.worker_ranks, mpi_piece=current().mpi_piece)
 
     def notify(text: str) -> None:
         print(f"fanstore: {text}", file=sys.stderr, flush=True)

@@ -44,7 +44,8 @@ class MpiTransport:
     """
 
     def __init__(self, comm, parts, on_control: Callable[[P.ControlMsg], None],
-                 idle_sleep: float = 2e-3, cold_sleep: float = 50e-3) -> None:
+                 idle_sleep: float = 2e-3, cold_sleep: float = 50e-3,
+                 piece: int = P.DEFAULT_PIECE) -> None:
         from mpi4py import MPI
 
         self.MPI = MPI
@@ -71,7 +72,7 @@ class MpiTransport:
         self.on_served: Callable[[], None] | None = None
         self._latency = Pacer(start=300e-6, lo=20e-6, hi=5e-3)  # of replies, seen here
         #: replies are asked for in messages of at most this many bytes (protocol.pieces)
-        self.piece = P.piece_size()
+        self.piece = piece if piece == 0 or piece > P.RESP.size else P.DEFAULT_PIECE
 
     # ------------------------------------------------------------------ server
     def start(self) -> None:

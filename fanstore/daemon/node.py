@@ -30,7 +30,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from fanstore import mounttable, runtime
@@ -40,38 +39,20 @@ from fanstore.daemon import protocol as P
 from fanstore.daemon.jobenv import node_name, substitute
 from fanstore.daemon.launcher import launcher_alive
 from fanstore.daemon.nodegroup import LeaderSide
+from fanstore.daemon.options import NodeOptions
 from fanstore.daemon.peerwatch import PeerWatch
+from fanstore.daemon.rankspec import WorkerRankSpec
 from fanstore.daemon.replicas import decide as decide_replicas
 from fanstore.daemon.routing import PeerSource
 from fanstore.daemon.service import OWNER_OPS
 from fanstore.daemon.world import World
 from fanstore.errors import FanStoreError, FormatError, MountError
-from fanstore.frontend import FrontendFactory, MountContext, MountOptions
+from fanstore.frontend import FrontendFactory, MountContext
 from fanstore.namespace import Namespace, metadata_bytes
 from fanstore.read import ChunkReader, LocalPartitions, ReadStats, RoutedSource
 from fanstore.read.stats import SUMMED
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class NodeOptions:
-    """What ``fanstore mount`` asks of a node."""
-
-    store: str
-    mountpoint: str
-    mount: MountOptions = field(default_factory=MountOptions)
-    local_dir: str | None = None
-    #: copies of each partition, or "auto": as many as fit (fanstore.daemon.replicas)
-    replicas: int | str = 1
-    #: bytes per node for --replicas auto (None: the free space of local_dir)
-    local_capacity: int | None = None
-    remote_timeout: float = 30.0
-    keep_local: bool = False
-    stage_jobs: int = 4
-    #: how launched ranks form nodes: "auto" (Slurm tasks of one node; else one node per
-    #: rank) or K consecutive ranks (see fanstore.daemon.world)
-    ranks_per_node: str | int = "auto"
 
 
 class Node:
@@ -322,7 +303,8 @@ class Node:
             else:
                 from fanstore.daemon.mpitransport import MpiTransport
 
-                self.transport = MpiTransport(self.job.comm, self.parts, self.on_control)
+                self.transport = MpiTransport(self.job.comm, self.parts, self.on_control,
+                                              piece=self.options.mpi_piece)
             self.transport.start()
             self.peers = PeerSource(self.transport, table, self.rank, self.size,
                                     opts.remote_timeout, self.stats,
@@ -348,13 +330,14 @@ class Node:
         self.frontend = self.frontend_factory(self.ctx)
         if self.workers:
             # what the worker ranks serve; they then join the frontend's worker socket
-            self.group.spec({
-                "data_dir": self.ctx.data_dir, "local_parts": list(mine), "table": table,
-                "index_copy": index_copy, "remote_timeout": opts.remote_timeout,
-                "worker_socket": (getattr(self.frontend, "worker_socket", "")
-                                  if self.ctx.external_workers else ""),
-                "cache_bytes": (opts.mount.cache_mb << 20) // max(1, self.workers),
-            })
+            self.group.spec(WorkerRankSpec(
+                data_dir=self.ctx.data_dir, local_parts=tuple(mine),
+                table=tuple(tuple(row) for row in table), index_copy=index_copy,
+                remote_timeout=opts.remote_timeout,
+                worker_socket=(getattr(self.frontend, "worker_socket", "")
+                               if self.ctx.external_workers else ""),
+                cache_bytes=(opts.mount.cache_mb << 20) // max(1, self.workers),
+                mpi_piece=opts.mpi_piece))
         from fanstore.daemon.service import handlers
 
         self.server = ControlServer(self.ctx.socket_path, handlers(self),

@@ -20,10 +20,11 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
+from fanstore.daemon.rankspec import WorkerRankSpec
 from fanstore.daemon.pacing import Backoff
 from fanstore.errors import MountError
 from fanstore.process import pid_alive
@@ -99,10 +100,11 @@ class LeaderSide:
             backoff.sleep()
         return True
 
-    def spec(self, spec: dict[str, Any]) -> None:
+    def spec(self, spec: WorkerRankSpec) -> None:
         if self.active and not self.spec_sent:
             self.spec_sent = True
-            _bcast_bytes(self.job.node_comm, json.dumps(dict(spec, ok=True)).encode())
+            _bcast_bytes(self.job.node_comm,
+                         json.dumps(dict(json.loads(spec.to_json()), ok=True)).encode())
 
     def failed(self, error: str) -> None:
         """The node did not start: workers exit (if the spec was not sent yet)."""
@@ -140,15 +142,17 @@ class WorkerSide:
         _wait(self.job.node_comm.Igather(np.array([os.getpid()], dtype=np.int64), None,
                                          root=0))
 
-    def spec(self) -> dict[str, Any]:
-        """The leader's spec; MountError when the node failed or the leader died."""
+    def spec(self) -> WorkerRankSpec:
+        """The leader's spec; MountError when the node failed or the leader died, or the
+        spec is not one."""
         data = _bcast_bytes(self.job.node_comm, None, self.leader_alive)
         if data is None:
             raise MountError("the node's daemon died before it was ready")
         spec = json.loads(data)
-        if not spec.get("ok"):
-            raise MountError(str(spec.get("error", "the node's daemon failed to start")))
-        return spec
+        if not isinstance(spec, dict) or not spec.pop("ok", False):
+            raise MountError(str(spec.get("error", "the node's daemon failed to start"))
+                             if isinstance(spec, dict) else "a malformed spec")
+        return WorkerRankSpec.from_json(spec)
 
     def exit_posted(self) -> bool:
         """Poll (without waiting) for the leader's exit message: True once it came. The

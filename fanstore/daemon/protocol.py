@@ -24,12 +24,12 @@ Decoders here validate everything: a malformed message is a ProtocolError, never
 
 from __future__ import annotations
 
-import os
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
 
 from fanstore.errors import FanStoreError
+from fanstore.settings import DEFAULT_MPI_PIECE, MIN_MPI_PIECE
 
 VERSION = 2
 TAG_REQUEST = 11
@@ -82,19 +82,10 @@ class Request:
 #: Where a response header's status (u16) is: a reply whose first message says other
 #: than OK (0) is that message alone.
 RESP_STATUS_AT = 6
-#: Reply messages under MPICH's eager limit on shared memory (8 KB: 8,000-byte sends
-#: complete at once, 10,000-byte ones wait for the receiver; measured here).
-DEFAULT_PIECE = 8000
-
-
-def piece_size() -> int:
-    """``FANSTORE_MPI_PIECE`` (bytes; 0: one message per reply) or DEFAULT_PIECE."""
-    text = os.environ.get("FANSTORE_MPI_PIECE", "")
-    try:
-        value = int(text) if text else DEFAULT_PIECE
-    except ValueError:
-        value = DEFAULT_PIECE
-    return value if value == 0 or value > RESP.size else DEFAULT_PIECE
+#: Reply messages under MPICH's eager limit on shared memory (``$FANSTORE_MPI_PIECE``,
+#: fanstore.settings, which refuses a value this protocol cannot use).
+DEFAULT_PIECE = DEFAULT_MPI_PIECE
+assert MIN_MPI_PIECE > RESP.size  # a piece carries the reply header and data
 
 
 def pieces(length: int, piece: int) -> list[tuple[int, int]]:

@@ -128,6 +128,7 @@ def set_default_options(options: dict[str, Any] | None) -> None:
 def default_options() -> dict[str, Any]:
     if _default_options is not None:
         return dict(_default_options)
-    return parse_storage_options(os.environ.get("FANSTORE_STORAGE_OPTIONS"),
-                                 where="$FANSTORE_STORAGE_OPTIONS")
+    from fanstore.settings import current
+
+    return parse_storage_options(current().storage_options, where="$FANSTORE_STORAGE_OPTIONS")
 

@@ -214,14 +214,13 @@ class Bench(common.RowLog):
         argv = [self.fanstore, "mount", self.store, mnt, "--frontend", frontend]
         if b.startswith("kernel-w"):
             argv += ["--workers", b[len("kernel-w"):]]
-        env = dict(os.environ)
         if b == "kernel-noplus":  # plain READDIR instead of READDIRPLUS (the default)
-            env["FANSTORE_FUSE_FLAGS"] = "-DO_READDIRPLUS"
+            argv += ["--fuse-flags=-DO_READDIRPLUS"]
         elif b == "kernel-plus":  # READDIRPLUS for every listing
-            env["FANSTORE_FUSE_FLAGS"] = "+DO_READDIRPLUS"
+            argv += ["--fuse-flags=+DO_READDIRPLUS"]
         elif b == "kernel-autoplus":  # the kernel picks READDIRPLUS or READDIR per call
-            env["FANSTORE_FUSE_FLAGS"] = "+DO_READDIRPLUS,+READDIRPLUS_AUTO"
-        subprocess.run(argv, check=True, env=env)
+            argv += ["--fuse-flags=+DO_READDIRPLUS,+READDIRPLUS_AUTO"]
+        subprocess.run(argv, check=True)
         self.mounted.add(mnt)
         from fanstore import runtime
 

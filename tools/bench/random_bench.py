@@ -16,7 +16,7 @@ Backends, every one in the same run, cold (``sync; echo 3 > /proc/sys/vm/drop_ca
 fresh mount before each pass): ``raw`` (the directory), ``squashfuse_ll`` (``mksquashfs -comp
 zstd -Xcompression-level 3 -b 131072``, mounted with squashfuse_ll), ``fanstore`` (default
 ``fanstore pack`` and ``fanstore mount``), and variants given with ``--fanstore-variants``
-(``nospill``: ``FANSTORE_CHUNK_SPILL=0``, the mount as it was before the chunk spill;
+(``nospill``: ``--no-chunk-spill``, the mount as it was before the chunk spill;
 ``chunk64``: ``pack --chunk-kb 64``; ``cache3000``: ``mount --cache-mb 3000``).
 
 A pass: ``--readers`` reader processes released by one barrier, each doing ``--gets``
@@ -359,8 +359,8 @@ class Bench(common.RowLog):
             return m, None
         variant = backend.split(":", 1)[1]
         store, extra = self.stores[variant]
-        env = dict(os.environ, FANSTORE_CHUNK_SPILL="0") if variant == "nospill" else None
-        self.sh([self.fanstore, "mount", store, m, *extra], env=env)
+        off = ["--no-chunk-spill"] if variant == "nospill" else []
+        self.sh([self.fanstore, "mount", store, m, *extra, *off])
         self.mounted.append(m)
         return m, state_pid(m)
 
@@ -574,7 +574,7 @@ def parse_args(argv):
     ap.add_argument("--kinds", default="lmdb,hdf5,seq")
     ap.add_argument("--readers", default="1,4")
     ap.add_argument("--fanstore-variants", dest="variants", default="nospill",
-                    help="extra FanStore backends: nospill (FANSTORE_CHUNK_SPILL=0: the "
+                    help="extra FanStore backends: nospill (--no-chunk-spill: the "
                          "mount before the chunk spill), chunk64 (pack --chunk-kb 64), "
                          "cache3000 (mount --cache-mb 3000); empty for none")
     ap.add_argument("--pass-limit", type=float, default=1800)

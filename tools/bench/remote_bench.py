@@ -9,7 +9,7 @@ processes, reached over MPI shared memory). Two shapes of the same code in one r
 - ``ranks``: a node's FUSE workers are MPI ranks of their own (each node's daemon spawns
   ``--workers`` of them): a remote chunk goes straight from a worker rank of the reading
   node to a rank of the holder node;
-- ``relay``: ``FANSTORE_WORKER_RANKS=0``: forked FUSE workers ask the node's daemon over
+- ``relay``: ``--no-worker-ranks``: forked FUSE workers ask the node's daemon over
   its control socket, which fetches over MPI from the holder's daemon (the shape before).
 
 Phases (every pass cold: page cache dropped, fresh job per repetition):
@@ -111,7 +111,8 @@ class Job:
 
     def argv(self) -> list[str]:
         b = self.bench
-        common_args = ["--workers", str(b.a.workers)] + self.extra
+        common_args = ["--workers", str(b.a.workers)] + self.extra \
+            + (["--no-worker-ranks"] if self.mode == "relay" else [])
         if self.nodes == 1:
             return [b.fanstore, "mount", b.store, self.mnt(0), "--local-dir",
                     os.path.join(self.dir, "local0")] + common_args
@@ -120,14 +121,11 @@ class Job:
                 os.path.join(self.dir, "local{rank}")] + common_args
 
     def env(self) -> dict[str, str]:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", FANSTORE_FRONTEND="kernel")
-        if self.mode == "relay":
-            env["FANSTORE_WORKER_RANKS"] = "0"
-        return env
+        return dict(os.environ, PYTHONUNBUFFERED="1", FANSTORE_FRONTEND="kernel")
 
     def shown(self) -> str:
         text = " ".join(shlex.quote(x) for x in self.argv()).replace(self.dir, "JOB")
-        return ("FANSTORE_WORKER_RANKS=0 " if self.mode == "relay" else "") + text
+        return text
 
     def start(self, timeout: float = 180.0) -> None:
         b = self.bench

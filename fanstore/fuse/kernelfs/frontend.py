@@ -127,8 +127,8 @@ class KernelFrontend:
             allow_other=opts.allow_other, fsname=opts.fsname,
             remote_timeout=ctx.remote_timeout, ready_fd=ready_fd, daemon_pid=os.getpid(),
             debug=logging.getLogger().level <= logging.DEBUG, log_format=_log_format(),
-            init_flags=os.environ.get("FANSTORE_FUSE_FLAGS", ""), mode=opts.mode,
-            **prefetch)
+            init_flags=opts.fuse_flags, mode=opts.mode, chunk_spill=opts.chunk_spill,
+            prefetch_lookup=opts.prefetch_lookup, **prefetch)
 
     def unmount(self) -> None:
         self.stop("another rank failed")

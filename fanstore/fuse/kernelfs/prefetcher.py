@@ -83,7 +83,7 @@ class Prefetcher:
 
     def __init__(self, window: SharedWindow, reader, ns, slot: int, slots: int, fd: int,
                  channel: socket.socket, mountpoint: str, row,
-                 stat_ahead: bool | None = None, publish=None) -> None:
+                 stat_ahead: bool = True, publish=None) -> None:
         self.window = window
         self.reader = reader
         self.ns = ns
@@ -95,9 +95,7 @@ class Prefetcher:
         self.mountpoint = os.fsencode(mountpoint)
         self.row = row
         self.publish = publish or (lambda: None)  # the read core's counters to the row
-        if stat_ahead is None:  # FANSTORE_PREFETCH_LOOKUP=0: no look-ups (tests, benchmarks)
-            stat_ahead = os.environ.get("FANSTORE_PREFETCH_LOOKUP", "1") != "0"
-        self.stat_ahead = stat_ahead
+        self.stat_ahead = stat_ahead  # (--no-prefetch-lookup: no look-ups, for comparisons)
         self.sizes = ns.index.e["size"]
         self._kinds = ns.index.e["kind"]
         self.streams: dict[int, _Stream] = {}

@@ -81,19 +81,20 @@ def make_handler_factory(spec: FrontendSpec, index, fs: FsOps, session, window=N
             from fanstore.fuse.kernelfs.prefetcher import Prefetcher
 
             pf = Prefetcher(window, reader, fs.ns, wctx.slot, wctx.workers, wctx.fd,
-                            wctx.channel, spec.mountpoint, row, publish=publisher.publish)
+                            wctx.channel, spec.mountpoint, row,
+                            stat_ahead=spec.prefetch_lookup, publish=publisher.publish)
             pf.start()
             hooks = pf.hooks
         return KernelHandler(fs, reader, publish=publisher.publish, prefetch=hooks,
-                             spill=make_spill(wctx.fd, reader.stats))
+                             spill=make_spill(wctx.fd, reader.stats, spec.chunk_spill))
 
     return factory
 
 
-def make_spill(fd: int, stats):
-    """A worker's chunk spill thread (:mod:`fanstore.fuse.kernelfs.spill`); none when
-    ``FANSTORE_CHUNK_SPILL=0`` (for comparisons: benchmarks, experiments)."""
-    if os.environ.get("FANSTORE_CHUNK_SPILL", "1") == "0":
+def make_spill(fd: int, stats, enabled: bool = True):
+    """A worker's chunk spill thread (:mod:`fanstore.fuse.kernelfs.spill`); none when not
+    ``enabled`` (``--no-chunk-spill``, for comparisons: benchmarks, experiments)."""
+    if not enabled:
         return None
     from fanstore.fuse.kernelfs.spill import ChunkSpill
 
@@ -134,9 +135,10 @@ def serve_worker(socket_path: str, index, reader, timeout: float = 300.0,
         window = SharedWindow(grant.extra_fds[at], grant.extra_fds[at + 1])
         prefetcher = Prefetcher(window, reader, fs.ns, grant.slot, grant.workers, grant.fd,
                                 sock, spec["mountpoint"], row,
+                                stat_ahead=bool(spec.get("lookup", True)),
                                 publish=publisher.publish if publisher else None)
         prefetcher.start()
-    spill = make_spill(grant.fd, reader.stats)
+    spill = make_spill(grant.fd, reader.stats, bool(info.get("chunk_spill", True)))
     handler = KernelHandler(fs, reader, publish=publisher.publish if publisher else None,
                             prefetch=prefetcher.hooks if prefetcher else None, spill=spill)
     try:
@@ -197,7 +199,7 @@ def frontend_main(spec_fd: int) -> int:
         # The engine's defaults, READDIRPLUS included: listing then reading 300,000 files (a
         # first epoch) took 26.5 s with it and 38.2 s with plain READDIR, which costs a
         # LOOKUP per file; only a bare cold `find` is faster without it (docs/benchmarks.md,
-        # fuse_bench-small300k-dirs). FANSTORE_FUSE_FLAGS="+NAME,-NAME" edits the flags
+        # fuse_bench-small300k-dirs). --fuse-flags "+NAME,-NAME" edits the flags
         # (-DO_READDIRPLUS for metadata-only work; experiments and benchmarks).
         init = engine.InitOptions(flags=parse_flags(spec.init_flags, engine.DEFAULT_INIT_FLAGS))
         session = engine.KernelSession(spec.mountpoint, mopts, init,
@@ -242,15 +244,16 @@ def _serve(spec: FrontendSpec, index, fs: FsOps, session, on_ready) -> str:
     workers = spec.external_workers or spec.workers
     shared = SharedChunks.create(workers, index.chunk_size) if workers > 1 else None
     if spec.external_workers:
-        # MPI worker ranks serve (fanstore/workerrank.py): they connect and get the connection, the
-        # shared chunk table, and prefetch mode's window
+        # MPI worker ranks serve (fanstore/workerrank.py): they connect and get the
+        # connection, the shared chunk table, prefetch mode's window and the switches
         fds: list[int] = []
-        info: dict[str, Any] = {}
+        info: dict[str, Any] = {"chunk_spill": spec.chunk_spill}
         if shared is not None:
             info["shared_chunks"] = len(fds)
             fds += [shared.table_fd, shared.arena_fd]
         if window is not None:
-            info["prefetch"] = {"mountpoint": spec.mountpoint, "fds": len(fds)}
+            info["prefetch"] = {"mountpoint": spec.mountpoint, "fds": len(fds),
+                                "lookup": spec.prefetch_lookup}
             fds += [window.state_fd, window.arena_fd]
         return session.serve_external(spec.worker_socket, spec.external_workers,
                                       on_ready=on_ready, watch=watch, extra_fds=fds,

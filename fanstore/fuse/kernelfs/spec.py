@@ -43,10 +43,14 @@ class FrontendSpec:
     ready_fd : the pipe the frontend reports "ready" or "error: ..." on.
     daemon_pid : the daemon; the frontend dies with it, and refuses to start under another.
     debug, log_format : logging like the daemon's.
-    init_flags : ``+NAME,-NAME`` edits of the INIT flags (FANSTORE_FUSE_FLAGS).
+    init_flags : ``+NAME,-NAME`` edits of the INIT flags (``--fuse-flags``).
     mode : "sync" or "prefetch".
     order_fd, window_fds, prefetch_bytes : prefetch mode: the daemon's order channel, the
         shared window (state and arena memfds), the ``--prefetch-mb`` budget in bytes.
+    chunk_spill : push the rest of a chunk decoded for a partial read into the page cache
+        (``--no-chunk-spill``: not).
+    prefetch_lookup : prefetch mode: look files up ahead of their push
+        (``--no-prefetch-lookup``: not).
     """
 
     mountpoint: str
@@ -73,6 +77,8 @@ class FrontendSpec:
     order_fd: int | None = None
     window_fds: tuple[int, int] | None = None
     prefetch_bytes: int = 0
+    chunk_spill: bool = True
+    prefetch_lookup: bool = True
 
     def __post_init__(self) -> None:
         for name in ("mountpoint", "index_path", "data_dir", "socket_path", "counters_path",
@@ -84,7 +90,7 @@ class FrontendSpec:
                 self._bad(name, "a string")
         if self.log_format is not None and not isinstance(self.log_format, str):
             self._bad("log_format", "a string or null")
-        for name in ("allow_other", "debug"):
+        for name in ("allow_other", "debug", "chunk_spill", "prefetch_lookup"):
             if not isinstance(getattr(self, name), bool):
                 self._bad(name, "true or false")
         for name, low in (("workers", 1), ("external_workers", 0), ("cache_bytes", 0),
