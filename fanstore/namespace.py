@@ -31,7 +31,8 @@ _TYPE_BITS = {KIND_FILE: stat_mod.S_IFREG, KIND_DIR: stat_mod.S_IFDIR,
 def metadata_bytes(index: Index) -> int:
     """Bytes a node holds for the namespace: the index's arrays and name tables, plus the
     arrays the Namespace derives from them (what ``fanstore stats``/``info`` report)."""
-    total = sum(a.nbytes for a in index.e.values()) + sum(a.nbytes for a in index.c.values())
+    columns = [*index.entries.values(), *index.chunks.values()]
+    total = sum(a.nbytes for a in columns)
     total += index.lk_hash.nbytes + index.lk_entry.nbytes + len(index.names)
     total += len(index.targets)
     total += index.n_entries * 8  # Namespace._nlink_dirs (int64 per entry)
@@ -63,7 +64,7 @@ class Namespace:
 
     def __init__(self, index: Index) -> None:
         self.index = index
-        e = index.e
+        e = index.entries
         self._kind = e["kind"]
         self._parent = e["parent"]
         self._first = e["first"]

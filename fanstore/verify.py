@@ -72,9 +72,9 @@ def verify_store(path: str, jobs: int = 0, progress: bool | None = None,
     shared = index.version >= 2
     reader = ChunkReader(index, parts,
                          cache_bytes=min(64 << 20, 16 * index.chunk_size) if shared else 0)
-    part_of = index.c["part"]
-    sums = index.e["checksum"]
-    counts = index.e["count"]
+    part_of = index.chunks["part"]
+    sums = index.entries["checksum"]
+    counts = index.entries["count"]
 
     todo = []
     for entry in index.file_entries().tolist():
@@ -87,14 +87,14 @@ def verify_store(path: str, jobs: int = 0, progress: bool | None = None,
             todo.append(entry)
 
     if shared:
-        todo.sort(key=index.e["first"].__getitem__)
+        todo.sort(key=index.entries["first"].__getitem__)
 
     show_bar = sys.stderr.isatty() if progress is None else progress
     bar = None
     if show_bar:
         from tqdm import tqdm
 
-        total = int(sum(int(index.e["size"][e]) for e in todo))
+        total = int(sum(int(index.entries["size"][e]) for e in todo))
         bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc="verifying",
                    file=sys.stderr)
 

@@ -359,12 +359,12 @@ def stored_extent(store, rel, chunk: int = 0) -> tuple[str, int, int]:
     except FanStoreError:
         entry = None
     assert entry is not None, f"{rel} is not in {store}"
-    first, count = int(index.e["first"][entry]), int(index.e["count"][entry])
+    first, count = int(index.entries["first"][entry]), int(index.entries["count"][entry])
     assert 0 <= chunk < count, f"{rel} has {count} chunks"
     k = first + chunk
-    part = index.partitions[int(index.c["part"][k])].name
-    return (os.path.join(os.fspath(store), part), int(index.c["offset"][k]),
-            int(index.c["stored"][k]))
+    part = index.partitions[int(index.chunks["part"][k])].name
+    return (os.path.join(os.fspath(store), part), int(index.chunks["offset"][k]),
+            int(index.chunks["stored"][k]))
 
 
 def damage_file(store, rel, chunk: int = 0) -> None:
@@ -698,9 +698,9 @@ def files_by_partition(store) -> dict[int, list[str]]:
     index = read_index(os.fspath(store))
     out: dict[int, list[str]] = {p.number: [] for p in index.partitions}
     for entry in index.file_entries().tolist():
-        first, count = int(index.e["first"][entry]), int(index.e["count"][entry])
+        first, count = int(index.entries["first"][entry]), int(index.entries["count"][entry])
         if count:
-            out[int(index.c["part"][first])].append(os.fsdecode(index.path(entry)))
+            out[int(index.chunks["part"][first])].append(os.fsdecode(index.path(entry)))
     return out
 
 

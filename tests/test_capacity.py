@@ -88,10 +88,10 @@ def solid_store(text_tree, tmp_path_factory):
 def _solid_groups(store) -> dict[int, list[str]]:
     """chunk -> paths of the files that share it (only chunks with several files)."""
     index = read_index(str(store))
-    single = np.nonzero((index.e["kind"] == 0) & (index.e["count"] == 1))[0]
+    single = np.nonzero((index.entries["kind"] == 0) & (index.entries["count"] == 1))[0]
     groups: dict[int, list[str]] = {}
     for entry in single.tolist():
-        groups.setdefault(int(index.e["first"][entry]), []).append(
+        groups.setdefault(int(index.entries["first"][entry]), []).append(
             os.fsdecode(index.path(entry)))
     return {k: v for k, v in groups.items() if len(v) > 1}
 
@@ -110,15 +110,15 @@ def test_solid_store_is_format_v2_and_shares_chunks(solid_store, text_tree):
         assert len({p.rsplit(".", 1)[1] for p in paths}) == 1, paths
     # Every block holds at most 16 KiB; its files lie back to back inside it.
     for k, paths in groups.items():
-        raw = int(index.c["raw"][k])
+        raw = int(index.chunks["raw"][k])
         assert raw <= 16 << 10
-        spans = sorted((int(index.e["offset"][ns.resolve(p)]),
-                        int(index.e["size"][ns.resolve(p)])) for p in paths)
+        spans = sorted((int(index.entries["offset"][ns.resolve(p)]),
+                        int(index.entries["size"][ns.resolve(p)])) for p in paths)
         assert spans[0][0] == 0
         assert all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))
         assert spans[-1][0] + spans[-1][1] == raw
     big = ns.resolve("big/large.bin")
-    assert int(index.e["count"][big]) == 3 and int(index.e["offset"][big]) == 0
+    assert int(index.entries["count"][big]) == 3 and int(index.entries["offset"][big]) == 0
     proc = run_cli("info", solid_store, check=True)
     assert re.search(rf"^solid blocks   {len(groups):,} chunks holding {in_blocks:,} files$",
                      proc.stdout, re.M), proc.stdout
@@ -201,7 +201,7 @@ def test_a_solid_block_is_decoded_once_per_worker_not_once_per_file(frontend, mo
             assert f.read() == files[rel], rel
     st = json.loads(run_cli("stats", mnt, "--json", check=True).stdout)
     index = read_index(str(solid_store))
-    blocks = int(np.count_nonzero(np.bincount(index.e["first"][index.e["kind"] == 0],
+    blocks = int(np.count_nonzero(np.bincount(index.entries["first"][index.entries["kind"] == 0],
                                               minlength=index.n_chunks) > 1))
     assert blocks > 5
     workers = 2 if frontend == "kernel" else 1
@@ -217,8 +217,8 @@ def test_damaged_solid_block_fails_exactly_its_files(frontend, mounted, solid_st
     groups = _solid_groups(store)
     k, victims = sorted(groups.items())[len(groups) // 2]
     index = read_index(str(store))
-    part = index.partitions[int(index.c["part"][k])].name
-    off, n = int(index.c["offset"][k]), int(index.c["stored"][k])
+    part = index.partitions[int(index.chunks["part"][k])].name
+    off, n = int(index.chunks["offset"][k]), int(index.chunks["stored"][k])
     flip_bytes(store / part, off + n // 2, min(8, n))
     # verify names exactly the files of that block
     proc = run_cli("verify", store, "--no-progress")

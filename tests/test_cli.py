@@ -174,7 +174,8 @@ def test_verify_reports_every_file_of_a_truncated_partition(small_store, tmp_pat
     index = read_index(str(store))
     in_part0 = sorted(
         os.fsdecode(index.path(int(e))) for e in index.file_entries()
-        if int(index.e["count"][e]) and int(index.c["part"][int(index.e["first"][e])]) == 0)
+        if int(index.entries["count"][e])
+        and int(index.chunks["part"][int(index.entries["first"][e])]) == 0)
     assert in_part0
     part = store / partition_name(0)
     os.truncate(part, part.stat().st_size - 1)

@@ -334,8 +334,8 @@ def _hostile(store: Path, case: str) -> str:
     """Rewrite STORE's index with one hostile change (a valid checksum, so only validation
     can refuse it); returns the message expected."""
     index = read_index(str(store))
-    e = {k: np.array(v) for k, v in index.e.items()}
-    c = {k: np.array(v) for k, v in index.c.items()}
+    e = {k: np.array(v) for k, v in index.entries.items()}
+    c = {k: np.array(v) for k, v in index.chunks.items()}
     names, targets = bytes(index.names), bytes(index.targets)
     meta = {k: v for k, v in index.meta.items()
             if k not in ("columns", "n_entries", "n_chunks", "format_version")}
@@ -419,7 +419,7 @@ def test_info_of_an_index_with_partial_counts_is_not_an_internal_error(small_sto
     meta = {k: v for k, v in index.meta.items()
             if k not in ("columns", "n_entries", "n_chunks", "format_version")}
     meta["counts"] = {"raw_bytes": index.meta["counts"]["raw_bytes"]}
-    (store / INDEX_NAME).write_bytes(encode_index(meta, index.e, index.c, (
+    (store / INDEX_NAME).write_bytes(encode_index(meta, index.entries, index.chunks, (
         index.lk_hash, index.lk_entry), index.names, index.targets))
     assert run_cli("cat", store, "a.txt", check=True).stdout == "alpha\n" * 100
     proc = run_cli("info", store)
@@ -854,7 +854,7 @@ def _victims(store) -> list[tuple[str, int]]:
     ns = Namespace(index)
     one = multi = None
     for rel in files_by_partition(store)[3]:
-        count = int(index.e["count"][ns.resolve(rel)])
+        count = int(index.entries["count"][ns.resolve(rel)])
         if count == 1 and one is None:
             one = (rel, 0)
         elif count > 2 and multi is None:

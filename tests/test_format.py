@@ -74,7 +74,7 @@ def _tiny_parts() -> dict:
         a/g          file  (4)  10 bytes: chunk 2 in partition 1
     """
     b = IndexBuilder(5, 3)
-    e = b.e
+    e = b.entries
     rows = [  # parent, kind, mode, size, mtime
         (0, KIND_DIR, 0o755, 0, 10),
         (0, KIND_DIR, 0o750, 0, 11),
@@ -102,13 +102,13 @@ def _parts_of(b: IndexBuilder, chunks, partitions: list[dict], counts: dict) -> 
     """The ``encode_index`` inputs of builder ``b`` (its entries filled in) with ``chunks``
     rows (partition, offset, stored, raw, codec slot; checksum 1000 + row), chunk size 4096
     and codecs none / zstd:3."""
-    c = b.c
+    c = b.chunks
     for k, (part, off, stored, raw, codec) in enumerate(chunks):
         c["part"][k], c["offset"][k], c["stored"][k], c["raw"][k] = part, off, stored, raw
         c["codec"][k], c["checksum"][k] = codec, 1000 + k
     meta = {"chunk_size": 4096, "codecs": [{"id": "none"}, {"id": "zstd", "level": 3}],
             "partitions": partitions, "counts": counts}
-    return {"meta": meta, "e": b.e, "c": b.c, "lookup": b.build_lookup(),
+    return {"meta": meta, "e": b.entries, "c": b.chunks, "lookup": b.build_lookup(),
             "names": bytes(b.names), "targets": bytes(b.targets)}
 
 
@@ -134,10 +134,10 @@ def test_index_round_trip_by_hand():
     index = read_index_bytes(_encode(parts))
     assert index.n_entries == 5 and index.n_chunks == 3 and index.chunk_size == 4096
     for name, dtype in ENTRY_COLUMNS:
-        assert index.e[name].dtype == np.dtype(dtype)
-        assert np.array_equal(index.e[name], parts["e"][name]), name
+        assert index.entries[name].dtype == np.dtype(dtype)
+        assert np.array_equal(index.entries[name], parts["e"][name]), name
     for name, dtype in CHUNK_COLUMNS:
-        assert np.array_equal(index.c[name], parts["c"][name]), name
+        assert np.array_equal(index.chunks[name], parts["c"][name]), name
     assert index.codecs == parts["meta"]["codecs"]
     assert [(p.number, p.size, p.checksum, p.files) for p in index.partitions] == [
         (0, 214, "00", 1), (1, 74, "11", 1)]
@@ -512,7 +512,7 @@ def test_index_of_the_special_store_describes_the_source(special_tree, special_s
         "stored_bytes": sum(p.size for p in index.partitions)}
     # Breadth-first: depth never decreases along the entry table.
     depth = np.zeros(index.n_entries, dtype=np.int64)
-    parent = index.e["parent"]
+    parent = index.entries["parent"]
     for i in range(1, index.n_entries):
         depth[i] = depth[int(parent[i])] + 1
     assert np.all(np.diff(depth) >= 0)
@@ -560,7 +560,7 @@ def test_golden_store_reads(version):
             else:
                 assert ns.is_dir(entry)
         # The fixture exercises both a compressed and a stored-raw chunk, and a 2-chunk file.
-        assert set(s.index.c["codec"].tolist()) == {0, 1}
+        assert set(s.index.chunks["codec"].tolist()) == {0, 1}
         assert ns.chunks(ns.resolve("two_chunks.bin"))[1] == 2
         assert s.index.version == int(version[1:])
         if version == "v2":  # two files share one solid chunk, one at a non-zero offset
@@ -604,9 +604,9 @@ def test_golden_store_is_reproduced_by_the_packer(tmp_path, version):
 
     assert meta(a) == meta(b)
     for name, _ in ENTRY_COLUMNS:
-        assert np.array_equal(a.e[name], b.e[name]), name
+        assert np.array_equal(a.entries[name], b.entries[name]), name
     for name, _ in CHUNK_COLUMNS:
-        assert np.array_equal(a.c[name], b.c[name]), name
+        assert np.array_equal(a.chunks[name], b.chunks[name]), name
     assert a.names == b.names and a.targets == b.targets
 
 
@@ -623,7 +623,7 @@ def _tiny_v2_parts() -> dict:
         a/h          file  (4)  20 bytes at offset 10 of chunk 2
     """
     b = IndexBuilder(5, 3)
-    e = b.e
+    e = b.entries
     rows = [(0, KIND_DIR, 0o755, 0), (0, KIND_DIR, 0o755, 0), (0, KIND_FILE, 0o644, 5000),
             (1, KIND_FILE, 0o644, 10), (1, KIND_FILE, 0o644, 20)]
     for i, (parent, kind, mode, size) in enumerate(rows):
@@ -650,7 +650,7 @@ def test_v2_index_round_trip():
     assert index.version == 2 == index.meta["format_version"] == FORMAT_VERSION
     assert "e_offset" in index.meta["columns"]
     for name, _ in ENTRY_COLUMNS:
-        assert np.array_equal(index.e[name], parts["e"][name]), name
+        assert np.array_equal(index.entries[name], parts["e"][name]), name
     ns = Namespace(index)
     assert ns.chunks(3) == ns.chunks(4) == (2, 1)
     assert (ns.data_offset(3), ns.data_offset(4), ns.data_offset(2)) == (0, 10, 0)

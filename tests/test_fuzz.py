@@ -135,8 +135,8 @@ def base(tmp_path_factory):
     parts = {
         "meta": {k: v for k, v in index.meta.items()
                  if k not in ("columns", "n_entries", "n_chunks", "format_version")},
-        "e": {k: np.array(v) for k, v in index.e.items()},
-        "c": {k: np.array(v) for k, v in index.c.items()},
+        "e": {k: np.array(v) for k, v in index.entries.items()},
+        "c": {k: np.array(v) for k, v in index.chunks.items()},
         "lookup": (np.array(index.lk_hash), np.array(index.lk_entry)),
         "names": bytes(index.names),
         "targets": bytes(index.targets),
@@ -276,7 +276,7 @@ def exercise_accepted_index(base, data: bytes) -> str:
                             want = size - max(0, off) if n < 0 else min(n, size - max(0, off))
                             assert len(got) == max(0, want)
             report = verify_store(str(scratch), jobs=1, progress=False)
-            assert report.checked == int((store.index.e["kind"] == KIND_FILE).sum())
+            assert report.checked == int((store.index.entries["kind"] == KIND_FILE).sum())
     outside = [p for p in opened if not os.path.realpath(p).startswith(inside)
                and not os.path.realpath(p).startswith(_INSTALLATION)]
     assert not outside, f"opened outside the store: {outside}"
@@ -803,7 +803,7 @@ def _chain_index(targets: list[bytes]) -> bytes:
 
     row = {p: i for i, (p, _) in enumerate(_CHAIN_TREE)}
     b = IndexBuilder(len(_CHAIN_TREE), 0)
-    e = b.e
+    e = b.entries
     it = iter(targets)
     for i, (path, kind) in enumerate(_CHAIN_TREE):
         e["kind"][i] = kind
@@ -821,7 +821,8 @@ def _chain_index(targets: list[bytes]) -> bytes:
             e["first"][i], e["count"][i] = (kids[0], len(kids)) if kids else (0, 0)
     meta = {"chunk_size": 4096, "codecs": [{"id": "none"}], "partitions": [],
             "counts": {"files": 2, "dirs": 3, "symlinks": 6, "raw_bytes": 0}}
-    return encode_index(meta, b.e, b.c, b.build_lookup(), bytes(b.names), bytes(b.targets))
+    return encode_index(meta, b.entries, b.chunks, b.build_lookup(), bytes(b.names),
+                        bytes(b.targets))
 
 
 def _kernel(root: str, rel: bytes) -> tuple:

@@ -465,7 +465,7 @@ def test_symlink_chains_are_judged_the_same_in_a_directory_and_an_archive(tmp_pa
         assert proc.returncode == 0, proc.stderr
         index = read_index(str(store))
         links = {index.path(i).decode(): index.target(i).decode()
-                 for i in range(index.n_entries) if int(index.e["kind"][i]) == KIND_SYMLINK}
+                 for i in range(index.n_entries) if int(index.entries["kind"][i]) == KIND_SYMLINK}
         assert links == {n: t for n, t, why in CHAINS if not why}, source
         with LocalStore(str(store)) as s:
             assert s.read_file("via") == s.read_file("long01") == b"the f\n"
@@ -485,7 +485,7 @@ def _store_with_targets(tmp_path: Path, targets: dict[str, bytes]) -> Path:
     store = tmp_path / "store"
     run_cli("pack", src, store, *PACK_ARGS, check=True)
     index = read_index(str(store))
-    e = {k: np.array(v) for k, v in index.e.items()}
+    e = {k: np.array(v) for k, v in index.entries.items()}
     blob = bytearray()
     for i in range(index.n_entries):
         if int(e["kind"][i]) == KIND_SYMLINK:
@@ -494,7 +494,7 @@ def _store_with_targets(tmp_path: Path, targets: dict[str, bytes]) -> Path:
             blob += t
     meta = {k: v for k, v in index.meta.items()
             if k not in ("columns", "n_entries", "n_chunks", "format_version")}
-    data = encode_index(meta, e, {k: np.array(v) for k, v in index.c.items()},
+    data = encode_index(meta, e, {k: np.array(v) for k, v in index.chunks.items()},
                         (np.array(index.lk_hash), np.array(index.lk_entry)),
                         bytes(index.names), bytes(blob))
     (store / INDEX_NAME).write_bytes(data)
@@ -524,7 +524,7 @@ def test_validating_deep_symlinks_takes_linear_time(tmp_path):
 
     deep = links = 20_000
     b = IndexBuilder(1 + deep + links, 0)
-    e = b.e
+    e = b.entries
     e["kind"][:deep + 1] = KIND_DIR
     e["mode"][:] = 0o755
     e["parent"][1:deep + 1] = np.arange(deep)
@@ -542,7 +542,7 @@ def test_validating_deep_symlinks_takes_linear_time(tmp_path):
             "counts": {"files": 0, "dirs": deep, "symlinks": links, "raw_bytes": 0}}
     store = tmp_path / "store"
     store.mkdir()
-    (store / INDEX_NAME).write_bytes(encode_index(meta, b.e, b.c, b.build_lookup(),
+    (store / INDEX_NAME).write_bytes(encode_index(meta, b.entries, b.chunks, b.build_lookup(),
                                                   bytes(b.names), bytes(b.targets)))
     proc = run_cli("ls", store, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -422,10 +422,10 @@ def test_random_damage_never_gives_wrong_bytes(mounted, special_store, special_t
     bytes or EIO; files whose chunks were not touched read exactly."""
     store = copy_store(special_store, tmp_path / "s")
     index = read_index(str(store))
-    c = index.c
+    c = index.chunks
     owner = {}  # chunk -> file entry
     for entry in index.file_entries().tolist():
-        first, count = int(index.e["first"][entry]), int(index.e["count"][entry])
+        first, count = int(index.entries["first"][entry]), int(index.entries["count"][entry])
         for k in range(first, first + count):
             owner[k] = entry
     rng = random.Random(5)

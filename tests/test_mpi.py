@@ -84,9 +84,9 @@ def remote_stored_bytes(store: Path, local_parts: set[int]) -> int:
     index = read_index(str(store))
     total = 0
     for entry in index.file_entries().tolist():
-        first, count = int(index.e["first"][entry]), int(index.e["count"][entry])
-        if count and int(index.c["part"][first]) not in local_parts:
-            total += int(index.c["stored"][first : first + count].sum())
+        first, count = int(index.entries["first"][entry]), int(index.entries["count"][entry])
+        if count and int(index.chunks["part"][first]) not in local_parts:
+            total += int(index.chunks["stored"][first : first + count].sum())
     return total
 
 
@@ -283,10 +283,10 @@ def test_without_replicas_a_dead_ranks_files_give_eio_within_the_timeout(dataset
         seen_eio = 0
         for entry in index.file_entries().tolist():
             rel = os.fsdecode(index.path(entry))
-            first, count = int(index.e["first"][entry]), int(index.e["count"][entry])
+            first, count = int(index.entries["first"][entry]), int(index.entries["count"][entry])
             path = job.mnt(0) / rel
             t = time.monotonic()
-            if count and int(index.c["part"][first]) in dead_parts:
+            if count and int(index.chunks["part"][first]) in dead_parts:
                 with pytest.raises(OSError) as exc:
                     path.read_bytes()
                 assert exc.value.errno == errno.EIO
@@ -387,10 +387,10 @@ def test_a_hung_node_gives_eio_within_the_timeout_and_serves_again_when_it_resum
             slowest, eio, ok = 0.0, 0, 0
             for entry in index.file_entries().tolist():
                 rel = os.fsdecode(index.path(entry))
-                first, count = int(index.e["first"][entry]), int(index.e["count"][entry])
+                first, count = int(index.entries["first"][entry]), int(index.entries["count"][entry])
                 path = job.mnt(0) / rel
                 t = time.monotonic()
-                if count and int(index.c["part"][first]) in hung_parts:
+                if count and int(index.chunks["part"][first]) in hung_parts:
                     if eio >= 6:
                         continue  # enough: each costs a timeout until the ranks are marked
                     with pytest.raises(OSError) as exc:
@@ -408,8 +408,8 @@ def test_a_hung_node_gives_eio_within_the_timeout_and_serves_again_when_it_resum
                 os.kill(p, signal.SIGCONT)
         # resumed: after the probe interval the node's files read again
         late = [e for e in index.file_entries().tolist()
-                if int(index.e["count"][e])
-                and int(index.c["part"][int(index.e["first"][e])]) in hung_parts]
+                if int(index.entries["count"][e])
+                and int(index.chunks["part"][int(index.entries["first"][e])]) in hung_parts]
 
         def readable() -> bool:
             rel = os.fsdecode(index.path(late[-1]))

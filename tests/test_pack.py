@@ -276,13 +276,13 @@ def test_pack_is_deterministic(special_tree, special_store, tmp_path):
 
 def test_store_holds_raw_chunks_where_compression_does_not_help(special_store):
     index = read_index(str(special_store))
-    codec = index.c["codec"]
+    codec = index.chunks["codec"]
     assert index.codecs[0] == {"id": "none"}
     assert index.codecs[1]["id"] == "zstd"
     # The big file's random stripes are stored raw, its text stripes compressed.
     assert (codec == 0).any() and (codec == 1).any()
-    assert np.all(index.c["stored"][codec == 0] == index.c["raw"][codec == 0])
-    assert np.all(index.c["stored"][codec == 1] < index.c["raw"][codec == 1])
+    assert np.all(index.chunks["stored"][codec == 0] == index.chunks["raw"][codec == 0])
+    assert np.all(index.chunks["stored"][codec == 1] < index.chunks["raw"][codec == 1])
 
 
 def test_chunk_size_and_codec_options(small_tree, tmp_path):
@@ -293,7 +293,7 @@ def test_chunk_size_and_codec_options(small_tree, tmp_path):
     index = read_index(str(dest))
     assert index.chunk_size == 8192
     assert index.codecs == [{"id": "none"}]
-    assert np.all(index.c["codec"] == 0)
+    assert np.all(index.chunks["codec"] == 0)
     with LocalStore(str(dest)) as s:
         for rel, data in files.items():
             assert s.read_file(rel) == data
@@ -334,9 +334,9 @@ def test_broadcast_directories_get_their_own_partitions(small_tree, tmp_path):
     ns = Namespace(index)
     for rel in files:
         entry = ns.resolve(rel)
-        first, count = int(index.e["first"][entry]), int(index.e["count"][entry])
+        first, count = int(index.entries["first"][entry]), int(index.entries["count"][entry])
         if count:
-            part = int(index.c["part"][first])
+            part = int(index.chunks["part"][first])
             assert (part in bc) == rel.startswith("sub/"), rel
     proc = run_cli("pack", src, tmp_path / "other", "--broadcast", "nope", "--no-progress")
     assert_cli_error(proc, code=2, contains="--broadcast nope: no such directory")

@@ -639,13 +639,13 @@ def test_pack_auto_per_kind_applies_the_policy(tmp_path):
     assert 3 <= len(mix["measured"]["rounds_files_per_s"]) <= 5
     slots_seen: dict[str, set[str]] = {}
     for entry in range(index.n_entries):
-        if int(index.e["kind"][entry]) != KIND_FILE:
+        if int(index.entries["kind"][entry]) != KIND_FILE:
             continue
         rel = os.fsdecode(index.path(entry))
-        kind = file_kind(rel, int(index.e["size"][entry]))
+        kind = file_kind(rel, int(index.entries["size"][entry]))
         want = sel["configs"][per_kind[kind]]
-        first, count = int(index.e["first"][entry]), int(index.e["count"][entry])
-        for slot in index.c["codec"][first:first + count].tolist():
+        first, count = int(index.entries["first"][entry]), int(index.entries["count"][entry])
+        for slot in index.chunks["codec"][first:first + count].tolist():
             cfg = index.codecs[slot]
             slots_seen.setdefault(kind, set()).add(cfg["id"])
             if cfg["id"] == "none":

@@ -56,9 +56,9 @@ def table(store) -> dict[bytes, tuple]:
     index = read_index(os.fspath(store))
     out = {}
     for i in range(index.n_entries):
-        kind = int(index.e["kind"][i])
-        out[index.path(i)] = (kind, int(index.e["mode"][i]), int(index.e["size"][i]),
-                              int(index.e["checksum"][i]),
+        kind = int(index.entries["kind"][i])
+        out[index.path(i)] = (kind, int(index.entries["mode"][i]), int(index.entries["size"][i]),
+                              int(index.entries["checksum"][i]),
                               index.target(i) if kind == KIND_SYMLINK else b"")
     return out
 

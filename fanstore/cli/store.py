@@ -143,7 +143,7 @@ def _store_info(index) -> dict[str, Any]:
 
     counts = dict(index.meta.get("counts", {}))
     raw, stored = counts.get("raw_bytes", 0), counts.get("stored_bytes", 0)
-    per_codec = np.bincount(index.c["codec"], minlength=len(index.codecs))
+    per_codec = np.bincount(index.chunks["codec"], minlength=len(index.codecs))
     codec_chunks = {}
     for slot, cfg in enumerate(index.codecs):
         if per_codec[slot]:
@@ -157,8 +157,8 @@ def _store_info(index) -> dict[str, Any]:
 
     memory = metadata_bytes(index)
     # Solid blocks (format v2): chunks that more than one file lives in.
-    single = (index.e["kind"] == KIND_FILE) & (index.e["count"] == 1)
-    refs = np.bincount(index.e["first"][single].astype(np.int64), minlength=index.n_chunks)
+    single = (index.entries["kind"] == KIND_FILE) & (index.entries["count"] == 1)
+    refs = np.bincount(index.entries["first"][single].astype(np.int64), minlength=index.n_chunks)
     solid_chunks = int(np.count_nonzero(refs > 1))
     solid_files = int(refs[refs > 1].sum())
     n = max(1, index.n_entries)

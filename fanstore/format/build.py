@@ -40,26 +40,26 @@ class IndexBuilder:
     """
 
     def __init__(self, n_entries: int, n_chunks: int) -> None:
-        self.e = {name: np.zeros(n_entries, dtype=dt) for name, dt in ENTRY_COLUMNS}
-        self.c = {name: np.zeros(n_chunks, dtype=dt) for name, dt in CHUNK_COLUMNS}
+        self.entries = {name: np.zeros(n_entries, dtype=dt) for name, dt in ENTRY_COLUMNS}
+        self.chunks = {name: np.zeros(n_chunks, dtype=dt) for name, dt in CHUNK_COLUMNS}
         self.names = bytearray()
         self.targets = bytearray()
 
     def set_name(self, entry: int, name: bytes) -> None:
-        self.e["name_off"][entry] = len(self.names)
-        self.e["name_len"][entry] = len(name)
+        self.entries["name_off"][entry] = len(self.names)
+        self.entries["name_len"][entry] = len(name)
         self.names += name
 
     def set_target(self, entry: int, target: bytes) -> None:
-        self.e["first"][entry] = len(self.targets)
-        self.e["count"][entry] = len(target)
+        self.entries["first"][entry] = len(self.targets)
+        self.entries["count"][entry] = len(target)
         self.targets += target
 
     def build_lookup(self) -> tuple[np.ndarray, np.ndarray]:
-        n = self.e["kind"].shape[0]
+        n = self.entries["kind"].shape[0]
         hashes = np.zeros(n, dtype="<u8")
         names = bytes(self.names)
-        parent, off, ln = self.e["parent"], self.e["name_off"], self.e["name_len"]
+        parent, off, ln = self.entries["parent"], self.entries["name_off"], self.entries["name_len"]
         for i in range(1, n):
             o = int(off[i])
             hashes[i] = name_hash(int(parent[i]), names[o : o + int(ln[i])])

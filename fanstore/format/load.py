@@ -222,8 +222,8 @@ def parse_body(body: bytes, where: str, version: int = FORMAT_VERSION) -> Index:
         )
     return Index(
         meta=meta,
-        e=e,
-        c=c,
+        entries=e,
+        chunks=c,
         lk_hash=lk_hash,
         lk_entry=lk_entry,
         names=column("names", None),

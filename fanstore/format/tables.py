@@ -22,8 +22,12 @@ class Index:
     """A loaded, validated index. Columns are read-only numpy arrays."""
 
     meta: dict[str, Any]
-    e: dict[str, np.ndarray]  # entry columns without prefix: e["size"], e["kind"], ...
-    c: dict[str, np.ndarray]  # chunk columns without prefix
+    #: one numpy column per entry field (``ENTRY_COLUMNS``): ``entries["size"][i]`` is the
+    #: size of entry i; entry 0 is the root
+    entries: dict[str, np.ndarray]
+    #: one numpy column per chunk field (``CHUNK_COLUMNS``): a file's chunks are the rows
+    #: ``entries["first"][i]`` .. ``+ entries["count"][i]``
+    chunks: dict[str, np.ndarray]
     lk_hash: np.ndarray
     lk_entry: np.ndarray
     names: bytes
@@ -39,11 +43,11 @@ class Index:
     # ---- shape
     @property
     def n_entries(self) -> int:
-        return int(self.e["kind"].shape[0])
+        return int(self.entries["kind"].shape[0])
 
     @property
     def n_chunks(self) -> int:
-        return int(self.c["part"].shape[0])
+        return int(self.chunks["part"].shape[0])
 
     @property
     def chunk_size(self) -> int:
@@ -51,16 +55,16 @@ class Index:
 
     # ---- per-entry helpers (scalar; used off the hot path or by the namespace)
     def name(self, entry: int) -> bytes:
-        off = int(self.e["name_off"][entry])
-        return bytes(self.names[off : off + int(self.e["name_len"][entry])])
+        off = int(self.entries["name_off"][entry])
+        return bytes(self.names[off : off + int(self.entries["name_len"][entry])])
 
     def target(self, entry: int) -> bytes:
-        off = int(self.e["first"][entry])
-        return bytes(self.targets[off : off + int(self.e["count"][entry])])
+        off = int(self.entries["first"][entry])
+        return bytes(self.targets[off : off + int(self.entries["count"][entry])])
 
     def path(self, entry: int) -> bytes:
         parts = []
-        parent = self.e["parent"]
+        parent = self.entries["parent"]
         while entry != 0:
             parts.append(self.name(entry))
             entry = int(parent[entry])
@@ -72,7 +76,7 @@ class Index:
         lk_hash = self.lk_hash
         i = int(lk_hash.searchsorted(np.uint64(h)))
         n = lk_hash.shape[0]
-        e = self.e
+        e = self.entries
         while i < n and int(lk_hash[i]) == h:
             entry = int(self.lk_entry[i])
             if entry and int(e["parent"][entry]) == parent:
@@ -96,7 +100,7 @@ class Index:
         idx = self.lk_hash.searchsorted(hashes)
         idx[idx >= len(self.lk_hash)] = 0
         cand = self.lk_entry[idx].astype(np.int64)
-        e = self.e
+        e = self.entries
         ok = (self.lk_hash[idx] == hashes) & (cand > 0) \
             & (e["parent"][cand] == parents) & (e["name_len"][cand] == [len(x) for x in names])
         name_off = e["name_off"]
@@ -112,8 +116,8 @@ class Index:
         return out
 
     def stored_bytes_of(self, entry: int) -> int:
-        first, count = int(self.e["first"][entry]), int(self.e["count"][entry])
-        return int(self.c["stored"][first : first + count].sum())
+        first, count = int(self.entries["first"][entry]), int(self.entries["count"][entry])
+        return int(self.chunks["stored"][first : first + count].sum())
 
     def file_entries(self) -> np.ndarray:
-        return np.nonzero(self.e["kind"] == KIND_FILE)[0]
+        return np.nonzero(self.entries["kind"] == KIND_FILE)[0]

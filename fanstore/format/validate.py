@@ -49,7 +49,7 @@ def validate_index(
     def bad(msg: str) -> FormatError:
         return FormatError(f"{where}: {msg}")
 
-    e, c = index.e, index.c
+    e, c = index.entries, index.chunks
     n, m = index.n_entries, index.n_chunks
     chunk_size = index.chunk_size
     if not 0 < chunk_size <= MAX_CHUNK_SIZE:
@@ -251,8 +251,8 @@ class _IndexTree:
 
     def __init__(self, index: Index) -> None:
         self.index = index
-        self._kind = index.e["kind"]
-        self._parent = index.e["parent"]
+        self._kind = index.entries["kind"]
+        self._parent = index.entries["parent"]
 
     def parent(self, node: int) -> int:
         return int(self._parent[node])

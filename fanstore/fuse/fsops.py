@@ -43,7 +43,7 @@ class FsOps:
         self.uid = os.getuid() if uid is None else uid
         self.gid = os.getgid() if gid is None else gid
         self.n_entries = ns.n_entries
-        e = ns.index.e
+        e = ns.index.entries
         self._kind = e["kind"]
         self._mode = e["mode"]
         self._size = e["size"]

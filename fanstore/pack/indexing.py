@@ -36,35 +36,35 @@ def build_index(scan: ScanResult, results: list[PartResult], configs, options: P
     n_chunks = sum(len(r.chunks["part"]) for r in results)
     b = IndexBuilder(len(entries), n_chunks)
     for i, e in enumerate(entries):
-        b.e["parent"][i] = e.parent
-        b.e["kind"][i] = e.kind
-        b.e["mode"][i] = e.mode
-        b.e["mtime_ns"][i] = e.mtime_ns
+        b.entries["parent"][i] = e.parent
+        b.entries["kind"][i] = e.kind
+        b.entries["mode"][i] = e.mode
+        b.entries["mtime_ns"][i] = e.mtime_ns
         if i:
             b.set_name(i, os.path.basename(e.rel))
         if e.kind == KIND_DIR:
-            b.e["first"][i], b.e["count"][i] = e.children
+            b.entries["first"][i], b.entries["count"][i] = e.children
         elif e.kind == KIND_SYMLINK:
             b.set_target(i, e.target)
-            b.e["size"][i] = len(e.target)
+            b.entries["size"][i] = len(e.target)
         else:
-            b.e["size"][i] = e.size
+            b.entries["size"][i] = e.size
     base = 0
     partitions = []
     for r in results:
         k = len(r.chunks["part"])
         for name, arr in r.chunks.items():
-            b.c[name][base : base + k] = arr
+            b.chunks[name][base : base + k] = arr
         if r.chunk_firsts is not None:  # solid blocks: files may share a chunk
             firsts = base + r.chunk_firsts.astype(np.int64)
         else:  # each file's chunks follow the previous file's
             firsts = base + np.concatenate(([0], np.cumsum(r.chunk_counts)[:-1])).astype(
                 np.int64)
-        b.e["first"][r.entries] = np.where(r.chunk_counts > 0, firsts, 0)
-        b.e["count"][r.entries] = r.chunk_counts
+        b.entries["first"][r.entries] = np.where(r.chunk_counts > 0, firsts, 0)
+        b.entries["count"][r.entries] = r.chunk_counts
         if r.data_offsets is not None:  # solid blocks only (the streamed packer has none)
-            b.e["offset"][r.entries] = r.data_offsets
-        b.e["checksum"][r.entries] = r.file_sums
+            b.entries["offset"][r.entries] = r.data_offsets
+        b.entries["checksum"][r.entries] = r.file_sums
         base += k
         partitions.append(PartitionInfo(
             number=r.number, size=r.size, checksum=r.checksum, files=len(r.entries),
@@ -94,5 +94,6 @@ def build_index(scan: ScanResult, results: list[PartResult], configs, options: P
     if access is not None:
         meta["access"] = access
     meta.update(options.extra_meta)
-    data = encode_index(meta, b.e, b.c, b.build_lookup(), bytes(b.names), bytes(b.targets))
+    data = encode_index(meta, b.entries, b.chunks, b.build_lookup(), bytes(b.names),
+                        bytes(b.targets))
     return data, stored

@@ -52,9 +52,9 @@ class ChunkReader:
         #: node's other reader processes (the kernel frontend's workers), or None
         self.shared = None
         self.chunk_size = index.chunk_size
-        e = index.e
+        e = index.entries
         self._first = e["first"]
-        self._raw = index.c["raw"]  # decoded size of each chunk
+        self._raw = index.chunks["raw"]  # decoded size of each chunk
         self._count = e["count"]
         self._size = e["size"]
         self._base = e.get("offset")  # format v2: where a file starts in a shared chunk
@@ -97,7 +97,7 @@ class ChunkReader:
 
     def is_local(self, entry: int) -> bool:
         first, count, _, _ = self.span(entry)
-        return count == 0 or self.source.is_local(int(self.index.c["part"][first]))
+        return count == 0 or self.source.is_local(int(self.index.chunks["part"][first]))
 
     # ------------------------------------------------------------------ chunks
     def load(self, entry: int, a: int, b: int) -> list[bytes]:
@@ -264,7 +264,7 @@ class ChunkReader:
         for i, entry in enumerate(entries):
             first, count, _base, _size = self.span(entry)
             if count == 1 and many is not None and not self.source.is_local(
-                    int(self.index.c["part"][first])):
+                    int(self.index.chunks["part"][first])):
                 part, off, length = self.decoder.run_extent(first, 1)
                 batch.append(i)
                 items.append((part, off, length, entry))

@@ -21,12 +21,12 @@ class Decoder:
 
     def __init__(self, index: Index) -> None:
         self.index = index
-        self._raw = index.c["raw"]
-        self._stored = index.c["stored"]
-        self._codec = index.c["codec"]
-        self._sum = index.c["checksum"]
-        self._part = index.c["part"]
-        self._offset = index.c["offset"]
+        self._raw = index.chunks["raw"]
+        self._stored = index.chunks["stored"]
+        self._codec = index.chunks["codec"]
+        self._sum = index.chunks["checksum"]
+        self._part = index.chunks["part"]
+        self._offset = index.chunks["offset"]
         try:
             self.codecs = [get_codec(cfg) for cfg in index.codecs]
         except CodecError as exc:

@@ -128,7 +128,7 @@ def run_check(path: str, mode: str | None, cores: int | None, reader: str | None
         ns = handle.ns
         entries = list(ns.walk_files(0))
         rels = [os.fsdecode(ns.path(e)) for e in entries]
-        sizes = dict(zip(rels, (int(x) for x in ns.index.e["size"][entries]))) \
+        sizes = dict(zip(rels, (int(x) for x in ns.index.entries["size"][entries]))) \
             if entries else {}
     finally:
         handle.close()
@@ -159,8 +159,8 @@ def run_check(path: str, mode: str | None, cores: int | None, reader: str | None
         factor = max(1.0, min(cores / readers, cores * passed.seconds / passed.cpu))
         files_s, bytes_s = files_s * factor, bytes_s * factor
     raw = sum(sizes[r] for r in order)
-    stored = int(index.c["stored"].sum(dtype="u8"))
-    total_raw = int(index.c["raw"].sum(dtype="u8"))
+    stored = int(index.chunks["stored"].sum(dtype="u8"))
+    total_raw = int(index.chunks["raw"].sum(dtype="u8"))
     codecs = sorted({_spec(cfg) for cfg in index.codecs[1:]}) or ["none"]
     return CheckResult(path, kind, mode, reader, readers, cores, len(order), raw, passed,
                        files_s, bytes_s, scaled, pred, codecs,

@@ -125,9 +125,9 @@ class Bench(common.RowLog):
         mine = {p for p in range(nparts) if p % self.a.ranks == 0}
         out = []
         for e in index.file_entries().tolist():
-            first, count = int(index.e["first"][e]), int(index.e["count"][e])
-            if count and int(index.c["part"][first]) in mine and \
-                    int(index.e["kind"][e]) == KIND_FILE:
+            first, count = int(index.entries["first"][e]), int(index.entries["count"][e])
+            if count and int(index.chunks["part"][first]) in mine and \
+                    int(index.entries["kind"][e]) == KIND_FILE:
                 out.append(os.fsdecode(index.path(e)))
         return out
 

@@ -353,7 +353,7 @@ def index_bytes(data: Data, lay: Layout, stored: np.ndarray, opt: Option, dicts,
     entries = data.scan.entries
     n, m = len(entries), len(lay.pieces)
     b = IndexBuilder(n, m)
-    e = b.e
+    e = b.entries
     for i, ent in enumerate(entries):
         e["parent"][i], e["kind"][i], e["mode"][i] = ent.parent, ent.kind, ent.mode
         e["mtime_ns"][i] = ent.mtime_ns
@@ -372,7 +372,7 @@ def index_bytes(data: Data, lay: Layout, stored: np.ndarray, opt: Option, dicts,
     e["checksum"][fidx] = rng.integers(0, 1 << 63, len(fidx), dtype=np.uint64)
     if "offset" in e:
         e["offset"][fidx] = lay.offset
-    c = b.c
+    c = b.chunks
     c["part"][:] = lay.part
     c["stored"][:] = np.maximum(1, stored)
     c["raw"][:] = [lay.raw(k) for k in range(m)]
@@ -406,11 +406,11 @@ def namespace_columns(data: Data):
     entries = data.scan.entries
     b = IndexBuilder(len(entries), 0)
     for i, ent in enumerate(entries):
-        b.e["parent"][i] = ent.parent
+        b.entries["parent"][i] = ent.parent
         if i:
             b.set_name(i, os.path.basename(ent.rel))
     lk_hash, lk_entry = b.build_lookup()
-    return (lk_hash, lk_entry, b.e["name_off"].copy(), b.e["name_len"].copy()), bytes(b.names)
+    return (lk_hash, lk_entry, b.entries["name_off"].copy(), b.entries["name_len"].copy()), bytes(b.names)
 
 
 # --------------------------------------------------------------------------- read cost

@@ -314,11 +314,11 @@ def placement_sets(store: str, ranks: int) -> dict[int, list[str]]:
     from fanstore.format.index import read_index
 
     index = read_index(store)
-    part = index.c["part"]
-    first = index.e["first"]
+    part = index.chunks["part"]
+    first = index.entries["first"]
     out: dict[int, list[str]] = {r: [] for r in range(ranks)}
     for entry in index.file_entries().tolist():
-        if int(index.e["count"][entry]) == 0:
+        if int(index.entries["count"][entry]) == 0:
             continue
         p = int(part[int(first[entry])])
         if index.partitions[p].broadcast:
@@ -671,7 +671,7 @@ def synth_index_bytes(n_files: int, files_per_dir: int = 1000, partitions: int =
     n_dirs = max(1, math.ceil(n_files / files_per_dir))
     n = 1 + n_dirs + n_files
     b = IndexBuilder(n, n_files)
-    e, c = b.e, b.c
+    e, c = b.entries, b.chunks
     dirs = np.arange(1, n_dirs + 1)
     counts = np.full(n_dirs, files_per_dir, dtype=np.int64)
     counts[-1] = n_files - files_per_dir * (n_dirs - 1)
@@ -737,7 +737,7 @@ def synth_index_bytes(n_files: int, files_per_dir: int = 1000, partitions: int =
                  "chunk_size": 1 << 20, "tool": "tools/bench/mpi_bench.py _synth"},
     }
     t2 = time.perf_counter()
-    data = encode_index(meta, b.e, b.c, lookup, bytes(b.names), b"")
+    data = encode_index(meta, b.entries, b.chunks, lookup, bytes(b.names), b"")
     t_encode = time.perf_counter() - t2
     return data, {"entries": n, "dirs": n_dirs, "partitions": partitions,
                   "names_bytes": len(b.names), "arrays_seconds": round(t_arrays, 3),
@@ -759,7 +759,7 @@ def _rss() -> tuple[int, int]:
 
 def metadata_bytes(index) -> int:
     """The daemon's ``metadata_bytes`` (fanstore/daemon/node.py ``_static_stats``)."""
-    memory = sum(a.nbytes for a in index.e.values()) + sum(a.nbytes for a in index.c.values())
+    memory = sum(a.nbytes for a in index.entries.values()) + sum(a.nbytes for a in index.chunks.values())
     memory += index.lk_hash.nbytes + index.lk_entry.nbytes + len(index.names)
     return memory + len(index.targets)
 

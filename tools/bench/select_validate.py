@@ -56,7 +56,7 @@ def read_all(store_dir: str, passes: int) -> tuple[float, float, float, int, int
     with LocalStore(store_dir, cache_bytes=0) as store:
         entries = list(store.ns.walk_files())
         total = sum(store.ns.size(e) for e in entries)
-        c = store.index.c
+        c = store.index.chunks
         extents = list(zip(c["part"].tolist(), c["offset"].tolist(), c["stored"].tolist()))
         fetch = store.parts.fetch
 

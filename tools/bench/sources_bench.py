@@ -167,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
             log(f"A {way} rep {rep}: {rows[-1]['wall']:.1f} s wall, {rows[-1]['cpu']:.1f} s CPU")
     same = subprocess.run([PY, "-c", (
         "import sys\nfrom fanstore.format.index import read_index\n"
-        "def t(s):\n i=read_index(s)\n return {i.path(k): (int(i.e['kind'][k]), "
-        "int(i.e['mode'][k]) & 0o777, int(i.e['size'][k]), int(i.e['checksum'][k])) "
+        "def t(s):\n i=read_index(s)\n return {i.path(k): (int(i.entries['kind'][k]), "
+        "int(i.entries['mode'][k]) & 0o777, int(i.entries['size'][k]), "
+        "int(i.entries['checksum'][k])) "
         "for k in range(1, i.n_entries)}\n"
         "print(t(sys.argv[1]) == t(sys.argv[2]))"),
         os.path.join(a.work, "store-tar"), os.path.join(a.work, "store-extract")],

@@ -187,7 +187,7 @@ class KernelFrontend:
         arr = np.asarray(entries, dtype=np.int64)
         if len(arr):
             arr = arr[(arr >= 0) & (arr < index.n_entries)]
-            arr = arr[index.e["kind"][arr] == KIND_FILE]
+            arr = arr[index.entries["kind"][arr] == KIND_FILE]
         with self._order_lock:
             slot = self._clients.pop(client, None)
             if slot is None and len(self._clients) >= CLIENTS:
@@ -199,7 +199,7 @@ class KernelFrontend:
                 slot = next(i for i in range(CLIENTS) if i not in used)
             self._clients[client] = slot
             self._generation += 1
-            fd = write_order(slot, self._generation, arr, index.e["size"][arr])
+            fd = write_order(slot, self._generation, arr, index.entries["size"][arr])
             try:
                 self._send(encode(ORDER, slot, self._generation, len(arr)), [fd])
             finally:

@@ -55,16 +55,16 @@ class KernelHandler:
         self.reader = reader
         self.publish = publish or (lambda: None)  # counters to the shared table
         self._n = fs.n_entries
-        self._kind = self.ns.index.e["kind"]
-        self._count = self.ns.index.e["count"]  # a directory's number of children
+        self._kind = self.ns.index.entries["kind"]
+        self._count = self.ns.index.entries["count"]  # a directory's number of children
         self._uid, self._gid = fs.uid, fs.gid
         self._negative = negative_entry(TIMEOUT)
         self._listings: OrderedDict[int, Any] = OrderedDict()
         self._listing_bytes = 0
         self._listing_budget = listing_budget
         self._names = np.frombuffer(self.ns.index.names, dtype=np.uint8)
-        self._name_off = self.ns.index.e["name_off"]
-        self._name_len = self.ns.index.e["name_len"]
+        self._name_off = self.ns.index.entries["name_off"]
+        self._name_len = self.ns.index.entries["name_len"]
         self._statfs = None
 
     # ------------------------------------------------------------------ attributes

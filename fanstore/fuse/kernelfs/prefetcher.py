@@ -96,8 +96,8 @@ class Prefetcher:
         self.row = row
         self.publish = publish or (lambda: None)  # the read core's counters to the row
         self.stat_ahead = stat_ahead  # (--no-prefetch-lookup: no look-ups, for comparisons)
-        self.sizes = ns.index.e["size"]
-        self._kinds = ns.index.e["kind"]
+        self.sizes = ns.index.entries["size"]
+        self._kinds = ns.index.entries["kind"]
         self.streams: dict[int, _Stream] = {}
         self._turn = 0
         self._dir_queue: collections.deque[int] = collections.deque(maxlen=64)
