@@ -22,7 +22,7 @@ larger than the size the kernel asked for is trimmed here (the kernel would refu
 reply with EINVAL).
 
 Adding an operation: its request struct in :mod:`.proto`, its row here, its op function in
-:func:`build_ops`.
+one of the ``_*_ops`` groups :func:`build_ops` calls.
 """
 
 from __future__ import annotations
@@ -192,51 +192,75 @@ def build_ops(d: DispatchState) -> list[OpFunction]:
     Op functions: ``(unique, nodeid, end) -> payload | int errno | None``; the body is
     ``d.buf[BODY:end]``, at least ``d.need[op]`` bytes of request long (checked before).
     """
-    h = d.handler
-    buf = d.buf
-    mv = d.mv
-    opts = d.options
-    need = d.need
-    unpack_read = READ_IN_HEAD.unpack_from
+    t = _TableBuilder(d)
+    _namespace_ops(t)
+    _data_ops(t)
+    _open_release_ops(t)
+    _xattr_ops(t)
+    _forget_ops(t)
+    _engine_answers(t)
+    return t.table
 
-    def method(op: int) -> Callable[..., Any] | None:
-        m = getattr(h, OPCODES[op].method, None)
+
+def _const(value: Any) -> OpFunction:
+    def op(unique: int, nodeid: int, end: int) -> Any:
+        return value
+    return op
+
+
+class _TableBuilder:
+    """The table being filled for one dispatcher, and what the op functions close over."""
+
+    def __init__(self, d: DispatchState) -> None:
+        self.d = d
+        self.handler = d.handler
+        self.buf = d.buf
+        self.mv = d.mv
+        self.options = d.options
+        self.table: list[OpFunction] = [_const(errno.ENOSYS)] * OPS
+
+    def method(self, op: int) -> Callable[..., Any] | None:
+        """The handler's method for ``op``, if it has one."""
+        m = getattr(self.handler, OPCODES[op].method, None)
         return m if callable(m) else None
 
-    def const(value: Any) -> OpFunction:
-        def op(unique: int, nodeid: int, end: int) -> Any:
-            return value
-        return op
-
-    table: list[OpFunction] = [const(errno.ENOSYS)] * OPS
-
-    def put(op: int, fn: OpFunction, reads_body: bool = True) -> None:
+    def put(self, op: int, fn: OpFunction, reads_body: bool = True) -> None:
         """``fn`` answers ``op``; if it reads the body, requests shorter than the
         opcode's row are refused before it runs."""
-        table[op] = fn
-        need[op] = OPCODES[op].need if reads_body else BODY
+        self.table[op] = fn
+        self.d.need[op] = OPCODES[op].need if reads_body else BODY
 
-    def name_at(start: int, end: int) -> bytes:
-        # a NUL-terminated name occupying buf[start:end] (need[] made it 2 bytes or more)
-        if buf[end - 1] != 0:
-            raise Malformed("name without its NUL")
-        return bytes(mv[start:end - 1])
 
-    lookup = method(Op.LOOKUP)
+def _namespace_ops(t: _TableBuilder) -> None:
+    """LOOKUP, GETATTR, READLINK, STATFS: answered by the handler's methods."""
+    buf, mv = t.buf, t.mv
+    lookup = t.method(Op.LOOKUP)
     if lookup is not None:
         def op_lookup(unique: int, nodeid: int, end: int) -> Any:
             if buf[end - 1] != 0:
                 raise Malformed("LOOKUP name without its NUL")
             return lookup(nodeid, bytes(mv[BODY:end - 1]))
-        put(Op.LOOKUP, op_lookup)
+        t.put(Op.LOOKUP, op_lookup)
 
-    getattr_ = method(Op.GETATTR)
+    getattr_ = t.method(Op.GETATTR)
     if getattr_ is not None:
-        put(Op.GETATTR, lambda unique, nodeid, end: getattr_(nodeid))
+        t.put(Op.GETATTR, lambda unique, nodeid, end: getattr_(nodeid))
 
-    readlink = method(Op.READLINK)
+    readlink = t.method(Op.READLINK)
     if readlink is not None:
-        put(Op.READLINK, lambda unique, nodeid, end: readlink(nodeid))
+        t.put(Op.READLINK, lambda unique, nodeid, end: readlink(nodeid))
+
+    statfs = t.method(Op.STATFS)
+    if statfs is not None:
+        t.put(Op.STATFS, lambda unique, nodeid, end: statfs())
+    else:
+        t.put(Op.STATFS, _const(pack_statfs_out(blocks=0, namelen=255)), False)
+
+
+def _data_ops(t: _TableBuilder) -> None:
+    """READ, READDIR, READDIRPLUS (payloads trimmed to the size asked) and LSEEK."""
+    d, buf = t.d, t.buf
+    unpack_read = READ_IN_HEAD.unpack_from
 
     def sized(data: Any, size: int, what: str, nodeid: int, offset: int,
               plus: bool | None) -> Any:
@@ -250,21 +274,21 @@ def build_ops(d: DispatchState) -> list[OpFunction]:
         if data.__class__ is not int and len(data) > size:
             d.row[C.OVERSIZED] += 1
             d.rlog(f"oversized {what}", logging.WARNING,
-                      "handler %s(%d, %d, %d) returned %d bytes; trimmed", what, nodeid,
-                      offset, size, len(data))
+                   "handler %s(%d, %d, %d) returned %d bytes; trimmed", what, nodeid,
+                   offset, size, len(data))
             data = memoryview(data)[:size] if plus is None else fit_records(data, size,
                                                                              plus)
         return data
 
-    read = method(Op.READ)
+    read = t.method(Op.READ)
     if read is not None:
         def op_read(unique: int, nodeid: int, end: int) -> Any:
             _fh, offset, size = unpack_read(buf, BODY)
             return sized(read(nodeid, offset, size), size, "read", nodeid, offset, None)
-        put(Op.READ, op_read)
+        t.put(Op.READ, op_read)
 
     for opcode, plus in ((Op.READDIRPLUS, True), (Op.READDIR, False)):
-        fn = method(opcode)
+        fn = t.method(opcode)
         if fn is None:
             continue
         mname = OPCODES[opcode].method
@@ -273,67 +297,85 @@ def build_ops(d: DispatchState) -> list[OpFunction]:
                        plus: bool = plus, mname: str = mname) -> Any:
             _fh, offset, size = unpack_read(buf, BODY)
             return sized(fn(nodeid, offset, size), size, mname, nodeid, offset, plus)
-        put(opcode, op_readdir)
+        t.put(opcode, op_readdir)
 
-    statfs = method(Op.STATFS)
-    if statfs is not None:
-        put(Op.STATFS, lambda unique, nodeid, end: statfs())
-    else:
-        put(Op.STATFS, const(pack_statfs_out(blocks=0, namelen=255)), False)
+    lseek = t.method(Op.LSEEK)
+    if lseek is not None:
+        def op_lseek(unique: int, nodeid: int, end: int) -> Any:
+            _fh, offset, whence, _pad = LSEEK_IN.unpack_from(buf, BODY)
+            return lseek(nodeid, offset, whence)
+        t.put(Op.LSEEK, op_lseek)
 
+
+def _open_release_ops(t: _TableBuilder) -> None:
+    """OPEN/OPENDIR, RELEASE/RELEASEDIR and ACCESS."""
+    buf = t.buf
     for opcode in (Op.OPEN, Op.OPENDIR):
-        fn = method(opcode)
+        fn = t.method(opcode)
         if fn is not None:
-            put(opcode, lambda unique, nodeid, end, fn=fn:
-                fn(nodeid, OPEN_IN.unpack_from(buf, BODY)[0]))
+            t.put(opcode, lambda unique, nodeid, end, fn=fn:
+                  fn(nodeid, OPEN_IN.unpack_from(buf, BODY)[0]))
     # no open method: ENOSYS, and the kernel switches to zero-message open (no OPEN, no
     # RELEASE again); the same for opendir unless the options answer it
-    if method(Op.OPENDIR) is None and opts.opendir == "cache":
-        put(Op.OPENDIR, const(pack_open_out(0, FOPEN_CACHE_DIR | FOPEN_KEEP_CACHE)), False)
+    if t.method(Op.OPENDIR) is None and t.options.opendir == "cache":
+        t.put(Op.OPENDIR, _const(pack_open_out(0, FOPEN_CACHE_DIR | FOPEN_KEEP_CACHE)),
+              False)
 
     for opcode in (Op.RELEASE, Op.RELEASEDIR):
-        fn = method(opcode)
+        fn = t.method(opcode)
         if fn is None:
-            put(opcode, const(b""), False)
+            t.put(opcode, _const(b""), False)
         else:
             def op_release(unique: int, nodeid: int, end: int, fn: Any = fn) -> Any:
                 r = fn(nodeid, RELEASE_IN.unpack_from(buf, BODY)[0])
                 return b"" if r is None else r
-            put(opcode, op_release)
+            t.put(opcode, op_release)
 
-    access = method(Op.ACCESS)
+    access = t.method(Op.ACCESS)
     if access is not None:
         def op_access(unique: int, nodeid: int, end: int) -> Any:
             r = access(nodeid, ACCESS_IN.unpack_from(buf, BODY)[0])
             return b"" if r is None else r
-        put(Op.ACCESS, op_access)
+        t.put(Op.ACCESS, op_access)
 
-    getxattr = method(Op.GETXATTR)
+
+def _xattr_ops(t: _TableBuilder) -> None:
+    """GETXATTR/LISTXATTR: the handler's, or the ``xattr`` option's answer."""
+    buf, mv = t.buf, t.mv
+    getxattr = t.method(Op.GETXATTR)
     if getxattr is not None:
         def op_getxattr(unique: int, nodeid: int, end: int) -> Any:
             size = GETXATTR_IN.unpack_from(buf, BODY)[0]
-            return getxattr(nodeid, name_at(BODY + GETXATTR_IN.size, end), size)
-        put(Op.GETXATTR, op_getxattr)
-    elif opts.xattr == "empty":
-        put(Op.GETXATTR, const(errno.ENODATA), False)
-    listxattr = method(Op.LISTXATTR)
+            start = BODY + GETXATTR_IN.size  # a NUL-terminated name (need[] made it 2+)
+            if buf[end - 1] != 0:
+                raise Malformed("name without its NUL")
+            return getxattr(nodeid, bytes(mv[start:end - 1]), size)
+        t.put(Op.GETXATTR, op_getxattr)
+    elif t.options.xattr == "empty":
+        t.put(Op.GETXATTR, _const(errno.ENODATA), False)
+
+    listxattr = t.method(Op.LISTXATTR)
     if listxattr is not None:
-        put(Op.LISTXATTR, lambda unique, nodeid, end:
-            listxattr(nodeid, GETXATTR_IN.unpack_from(buf, BODY)[0]))
-    elif opts.xattr == "empty":
+        t.put(Op.LISTXATTR, lambda unique, nodeid, end:
+              listxattr(nodeid, GETXATTR_IN.unpack_from(buf, BODY)[0]))
+    elif t.options.xattr == "empty":
         zero = GETXATTR_OUT.pack(0, 0)
 
         def op_listxattr_empty(unique: int, nodeid: int, end: int) -> Any:
             # size 0 asks for the length of the list: 0; else the (empty) list itself
             return zero if GETXATTR_IN.unpack_from(buf, BODY)[0] == 0 else b""
-        put(Op.LISTXATTR, op_listxattr_empty)
+        t.put(Op.LISTXATTR, op_listxattr_empty)
 
-    forget = method(Op.FORGET)
+
+def _forget_ops(t: _TableBuilder) -> None:
+    """FORGET and BATCH_FORGET: never answered; passed to the handler if it listens."""
+    buf, mv = t.buf, t.mv
+    forget = t.method(Op.FORGET)
 
     def op_forget(unique: int, nodeid: int, end: int) -> None:
         if forget is not None:
             forget([(nodeid, FORGET_IN.unpack_from(buf, BODY)[0])])
-    put(Op.FORGET, op_forget)
+    t.put(Op.FORGET, op_forget)
 
     first_one = BODY + BATCH_FORGET_IN.size
 
@@ -344,40 +386,39 @@ def build_ops(d: DispatchState) -> list[OpFunction]:
             raise Malformed(f"BATCH_FORGET of {count} entries in {end} bytes")
         if forget is not None and count:
             forget(list(FORGET_ONE.iter_unpack(mv[first_one:stop])))
-    put(Op.BATCH_FORGET, op_batch_forget)
+    t.put(Op.BATCH_FORGET, op_batch_forget)
 
+
+def _engine_answers(t: _TableBuilder) -> None:
+    """What the engine answers whatever the handler: INTERRUPT, NOTIFY_REPLY, DESTROY,
+    IOCTL (the handler may only look), INIT, writes (EROFS) and the ENOSYS set."""
+    d, table = t.d, t.table
     # INTERRUPT: every request is answered by the worker that read it, whether or not an
     # interrupt for it arrives, so an interrupt needs no answer (the kernel waits for the
     # original request's reply, or has already dropped it and ignores that reply).
-    table[Op.INTERRUPT] = const(None)
-    table[Op.NOTIFY_REPLY] = const(None)
+    table[Op.INTERRUPT] = _const(None)
+    table[Op.NOTIFY_REPLY] = _const(None)
 
     def op_destroy(unique: int, nodeid: int, end: int) -> Any:
         d.destroyed = True
         return b""
     table[Op.DESTROY] = op_destroy
 
+    opts = t.options
     ioctl_errno = opts.ioctl_errno if 0 < opts.ioctl_errno < 512 else errno.ENOTTY
-    ioctl = method(Op.IOCTL)
+    ioctl = t.method(Op.IOCTL)
     if ioctl is None:
-        table[Op.IOCTL] = const(ioctl_errno)
+        table[Op.IOCTL] = _const(ioctl_errno)
     else:
         # A handler that wants to see ioctls (Python's open() sends one per file, a
         # sign of which file a reader is at) only looks; the answer stays the same.
         def op_ioctl(unique: int, nodeid: int, end: int) -> Any:
             r = ioctl(nodeid)
             return ioctl_errno if r is None else r
-        put(Op.IOCTL, op_ioctl)
-    table[Op.INIT] = const(errno.EPROTO)  # INIT is answered once, by the supervisor
+        t.put(Op.IOCTL, op_ioctl)
+    table[Op.INIT] = _const(errno.EPROTO)  # INIT is answered once, by the supervisor
 
     for opcode in WRITE_OPS:
-        table[opcode] = const(errno.EROFS)
+        table[opcode] = _const(errno.EROFS)
     for opcode in _ENOSYS_OPS:
-        table[opcode] = const(errno.ENOSYS)
-    lseek = method(Op.LSEEK)
-    if lseek is not None:
-        def op_lseek(unique: int, nodeid: int, end: int) -> Any:
-            _fh, offset, whence, _pad = LSEEK_IN.unpack_from(buf, BODY)
-            return lseek(nodeid, offset, whence)
-        put(Op.LSEEK, op_lseek)
-    return table
+        table[opcode] = _const(errno.ENOSYS)
