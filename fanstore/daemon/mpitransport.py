@@ -91,12 +91,8 @@ class MpiTransport:
 
     def _serve(self) -> None:
         MPI = self.MPI
-        comm = self.comm
-        req_buf = bytearray(P.REQ.size)
-        ctl_buf = bytearray(P.CTRL_MAX)
-        req_status, ctl_status = MPI.Status(), MPI.Status()
-        r_req = comm.Irecv([req_buf, MPI.BYTE], source=MPI.ANY_SOURCE, tag=P.TAG_REQUEST)
-        r_ctl = comm.Irecv([ctl_buf, MPI.BYTE], source=MPI.ANY_SOURCE, tag=P.TAG_CONTROL)
+        requests = _Posted(self.comm, MPI, P.REQ.size, P.TAG_REQUEST, "request")
+        controls = _Posted(self.comm, MPI, P.CTRL_MAX, P.TAG_CONTROL, "control")
         pending: list[tuple[object, object]] = []
         precise_sleeps()
         gaps = Pacer(start=400e-6, lo=40e-6, hi=250e-6, share=0.25)
@@ -105,51 +101,19 @@ class MpiTransport:
         try:
             while not self._stop.is_set():
                 active = False
-                try:
-                    got_req = r_req.Test(req_status)
-                except MPI.Exception as exc:  # a peer died: a receive from anyone fails
-                    log.info("a request receive failed (%s); posting a new one",
-                             _mpi_error(exc))
-                    req_buf = bytearray(P.REQ.size)
-                    r_req = comm.Irecv([req_buf, MPI.BYTE], source=MPI.ANY_SOURCE,
-                                       tag=P.TAG_REQUEST)
-                    got_req = False
-                if got_req:
+                raw = requests.take()
+                if raw is not None:
                     active = True
                     now = time.monotonic()
                     gaps.observe(now - last_request)
                     last_request = now
-                    n = req_status.Get_count(MPI.BYTE)
-                    src = req_status.Get_source()
-                    reply = self._answer(bytes(req_buf[:n]), src)
+                    reply = self._answer(raw, requests.source)
                     if reply is not None:
                         pending.append(reply)
-                    r_req = comm.Irecv([req_buf, MPI.BYTE], source=MPI.ANY_SOURCE,
-                                       tag=P.TAG_REQUEST)
-                try:
-                    got_ctl = r_ctl.Test(ctl_status)
-                except MPI.Exception as exc:
-                    log.info("a control receive failed (%s); posting a new one",
-                             _mpi_error(exc))
-                    ctl_buf = bytearray(P.CTRL_MAX)
-                    r_ctl = comm.Irecv([ctl_buf, MPI.BYTE], source=MPI.ANY_SOURCE,
-                                       tag=P.TAG_CONTROL)
-                    got_ctl = False
-                if got_ctl:
+                raw = controls.take()
+                if raw is not None:
                     active = True
-                    n = ctl_status.Get_count(MPI.BYTE)
-                    try:
-                        msg = P.decode_control(bytes(ctl_buf[:n]))
-                    except P.ProtocolError as exc:
-                        log.warning("ignoring a malformed control message from rank %d: %s",
-                                    ctl_status.Get_source(), exc)
-                    else:
-                        try:
-                            self.on_control(msg)
-                        except Exception:  # pragma: no cover - defensive
-                            log.exception("control handler failed")
-                    r_ctl = comm.Irecv([ctl_buf, MPI.BYTE], source=MPI.ANY_SOURCE,
-                                       tag=P.TAG_CONTROL)
+                    self._control(raw, controls.source)
                 if pending:
                     pending = [(rq, buf) for rq, buf in pending if not _done(rq)]
                     if pending:
@@ -172,15 +136,33 @@ class MpiTransport:
                     continue
                 backoff.sleep()
         finally:
-            for r in (r_req, r_ctl):
-                self._cancel(r, None)
-            deadline = time.monotonic() + 2.0
-            for rq, buf in pending:
-                try:
-                    if not wait_request(rq, deadline):
-                        self._abandoned.append((rq, buf))
-                except MPI.Exception:
-                    pass
+            self._drain(requests, controls, pending)
+
+    def _control(self, raw: bytes, src: int) -> None:
+        """Decode one control message and hand it to ``on_control``."""
+        try:
+            msg = P.decode_control(raw)
+        except P.ProtocolError as exc:
+            log.warning("ignoring a malformed control message from rank %d: %s", src, exc)
+            return
+        try:
+            self.on_control(msg)
+        except Exception:  # pragma: no cover - defensive
+            log.exception("control handler failed")
+
+    def _drain(self, requests: _Posted, controls: _Posted,
+               pending: list[tuple[object, object]]) -> None:
+        """On the way out: cancel the posted receives, give replies 2 s to leave, keep the
+        buffers of those that did not (MPI may still read them)."""
+        for posted in (requests, controls):
+            self._cancel(posted.request, None)
+        deadline = time.monotonic() + 2.0
+        for rq, buf in pending:
+            try:
+                if not wait_request(rq, deadline):
+                    self._abandoned.append((rq, buf))
+            except self.MPI.Exception:
+                pass
 
     def _answer(self, raw: bytes, src: int):
         """Build and send the reply to one request; returns (request, buffer) or None."""
@@ -474,6 +456,42 @@ class _AllOf:
                 r.Cancel()
             except Exception:  # noqa: BLE001, S110 - best effort: the peer may be gone
                 pass
+
+
+class _Posted:
+    """A receive kept posted from any source on one tag: ``take()`` tests it and, when a
+    message has arrived, returns its bytes (the sender in ``source``) and posts the next.
+
+    A receive from anyone fails when a peer dies: that is logged and a new one posted.
+    """
+
+    def __init__(self, comm, MPI, size: int, tag: int, what: str) -> None:
+        self.comm, self.MPI, self.size, self.tag, self.what = comm, MPI, size, tag, what
+        self.status = MPI.Status()
+        self.source = -1
+        self._post()
+
+    def _post(self) -> None:
+        self.buf = bytearray(self.size)
+        self.request = self.comm.Irecv([self.buf, self.MPI.BYTE],
+                                       source=self.MPI.ANY_SOURCE, tag=self.tag)
+
+    def take(self) -> bytes | None:
+        try:
+            arrived = self.request.Test(self.status)
+        except self.MPI.Exception as exc:  # a peer died: a receive from anyone fails
+            log.info("a %s receive failed (%s); posting a new one", self.what,
+                     _mpi_error(exc))
+            self._post()
+            return None
+        if not arrived:
+            return None
+        n = self.status.Get_count(self.MPI.BYTE)
+        self.source = self.status.Get_source()
+        raw = bytes(self.buf[:n])
+        self.request = self.comm.Irecv([self.buf, self.MPI.BYTE],
+                                       source=self.MPI.ANY_SOURCE, tag=self.tag)
+        return raw
 
 
 def _done(req) -> bool:
