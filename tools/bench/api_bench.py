@@ -1,17 +1,10 @@
 #!/usr/bin/env python3
 """Python-API reads of a live N-rank mount, for two FanStore builds in one run.
 
-For each build (``--build NAME=VENV_BIN``, e.g. ``new=.venv/bin``), in interleaved
-repetitions: start ``mpiexec -n RANKS fanstore mount STORE MNT{rank} --local-dir ...`` with
-that build, wait for every rank, then let ``--readers`` processes of that build's Python
-read, with ``fanstore.open_store(MNT0).read(path)``, every file whose partition rank 0
-holds (each process a round-robin share of one shuffled list): a cold pass after
-``drop_caches`` and a warm pass. Reports files/s and the CPU seconds per file of the
-readers and of rank 0's daemon (with its frontend processes).
-
-Built for issue 11's "API reads on a live 4-rank mount of local files get faster": the
-old build sends every read through the daemon's socket, the new one reads local
-partitions in the reader's own process.
+For each build (``--build NAME=VENV_BIN``), in interleaved repetitions: an ``mpiexec -n
+RANKS fanstore mount`` of that build, then ``--readers`` processes reading, with
+``fanstore.open_store(MNT0).read(path)``, every file rank 0 holds, cold and warm. Reports
+files/s and CPU per file of the readers and of rank 0's daemon (docs/benchmarks.md).
 
     .venv/bin/python tools/bench/api_bench.py --store S --build old=/work/wt-old/.venv/bin \\
         --build new=.venv/bin
@@ -27,10 +20,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import harness as h  # noqa: E402
+from harness import log  # noqa: E402
 
 READER = r"""
 import json, os, sys, time, resource
@@ -52,37 +45,14 @@ print(json.dumps({"files": len(paths), "bytes": nbytes, "start": t0, "end": t1,
 """
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+class ApiBench(h.Bench):
+    name = "api_bench"
 
-
-def cpu_of_tree(pid: int) -> float:
-    from reader import descendants as tree
-
-    total = 0.0
-    for p in tree(pid):
-        try:
-            rest = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
-            total += (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
-        except OSError:
-            pass
-    return total
-
-
-class Bench(common.RowLog):
     def __init__(self, a) -> None:
-        self.a = a
-        self.work = os.path.abspath(a.work)
-        self.rows: list[dict] = []
-        self.run_id = time.strftime("%Y%m%dT%H%M%S")
-        self.jsonl_tmp = os.path.join(self.work, f"api_bench-{self.run_id}.jsonl")
+        a.fanstore = "fanstore"  # each build's own, from --build
+        super().__init__(a)
         self.builds = dict(b.split("=", 1) for b in a.build)
         self.job: subprocess.Popen | None = None
-        self.t0 = time.time()
-
-    @property
-    def total_seconds(self) -> float:
-        return time.time() - self.t0
 
     def mnt(self, r: int) -> str:
         return os.path.join(self.work, f"mnt{r}")
@@ -143,14 +113,14 @@ class Bench(common.RowLog):
         from fanstore import runtime
 
         pid = (runtime.read_state(self.mnt(0)) or {}).get("pid")
-        d0 = cpu_of_tree(pid)
+        d0 = h.cpu_seconds(h.descendants(pid))
         for p in procs:
             p.stdin.write("go\n")
             p.stdin.flush()
         res = [json.loads(p.stdout.readline()) for p in procs]
         for p in procs:
             p.wait(60)
-        d1 = cpu_of_tree(pid)
+        d1 = h.cpu_seconds(h.descendants(pid))
         files = sum(r["files"] for r in res)
         wall = max(r["end"] for r in res) - min(r["start"] for r in res)
         row = {"build": build, "phase": phase, "files": files,
@@ -160,7 +130,6 @@ class Bench(common.RowLog):
         return self.emit(row)
 
     def run(self) -> None:
-        os.makedirs(self.work, exist_ok=True)
         files = self.local_files()
         random.Random(3).shuffle(files)
         listing = os.path.join(self.work, "local-files.txt")
@@ -172,7 +141,7 @@ class Bench(common.RowLog):
             for build in names[rep % 2:] + names[:rep % 2]:
                 self.start_job(self.builds[build])
                 try:
-                    common.drop_caches()
+                    h.drop_caches()
                     for phase in ("cold", "warm"):
                         row = self.one_pass(build, phase, listing)
                         log(f"  {build} {phase}: {row['files_per_s']:,.0f} files/s, readers "
@@ -188,27 +157,27 @@ class Bench(common.RowLog):
             shutil.rmtree(os.path.join(self.work, f"local{r}"), ignore_errors=True)
 
 
-def render(bench: Bench, label: str, shown: list[str]) -> str:
+def render(bench: ApiBench, label: str, shown: list[str]) -> str:
     out = [f"### Python API on a live {bench.a.ranks}-rank mount: rank 0's local files, "
            f"{bench.a.readers} reader processes", "", label or "",
-           f"`{' '.join(shown)}` (commit {common.git_commit()}, {common.now_utc()})", "",
+           f"`{' '.join(shown)}` (commit {h.git_commit()}, {h.now_utc()})", "",
            "| build | phase | files/s (median, min-max) | reader CPU us/file | "
            "daemon CPU us/file |", "|---|---|---|---|---|"]
     for phase in ("cold", "warm"):
         for build in bench.builds:
-            v = common.row_vals(bench.rows, "files_per_s", build=build, phase=phase)
+            v = h.row_vals(bench.rows, "files_per_s", build=build, phase=phase)
             if v:
-                out.append(f"| {build} | {phase} | {common.spread(v)} | "
-                           f"{common.num(common.med(common.row_vals(bench.rows, 'reader_cpu_us_per_file', build=build, phase=phase)))} | "  # noqa: E501
-                           f"{common.num(common.med(common.row_vals(bench.rows, 'daemon_cpu_us_per_file', build=build, phase=phase)))} |")  # noqa: E501
+                out.append(f"| {build} | {phase} | {h.spread(v)} | "
+                           f"{h.num(h.med(h.row_vals(bench.rows, 'reader_cpu_us_per_file', build=build, phase=phase)))} | "  # noqa: E501
+                           f"{h.num(h.med(h.row_vals(bench.rows, 'daemon_cpu_us_per_file', build=build, phase=phase)))} |")  # noqa: E501
     names = list(bench.builds)
     if len(names) == 2:
         for phase in ("cold", "warm"):
-            a = common.med(common.row_vals(bench.rows, "files_per_s", build=names[1],
+            a = h.med(h.row_vals(bench.rows, "files_per_s", build=names[1],
                                            phase=phase))
-            b = common.med(common.row_vals(bench.rows, "files_per_s", build=names[0],
+            b = h.med(h.row_vals(bench.rows, "files_per_s", build=names[0],
                                            phase=phase))
-            out.append(f"\n{phase}: {names[1]} / {names[0]} = {common.ratio(a, b)}")
+            out.append(f"\n{phase}: {names[1]} / {names[0]} = {h.ratio(a, b)}")
     return "\n".join(out)
 
 
@@ -220,16 +189,9 @@ def main() -> int:
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--readers", type=int, default=4)
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--work", default="/tmp/api-bench")
-    p.add_argument("--label", default="")
-    p.add_argument("--no-docs", action="store_true")
-    p.add_argument("--docs", default=common.DOCS)
-    p.add_argument("--results", default=os.path.join(common.RESULTS_DIR, "api_bench.jsonl"))
-    a = p.parse_args()
-    bench = Bench(a)
-    ok = common.guarded_run(bench, log, lambda: [])
-    return common.publish(ok, bench, a, log, "api_bench", render, "tools/bench/api_bench.py",
-                          raw_argv)
+    h.args(p, "api_bench", "/tmp/api-bench", fanstore=False)
+    a = p.parse_args(raw_argv)
+    return h.main(ApiBench(a), render, raw_argv)
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-import common  # noqa: E402
+import harness as h  # noqa: E402
 
 from compressors import ZstdCodec, get_codec, train_dictionary  # noqa: E402
 from fanstore.format.index import (  # noqa: E402
@@ -88,7 +88,7 @@ from fanstore.select.sample import DICT_TRAIN_BYTES, dict_eligible  # noqa: E402
 
 MB = 1e6
 CHUNK = 1 << 20
-RESULTS = os.path.join(common.RESULTS_DIR, "capacity_study.jsonl")
+RESULTS = os.path.join(h.RESULTS_DIR, "capacity_study.jsonl")
 _clock = time.thread_time
 
 
@@ -646,9 +646,9 @@ def main(argv: list[str] | None = None) -> int:
     dicts = train_dicts(data, a.seed)
     lookup, names = namespace_columns(data)
     rows = _Rows(a.jsonl)
-    run = common.now_utc()
+    run = h.now_utc()
     base = {"run": run, "dataset": name, "files": n_files, "raw_bytes": data.raw_bytes,
-            "partitions": a.partitions, "commit": common.git_commit()}
+            "partitions": a.partitions, "commit": h.git_commit()}
     if not a.no_squashfs and shutil.which("mksquashfs"):
         with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(a.data))) as w:
             for level, block in ((3, None), (3, "1M"), *([(19, None)] if ints(a.solid_slow)

@@ -1,35 +1,14 @@
 #!/usr/bin/env python3
 """The two FUSE frontends next to squashfuse_ll and the raw directory, in one run.
 
-Measures what issue 12 asks of a node serving its GPUs, on one dataset per run:
-
-- reads of every small file with ``--readers`` processes (tools/bench/reader.py), shuffled:
-  cold (fresh mount, ``drop_caches``), warm (the same pass again), warm with readers that
-  open with ``buffering=0`` (no isatty() ioctl); files/s and the serving side's CPU per
-  file (every process of the daemon: the node daemon, the kernel frontend's process and
-  workers, or squashfuse_ll), from /proc;
-- FUSE requests per pass (``fanstore stats``: ``requests_by_op``) for FanStore backends;
-- ``find MNT`` cold and warm (wall seconds);
-- the serving side's memory after a full pass: PSS of every process summed (shared pages
-  such as the mapped index counted once), per file.
-
-Backends (``--backends``): ``raw``, ``squashfuse_ll`` (mksquashfs zstd level 3, same as
-FanStore's default codec), ``pyfuse3``, ``kernel`` (``--workers``, default all cores),
-``kernel-wN`` for a given worker count, ``kernel-noplus`` (plain READDIR instead of the
-default READDIRPLUS), ``kernel-plus`` (READDIRPLUS, as the default), ``kernel-autoplus``
-(READDIRPLUS with READDIRPLUS_AUTO: the kernel chooses per call), and ``pyfuse3-old``: the mount of another FanStore
-build (``--old-fanstore``), for before/after comparisons. Backends are interleaved within each repetition so
-drift on this shared machine hits them alike.
-
-Datasets (``--preset``): ``peers`` (the peer benchmark's 20,000 files of 50-150 kB in 100
-class directories, tools/gen_dataset.py), ``small300k`` / ``small1280k`` (300,000 /
-1,280,000 text files of about 2.6 kB in 1,000 directories: the metadata and scale tests),
-``quick`` (2,000 files, a smoke run).
+Backends (``--backends``): raw, squashfuse_ll (zstd-3), pyfuse3, kernel, kernel-wN (N
+workers), kernel-noplus / kernel-plus / kernel-autoplus (READDIRPLUS off / on / auto),
+pyfuse3-old (another build, ``--old-fanstore``). Passes (``--passes``): read (cold, warm,
+warm unbuffered), find, findread. Datasets (``--preset``): quick, peers, small300k,
+small1280k. What is measured: docs/benchmarks.md, "FUSE frontends".
 
     .venv/bin/python tools/bench/fuse_bench.py --preset peers --work /tmp/fuse-bench
     .venv/bin/python tools/bench/fuse_bench.py --preset small300k --passes find,read
-Writes rows to tools/bench/results/fuse_bench-<preset>.jsonl and its section of
-docs/benchmarks.md (``fuse_bench-<preset>``). Run as root (drop_caches, mounts).
 """
 
 from __future__ import annotations
@@ -44,12 +23,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
-from reader import descendants as tree  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-READER = os.path.join(HERE, "reader.py")
-GEN = os.path.join(common.REPO, "tools", "gen_dataset.py")
+import harness as h  # noqa: E402
+from harness import GEN, READER, log  # noqa: E402
 
 PRESETS = {
     "quick": dict(kind="peers", files=2000, classes=20, reps=1),
@@ -62,10 +37,6 @@ WORDS = ("the a of to and in is for on with by at from as model image label trai
          "batch loss layer value score class sample epoch feature vector token text caption "
          "red green blue small large fast slow left right up down north south cat dog car "
          "tree house river cloud stone light dark").split()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def make_text_tree(root: str, files: int, classes: int, seed: int = 12) -> None:
@@ -88,36 +59,16 @@ def make_text_tree(root: str, files: int, classes: int, seed: int = 12) -> None:
             f.write(text)
 
 
-def pss_kb(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+class FuseBench(h.Bench):
+    name = "fuse_bench"
 
-
-class Bench(common.RowLog):
     def __init__(self, a: argparse.Namespace) -> None:
-        self.a = a
+        super().__init__(a)
         self.p = PRESETS[a.preset]
-        self.work = os.path.abspath(a.work)
         self.data = os.path.join(self.work, f"data-{a.preset}")
-        self.mnt_root = os.path.join(self.work, "mnt")
-        self.fanstore = os.path.join(os.path.dirname(sys.executable), "fanstore")
-        self.rows: list[dict] = []
-        self.mounted: set[str] = set()
         self.procs: dict[str, subprocess.Popen] = {}
-        self.run_id = time.strftime("%Y%m%dT%H%M%S")
-        self.jsonl_tmp = os.path.join(self.work, f"fuse_bench-{self.run_id}.jsonl")
-        self.t0 = time.time()
+        self.fuse_mounts: set[str] = set()
         self.backends = a.backends.split(",")
-
-    @property
-    def total_seconds(self) -> float:
-        return time.time() - self.t0
 
     # -------------------------------------------------------------- data and images
     def dataset(self) -> None:
@@ -151,7 +102,7 @@ class Bench(common.RowLog):
         self.list = os.path.join(self.work, f"list-{self.a.preset}.txt")
         with open(self.list, "w") as f:
             f.write("\n".join(self.files) + "\n")
-        self.raw_bytes = common.dir_bytes(self.data)
+        self.raw_bytes = h.dir_bytes(self.data)
 
     def images(self) -> None:
         if "squashfuse_ll" in self.backends:
@@ -180,7 +131,7 @@ class Bench(common.RowLog):
                                stdout=subprocess.DEVNULL)
                 self.emit({"kind": "build", "backend": "fanstore",
                            "seconds": round(time.time() - t, 1),
-                           "bytes": common.dir_bytes(store)})
+                           "bytes": h.dir_bytes(store)})
             self.store = store
 
     # -------------------------------------------------------------- mounts
@@ -202,11 +153,11 @@ class Bench(common.RowLog):
                 if proc.poll() is not None or time.time() > deadline:
                     raise RuntimeError(f"squashfuse_ll did not mount: {proc.stderr.read()}")
                 time.sleep(0.05)
-            self.mounted.add(mnt)
+            self.fuse_mounts.add(mnt)
             return proc.pid
         if b == "pyfuse3-old":  # another FanStore build (--old-fanstore), as it mounts
             subprocess.run([self.a.old_fanstore, "mount", self.store, mnt], check=True)
-            self.mounted.add(mnt)
+            self.fuse_mounts.add(mnt)
             from fanstore import runtime
 
             return (runtime.read_state(mnt) or {}).get("pid")
@@ -221,7 +172,7 @@ class Bench(common.RowLog):
         elif b == "kernel-autoplus":  # the kernel picks READDIRPLUS or READDIR per call
             argv += ["--fuse-flags=+DO_READDIRPLUS,+READDIRPLUS_AUTO"]
         subprocess.run(argv, check=True)
-        self.mounted.add(mnt)
+        self.fuse_mounts.add(mnt)
         from fanstore import runtime
 
         return (runtime.read_state(mnt) or {}).get("pid")
@@ -237,7 +188,7 @@ class Bench(common.RowLog):
                 proc.wait(30)
         else:
             subprocess.run([self.fanstore, "umount", mnt], capture_output=True)
-        self.mounted.discard(mnt)
+        self.fuse_mounts.discard(mnt)
 
     def stats(self, b: str) -> dict:
         if b in ("raw", "squashfuse_ll", "pyfuse3-old"):
@@ -277,7 +228,7 @@ class Bench(common.RowLog):
         passes = self.a.passes.split(",")
         if "find" in passes:
             pid = self.mount(b)
-            common.drop_caches()
+            h.drop_caches()
             cold = self.find(b)
             warm = self.find(b)
             self.emit({"kind": "find", "backend": b, "rep": rep, "cold_s": round(cold, 3),
@@ -286,7 +237,7 @@ class Bench(common.RowLog):
             self.umount(b)
         if "findread" in passes:  # list the tree, then read every file (ImageFolder-like)
             pid = self.mount(b)
-            common.drop_caches()
+            h.drop_caches()
             listed = self.find(b)
             row = self.read_pass(b, pid, 300 + rep, False)
             row.update(kind="findread", backend=b, rep=rep, find_s=round(listed, 3),
@@ -297,15 +248,15 @@ class Bench(common.RowLog):
             self.umount(b)
         if "read" in passes:
             pid = self.mount(b)
-            common.drop_caches()
+            h.drop_caches()
             seed = 100 + rep
             for phase, unbuffered in (("cold", False), ("warm", False),
                                       ("warm-unbuffered", True)):
                 row = self.read_pass(b, pid, seed, unbuffered)
                 row.update(kind="read", backend=b, rep=rep, phase=phase)
                 if pid:
-                    row["server_pss_kb"] = sum(pss_kb(p) for p in tree(pid))
-                    row["server_processes"] = len(tree(pid))
+                    row["server_pss_kb"] = h.memory(h.descendants(pid))[1] // 1024
+                    row["server_processes"] = len(h.descendants(pid))
                 self.emit(row)
                 log(f"  {b} {phase}: {row['files_per_s']:,.0f} files/s, server "
                     f"{row.get('watched_cpu_us_per_file', '-')} us/file, requests "
@@ -313,7 +264,6 @@ class Bench(common.RowLog):
             self.umount(b)
 
     def run(self) -> None:
-        os.makedirs(self.work, exist_ok=True)
         self.dataset()
         self.images()
         for rep in range(self.a.reps or self.p["reps"]):
@@ -324,43 +274,43 @@ class Bench(common.RowLog):
                 self.one(b, rep)
 
     def cleanup(self) -> None:
-        for mnt in list(self.mounted):
+        for mnt in list(self.fuse_mounts):
             subprocess.run(["fusermount3", "-u", "-z", "--", mnt], capture_output=True)
         for proc in self.procs.values():
             proc.kill()
 
 
-def render(bench: Bench, label: str, shown: list[str]) -> str:
+def render(bench: FuseBench, label: str, shown: list[str]) -> str:
     rows = bench.rows
     files = len(bench.files)
     out = [f"### FUSE frontends, {bench.a.preset}: {files:,} files, {bench.a.readers} readers",
-           "", label or "", "", f"`{' '.join(shown)}` (commit {common.git_commit()}, "
-           f"{common.now_utc()}, load average at the end {common.loadavg1()})", ""]
+           "", label or "", "", f"`{' '.join(shown)}` (commit {h.git_commit()}, "
+           f"{h.now_utc()}, load average at the end {h.loadavg1()})", ""]
     out.append("| backend | phase | files/s (median, min-max) | x squashfuse_ll | x raw | "
                "server CPU us/file | requests/file | PSS B/file |")
     out.append("|---|---|---|---|---|---|---|---|")
 
     def med(b, phase, key):
-        return common.med(common.row_vals(rows, key, kind="read", backend=b, phase=phase))
+        return h.med(h.row_vals(rows, key, kind="read", backend=b, phase=phase))
 
     for phase in ("cold", "warm", "warm-unbuffered"):
         base_sq = med("squashfuse_ll", phase, "files_per_s")
         base_raw = med("raw", phase, "files_per_s")
         for b in bench.backends:
-            vals = common.row_vals(rows, "files_per_s", kind="read", backend=b, phase=phase)
+            vals = h.row_vals(rows, "files_per_s", kind="read", backend=b, phase=phase)
             if not vals:
                 continue
-            fps = common.med(vals)
+            fps = h.med(vals)
             cpu = med(b, phase, "watched_cpu_us_per_file")
-            req = common.med([r["requests_total"] / max(1, r["files"]) for r in
-                              common.pick_rows(rows, kind="read", backend=b, phase=phase)
+            req = h.med([r["requests_total"] / max(1, r["files"]) for r in
+                              h.pick_rows(rows, kind="read", backend=b, phase=phase)
                               if "requests_total" in r])
-            pss = common.med([r["server_pss_kb"] * 1024 / max(1, files) for r in
-                              common.pick_rows(rows, kind="read", backend=b, phase=phase)
+            pss = h.med([r["server_pss_kb"] * 1024 / max(1, files) for r in
+                              h.pick_rows(rows, kind="read", backend=b, phase=phase)
                               if r.get("server_pss_kb")])
-            out.append(f"| {b} | {phase} | {common.spread(vals)} | {common.ratio(fps, base_sq)}"
-                       f" | {common.ratio(fps, base_raw)} | {common.num(cpu)} | "
-                       f"{common.num(req, 3)} | {common.num(pss)} |")
+            out.append(f"| {b} | {phase} | {h.spread(vals)} | {h.ratio(fps, base_sq)}"
+                       f" | {h.ratio(fps, base_raw)} | {h.num(cpu)} | "
+                       f"{h.num(req, 3)} | {h.num(pss)} |")
     # A per-file CPU model: what a node needs to serve the 40,000 files/s of 8 GPUs.
     model = []
     for b in bench.backends:
@@ -369,15 +319,13 @@ def render(bench: Bench, label: str, shown: list[str]) -> str:
             if cpu is not None and b != "raw":
                 per_core = 1e6 / cpu if cpu > 0 else None
                 cores = 40_000 * cpu / 1e6
-                model.append(f"| {b} | {phase} | {common.num(cpu)} | "
-                             f"{common.num(per_core) if per_core else 'no limit'} | "
-                             f"{common.num(cores, 1)} | "
-                             f"{common.num(64e6 / cpu) if cpu > 0 else 'no limit'} |")
+                model.append(f"| {b} | {phase} | {h.num(cpu)} | "
+                             f"{h.num(per_core) if per_core else 'no limit'} | "
+                             f"{h.num(cores, 1)} | "
+                             f"{h.num(64e6 / cpu) if cpu > 0 else 'no limit'} |")
     if model:
-        out += ["", "Per-file CPU model (the serving side's CPU per file, all its processes; "
-                "the readers' own CPU is the training job's): files/s one core serves, the "
-                "cores a node needs for 40,000 files/s (8 GPUs x 5,000 images/s), and what "
-                "64 cores would serve if FanStore had them all.", "",
+        out += ["", "Per-file CPU model: files/s one core serves, cores for 40,000 files/s, "
+                "files/s on 64 cores.", "",
                 "| backend | phase | server CPU us/file | files/s per core | cores for 40,000 "
                 "files/s | files/s on 64 cores |", "|---|---|---|---|---|---|"] + model
     fr = [r for r in rows if r.get("kind") == "findread"]
@@ -387,26 +335,26 @@ def render(bench: Bench, label: str, shown: list[str]) -> str:
         for b in bench.backends:
             mine = [r for r in fr if r["backend"] == b]
             if mine:
-                tot = common.med([r["total_s"] for r in mine])
-                fnd = common.med([r["find_s"] for r in mine])
-                req = common.med([r.get("requests_total", 0) / max(1, r["files"]) for r in mine])
-                out.append(f"| {b} | {common.num(tot, 2)} ({common.num(fnd, 2)} + "
-                           f"{common.num(tot - fnd, 2)}) | "
-                           f"{common.num(common.med([r['files_per_s'] for r in mine]))} | "
-                           f"{common.num(req, 2)} |")
+                tot = h.med([r["total_s"] for r in mine])
+                fnd = h.med([r["find_s"] for r in mine])
+                req = h.med([r.get("requests_total", 0) / max(1, r["files"]) for r in mine])
+                out.append(f"| {b} | {h.num(tot, 2)} ({h.num(fnd, 2)} + "
+                           f"{h.num(tot - fnd, 2)}) | "
+                           f"{h.num(h.med([r['files_per_s'] for r in mine]))} | "
+                           f"{h.num(req, 2)} |")
     finds = [r for r in rows if r.get("kind") == "find"]
     if finds:
         out += ["", "| backend | find cold s | find warm s | x squashfuse_ll cold / warm |",
                 "|---|---|---|---|"]
-        sq_c = common.med([r["cold_s"] for r in finds if r["backend"] == "squashfuse_ll"])
-        sq_w = common.med([r["warm_s"] for r in finds if r["backend"] == "squashfuse_ll"])
+        sq_c = h.med([r["cold_s"] for r in finds if r["backend"] == "squashfuse_ll"])
+        sq_w = h.med([r["warm_s"] for r in finds if r["backend"] == "squashfuse_ll"])
         for b in bench.backends:
             c = [r["cold_s"] for r in finds if r["backend"] == b]
             w = [r["warm_s"] for r in finds if r["backend"] == b]
             if c:
-                out.append(f"| {b} | {common.spread(c, 2)} | {common.spread(w, 2)} | "
-                           f"{common.ratio(common.med(c), sq_c)} / "
-                           f"{common.ratio(common.med(w), sq_w)} |")
+                out.append(f"| {b} | {h.spread(c, 2)} | {h.spread(w, 2)} | "
+                           f"{h.ratio(h.med(c), sq_c)} / "
+                           f"{h.ratio(h.med(w), sq_w)} |")
     return "\n".join(out)
 
 
@@ -427,16 +375,13 @@ def main(argv: list[str] | None = None) -> int:
                         "fuse_bench-PRESET); lets runs of one preset with other backends or "
                         "passes keep their own table")
     p.add_argument("--no-docs", action="store_true")
-    p.add_argument("--docs", default=common.DOCS)
+    p.add_argument("--docs", default=h.DOCS)
     p.add_argument("--results", default=None)
+    p.add_argument("--fanstore", help="the fanstore command (default: next to python)")
     a = p.parse_args(raw_argv)
     a.section = a.section or f"fuse_bench-{a.preset}"
-    a.results = a.results or os.path.join(common.RESULTS_DIR, f"{a.section}.jsonl")
-    bench = Bench(a)
-    ok = common.guarded_run(bench, log, lambda: [m for m in bench.mounted
-                                                if os.path.ismount(m)])
-    return common.publish(ok, bench, a, log, a.section, render,
-                          "tools/bench/fuse_bench.py", raw_argv)
+    a.results = a.results or os.path.join(h.RESULTS_DIR, f"{a.section}.jsonl")
+    return h.main(FuseBench(a), render, raw_argv, section_name=a.section)
 
 
 if __name__ == "__main__":

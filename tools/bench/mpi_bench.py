@@ -1,39 +1,12 @@
 #!/usr/bin/env python3
 """FanStore across ranks: local vs remote reads, aggregate files/s, stage-in, metadata scale.
 
-The Benchmark section of the issue "One global namespace across nodes", measured with real
-``mpiexec -n N fanstore mount STORE MNT{rank} --local-dir LOCAL{rank}`` jobs on this machine
-(every rank is a process of the same machine: "remote" means another daemon here, reached
-over MPI shared memory, not over a network):
-
-1. **Local vs remote** (one job of ``--lr-ranks`` ranks per repetition and reader count):
-   rank 0's mount; the files whose partition rank 0 holds (partition p lives on rank
-   p mod n) and an equally large random sample of the files held by other ranks, each read
-   once, cold (dropped page cache; the two sets are disjoint, so the daemon's chunk cache
-   holds nothing of the second set), in alternating order, with 1 and 4 reader processes.
-2. **Aggregate files/s with 1, 2, 4 ranks**: a fresh job per rank count, repetition and
-   readers per rank; every rank's mount is read at the same time, each rank a disjoint
-   round-robin share of one shuffled list (so a file is local with probability 1/n), all
-   readers released by one barrier. The 1-rank case is ``fanstore mount --local-dir``
-   without a launcher (the same node code, staging included).
-3. **Stage-in**: each of those jobs stages cold (dropped caches before the launch);
-   ``stage_mb_per_s`` / ``stage_seconds`` / ``staged_bytes`` from ``fanstore stats`` of every
-   rank, next to a plain ``cp`` of the same partitions into a local directory (one ``cp``
-   per rank, concurrently, cold), timed with and without the final ``sync``; interleaved.
-4. **Metadata**: bytes per entry in memory (``fanstore stats``/``info``) for the dataset;
-   for synthetic namespaces of ``--meta-files`` files (an index built in-process with
-   ``IndexBuilder``/``encode_index``, no file data): encoded size, ``read_index_bytes``
-   (parse + validate) time, ``Namespace`` build time, resident memory, and the daemon's own
-   ``World.bcast_bytes`` (``Ibcast``) of the index bytes across 4 local ranks.
-5. A projection of the design to 512 nodes and 10 million files from those measurements
-   (metadata memory, index size and broadcast time, stage-in time per node, limits), with
-   its assumptions printed next to it.
-
-It writes its section of docs/benchmarks.md (between ``<!-- BEGIN mpi_bench -->`` and
-``<!-- END mpi_bench -->``) and the raw rows to tools/bench/results/mpi_bench.jsonl. Every
-job it starts is torn down on exit, also on errors and Ctrl-C / SIGTERM: SIGTERM to its own
-daemons (by pid), then SIGKILL of what is left, lazy unmount of its own mount points,
-removal of its own local directories. Run as root (drop_caches, FUSE).
+Real ``mpiexec -n N fanstore mount STORE MNT{rank} --local-dir LOCAL{rank}`` jobs on this
+machine (every rank a process here: "remote" = another daemon over MPI shared memory):
+1. local vs remote reads through rank 0's mount; 2. aggregate files/s with 1, 2, 4 ranks;
+3. stage-in next to ``cp`` of the same partitions; 4. metadata per entry on synthetic
+namespaces (index size, parse, Namespace, Ibcast); 5. a projection to 512 nodes. What each
+part measures: docs/benchmarks.md, "FanStore across ranks".
 
     .venv/bin/python tools/bench/mpi_bench.py --preset quick   # ~1 min, a smoke run
     .venv/bin/python tools/bench/mpi_bench.py --preset full    # ~12-15 min, quiet machine
@@ -42,289 +15,29 @@ removal of its own local directories. Run as root (drop_caches, FUSE).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
 import random
-import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
-from mount_bench import (  # noqa: E402
-    _find_fanstore,
-    _kill_group,
-    is_mounted,
-    log,
-    pid_alive,
-)
+import harness as h  # noqa: E402
+from harness import med, num, ratio, spread  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-READER = os.path.join(HERE, "reader.py")
-GEN = os.path.join(common.REPO, "tools", "gen_dataset.py")
-SECTION = "mpi_bench"
-
+ME = os.path.abspath(__file__)
 PRESETS = {
-    # A smoke run: the harness end to end; the numbers are not results.
     "quick": dict(files=3000, classes=30, partitions=8, lr_ranks=4, lr_reps=2,
                   agg_ranks="1,2,4", agg_readers="2", agg_reps=1, meta_files="100000",
                   bcast_reps=2),
-    # For a quiet machine.
     "full": dict(files=20000, classes=100, partitions=16, lr_ranks=4, lr_reps=3,
                  agg_ranks="1,2,4", agg_readers="1,2", agg_reps=3, meta_files="250000,1000000",
                  bcast_reps=3),
 }
-
-
-# ------------------------------------------------------------------------------ dataset
-
-
-def ensure_dataset(py: str, work: str, files: int, classes: int, min_kb: int, max_kb: int,
-                   seed: int, large: int = 0, large_mb: int = 64) -> tuple[str, list[str], str]:
-    """Generate (or reuse) a tools/gen_dataset.py dataset under WORK/data.
-
-    Returns (data dir, sorted relative paths of the small files, the generating command).
-    A stamp file records the parameters, so a dataset is reused only if they match.
-    """
-    data = os.path.join(work, "data")
-    want = dict(files=files, classes=classes, min_kb=min_kb, max_kb=max_kb, seed=seed,
-                large=large, large_mb=large_mb)
-    argv = [py, GEN, data, "--files", str(files), "--classes", str(classes), "--min-kb",
-            str(min_kb), "--max-kb", str(max_kb), "--seed", str(seed), "--subdir", "small"]
-    if large:
-        argv += ["--large", str(large), "--large-mb", str(large_mb)]
-    stamp = os.path.join(work, "dataset.json")
-    try:
-        with open(stamp) as f:
-            have = json.load(f)
-    except (OSError, ValueError):
-        have = None
-    if have != want or not os.path.isdir(data):
-        log(f"generating dataset: {files} files of {min_kb}-{max_kb} kB")
-        shutil.rmtree(data, ignore_errors=True)
-        if os.path.exists(stamp):
-            os.unlink(stamp)
-        t0 = time.time()
-        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
-        os.sync()
-        with open(stamp, "w") as f:
-            json.dump(want, f)
-        log(f"  generated in {time.time() - t0:.0f} s")
-    else:
-        log("dataset present with the same parameters, reusing it")
-    small = []
-    for top, dirs, names in os.walk(os.path.join(data, "small")):
-        dirs.sort()
-        for name in sorted(names):
-            small.append(os.path.relpath(os.path.join(top, name), data))
-    return data, small, " ".join(shlex.quote(x) for x in argv)
-
-
-def pack_store(fanstore: str, data: str, dest: str, partitions: int, codec: str, jobs: int,
-               reuse: bool) -> tuple[dict, str]:
-    """Pack ``data`` into ``dest`` (unless a matching store exists and ``reuse``)."""
-    argv = [fanstore, "pack", data, dest, "--partitions", str(partitions), "--codec", codec,
-            "--jobs", str(jobs), "--no-progress", "--force"]
-    stamp = dest + ".params.json"
-    want = dict(partitions=partitions, codec=codec, data=data)
-    try:
-        with open(stamp) as f:
-            have = json.load(f)
-    except (OSError, ValueError):
-        have = None
-    seconds = None
-    if not (reuse and have == want and os.path.exists(os.path.join(dest, "fanstore.idx"))):
-        shutil.rmtree(dest, ignore_errors=True)
-        common.drop_caches()
-        log(f"pack: {' '.join(argv[1:])}")
-        t0 = time.perf_counter()
-        subprocess.run(argv, check=True, capture_output=True, text=True)
-        os.sync()
-        seconds = time.perf_counter() - t0
-        with open(stamp, "w") as f:
-            json.dump(want, f)
-    info = json.loads(subprocess.run([fanstore, "info", dest, "--json"], check=True,
-                                     capture_output=True, text=True).stdout)
-    info["pack_seconds"] = seconds
-    return info, " ".join(shlex.quote(x) for x in argv)
-
-
-# ------------------------------------------------------------------------------ MPI jobs
-
-
-def control(mnt: str, req: dict, timeout: float = 30.0) -> dict | None:
-    """One request on a mount's control socket (what `fanstore stats --json` sends)."""
-    from fanstore import control
-
-    try:
-        return control.control(mnt, req, timeout=timeout)
-    except Exception:  # noqa: BLE001 - a dead daemon: the caller reports it
-        return None
-
-
-def state_pid(mnt: str) -> int | None:
-    from fanstore import runtime
-
-    try:
-        pid = (runtime.read_state(mnt) or {}).get("pid")
-        return int(pid) if pid else None
-    except Exception:  # noqa: BLE001
-        return None
-
-
-class Job:
-    """``mpiexec -n N fanstore mount STORE DIR/mnt{rank} --local-dir DIR/local{rank}``.
-
-    With one rank: ``fanstore mount STORE DIR/mnt0 --local-dir DIR/local0`` (no launcher;
-    the same node code with staging, in the background). ``stop()`` always tears down
-    what this job started, by pid and by its own paths only.
-    """
-
-    def __init__(self, bench: "Bench", ranks: int, tag: str, extra: list[str] | None = None):
-        self.bench = bench
-        self.ranks = ranks
-        self.dir = os.path.join(bench.work, "jobs", tag)
-        self.extra = list(extra or [])
-        self.proc: subprocess.Popen | None = None
-        self.pids: dict[int, int] = {}
-        self.log_path = os.path.join(self.dir, "mpiexec.log")
-        self._logf = None
-        self.ready_seconds: float | None = None
-
-    def mnt(self, r: int) -> str:
-        return os.path.join(self.dir, f"mnt{r}")
-
-    def local(self, r: int) -> str:
-        return os.path.join(self.dir, f"local{r}")
-
-    def argv(self) -> list[str]:
-        b = self.bench
-        if self.ranks == 1:
-            return [b.fanstore, "mount", b.store, self.mnt(0), "--local-dir",
-                    self.local(0)] + self.extra
-        return [b.mpiexec, "-n", str(self.ranks), b.fanstore, "mount", b.store,
-                os.path.join(self.dir, "mnt{rank}"), "--local-dir",
-                os.path.join(self.dir, "local{rank}")] + self.extra
-
-    def shown(self) -> str:
-        text = " ".join(shlex.quote(x) for x in self.argv())
-        return text.replace(self.dir, "JOB")
-
-    def start(self, timeout: float = 180.0) -> None:
-        b = self.bench
-        shutil.rmtree(self.dir, ignore_errors=True)
-        for r in range(self.ranks):
-            os.makedirs(self.mnt(r), exist_ok=True)
-        b.jobs.append(self)
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        t0 = time.perf_counter()
-        self._logf = open(self.log_path, "ab")
-        if self.ranks == 1:
-            p = subprocess.run(self.argv(), stdout=self._logf, stderr=subprocess.STDOUT, env=env,
-                               timeout=timeout)
-            if p.returncode != 0:
-                raise RuntimeError(f"fanstore mount failed: {self.output()[-800:]}")
-        else:
-            # Own session: hydra and its proxies are ours to kill if the daemons do not stop.
-            self.proc = subprocess.Popen(self.argv(), stdout=self._logf,
-                                         stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
-            for r in range(self.ranks):
-                left = max(1.0, timeout - (time.perf_counter() - t0))
-                w = subprocess.run([b.fanstore, "wait", self.mnt(r), "--timeout", f"{left:.0f}"],
-                                   capture_output=True, text=True)
-                if w.returncode != 0:
-                    self._remember_pids()
-                    raise RuntimeError(f"rank {r} not ready: {w.stderr.strip()}\n"
-                                       f"{self.output()[-800:]}")
-        self.ready_seconds = time.perf_counter() - t0
-        self._remember_pids()
-
-    def _remember_pids(self) -> None:
-        for r in range(self.ranks):
-            pid = state_pid(self.mnt(r))
-            if pid:
-                self.pids[r] = pid
-
-    def pid_list(self) -> list[int]:
-        return [self.pids[r] for r in sorted(self.pids)]
-
-    def stats(self, r: int) -> dict | None:
-        return control(self.mnt(r), {"op": "stats"})
-
-    def output(self) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return f.read()
-        except OSError:
-            return ""
-
-    def alive(self) -> bool:
-        return all(pid_alive(p) for p in self.pids.values()) and len(self.pids) == self.ranks
-
-    def stop(self) -> None:
-        """SIGTERM our daemons (one stops every rank), wait; then force what is left."""
-        self._remember_pids()
-        b = self.bench
-        if self.ranks == 1 and self.pids.get(0) and pid_alive(self.pids[0]):
-            subprocess.run([b.fanstore, "umount", self.mnt(0)], capture_output=True, timeout=90)
-        for pid in self.pids.values():
-            if pid_alive(pid):
-                try:
-                    os.kill(pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(pid_alive(p) for p in self.pids.values()):
-            time.sleep(0.05)
-        if self.proc is not None:
-            try:
-                self.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _kill_group(self.proc)
-        for pid in self.pids.values():
-            if pid_alive(pid):
-                log(f"  daemon pid {pid} did not stop on SIGTERM; SIGKILL")
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for r in range(self.ranks):
-            if is_mounted(self.mnt(r)):
-                subprocess.run(["fusermount3", "-u", "-z", "--", self.mnt(r)], capture_output=True)
-            shutil.rmtree(self.local(r), ignore_errors=True)
-        if self._logf is not None:
-            self._logf.close()
-            self._logf = None
-        if self in b.jobs:
-            b.jobs.remove(self)
-
-
-# ------------------------------------------------------------------------------ the run
-
-
-def placement_sets(store: str, ranks: int) -> dict[int, list[str]]:
-    """Files (relative paths) by the rank holding their partition (p mod n, replicas 1)."""
-    from fanstore.format.index import read_index
-
-    index = read_index(store)
-    part = index.chunks["part"]
-    first = index.entries["first"]
-    out: dict[int, list[str]] = {r: [] for r in range(ranks)}
-    for entry in index.file_entries().tolist():
-        if int(index.entries["count"][entry]) == 0:
-            continue
-        p = int(part[int(first[entry])])
-        if index.partitions[p].broadcast:
-            continue
-        out[p % ranks].append(os.fsdecode(index.path(entry)))
-    return out
 
 
 def partitions_of(store: str, ranks: int) -> dict[int, list[str]]:
@@ -338,73 +51,32 @@ def partitions_of(store: str, ranks: int) -> dict[int, list[str]]:
                 for p in pl.local_partitions(table, r)] for r in range(ranks)}
 
 
-class Bench(common.RowLog):
-    def __init__(self, a: argparse.Namespace) -> None:
-        self.a = a
-        self.work = os.path.abspath(a.work)
-        self.lists = os.path.join(self.work, "lists")
-        self.py = sys.executable
-        self.fanstore = a.fanstore or _find_fanstore()
-        self.mpiexec = a.mpiexec or os.path.join(os.path.dirname(sys.executable), "mpiexec")
-        self.store = os.path.join(self.work, "store")
-        self.rows: list[dict] = []
-        self.commands: list[str] = []
-        self.jobs: list[Job] = []
-        self.run_id = time.strftime("%Y%m%dT%H%M%S")
-        self.t_start = time.time()
-        self.jsonl_tmp = os.path.join(self.work, f"mpi_bench-{self.run_id}.jsonl")
-        self.total_seconds = 0.0
+class MpiBench(h.Bench):
+    name = "mpi_bench"
 
-    def cmd(self, text: str) -> None:
-        text = text.replace(self.work, "WORK")
-        if text not in self.commands:
-            self.commands.append(text)
-
-    def write_list(self, name: str, items: list[str]) -> str:
-        os.makedirs(self.lists, exist_ok=True)
-        path = os.path.join(self.lists, name)
-        with open(path, "w") as f:
-            f.write("".join(p + "\n" for p in items))
-        return path
-
-    # -------------------------------------------------------------- one read pass
-    def read_pass(self, root: str, list_path: str, workers: int, pids: list[int],
-                  tags: dict) -> dict:
-        argv = [self.py, READER, "read", "--root", root, "--list", list_path, "--workers",
-                str(workers), "--seed", "-1", "--time-limit", str(self.a.pass_limit)]
-        for pid in pids:
+    def read_pass(self, root: str, lst: str, workers: int, job: h.Job, tags: dict) -> dict:
+        argv = [self.py, h.READER, "read", "--root", root, "--list", lst, "--workers",
+                str(workers), "--seed", "-1"]
+        self.cmd(argv, ROOT=root, **{"LIST.txt": os.path.basename(lst)})
+        argv += ["--time-limit", str(self.a.pass_limit)]
+        for pid in job.pid_list():
             argv += ["--watch-pid", str(pid)]
-        shown = [x for x in argv[:argv.index("--time-limit")]]
-        self.cmd(" ".join(shlex.quote(x) for x in shown).replace(root, "ROOT")
-                 .replace(os.path.basename(list_path), "LIST.txt"))
-        load = common.loadavg1()
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=self.a.pass_limit + 120)
-        except BaseException:
-            _kill_group(proc)
-            raise
-        try:
-            row = json.loads(out.strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            row = {"op": "read", "errors": 1, "first_error": f"reader failed: {err.strip()[-300:]}"}
+        load = h.loadavg1()
+        row = self.sub(argv)
         row.update(tags, load1_before=load)
+        if not job.alive():
+            row["daemon_died"], row["log_tail"] = True, job.output()[-600:]
         return row
 
-    # -------------------------------------------------------------- phases
     def run(self) -> None:
         a = self.a
-        os.makedirs(self.work, exist_ok=True)
-        self.machine = common.machine_table(self.work)
-        log(f"work dir {self.work}; load average {os.getloadavg()[0]:.2f}")
-        data, small, gen_cmd = ensure_dataset(self.py, self.work, a.files, a.classes, a.min_kb,
-                                              a.max_kb, a.seed)
-        self.cmd(gen_cmd)
+        data, small, gen = h.ensure_dataset(self.work, a.files, a.classes, a.min_kb, a.max_kb,
+                                            a.seed)
+        self.cmd(gen)
         self.n_small = len(small)
-        info, pack_cmd = pack_store(self.fanstore, data, self.store, a.partitions, a.codec,
-                                    a.jobs, a.reuse_store)
-        self.cmd(pack_cmd)
+        info, pack = h.pack_store(self.fanstore, data, self.store, a.partitions, a.codec,
+                                  a.jobs, a.reuse_store)
+        self.cmd(pack)
         self.emit({"kind": "store", "files": len(small), "info": {
             k: info.get(k) for k in ("counts", "index_bytes", "index_bytes_per_entry",
                                      "memory_bytes_per_entry", "ratio", "pack_seconds")},
@@ -412,143 +84,107 @@ class Bench(common.RowLog):
             "params": dict(files=a.files, classes=a.classes, min_kb=a.min_kb, max_kb=a.max_kb,
                            seed=a.seed, partitions=a.partitions, codec=a.codec)})
         self.cmd(f"{self.fanstore} info WORK/store --json")
+        for phase, fn in (("lr", self.local_remote), ("agg", self.aggregate),
+                          ("meta", self.metadata)):
+            if phase in a.phases:
+                fn()
 
-        if "lr" in a.phases:
-            self.local_remote()
-        if "agg" in a.phases:
-            self.aggregate()
-        if "meta" in a.phases:
-            self.metadata()
-        self.total_seconds = time.time() - self.t_start
-
-    # ---- 1. local vs remote
     def local_remote(self) -> None:
-        a = self.a
-        n = a.lr_ranks
-        sets = placement_sets(self.store, n)
-        local_all = sets[0]
+        """Rank 0's own files and as many of the others', each read once, cold."""
+        a, n = self.a, self.a.lr_ranks
+        sets = h.placement_sets(self.store, n)
         remote_all = [p for r in range(1, n) for p in sets[r]]
-        k = min(len(local_all), len(remote_all))
-        log(f"local vs remote: {n}-rank jobs, rank 0 holds {len(local_all)} files, others "
-            f"{len(remote_all)}; {k} of each per pass; readers {a.lr_readers}, {a.lr_reps} reps")
+        k = min(len(sets[0]), len(remote_all))
         for rep in range(1, a.lr_reps + 1):
             for wi, w in enumerate(a.lr_readers):
                 rng = random.Random(1000 * rep + w)
-                loc = rng.sample(local_all, k)
-                rem = rng.sample(remote_all, k)
-                lists = {"local": self.write_list(f"lr-local-r{rep}-w{w}.txt", loc),
-                         "remote": self.write_list(f"lr-remote-r{rep}-w{w}.txt", rem)}
+                lists = {"local": self.write_list(f"lr-local-r{rep}-w{w}.txt",
+                                                  rng.sample(sets[0], k)),
+                         "remote": self.write_list(f"lr-remote-r{rep}-w{w}.txt",
+                                                   rng.sample(remote_all, k))}
                 order = ["local", "remote"] if (rep + wi) % 2 else ["remote", "local"]
-                common.drop_caches()
-                job = Job(self, n, f"lr-n{n}-r{rep}-w{w}")
+                h.drop_caches()
+                job = h.Job(self, n, f"lr-n{n}-r{rep}-w{w}")
                 self.cmd(job.shown())
                 try:
                     job.start()
-                    st0 = job.stats(0)
                     self.emit({"kind": "lr_job", "ranks": n, "rep": rep, "workers": w,
                                "ready_seconds": round(job.ready_seconds, 3),
-                               "stats0": st0})
+                               "stats0": job.stats(0)})
                     for which in order:
                         before = job.stats(0)
-                        common.drop_caches()
-                        row = self.read_pass(job.mnt(0), lists[which], w, job.pid_list(),
-                                             dict(kind="lr", which=which, ranks=n, rep=rep,
-                                                  order=order.index(which)))
-                        after = job.stats(0)
-                        row["daemon0"] = _diff(before, after)
-                        row["remote_latency_ms_p50"] = (after or {}).get("remote_latency_ms_p50")
-                        row["remote_latency_ms_p99"] = (after or {}).get("remote_latency_ms_p99")
-                        if not job.alive():
-                            row["daemon_died"] = True
-                            row["log_tail"] = job.output()[-600:]
+                        h.drop_caches()
+                        row = self.read_pass(job.mnt(0), lists[which], w, job, dict(
+                            kind="lr", which=which, ranks=n, rep=rep, order=order.index(which)))
+                        after = job.stats(0) or {}
+                        row["daemon0"] = h.diff_stats(after, before)
+                        for q in ("p50", "p99"):
+                            row[f"remote_latency_ms_{q}"] = after.get(f"remote_latency_ms_{q}")
                         self.emit(row)
-                        d = row.get("daemon0") or {}
-                        log(f"  rep {rep} w={w} {which:<6}: {row.get('files_per_s')} files/s, "
-                            f"p50 {row.get('lat_ms_p50')} ms (local_reads "
-                            f"{d.get('local_reads')}, remote_reads {d.get('remote_reads')})"
-                            + (f"  ERRORS {row['errors']}: {row.get('first_error')}"
-                               if row.get("errors") else ""))
+                        h.log(f"  rep {rep} w={w} {which:<6}: {row.get('files_per_s')} files/s")
                 finally:
                     job.stop()
 
-    # ---- 2 + 3. aggregate files/s and stage-in vs cp
     def aggregate(self) -> None:
+        """Every rank's mount read at once (and stage-in next to cp), per rank count."""
         a = self.a
-        log(f"aggregate + stage-in: ranks {a.agg_ranks}, readers per rank {a.agg_readers}, "
-            f"{a.agg_reps} reps, {self.n_small} files per pass")
-        files = [p for r, ps in placement_sets(self.store, 1).items() for p in ps]
-        files.sort()
+        files = sorted(p for ps in h.placement_sets(self.store, 1).values() for p in ps)
         step = 0
         for rep in range(1, a.agg_reps + 1):
             for rpr in a.agg_readers:
                 for n in a.agg_ranks:
                     step += 1
-                    cp_first = step % 2 == 1
-                    if cp_first:
+                    if step % 2:
                         self.cp_reference(n, rep, rpr)
                     self.aggregate_job(n, rep, rpr, files)
-                    if not cp_first:
+                    if not step % 2:
                         self.cp_reference(n, rep, rpr)
 
     def aggregate_job(self, n: int, rep: int, rpr: int, files: list[str]) -> None:
         order = list(files)
         random.Random(7919 * rep + rpr).shuffle(order)
         # Reader w of W = n * rpr takes items w, w+W, ...: all of rank (w mod n)'s share.
-        rel = [f"mnt{k % n}/{p}" for k, p in enumerate(order)]
-        job = Job(self, n, f"agg-n{n}-r{rep}-rpr{rpr}")
-        lst = self.write_list(f"agg-n{n}-r{rep}-rpr{rpr}.txt", rel)
+        lst = self.write_list(f"agg-n{n}-r{rep}-rpr{rpr}.txt",
+                              [f"mnt{k % n}/{p}" for k, p in enumerate(order)])
+        job = h.Job(self, n, f"agg-n{n}-r{rep}-rpr{rpr}")
         self.cmd(job.shown())
-        common.drop_caches()  # cold stage-in
+        h.drop_caches()  # cold stage-in
         try:
             job.start()
-            per_rank = [job.stats(r) or {} for r in range(n)]
-            stage = [{k: s.get(k) for k in ("rank", "stage_seconds", "staged_bytes",
-                                             "stage_mb_per_s", "staged_partitions",
-                                             "index_broadcast_seconds", "metadata_bytes",
-                                             "metadata_bytes_per_entry", "local_partitions")}
-                     for s in per_rank]
-            total_b = sum(s.get("staged_bytes") or 0 for s in stage)
+            keys = ("rank", "stage_seconds", "staged_bytes", "stage_mb_per_s",
+                    "staged_partitions", "index_broadcast_seconds", "metadata_bytes",
+                    "metadata_bytes_per_entry", "local_partitions")
+            stage = [{k: (job.stats(r) or {}).get(k) for k in keys} for r in range(n)]
+            total = sum(s.get("staged_bytes") or 0 for s in stage)
             wall = max((s.get("stage_seconds") or 0) for s in stage) or None
             self.emit({"kind": "stage", "ranks": n, "rep": rep, "rpr": rpr,
                        "ready_seconds": round(job.ready_seconds, 3), "per_rank": stage,
-                       "bytes": total_b, "seconds_max": wall,
-                       "agg_MB_per_s": round(total_b / 1e6 / wall, 1) if wall else None})
-            log(f"  n={n} rep {rep}: ready in {job.ready_seconds:.1f} s, staged "
-                f"{total_b / 1e6:.0f} MB, slowest rank {wall} s"
-                + (f" ({total_b / 1e6 / wall:.0f} MB/s aggregate)" if wall else ""))
+                       "bytes": total, "seconds_max": wall,
+                       "agg_MB_per_s": round(total / 1e6 / wall, 1) if wall else None})
             before = [job.stats(r) for r in range(n)]
-            common.drop_caches()
-            row = self.read_pass(job.dir, lst, n * rpr, job.pid_list(),
-                                 dict(kind="agg", ranks=n, rep=rep, rpr=rpr))
-            after = [job.stats(r) for r in range(n)]
-            diffs = [_diff(b, c) for b, c in zip(before, after)]
+            h.drop_caches()
+            row = self.read_pass(job.dir, lst, n * rpr, job, dict(kind="agg", ranks=n, rep=rep,
+                                                                  rpr=rpr))
+            diffs = [h.diff_stats(job.stats(r), b) or {} for r, b in enumerate(before)]
             row["daemons"] = diffs
-            row["local_reads"] = sum((d or {}).get("local_reads", 0) for d in diffs)
-            row["remote_reads"] = sum((d or {}).get("remote_reads", 0) for d in diffs)
-            if not job.alive():
-                row["daemon_died"] = True
-                row["log_tail"] = job.output()[-600:]
+            row["local_reads"] = sum(d.get("local_reads", 0) for d in diffs)
+            row["remote_reads"] = sum(d.get("remote_reads", 0) for d in diffs)
             self.emit(row)
-            log(f"  n={n} rpr={rpr} rep {rep}: {row.get('files_per_s')} files/s total, CPU "
-                f"{row.get('cpu_busy_pct')} %, local/remote reads {row['local_reads']}/"
-                f"{row['remote_reads']}"
-                + (f"  ERRORS {row['errors']}: {row.get('first_error')}" if row.get("errors")
-                   else ""))
+            h.log(f"  n={n} rpr={rpr} rep {rep}: {row.get('files_per_s')} files/s, staged "
+                  f"{total / 1e6:.0f} MB in {wall} s")
         finally:
             job.stop()
 
     def cp_reference(self, n: int, rep: int, rpr: int) -> None:
-        parts = partitions_of(self.store, n)
-        base = os.path.join(self.work, "cp")
+        parts, base = partitions_of(self.store, n), os.path.join(self.work, "cp")
         shutil.rmtree(base, ignore_errors=True)
-        dests = {}
-        for r in range(n):
-            dests[r] = os.path.join(base, f"local{r}")
-            os.makedirs(dests[r], exist_ok=True)
+        dests = [os.path.join(base, f"local{r}") for r in range(n)]
+        for d in dests:
+            os.makedirs(d)
         total = sum(os.path.getsize(p) for ps in parts.values() for p in ps)
         self.cmd("cp STORE/part-*.fsp (this rank's partitions) WORK/cp/local{rank}/   "
                  "# one cp per rank, concurrently; then: sync")
-        common.drop_caches()
+        h.drop_caches()
         t0 = time.perf_counter()
         procs = [subprocess.Popen(["cp"] + parts[r] + [dests[r] + "/"], start_new_session=True)
                  for r in range(n) if parts[r]]
@@ -556,95 +192,47 @@ class Bench(common.RowLog):
             codes = [p.wait() for p in procs]
         except BaseException:
             for p in procs:
-                _kill_group(p)
+                h.kill_group(p)
             raise
         t_cp = time.perf_counter() - t0
         os.sync()
         t_sync = time.perf_counter() - t0
         shutil.rmtree(base, ignore_errors=True)
-        ok = all(c == 0 for c in codes)
-        self.emit({"kind": "cp", "ranks": n, "rep": rep, "rpr": rpr, "bytes": total, "ok": ok,
-                   "seconds": round(t_cp, 4), "seconds_with_sync": round(t_sync, 4),
+        self.emit({"kind": "cp", "ranks": n, "rep": rep, "rpr": rpr, "bytes": total,
+                   "ok": all(c == 0 for c in codes), "seconds": round(t_cp, 4),
+                   "seconds_with_sync": round(t_sync, 4),
                    "MB_per_s": round(total / 1e6 / t_cp, 1),
                    "MB_per_s_with_sync": round(total / 1e6 / t_sync, 1)})
-        log(f"  cp n={n}: {total / 1e6:.0f} MB in {t_cp:.2f} s ({total / 1e6 / t_cp:.0f} MB/s), "
-            f"with sync {t_sync:.2f} s ({total / 1e6 / t_sync:.0f} MB/s)")
 
-    # ---- 4. metadata at scale
     def metadata(self) -> None:
+        """Synthetic namespaces: index size, parse, Namespace, Ibcast across local ranks."""
         a = self.a
         synth_dir = os.path.join(self.work, "synth")
         os.makedirs(synth_dir, exist_ok=True)
-        me = os.path.abspath(__file__)
         for nfiles in a.meta_files:
             path = os.path.join(synth_dir, f"synth-{nfiles}.idx")
-            log(f"metadata: synthetic index of {nfiles:,} files")
-            argv = [self.py, me, "_synth", "--files", str(nfiles), "--out", path,
-                    "--files-per-dir", str(a.files_per_dir), "--partitions",
-                    str(a.synth_partitions)]
-            self.cmd(" ".join(shlex.quote(x) for x in argv).replace(str(nfiles), "N"))
-            row = _json_run(argv, timeout=1800)
-            row.update(kind="synth", files=nfiles)
-            self.emit(row)
-            log(f"  built {row.get('entries'):,} entries: index {row.get('index_bytes', 0) / 1e6:.1f} "
-                f"MB ({row.get('index_bytes_per_entry')} B/entry), lookup table "
-                f"{row.get('lookup_seconds')} s, encode {row.get('encode_seconds')} s")
-            argv = [self.py, me, "_parse", "--index", path, "--reps", "3"]
-            self.cmd(" ".join(shlex.quote(x) for x in argv).replace(str(nfiles), "N"))
-            row = _json_run(argv, timeout=1800)
-            row.update(kind="parse", files=nfiles)
-            self.emit(row)
-            log(f"  parse+validate {row.get('parse_seconds')} s, Namespace "
-                f"{row.get('namespace_seconds')} s, {row.get('metadata_bytes_per_entry')} B/entry "
-                f"(formula), RSS {row.get('rss_bytes_per_entry')} B/entry")
-            for rep in range(1, a.bcast_reps + 1):
-                argv = [self.mpiexec, "-n", str(a.bcast_ranks), self.py, me, "_bcast", "--index",
-                        path]
-                self.cmd(" ".join(shlex.quote(x) for x in argv).replace(str(nfiles), "N"))
-                row = _json_run(argv, timeout=600, new_session=True)
-                row.update(kind="bcast", files=nfiles, rep=rep)
-                self.emit(row)
-                log(f"  Ibcast of {row.get('bytes', 0) / 1e6:.1f} MB over {a.bcast_ranks} local "
-                    f"ranks: {row.get('bcast_seconds_max')} s; parse on every rank at once "
-                    f"{row.get('parse_seconds_max')} s")
+            runs = [("synth", [self.py, ME, "_synth", "--files", str(nfiles), "--out", path,
+                               "--files-per-dir", str(a.files_per_dir), "--partitions",
+                               str(a.synth_partitions)], {}),
+                    ("parse", [self.py, ME, "_parse", "--index", path, "--reps", "3"], {})]
+            runs += [("bcast", [self.mpiexec, "-n", str(a.bcast_ranks), self.py, ME, "_bcast",
+                                "--index", path], {"rep": rep})
+                     for rep in range(1, a.bcast_reps + 1)]
+            for kind, argv, extra in runs:
+                self.cmd(h.shown(argv).replace(str(nfiles), "N"))
+                row = h.run_json(argv, timeout=1800)
+                if row.get("first_error"):
+                    row["error"] = row.pop("first_error")
+                    row.pop("errors", None)
+                self.emit(dict(row, kind=kind, files=nfiles, **extra))
+                h.log(f"  {kind} {nfiles:,} files: {row}"[:200])
             if not a.keep_synth:
                 os.unlink(path)
 
     def cleanup(self) -> None:
-        for job in list(self.jobs):
-            try:
-                job.stop()
-            except Exception as exc:  # noqa: BLE001 - keep cleaning
-                log(f"  cleanup of {job.dir} failed: {exc}")
-        shutil.rmtree(os.path.join(self.work, "cp"), ignore_errors=True)
-        shutil.rmtree(os.path.join(self.work, "jobs"), ignore_errors=True)
-        if self.a.clean:
-            shutil.rmtree(self.work, ignore_errors=True)
-
-
-def _diff(before: dict | None, after: dict | None) -> dict | None:
-    if not before or not after:
-        return None
-    return {k: round(after[k] - before[k], 6) for k in after
-            if isinstance(after.get(k), (int, float)) and isinstance(before.get(k), (int, float))
-            and not isinstance(after.get(k), bool)}
-
-
-def _json_run(argv: list[str], timeout: float, new_session: bool = True) -> dict:
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=new_session)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except BaseException:
-        _kill_group(proc)
-        raise
-    for line in reversed(out.strip().splitlines()):
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except ValueError:
-                break
-    return {"error": f"exit {proc.returncode}: {err.strip()[-500:]}"}
+        super().cleanup()
+        for d in ("cp", "jobs"):
+            shutil.rmtree(os.path.join(self.work, d), ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------ helpers run
@@ -759,7 +347,8 @@ def _rss() -> tuple[int, int]:
 
 def metadata_bytes(index) -> int:
     """The daemon's ``metadata_bytes`` (fanstore/daemon/node.py ``_static_stats``)."""
-    memory = sum(a.nbytes for a in index.entries.values()) + sum(a.nbytes for a in index.chunks.values())
+    memory = sum(a.nbytes for a in index.entries.values())
+    memory += sum(a.nbytes for a in index.chunks.values())
     memory += index.lk_hash.nbytes + index.lk_entry.nbytes + len(index.names)
     return memory + len(index.targets)
 
@@ -827,7 +416,8 @@ def main_parse(argv: list[str]) -> int:
         del ns, index
     print(json.dumps({
         "entries": n, "index_bytes": len(data),
-        "parse_seconds": round(statistics.median(t_parse), 4), "parse_all": [round(x, 4) for x in t_parse],
+        "parse_seconds": round(statistics.median(t_parse), 4),
+        "parse_all": [round(x, 4) for x in t_parse],
         "namespace_seconds": round(statistics.median(t_ns), 4),
         "parse_us_per_entry": round(statistics.median(t_parse) / n * 1e6, 3),
         "metadata_bytes": mem, "metadata_bytes_per_entry": round(mem / n, 1),
@@ -880,384 +470,189 @@ def main_bcast(argv: list[str]) -> int:
     return 0
 
 
-# ------------------------------------------------------------------------------ report
+# ------------------------------------------------------------------------------ the section
 
 
-def section(bench: Bench, label: str | None, argv: list[str]) -> str:
-    rows = bench.rows
-    a = bench.a
-
-    pick = functools.partial(common.pick_rows, rows)
-    vals = functools.partial(common.row_vals, rows)
-
-    out: list[str] = []
-    w = out.append
-    w("## FanStore across ranks: local vs remote, aggregate, stage-in, metadata "
-      "(`tools/bench/mpi_bench.py`)")
-    w("")
-    if label:
-        w(f"> **{label}**")
-        w("")
-    w(f"Run {bench.run_id} ({common.now_utc()}), {bench.total_seconds / 60:.1f} min in all. "
-      "Every rank is a process of **this one 2-core machine**: \"remote\" means another "
-      "daemon on the same machine reached through MPI (MPICH shared memory), not another "
-      "node, and all ranks, readers and daemons share the same 2 cores and the same disk. "
-      "Only compare rows of this one run (the machine is shared; cold passes spread by about "
-      "±20%). Raw rows: `tools/bench/results/mpi_bench.jsonl`. Rerun: "
-      f"`{' '.join(argv)}` (as root).")
-    w("")
-    w("### Machine")
-    w("")
-    w(bench.machine)
-    w("")
+def render(bench: MpiBench, label: str | None, argv: list[str]) -> str:
+    a, pick, vals = bench.a, bench.pick, bench.vals
     st = pick(kind="store")[0]
-    p = st["params"]
-    info = st["info"]
+    info, p = st["info"], st["params"]
     counts = info.get("counts") or {}
-    w("### Dataset and store")
-    w("")
-    w(f"`tools/gen_dataset.py` (seed {p['seed']}): {st['files']:,} files of "
-      f"{p['min_kb']}-{p['max_kb']} kB in {p['classes']} class directories "
-      f"({counts.get('raw_bytes', 0) / 1e6:,.0f} MB), packed with `--partitions "
-      f"{p['partitions']} --codec {p['codec']}`: {counts.get('stored_bytes', 0) / 1e6:,.0f} MB "
-      f"stored (ratio {info.get('ratio', 0):.2f}), index {info.get('index_bytes', 0):,} bytes. "
-      "Partition p is placed on rank p mod n (`--replicas 1`). MB = 10^6 bytes.")
-    w("")
-
-    # ---- targets
-    lr_rows = pick(kind="lr")
-    ratios = {}
+    lr, targets = [], []
     for wk in a.lr_readers:
-        loc = common.med(vals("files_per_s", kind="lr", which="local", workers=wk))
-        rem = common.med(vals("files_per_s", kind="lr", which="remote", workers=wk))
-        ratios[wk] = (loc, rem)
-    w("### Target")
-    w("")
-    w("| target | readers | local files/s | remote files/s | remote / local | goal | status |")
-    w("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
-    for wk, (loc, rem) in ratios.items():
-        r = rem / loc if loc and rem else None
-        w(f"| remote reads at least 0.7x local (rank 0's mount, {a.lr_ranks} ranks) | {wk} | "
-          f"{common.num(loc)} | {common.num(rem)} | {common.ratio(rem, loc)} | ≥ 0.70 | "
-          f"{common.check(None if r is None else r >= 0.7)} |")
-    w("")
-
-    # ---- local vs remote
-    w(f"### Local vs remote reads (rank 0 of a {a.lr_ranks}-rank job)")
-    w("")
-    w("A fresh job per repetition and reader count. `local` = files whose partition rank 0 "
-      "holds, `remote` = an equally large random sample of the files other ranks hold; each "
-      "set read once through rank 0's mount, cold (page cache dropped before each set; the "
-      "sets are disjoint, so the daemon's chunk cache holds nothing of the second), in "
-      "alternating order. Reader processes take round-robin shares and do "
-      "`open(); f.read(); close()` per file (`tools/bench/reader.py`). Cells: median "
-      "(min–max) over the repetitions. CPU = whole machine. Remote latency = rank 0's "
-      "`remote_latency_ms_p50/p99` (one MPI fetch of a file's stored bytes, in the daemon). "
-      "Daemon CPU = CPU time of all the job's daemons per file read.")
-    w("")
-    w("| set | readers | files/pass | files/s | MB/s | p50 / p99 ms | CPU % | daemons' CPU µs/file "
-      "| local / remote reads per pass | remote fetch p50 / p99 ms | vs local |")
-    w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for wk in a.lr_readers:
-        loc_med = ratios[wk][0]
+        loc = med(vals("files_per_s", kind="lr", which="local", workers=wk))
+        rem = med(vals("files_per_s", kind="lr", which="remote", workers=wk))
+        targets.append((f"remote reads at least 0.7x local (rank 0's mount, {a.lr_ranks} "
+                        "ranks)", wk, num(loc), num(rem), ratio(rem, loc), "≥ 0.70",
+                        h.check(None if not (loc and rem) else rem / loc >= 0.7)))
         for which in ("local", "remote"):
             q = dict(kind="lr", which=which, workers=wk)
             rs = pick(**q)
             if not rs:
                 continue
-            fs = vals("files_per_s", **q)
-            d = [r.get("daemon0") or {} for r in rs]
+            fs, d = vals("files_per_s", **q), [r.get("daemon0") or {} for r in rs]
             err = sum(r.get("errors") or 0 for r in rs)
-            w(f"| {which}{' ⚠ %d errors' % err if err else ''} | {wk} | "
-              f"{common.num(common.med([r.get('files') for r in rs]))} | {common.spread(fs)} | "
-              f"{common.spread(vals('MB_per_s', **q))} | "
-              f"{common.num(common.med(vals('lat_ms_p50', **q)), 2)} / "
-              f"{common.num(common.med(vals('lat_ms_p99', **q)), 1)} | "
-              f"{common.num(common.med(vals('cpu_busy_pct', **q)))} | "
-              f"{common.num(common.med(vals('watched_cpu_us_per_file', **q)))} | "
-              f"{common.num(common.med([x.get('local_reads') for x in d]))} / "
-              f"{common.num(common.med([x.get('remote_reads') for x in d]))} | "
-              + (f"{common.num(common.med(vals('remote_latency_ms_p50', **q)), 2)} / "
-                 f"{common.num(common.med(vals('remote_latency_ms_p99', **q)), 1)}"
-                 if which == "remote" else "–")
-              + f" | {common.ratio(common.med(fs), loc_med)} |")
-    w("")
-
-    # ---- aggregate
-    w("### Aggregate files/s with 1, 2 and 4 ranks")
-    w("")
-    w(f"A fresh job per rank count, readers per rank and repetition; every rank's mount read "
-      f"at the same time, each rank a disjoint round-robin share of one shuffled list of all "
-      f"{bench.n_small:,} files (a file is local to its reader's rank with probability 1/n), "
-      "all reader processes released by one barrier; cold (caches dropped after the mount). "
-      "**Caveat: on this 2-core machine every rank, daemon and reader competes for the same "
-      "two cores and one disk, so more ranks cannot add throughput the way more nodes do**; "
-      "the table shows the cost of the extra ranks and of remote reads, not the scaling of "
-      "a cluster. CPU = whole machine during the pass.")
-    w("")
-    w("| ranks | readers per rank | files/s (total) | MB/s | p50 / p99 ms | CPU % | "
-      "daemons' CPU µs/file | remote share of reads | vs 1 rank |")
-    w("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+            lr.append((which + (f" ⚠ {err} errors" if err else ""), wk,
+                       num(med(r.get("files") for r in rs)), spread(fs),
+                       spread(vals("MB_per_s", **q)), f"{num(med(vals('lat_ms_p50', **q)), 2)} "
+                       f"/ {num(med(vals('lat_ms_p99', **q)), 1)}",
+                       num(med(vals("cpu_busy_pct", **q))),
+                       num(med(vals("watched_cpu_us_per_file", **q))),
+                       f"{num(med(x.get('local_reads') for x in d))} / "
+                       f"{num(med(x.get('remote_reads') for x in d))}",
+                       f"{num(med(vals('remote_latency_ms_p50', **q)), 2)} / "
+                       f"{num(med(vals('remote_latency_ms_p99', **q)), 1)}"
+                       if which == "remote" else "–", ratio(med(fs), loc)))
+    agg = []
     for rpr in a.agg_readers:
-        one = common.med(vals("files_per_s", kind="agg", ranks=1, rpr=rpr))
+        one = med(vals("files_per_s", kind="agg", ranks=1, rpr=rpr))
         for n in a.agg_ranks:
             q = dict(kind="agg", ranks=n, rpr=rpr)
             rs = pick(**q)
-            if not rs:
-                continue
-            fs = vals("files_per_s", **q)
-            share = common.med([r["remote_reads"] / max(1, r["remote_reads"] + r["local_reads"])
-                                for r in rs if "remote_reads" in r])
-            err = sum(r.get("errors") or 0 for r in rs)
-            w(f"| {n}{' ⚠ %d errors' % err if err else ''} | {rpr} | {common.spread(fs)} | "
-              f"{common.spread(vals('MB_per_s', **q))} | "
-              f"{common.num(common.med(vals('lat_ms_p50', **q)), 2)} / "
-              f"{common.num(common.med(vals('lat_ms_p99', **q)), 1)} | "
-              f"{common.num(common.med(vals('cpu_busy_pct', **q)))} | "
-              f"{common.num(common.med(vals('watched_cpu_us_per_file', **q)))} | "
-              f"{'–' if share is None else f'{share:.0%}'} | {common.ratio(common.med(fs), one)} |")
-    w("")
-
-    # ---- stage-in
-    w("### Stage-in vs `cp`")
-    w("")
-    w("Stage-in of the same jobs (caches dropped before each launch): each rank copies its "
-      "own partitions from the store into its `--local-dir` (8 MiB reads, XXH3-128 checked "
-      "while written, fsync, rename; `--stage-jobs 4`). `stage` = the ranks' "
-      "`staged_bytes` summed over the slowest rank's `stage_seconds`; per rank = median of the "
-      "ranks' own `stage_mb_per_s`. `cp` = one `cp` per rank of exactly that rank's "
-      "partition files into a local directory, all ranks' `cp` at once, caches dropped first, "
-      "in the same run (alternating before/after the job); `cp+sync` includes the final "
-      "`sync` (staging fsyncs every file, plain `cp` does not). The store and the local "
-      "directories are on the same disk here, so reads and writes share it, and \"cold\" is "
-      "guest-cold: the host may still cache the virtual disk.")
-    w("")
-    w("| ranks | MB staged | stage MB/s (all ranks) | stage MB/s per rank | cp MB/s | "
-      "cp+sync MB/s | stage / cp+sync | mount ready s |")
-    w("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+            if rs:
+                fs, err = vals("files_per_s", **q), sum(r.get("errors") or 0 for r in rs)
+                share = med([r["remote_reads"] / max(1, r["remote_reads"] + r["local_reads"])
+                             for r in rs if "remote_reads" in r])
+                agg.append((f"{n}" + (f" ⚠ {err} errors" if err else ""), rpr, spread(fs),
+                            spread(vals("MB_per_s", **q)),
+                            f"{num(med(vals('lat_ms_p50', **q)), 2)} / "
+                            f"{num(med(vals('lat_ms_p99', **q)), 1)}",
+                            num(med(vals("cpu_busy_pct", **q))),
+                            num(med(vals("watched_cpu_us_per_file", **q))),
+                            "–" if share is None else f"{share:.0%}", ratio(med(fs), one)))
+    stage = []
     for n in a.agg_ranks:
         srs = pick(kind="stage", ranks=n)
-        if not srs:
-            continue
-        agg = [r.get("agg_MB_per_s") for r in srs]
-        per = [x.get("stage_mb_per_s") for r in srs for x in r["per_rank"]]
-        cps = vals("MB_per_s", kind="cp", ranks=n)
-        cps2 = vals("MB_per_s_with_sync", kind="cp", ranks=n)
-        w(f"| {n} | {common.num(common.med([r['bytes'] / 1e6 for r in srs]))} | "
-          f"{common.spread(agg)} | {common.num(common.med(per))} | {common.spread(cps)} | "
-          f"{common.spread(cps2)} | {common.ratio(common.med(agg), common.med(cps2))} | "
-          f"{common.spread([r.get('ready_seconds') for r in srs], 1)} |")
-    w("")
-
-    # ---- metadata
-    w("### Metadata per entry")
-    w("")
-    per_entry = common.med([x.get("metadata_bytes_per_entry") for r in pick(kind="stage")
-                            for x in r["per_rank"]])
-    w(f"- Benchmark dataset ({counts.get('files', 0):,} files, {counts.get('dirs', 0):,} "
-      f"directories): `fanstore info` says {info.get('index_bytes_per_entry', 0):.1f} B/entry "
-      f"on disk (the compressed index) and {info.get('memory_bytes_per_entry', 0):.1f} B/entry "
-      f"in memory; every rank's `fanstore stats` reports `metadata_bytes_per_entry` = "
-      f"{common.num(per_entry, 1)} (the same arrays). Index broadcast in these jobs: "
-      f"{common.spread([x.get('index_broadcast_seconds') for r in pick(kind='stage') for x in r['per_rank'] if r['ranks'] > 1], 4)} s "
-      "(includes each rank's parse + validate of the received bytes).")
-    synth = pick(kind="synth")
-    parse = pick(kind="parse")
-    if synth:
-        w(f"- Synthetic namespaces (`mpi_bench.py _synth`): ImageNet-like names "
-          f"(`n%08d/n%08d_%06d.JPEG`, {a.files_per_dir} files per directory), sizes 50-150 kB, "
-          f"one chunk per file, {a.synth_partitions} partitions, random checksums; the index "
-          "is built with the packer's `IndexBuilder` + `encode_index` without writing file "
-          "data. Parse = `read_index_bytes` (zstd + parse + full validation), one process, "
-          "median of 3; RSS = resident memory added by the loaded index + `Namespace` "
-          "(measured in a fresh process); Ibcast = the daemon's `World.bcast_bytes` over "
-          f"{a.bcast_ranks} ranks of this machine (shared memory), max over ranks, median over "
-          f"{a.bcast_reps} runs; parse on all ranks = every rank validating at once (2 cores).")
-        w("")
-        w("| files | entries | index MB (disk) | B/entry disk | B/entry in memory (formula) | "
-          "B/entry RSS | parse+validate s | µs/entry | Namespace s | lookup µs | build lookup "
-          "table s | Ibcast s (4 ranks) | parse on all ranks s |")
-        w("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-        for s in synth:
-            nf = s["files"]
-            pr = next((x for x in parse if x["files"] == nf), {})
-            bc = pick(kind="bcast", files=nf)
-            w(f"| {nf:,} | {s.get('entries', 0):,} | {s.get('index_bytes', 0) / 1e6:,.1f} | "
-              f"{s.get('index_bytes_per_entry')} | {pr.get('metadata_bytes_per_entry')} | "
-              f"{pr.get('rss_bytes_per_entry')} | {pr.get('parse_seconds')} | "
-              f"{pr.get('parse_us_per_entry')} | {pr.get('namespace_seconds')} | "
-              f"{pr.get('lookup_us')} | {s.get('lookup_seconds')} | "
-              f"{common.num(common.med([b.get('bcast_seconds_max') for b in bc]), 3)} | "
-              f"{common.num(common.med([b.get('parse_seconds_max') for b in bc]), 2)} |")
-        w("")
-    w(projection(bench, synth, parse))
-
-    # ---- correctness / problems
-    w("### Errors and problems seen in this run")
-    w("")
-    errs = [r for r in rows if r.get("errors") and r.get("kind") in ("lr", "agg")]
-    w(f"- read errors during the measurements: {sum(r['errors'] for r in errs)}"
-      + (f" (first: {errs[0].get('first_error')})" if errs else ""))
-    for r in rows:
-        if r.get("daemon_died"):
-            w(f"- **a daemon died during {r['kind']} n={r.get('ranks')} rep={r.get('rep')}**: "
-              f"{(r.get('log_tail') or '').strip()[-300:]}")
-        if r.get("error"):
-            w(f"- {r['kind']}: {r['error'][:300]}")
-    w("")
-    w("### Exact commands")
-    w("")
-    w("```")
-    w("# drop_caches = sync; echo 3 > /proc/sys/vm/drop_caches (before every launch, every "
-      "cp and every read pass)")
-    w("# WORK = the work directory; JOB = WORK/jobs/<job>; ROOT = JOB/mnt0 (local vs remote) "
-      "or JOB (aggregate: the list holds mnt<rank>/<path>)")
-    for c in bench.commands:
-        w(c.replace(common.REPO + "/", ""))
-    w("```")
-    return "\n".join(out)
-
-
-def projection(bench: Bench, synth: list[dict], parse: list[dict]) -> str:
-    a = bench.a
-    out: list[str] = []
-    w = out.append
-    nodes, nfiles = a.proj_nodes, a.proj_files
-    # per-entry numbers from the largest synthetic namespace measured
-    if synth and parse:
-        s = max(synth, key=lambda r: r["files"])
+        if srs:
+            rates = [r.get("agg_MB_per_s") for r in srs]
+            cps2 = vals("MB_per_s_with_sync", kind="cp", ranks=n)
+            stage.append((n, num(med(r["bytes"] / 1e6 for r in srs)), spread(rates),
+                          num(med(x.get("stage_mb_per_s") for r in srs for x in r["per_rank"])),
+                          spread(vals("MB_per_s", kind="cp", ranks=n)), spread(cps2),
+                          ratio(med(rates), med(cps2)),
+                          spread([r.get("ready_seconds") for r in srs], 1)))
+    synth, parse = pick(kind="synth"), pick(kind="parse")
+    meta = []
+    for s in synth:
         pr = next((x for x in parse if x["files"] == s["files"]), {})
-        bc = [b for b in bench.rows if b.get("kind") == "bcast" and b.get("files") == s["files"]]
-        basis = f"the {s['files']:,}-file synthetic namespace"
-        disk_pe = s["index_bytes"] / s["entries"]
-        mem_pe = pr.get("metadata_bytes_per_entry") or 0
-        rss_pe = pr.get("rss_bytes_per_entry") or mem_pe
-        parse_pe = (pr.get("parse_seconds") or 0) / s["entries"]
-        ns_pe = (pr.get("namespace_seconds") or 0) / s["entries"]
-        lookup_pe = (s.get("lookup_seconds") or 0) / s["entries"]
-        bc_rate = common.med([b.get("bcast_MB_per_s") for b in bc])
-    else:
-        return "(no metadata measurements in this run: no projection)\n"
+        bc = pick(kind="bcast", files=s["files"])
+        meta.append((f"{s['files']:,}", f"{s.get('entries', 0):,}",
+                     f"{s.get('index_bytes', 0) / 1e6:,.1f}", s.get("index_bytes_per_entry"),
+                     pr.get("metadata_bytes_per_entry"), pr.get("rss_bytes_per_entry"),
+                     pr.get("parse_seconds"), pr.get("parse_us_per_entry"),
+                     pr.get("namespace_seconds"), pr.get("lookup_us"), s.get("lookup_seconds"),
+                     num(med(b.get("bcast_seconds_max") for b in bc), 3),
+                     num(med(b.get("parse_seconds_max") for b in bc), 2)))
+    staged = [x for r in pick(kind="stage") for x in r["per_rank"]]
+    bcast = [x.get("index_broadcast_seconds") for r in pick(kind="stage") if r["ranks"] > 1
+             for x in r["per_rank"]]
+    problems = [r for r in bench.rows if r.get("errors") and r.get("kind") in ("lr", "agg")]
+    notes = [f"- read errors during the measurements: {sum(r['errors'] for r in problems)}"
+             + (f" (first: {problems[0].get('first_error')})" if problems else "")]
+    notes += [f"- **a daemon died during {r['kind']} n={r.get('ranks')} rep={r.get('rep')}**: "
+              f"{(r.get('log_tail') or '').strip()[-300:]}" for r in bench.rows
+              if r.get("daemon_died")]
+    notes += [f"- {r['kind']}: {r['error'][:300]}" for r in bench.rows if r.get("error")]
+    return h.section(bench, label, argv, [
+        f"{st['files']:,} files of {p['min_kb']}-{p['max_kb']} kB "
+        f"({counts.get('raw_bytes', 0) / 1e6:,.0f} MB), `--partitions {p['partitions']} "
+        f"--codec {p['codec']}`: {counts.get('stored_bytes', 0) / 1e6:,.0f} MB stored (ratio "
+        f"{info.get('ratio', 0):.2f}), index {info.get('index_bytes', 0):,} bytes; "
+        f"{info.get('index_bytes_per_entry', 0):.1f} B/entry on disk, "
+        f"{info.get('memory_bytes_per_entry', 0):.1f} B/entry in memory (`fanstore info`), "
+        f"{num(med(x.get('metadata_bytes_per_entry') for x in staged), 1)} "
+        f"(`fanstore stats`); index broadcast in the jobs {spread(bcast, 4)} s.",
+        h.table(["target", "readers", "local files/s", "remote files/s", "remote / local",
+                 "goal", "status"], targets, "lrrrrrl", "Target"),
+        h.table(["set", "readers", "files/pass", "files/s", "MB/s", "p50 / p99 ms", "CPU %",
+                 "daemons' CPU µs/file", "local / remote reads per pass",
+                 "remote fetch p50 / p99 ms", "vs local"], lr,
+                title=f"Local vs remote reads (rank 0 of a {a.lr_ranks}-rank job)"),
+        h.table(["ranks", "readers per rank", "files/s (total)", "MB/s", "p50 / p99 ms",
+                 "CPU %", "daemons' CPU µs/file", "remote share of reads", "vs 1 rank"], agg,
+                "r" * 9, "Aggregate files/s with 1, 2 and 4 ranks"),
+        h.table(["ranks", "MB staged", "stage MB/s (all ranks)", "stage MB/s per rank",
+                 "cp MB/s", "cp+sync MB/s", "stage / cp+sync", "mount ready s"], stage,
+                "r" * 8, "Stage-in vs `cp`"),
+        h.table(["files", "entries", "index MB (disk)", "B/entry disk",
+                 "B/entry in memory (formula)", "B/entry RSS", "parse+validate s", "µs/entry",
+                 "Namespace s", "lookup µs", "build lookup table s",
+                 f"Ibcast s ({a.bcast_ranks} ranks)", "parse on all ranks s"], meta, "r" * 13,
+                "Metadata per entry (synthetic namespaces)") if meta else "",
+        projection(bench, synth, parse),
+        "### Errors and problems seen in this run\n\n" + "\n".join(notes)])
+
+
+def projection(bench: MpiBench, synth: list[dict], parse: list[dict]) -> str:
+    """The design extrapolated to --proj-nodes nodes and --proj-files files (a table)."""
+    a, rows = bench.a, bench.rows
+    if not synth or not parse:
+        return "(no metadata measurements in this run: no projection)"
+    s = max(synth, key=lambda r: r["files"])
+    pr = next((x for x in parse if x["files"] == s["files"]), {})
+    nodes, nfiles = a.proj_nodes, a.proj_files
+    disk_pe = s["index_bytes"] / s["entries"]
+    mem_pe = pr.get("metadata_bytes_per_entry") or 0
+    rss_pe = pr.get("rss_bytes_per_entry") or mem_pe
+    parse_pe = (pr.get("parse_seconds") or 0) / s["entries"]
+    ns_pe = (pr.get("namespace_seconds") or 0) / s["entries"]
+    lookup_pe = (s.get("lookup_seconds") or 0) / s["entries"]
+    bc_rate = med(b.get("bcast_MB_per_s") for b in bench.pick(kind="bcast", files=s["files"]))
     entries = nfiles * (1 + 1 / a.files_per_dir) + 1
-    idx_bytes = disk_pe * entries
-    mem = mem_pe * entries
-    rss = rss_pe * entries
+    idx, mem, rss = disk_pe * entries, mem_pe * entries, rss_pe * entries
     net = a.proj_net_gbps * 1e9 / 8  # bytes/s per link
     steps = math.ceil(math.log2(nodes))
-    t_tree = steps * idx_bytes / net
-    t_pipe = 2 * idx_bytes / net
-    t_parse = parse_pe * entries
-    t_ns = ns_pe * entries
-    t_read = idx_bytes / (a.proj_pfs_stream_gbs * 1e9)
+    t_tree, t_pipe = steps * idx / net, 2 * idx / net
+    t_parse, t_ns = parse_pe * entries, ns_pe * entries
+    t_read = idx / (a.proj_pfs_stream_gbs * 1e9)
     stored = a.proj_raw_tb * 1e12 / a.proj_ratio
-    agg_fps = [r for r in bench.rows if r.get("kind") == "agg" and r.get("ranks") == 1
-               and r.get("watched_cpu_us_per_file")]
-    daemon_us = common.med([r["watched_cpu_us_per_file"] for r in agg_fps])
-    # A remote read costs daemon CPU on both sides (all of the job's daemons are watched).
-    remote_us = common.med([r["watched_cpu_us_per_file"] for r in bench.rows
-                            if r.get("kind") == "lr" and r.get("which") == "remote"
-                            and r.get("watched_cpu_us_per_file") and not r.get("errors")])
-    remote_ms = common.med([r.get("remote_latency_ms_p50") for r in bench.rows
-                            if r.get("kind") == "lr" and r.get("which") == "remote"
-                            and r.get("workers") == 1 and r.get("remote_latency_ms_p50")])
-
-    w(f"### Projection: {nodes} nodes, {nfiles / 1e6:.0f} million files (an extrapolation)")
-    w("")
-    w(f"**Everything here is extrapolated linearly** from {basis} measured above (per-entry "
-      "costs), plus the stated assumptions; nothing was run at this scale. Assumptions: "
-      f"{a.files_per_dir} files per directory ({entries / 1e6:,.2f} M entries); a "
-      f"{a.proj_net_gbps:g} Gb/s fabric ({net / 1e9:.1f} GB/s per link, latency ignored); "
-      f"rank 0 reads the index from the PFS at {a.proj_pfs_stream_gbs:g} GB/s (one stream); "
-      f"a dataset of {a.proj_raw_tb:g} TB raw stored at ratio {a.proj_ratio:g} "
-      f"({stored / 1e12:g} TB of partitions); node-local NVMe writing {a.proj_nvme_gbs:g} GB/s; "
-      f"the PFS delivering {a.proj_pfs_gbs:g} GB/s in aggregate to all nodes together.")
-    w("")
-    w("| quantity | per node | how |")
-    w("| --- | ---: | --- |")
-    w(f"| metadata in memory | {mem / 2**30:,.2f} GiB ({rss / 2**30:,.2f} GiB resident) | "
-      f"{mem_pe:.1f} B/entry (`metadata_bytes_per_entry`) or {rss_pe:.1f} B/entry RSS x "
-      f"{entries / 1e6:,.2f} M entries; every node holds the whole namespace |")
-    w(f"| index size (compressed, broadcast) | {idx_bytes / 1e6:,.0f} MB | {disk_pe:.1f} B/entry "
-      "on disk |")
-    w(f"| transient memory while loading | about {(idx_bytes * 2 + mem) / 2**30:,.2f} GiB | "
-      "the received bytes (held twice: the receive buffer and its `bytes` copy in "
-      "`World.bcast_bytes`) + the decompressed body |")
-    w(f"| index read by rank 0 | {t_read:,.1f} s | {idx_bytes / 1e6:,.0f} MB at "
-      f"{a.proj_pfs_stream_gbs:g} GB/s |")
-    w(f"| broadcast, binomial tree | {t_tree:,.2f} s | ceil(log2 {nodes}) = {steps} steps x "
-      f"size / link bandwidth |")
-    w(f"| broadcast, pipelined (scatter + allgather) | {t_pipe:,.2f} s | about 2 x size / link "
-      f"bandwidth (what MPI libraries use for large messages); here, shared memory: "
-      f"{common.num(bc_rate)} MB/s |")
-    w(f"| parse + validate (single thread) | {t_parse:,.1f} s, twice | {parse_pe * 1e6:.2f} "
-      "µs/entry; rank 0 validates before sending, then every rank after receiving, so it is "
-      "on the start-up path twice |")
-    w(f"| `Namespace` build | {t_ns:,.2f} s | {ns_pe * 1e9:.0f} ns/entry |")
-    w(f"| start-up before staging | about {t_read + 2 * t_parse + t_ns + t_tree:,.0f} s "
-      f"(tree) / {t_read + 2 * t_parse + t_ns + t_pipe:,.0f} s (pipelined) | read + parse "
-      "(rank 0) + broadcast + parse (all) + Namespace |")
-    w(f"| building the lookup table at pack time | {lookup_pe * entries:,.0f} s | "
-      f"`IndexBuilder.build_lookup` is a Python loop: {lookup_pe * 1e6:.2f} µs/entry "
-      "(pack time, once) |")
+    daemon_us = med(r["watched_cpu_us_per_file"] for r in rows if r.get("kind") == "agg"
+                    and r.get("ranks") == 1 and r.get("watched_cpu_us_per_file"))
+    remote_us = med(r["watched_cpu_us_per_file"] for r in rows if r.get("kind") == "lr"
+                    and r.get("which") == "remote" and r.get("watched_cpu_us_per_file")
+                    and not r.get("errors"))
+    out = [
+        ("metadata in memory", f"{mem / 2**30:,.2f} GiB ({rss / 2**30:,.2f} GiB resident)",
+         f"{mem_pe:.1f} B/entry or {rss_pe:.1f} B/entry RSS x {entries / 1e6:,.2f} M entries"),
+        ("index size (compressed, broadcast)", f"{idx / 1e6:,.0f} MB",
+         f"{disk_pe:.1f} B/entry on disk"),
+        ("transient memory while loading", f"about {(idx * 2 + mem) / 2**30:,.2f} GiB",
+         "the received bytes twice + the decompressed body"),
+        ("index read by rank 0", f"{t_read:,.1f} s",
+         f"{idx / 1e6:,.0f} MB at {a.proj_pfs_stream_gbs:g} GB/s"),
+        ("broadcast, binomial tree", f"{t_tree:,.2f} s",
+         f"ceil(log2 {nodes}) = {steps} steps x size / link bandwidth"),
+        ("broadcast, pipelined (scatter + allgather)", f"{t_pipe:,.2f} s",
+         f"about 2 x size / link bandwidth; here, shared memory: {num(bc_rate)} MB/s"),
+        ("parse + validate (single thread)", f"{t_parse:,.1f} s, twice",
+         f"{parse_pe * 1e6:.2f} µs/entry"),
+        ("`Namespace` build", f"{t_ns:,.2f} s", f"{ns_pe * 1e9:.0f} ns/entry"),
+        ("start-up before staging", f"about {t_read + 2 * t_parse + t_ns + t_tree:,.0f} s "
+         f"(tree) / {t_read + 2 * t_parse + t_ns + t_pipe:,.0f} s (pipelined)",
+         "read + parse (rank 0) + broadcast + parse (all) + Namespace"),
+        ("building the lookup table at pack time", f"{lookup_pe * entries:,.0f} s",
+         f"{lookup_pe * 1e6:.2f} µs/entry (pack time, once)")]
     for r in (1, 2):
         share = r * stored / nodes
-        t_nvme = share / (a.proj_nvme_gbs * 1e9)
-        t_pfs = r * stored / (a.proj_pfs_gbs * 1e9)
-        w(f"| stage-in, `--replicas {r}` | {share / 1e9:,.1f} GB, "
-          f"{max(t_nvme, t_pfs):,.0f} s | per-node share = {r} x {stored / 1e12:g} TB / "
-          f"{nodes}; NVMe alone {t_nvme:,.0f} s; the PFS must deliver {r * stored / 1e12:g} TB: "
-          f"{t_pfs:,.0f} s at {a.proj_pfs_gbs:g} GB/s; the larger wins |")
-    per_node_files = nfiles / nodes
-    w(f"| files read per node per epoch | {per_node_files:,.0f} | {nfiles / 1e6:.0f} M / "
-      f"{nodes}; {1 - 1 / nodes:.1%} of them remote with a random shuffle and one replica |")
-    if remote_us:
-        w(f"| daemon CPU per epoch | {per_node_files * remote_us / 1e6:,.1f} core-s | "
-          f"{remote_us:,.0f} µs of daemon CPU per remote file read, reader and server side "
-          "together (local-vs-remote table, cold, this machine)"
-          + (f"; {daemon_us:,.0f} µs for a local read (1-rank aggregate)" if daemon_us else "")
-          + " |")
-    elif daemon_us:
-        w(f"| daemon CPU per epoch | {per_node_files * daemon_us / 1e6:,.1f} core-s | "
-          f"{daemon_us:,.0f} µs of daemon CPU per file (1-rank aggregate pass above, cold, "
-          "this machine) |")
-    w("")
-    w("What limits it:")
-    w("")
-    w(f"- **PFS aggregate bandwidth during stage-in.** {nodes} nodes x "
-      f"{a.proj_nvme_gbs:g} GB/s of NVMe could absorb {nodes * a.proj_nvme_gbs / 1e3:g} TB/s, "
-      f"but all of it comes from the shared file system: at {a.proj_pfs_gbs:g} GB/s stage-in "
-      f"takes {stored / (a.proj_pfs_gbs * 1e9):,.0f} s per replica however many nodes there "
-      "are. Staging is one sequential pass with large reads, which is the best case for a "
-      "PFS; replicas multiply it (a replica could instead be copied node to node over the "
-      "fabric, which FanStore does not do).")
-    w(f"- **Index parse + validate is single-threaded** ({parse_pe * 1e6:.2f} µs/entry: "
-      f"{t_parse:,.0f} s at {nfiles / 1e6:.0f} M files, paid by rank 0 before the broadcast "
-      "and by every rank after it) and the broadcast cannot start before rank 0 finishes. "
-      "It is numpy-vectorised; decompression (one zstd frame) is serial.")
-    w(f"- **Metadata memory**: {mem / 2**30:,.1f}-{rss / 2**30:,.1f} GiB on every node for "
-      f"{nfiles / 1e6:.0f} M files, plus the transient copies while loading; it competes "
-      "with the training job's host memory and grows linearly with the file count, not with "
-      "the node count.")
-    w("- **MPI_THREAD_MULTIPLE contention**: every remote read is an MPI request/response "
-      "from one of the daemon's remote-fetch threads, and one server thread answers all "
-      "peers. At 512 nodes almost every read is remote, so per-node files/s is bounded by "
-      "the server thread (one thread, its Python per-request cost) and the MPI library's "
-      "internal locking under THREAD_MULTIPLE; polling with back-off (no busy waits) adds "
-      "up to the back-off step of latency per message"
-      + (f" (measured here: a remote fetch of one file's stored bytes takes {remote_ms:.2f} ms "
-         "at the median over shared memory, with one reader)" if remote_ms else "") + ".")
-    w("- **Per-file FUSE cost**: every file costs LOOKUP + OPEN + READ(s) + RELEASE in the "
-      "kernel and the daemon" + (f" ({daemon_us:,.0f} µs of daemon CPU per file here, cold)"
-         if daemon_us else "") + "; the Python API (`fanstore.open_store`) avoids it.")
-    w("")
-    return "\n".join(out)
+        t_nvme, t_pfs = share / (a.proj_nvme_gbs * 1e9), r * stored / (a.proj_pfs_gbs * 1e9)
+        out.append((f"stage-in, `--replicas {r}`", f"{share / 1e9:,.1f} GB, "
+                    f"{max(t_nvme, t_pfs):,.0f} s", f"NVMe alone {t_nvme:,.0f} s; the PFS "
+                    f"delivers {r * stored / 1e12:g} TB in {t_pfs:,.0f} s; the larger wins"))
+    out.append(("files read per node per epoch", f"{nfiles / nodes:,.0f}",
+                f"{1 - 1 / nodes:.1%} of them remote with a random shuffle and one replica"))
+    us, how = (remote_us, "per remote file read, both sides") if remote_us else \
+        (daemon_us, "per file, 1-rank aggregate pass")
+    if us:
+        out.append(("daemon CPU per epoch", f"{nfiles / nodes * us / 1e6:,.1f} core-s",
+                    f"{us:,.0f} µs {how} (cold, this machine)"))
+    return h.table(["quantity", "per node", "how"], out, "lrl",
+                   f"Projection: {nodes} nodes, {nfiles / 1e6:.0f} million files (a linear "
+                   f"extrapolation from the {s['files']:,}-file namespace; {a.proj_net_gbps:g} "
+                   f"Gb/s links, {a.proj_raw_tb:g} TB at ratio {a.proj_ratio:g}, NVMe "
+                   f"{a.proj_nvme_gbs:g} GB/s, PFS {a.proj_pfs_gbs:g} GB/s)")
 
 
 # ------------------------------------------------------------------------------ main
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in str(text).split(",") if x.strip()]
 
 
 def parse_args(argv: list[str] | None):
@@ -1265,9 +660,7 @@ def parse_args(argv: list[str] | None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="full",
                     help="dataset size and repetitions (default full); options below override")
-    ap.add_argument("--work", default=os.environ.get("FANSTORE_MPIBENCH_WORK",
-                                                     "/tmp/fanstore-mpibench"),
-                    help="work directory: dataset, store, jobs (default /tmp/fanstore-mpibench)")
+    h.args(ap, "mpi_bench", os.environ.get("FANSTORE_MPIBENCH_WORK", "/tmp/fanstore-mpibench"))
     ap.add_argument("--files", type=int, help="small files in the dataset")
     ap.add_argument("--classes", type=int, help="class directories")
     ap.add_argument("--min-kb", type=int, default=50)
@@ -1305,46 +698,20 @@ def parse_args(argv: list[str] | None):
     g.add_argument("--proj-ratio", type=float, default=2.0)
     ap.add_argument("--reuse-store", action="store_true",
                     help="keep an existing store packed with the same parameters")
-    ap.add_argument("--label", help="a note shown at the top of the docs section")
-    ap.add_argument("--docs", default=common.DOCS)
-    ap.add_argument("--results", default=os.path.join(common.RESULTS_DIR, "mpi_bench.jsonl"))
-    ap.add_argument("--no-docs", action="store_true", help="do not touch --docs / --results")
-    ap.add_argument("--fanstore", help="the fanstore command (default: next to this python)")
     ap.add_argument("--mpiexec", help="mpiexec (default: next to this python)")
-    ap.add_argument("--clean", action="store_true", help="delete the work directory at the end")
-    a = ap.parse_args(argv)
-    for key, value in PRESETS[a.preset].items():
-        if getattr(a, key, None) is None:
-            setattr(a, key, value)
-    a.lr_readers = _ints(a.lr_readers)
-    a.agg_ranks = _ints(a.agg_ranks)
-    a.agg_readers = _ints(a.agg_readers)
-    a.meta_files = _ints(a.meta_files)
-    a.phases = {x.strip() for x in a.phases.split(",") if x.strip()}
-    if a.label is None and a.preset == "quick":
-        a.label = ("SMOKE RUN (--preset quick: small dataset, one repetition of most cells, on a "
-                   "machine shared with other jobs and test suites): it shows the harness works "
-                   "end to end; the numbers are not results. Run `--preset full` on a quiet "
-                   "machine for real numbers.")
+    a = h.presets(ap.parse_args(argv), PRESETS)
+    a.lr_readers, a.agg_ranks, a.agg_readers, a.meta_files = (
+        h.ints(x) for x in (a.lr_readers, a.agg_ranks, a.agg_readers, a.meta_files))
+    a.phases = set(h.words(a.phases))
     return a
 
 
 def main(argv: list[str] | None = None) -> int:
-    raw_argv = sys.argv[1:] if argv is None else argv
-    if raw_argv and raw_argv[0] in ("_synth", "_parse", "_bcast"):
-        return {"_synth": main_synth, "_parse": main_parse, "_bcast": main_bcast}[raw_argv[0]](
-            raw_argv[1:])
-    a = parse_args(raw_argv)
-    if os.geteuid() != 0:
-        print("mpi_bench: run as root (drop_caches and FUSE mounts)", file=sys.stderr)
-        return 2
-    bench = Bench(a)
-    ok = common.guarded_run(bench, log, lambda: [
-        ln.split()[1] for ln in open("/proc/self/mounts")
-        if len(ln.split()) > 1 and ln.split()[1].startswith(bench.work + "/")],
-        doing="stopping jobs and cleaning up")
-    return common.publish(ok, bench, a, log, SECTION, section, "tools/bench/mpi_bench.py",
-                          raw_argv)
+    raw = sys.argv[1:] if argv is None else argv
+    sub = {"_synth": main_synth, "_parse": main_parse, "_bcast": main_bcast}
+    if raw and raw[0] in sub:
+        return sub[raw[0]](raw[1:])
+    return h.main(MpiBench(parse_args(raw)), render, raw)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import harness as h  # noqa: E402
 
 SECTION = "peers"
 
@@ -68,7 +68,7 @@ class Run:
         return sum(int(r.get("errors") or 0) for r in self.pick(**kw))
 
     def med(self, key: str, **kw) -> float | None:
-        return common.med(self.vals(key, **kw))
+        return h.med(self.vals(key, **kw))
 
 
 def is_fanstore(backend: str) -> bool:
@@ -120,7 +120,7 @@ def section(runs: list[Run], work: str, label: str, total_seconds: int | None) -
     if label:
         w(f"> **{label}**")
         w("")
-    w(f"Generated {common.now_utc()} from {len(runs)} peers.sh run(s)"
+    w(f"Generated {h.now_utc()} from {len(runs)} peers.sh run(s)"
       + (f", {total_seconds / 60:.0f} min in all" if total_seconds else "")
       + ". FanStore is the harness's custom backend, measured by the same reader "
       "(`fsread.py`), in the same run as the raw directory and squashfuse_ll with the same "
@@ -135,7 +135,7 @@ def section(runs: list[Run], work: str, label: str, total_seconds: int | None) -
     w("")
     w("### Machine")
     w("")
-    w(common.machine_table(work))
+    w(h.machine_table(work))
     w("")
     if summary:
         w("### Dataset (`../shared/bench/gen_dataset.py`)")
@@ -188,7 +188,7 @@ def section(runs: list[Run], work: str, label: str, total_seconds: int | None) -
                 goal = tag_of(b) == "zstd3"
                 w(f"| compression ratio | {b} | – | | {r:.2f} | "
                   f"{'≥ ' + str(RATIO_MIN) if goal else '(≥ 2.0 is for zstd:3)'} | "
-                  f"{common.check(r >= RATIO_MIN) if goal else '–'} |")
+                  f"{h.check(r >= RATIO_MIN) if goal else '–'} |")
     w("")
 
     # ------------------------------------------------------------ builds
@@ -216,14 +216,14 @@ def section(runs: list[Run], work: str, label: str, total_seconds: int | None) -
         rec, ridx = build_of(runs, a)
         mounts = [m for run in runs for u in users for m in run.vals("seconds", op="mount", backend=u)]
         if not rec:
-            w(f"| {a} | {', '.join(users)} | – | – | – | – | {common.num(common.med(mounts), 2)} |")
+            w(f"| {a} | {', '.join(users)} | – | – | – | – | {h.num(h.med(mounts), 2)} |")
             continue
         ok = rec.get("ok")
         w(f"| {a} | {', '.join(users)} | run {ridx} | "
-          f"{common.num(rec.get('seconds'), 1) if ok else 'FAILED'} | "
-          f"{common.num(rec.get('bytes', 0) / 1e6)} | "
+          f"{h.num(rec.get('seconds'), 1) if ok else 'FAILED'} | "
+          f"{h.num(rec.get('bytes', 0) / 1e6)} | "
           f"{(total_bytes / rec['bytes']) if ok and total_bytes and rec.get('bytes') else 0:.2f} | "
-          f"{common.num(common.med(mounts), 2)} |")
+          f"{h.num(h.med(mounts), 2)} |")
     w("")
 
     # ------------------------------------------------------------ small files
@@ -259,16 +259,16 @@ def section(runs: list[Run], work: str, label: str, total_seconds: int | None) -
                 if errs:
                     flags += f" ⚠ {errs} errors"
                 name = f"**{b}**" if is_fanstore(b) else b
-                w(f"| {run.idx} | {name}{flags} | {wk} | {common.spread(cf)} | "
-                  f"{common.spread(run.vals('MB_per_s', backend=b, phase='cold', **q))} | "
-                  f"{common.spread(wf)} | "
-                  f"{common.spread(run.vals('MB_per_s', backend=b, phase='warm', **q))} | "
-                  f"{common.num(run.med('lat_ms_p50', backend=b, phase='cold', **q), 2)} / "
-                  f"{common.num(run.med('lat_ms_p99', backend=b, phase='cold', **q), 1)} | "
-                  f"{common.num(run.med('cpu_busy_pct', backend=b, phase='cold', **q))} | "
-                  f"{common.ratio(common.med(cf), raw_c)} | {common.ratio(common.med(wf), raw_w)} | "
-                  f"{common.ratio(common.med(cf), pc) if peer else ''} | "
-                  f"{common.ratio(common.med(wf), pw) if peer else ''} |")
+                w(f"| {run.idx} | {name}{flags} | {wk} | {h.spread(cf)} | "
+                  f"{h.spread(run.vals('MB_per_s', backend=b, phase='cold', **q))} | "
+                  f"{h.spread(wf)} | "
+                  f"{h.spread(run.vals('MB_per_s', backend=b, phase='warm', **q))} | "
+                  f"{h.num(run.med('lat_ms_p50', backend=b, phase='cold', **q), 2)} / "
+                  f"{h.num(run.med('lat_ms_p99', backend=b, phase='cold', **q), 1)} | "
+                  f"{h.num(run.med('cpu_busy_pct', backend=b, phase='cold', **q))} | "
+                  f"{h.ratio(h.med(cf), raw_c)} | {h.ratio(h.med(wf), raw_w)} | "
+                  f"{h.ratio(h.med(cf), pc) if peer else ''} | "
+                  f"{h.ratio(h.med(wf), pw) if peer else ''} |")
     w("")
 
     # ------------------------------------------------------------ metadata + large
@@ -299,12 +299,12 @@ def section(runs: list[Run], work: str, label: str, total_seconds: int | None) -
             if mount_err:
                 check += f"; ⚠ {mount_err[0]['error']} ({len(mount_err)}x)"
             lq = dict(backend=b, list="large.txt", op="read")
-            w(f"| {run.idx} | {b} | {common.num(run.med('seconds', backend=b, op='walk', phase='cold'), 3)} | "
-              f"{common.num(run.med('seconds', backend=b, op='walk', phase='warm'), 3)} | "
-              f"{common.num(run.med('files_per_s', backend=b, op='stat', phase='cold'))} | "
-              f"{common.num(run.med('files_per_s', backend=b, op='stat', phase='warm'))} | "
-              f"{common.num(run.med('MB_per_s', phase='cold', **lq))} | "
-              f"{common.num(run.med('MB_per_s', phase='warm', **lq))} | {check} |")
+            w(f"| {run.idx} | {b} | {h.num(run.med('seconds', backend=b, op='walk', phase='cold'), 3)} | "
+              f"{h.num(run.med('seconds', backend=b, op='walk', phase='warm'), 3)} | "
+              f"{h.num(run.med('files_per_s', backend=b, op='stat', phase='cold'))} | "
+              f"{h.num(run.med('files_per_s', backend=b, op='stat', phase='warm'))} | "
+              f"{h.num(run.med('MB_per_s', phase='cold', **lq))} | "
+              f"{h.num(run.med('MB_per_s', phase='warm', **lq))} | {check} |")
     w("")
 
     # ------------------------------------------------------------ commands
@@ -317,7 +317,7 @@ def section(runs: list[Run], work: str, label: str, total_seconds: int | None) -
         try:
             with open(cmds) as f:
                 for line in f:
-                    w(line.rstrip("\n").replace(common.REPO + "/", ""))
+                    w(line.rstrip("\n").replace(h.REPO + "/", ""))
         except OSError:
             w("# (command log missing)")
     w("```")
@@ -330,8 +330,8 @@ def _target_row(w, what, b, other, wk, mine, theirs, goal, op, fmt="{:.2f}x"):
         return
     r = mine / theirs
     ok = r >= goal if op == "≥" else r <= goal
-    w(f"| {what} | {b} | {other} | {wk} | {fmt.format(r)} ({common.num(mine, 1 if mine < 100 else 0)} vs "
-      f"{common.num(theirs, 1 if theirs < 100 else 0)}) | {op} {goal} | {common.check(ok)} |")
+    w(f"| {what} | {b} | {other} | {wk} | {fmt.format(r)} ({h.num(mine, 1 if mine < 100 else 0)} vs "
+      f"{h.num(theirs, 1 if theirs < 100 else 0)}) | {op} {goal} | {h.check(ok)} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run", action="append", required=True, help="a run's .jsonl, in order")
     ap.add_argument("--label", default="")
     ap.add_argument("--total-seconds", type=int)
-    ap.add_argument("--docs", default=common.DOCS)
+    ap.add_argument("--docs", default=h.DOCS)
     ap.add_argument("--stdout", action="store_true", help="print the section, touch nothing")
     a = ap.parse_args(argv)
     runs = [Run(i + 1, p) for i, p in enumerate(a.run)]
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.stdout:
         print(text)
     else:
-        common.replace_section(SECTION, text, a.docs)
+        h.replace_section(SECTION, text, a.docs)
     return 0
 
 

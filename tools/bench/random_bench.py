@@ -1,34 +1,11 @@
 #!/usr/bin/env python3
 """Random access inside large files: an LMDB and an HDF5 file read at random offsets.
 
-The benchmark of the issue "Random access inside large files: LMDB, HDF5 and memory-mapped
-arrays at raw speed". Two datasets, each one large file in a directory:
-
-- ``lmdb``: an LMDB of ``--records`` records (keys ``%08d``, values of 2-6 kB of text-like
-  bytes: slices of a generated corpus, ~5x with zstd:3), ``data.mdb`` ~1.3 GB at 200,000;
-- ``hdf5``: an HDF5 file with one contiguous uint8 dataset of ``--rows`` rows of 4 kB
-  (text-like bytes), ~1.2 GB at 300,000;
-
-and a ``seq`` set of ``--seq-files`` files of 256 MiB read sequentially (1 MiB reads), so
-that large sequential reads can be compared with earlier runs.
-
-Backends, every one in the same run, cold (``sync; echo 3 > /proc/sys/vm/drop_caches`` and a
-fresh mount before each pass): ``raw`` (the directory), ``squashfuse_ll`` (``mksquashfs -comp
-zstd -Xcompression-level 3 -b 131072``, mounted with squashfuse_ll), ``fanstore`` (default
-``fanstore pack`` and ``fanstore mount``), and variants given with ``--fanstore-variants``
-(``nospill``: ``--no-chunk-spill``, the mount as it was before the chunk spill;
-``chunk64``: ``pack --chunk-kb 64``; ``cache3000``: ``mount --cache-mb 3000``).
-
-A pass: ``--readers`` reader processes released by one barrier, each doing ``--gets``
-random reads (LMDB ``txn.get`` of a random key with the environment opened
-``readonly=True, lock=False, readahead=False``: mmap, no read-ahead; HDF5 ``ds[i]`` of a
-random row) and checking every value against what was written. Reported: gets/s, the
-FanStore processes' CPU per get, chunks decoded against the distinct chunks touched,
-bytes decoded per byte returned (``fanstore stats``), and the PSS of the FanStore processes
-after the pass against the base and ``--cache-mb``.
-
-It writes its section of docs/benchmarks.md (``<!-- BEGIN random_bench -->``) and the rows
-to tools/bench/results/random_bench.jsonl. Run as root.
+An LMDB of ``--records`` records (2-6 kB text-like values), an HDF5 file of ``--rows``
+rows of 4 kB, and ``--seq-files`` files of 256 MiB read sequentially; backends raw,
+squashfuse_ll (zstd-3, 128 KiB blocks), fanstore (default pack and mount) and the
+``--fanstore-variants``; every pass cold, every value checked. What is measured:
+docs/benchmarks.md, "Random reads inside large files".
 
     .venv/bin/python tools/bench/random_bench.py --preset quick   # a smoke run
     .venv/bin/python tools/bench/random_bench.py --preset full
@@ -38,24 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import queue as _queue
 import random
-import shlex
 import shutil
 import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
-from mount_bench import _find_fanstore, _kill_group, is_mounted, log  # noqa: E402
-from mpi_bench import control, state_pid  # noqa: E402
-from prefetch_bench import diff_stats, memory, cpu_seconds, fanstore_processes  # noqa: E402
+import harness as h  # noqa: E402
+from harness import log, med, num  # noqa: E402
 
 ME = os.path.abspath(__file__)
-SECTION = "random_bench"
 PRESETS = {
     "quick": dict(records=20000, rows=30000, gets=2000, reps=1, seq_files=1),
     "full": dict(records=200000, rows=300000, gets=20000, reps=2, seq_files=2),
@@ -149,7 +120,8 @@ def make_seq(path: str, files: int, seed: int = 11) -> None:
 # (run as `random_bench.py _pass ...` in its own process group; prints one JSON row)
 
 
-def _share(kind, root, gets, seed, n_items, barrier, queue) -> None:
+def _share(job, barrier, queue) -> None:
+    kind, root, gets, seed, n_items = job
     text = corpus()
     rnd = random.Random(seed)
     if kind == "seq":  # every file once, each reader in its own order
@@ -226,32 +198,13 @@ def pass_main(argv: list[str]) -> int:
     ap.add_argument("--items", type=int, required=True)
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args(argv)
-    ctx = mp.get_context("fork")
-    barrier = ctx.Barrier(a.readers + 1)
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_share, daemon=True,
-                         args=(a.kind, a.root, a.gets, a.seed * 100 + k, a.items, barrier, q))
-             for k in range(a.readers)]
-    for p in procs:
-        p.start()
-    res = []
     try:
-        barrier.wait(timeout=600)
-        while len(res) < a.readers:
-            try:
-                res.append(q.get(timeout=1.0))
-            except _queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"reader died ({dead[0].exitcode})") from None
+        got = h.fork_pass(_share, [(a.kind, a.root, a.gets, a.seed * 100 + k, a.items)
+                                   for k in range(a.readers)], timeout=600)
     except Exception as exc:  # noqa: BLE001
-        setup = [r["setup_error"] for r in res if r.get("setup_error")]
-        print(json.dumps({"errors": 1, "first_error": setup[0] if setup else str(exc)}))
+        print(json.dumps({"errors": 1, "first_error": str(exc)}))
         return 1
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-    wall = max(r["end"] for r in res) - min(r["start"] for r in res)
+    res, wall = got["results"], got["wall"]
     n = sum(r["gets"] for r in res)
     print(json.dumps({"kind": a.kind, "readers": a.readers, "gets": n,
                       "seconds": round(wall, 4), "gets_per_s": round(n / wall, 1),
@@ -265,27 +218,15 @@ def pass_main(argv: list[str]) -> int:
 # ------------------------------------------------------------------------------ the run
 
 
-class Bench(common.RowLog):
-    def __init__(self, a) -> None:
-        self.a = a
-        self.work = os.path.abspath(a.work)
-        self.py = sys.executable
-        self.fanstore = a.fanstore or _find_fanstore()
-        self.rows: list[dict] = []
-        self.commands: list[str] = []
-        self.run_id = time.strftime("%Y%m%dT%H%M%S")
-        self.t_start = time.time()
-        self.jsonl_tmp = os.path.join(self.work, f"random_bench-{self.run_id}.jsonl")
-        self.total_seconds = 0.0
-        self.mounted: list[str] = []
+class RandomBench(h.Bench):
+    name = "random_bench"
 
-    def cmd(self, text: str) -> None:
-        text = text.replace(self.work, "WORK")
-        if text not in self.commands:
-            self.commands.append(text)
+    def __init__(self, a) -> None:
+        super().__init__(a)
+        self.mounts: list[str] = []
 
     def sh(self, argv: list[str], **kw) -> subprocess.CompletedProcess:
-        self.cmd(" ".join(shlex.quote(str(x)) for x in argv))
+        self.cmd(argv)
         return subprocess.run(argv, check=True, capture_output=True, text=True, **kw)
 
     # -------------------------------------------------------------- data and images
@@ -318,7 +259,7 @@ class Bench(common.RowLog):
         a = self.a
         self.img = os.path.join(self.work, "data-zstd3-128k.sqfs")
         if not os.path.exists(self.img):
-            common.drop_caches()
+            h.drop_caches()
             self.sh(["mksquashfs", self.src, self.img, "-comp", "zstd", "-Xcompression-level",
                      "3", "-b", "131072", "-noappend", "-no-progress", "-quiet"])
         self.stores: dict[str, tuple[str, list[str]]] = {}
@@ -329,7 +270,7 @@ class Bench(common.RowLog):
             base = "default" if variant in ("cache3000", "nospill") else variant
             store = os.path.join(self.work, f"store-{base}")
             if not os.path.exists(os.path.join(store, "fanstore.idx")):
-                common.drop_caches()
+                h.drop_caches()
                 self.sh([self.fanstore, "pack", self.src, store, "--no-progress", "--force",
                          *pack_args])
             self.stores[variant] = (store, mount_args)
@@ -355,56 +296,41 @@ class Bench(common.RowLog):
         os.makedirs(m, exist_ok=True)
         if backend == "squashfuse_ll":
             self.sh(["squashfuse_ll", self.img, m])
-            self.mounted.append(m)
+            self.mounts.append(m)
             return m, None
         variant = backend.split(":", 1)[1]
         store, extra = self.stores[variant]
         off = ["--no-chunk-spill"] if variant == "nospill" else []
-        self.sh([self.fanstore, "mount", store, m, *extra, *off])
-        self.mounted.append(m)
-        return m, state_pid(m)
+        return m, h.Bench.mount(self, store, m, [*extra, *off])
 
     def unmount_all(self) -> None:
-        for m in self.mounted:
-            if is_mounted(m):
-                subprocess.run([self.fanstore, "umount", m] if "fanstore" in m else
-                               ["fusermount3", "-u", "--", m], capture_output=True)
-            if is_mounted(m):
-                subprocess.run(["fusermount3", "-u", "-z", "--", m], capture_output=True)
-        self.mounted.clear()
+        for m in self.mounts:
+            subprocess.run(["fusermount3", "-u", "--", m], capture_output=True)
+        for m in list(self.mounted):
+            self.umount(m)
+        self.mounts.clear()
 
     # -------------------------------------------------------------- passes
     def one(self, kind: str, backend: str, readers: int, rep: int) -> dict:
         root, pid = self.mount(backend)
-        common.drop_caches()
+        h.drop_caches()
         items = {"lmdb": self.a.records, "hdf5": self.a.rows,
                  "seq": self.a.seq_files}[kind]
         argv = [self.py, ME, "_pass", "--kind", kind, "--root", root, "--readers",
                 str(readers), "--gets", str(self.a.gets), "--items", str(items), "--seed",
                 str(rep)]
-        self.cmd(" ".join(shlex.quote(x) for x in argv).replace(root, "ROOT"))
-        before = control(root, {"op": "stats"}) if pid else None
-        pids = fanstore_processes(pid) if pid else []
-        cpu0 = cpu_seconds(pids)
-        base = memory(pids)
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=self.a.pass_limit)
-        except BaseException:
-            _kill_group(proc)
-            raise
-        row = next((json.loads(x) for x in reversed(out.splitlines()) if x.startswith("{")),
-                   {"errors": 1, "first_error": err.strip()[-300:]})
+        self.cmd(argv, ROOT=root)
+        before = h.control(root, {"op": "stats"}) if pid else None
+        pids = h.fanstore_processes(pid) if pid else []
+        cpu0, base = h.cpu_seconds(pids), h.memory(pids)
+        row = self.sub(argv, timeout=self.a.pass_limit)
         row.update(kind=kind, backend=backend, readers=readers, rep=rep)
         if pid:
-            pids = fanstore_processes(pid)
-            row["fanstore_cpu_s"] = round(cpu_seconds(pids) - cpu0, 3)
-            rss, pss = memory(pids)
+            pids = h.fanstore_processes(pid)
+            row["fanstore_cpu_s"] = round(h.cpu_seconds(pids) - cpu0, 3)
+            rss, pss = h.memory(pids)
             row.update(rss_base=base[0], pss_base=base[1], rss_after=rss, pss_after=pss)
-            after = control(root, {"op": "stats"})
-            if before and after:
-                row["daemon"] = diff_stats(after, before)
+            row["daemon"] = h.diff_stats(h.control(root, {"op": "stats"}), before)
         self.emit(row)
         d = row.get("daemon") or {}
         log(f"  {kind} r={readers} {backend:<22} {row.get('gets_per_s')} gets/s"
@@ -416,8 +342,6 @@ class Bench(common.RowLog):
 
     def run(self) -> None:
         a = self.a
-        os.makedirs(self.work, exist_ok=True)
-        self.machine = common.machine_table(self.work)
         self.data()
         self.images()
         backends = ["raw", "squashfuse_ll", "fanstore:default",
@@ -429,81 +353,36 @@ class Bench(common.RowLog):
                     for backend in backends[k:] + backends[:k]:
                         self.one(kind, backend, readers, rep)
         self.unmount_all()
-        self.total_seconds = time.time() - self.t_start
 
     def cleanup(self) -> None:
         self.unmount_all()
+        super().cleanup()
 
 
 # ------------------------------------------------------------------------------ report
 
 
-def section(bench: Bench, label: str | None, argv: list[str]) -> str:
-    rows = bench.rows
-    a = bench.a
-    med, num = common.med, common.num
-    out: list[str] = []
-    w = out.append
-    w("## Random reads inside large files (`tools/bench/random_bench.py`)")
-    w("")
-    if label:
-        w(f"> **{label}**")
-        w("")
+def render(bench: RandomBench, label: str | None, argv: list[str]) -> str:
+    rows, a = bench.rows, bench.a
     st = next(r for r in rows if r["kind"] == "store")
     info = st.get("info") or {}
-    w(f"Run {bench.run_id} ({common.now_utc()}), {bench.total_seconds / 60:.1f} min. Every "
-      "backend of a cell was measured in this run, in rotating order, each pass cold (caches "
-      "dropped, fresh mount). Raw rows: `tools/bench/results/random_bench.jsonl`. Rerun: "
-      f"`{' '.join(argv)}` (as root).")
-    w("")
-    w("### Machine")
-    w("")
-    w(bench.machine)
-    w("")
-    w("### Data")
-    w("")
-    w(f"An LMDB of {a.records:,} records (values 2-6 kB of text-like bytes; `data.mdb` "
-      f"{st['sizes']['lmdb'] / 1e9:.2f} GB) and an HDF5 file of one contiguous uint8 dataset "
-      f"of {a.rows:,} rows of 4 kB ({st['sizes']['hdf5'] / 1e9:.2f} GB), plus "
-      f"{a.seq_files} x {SEQ_MB} MiB files for sequential reads. squashfs: zstd-3, 128 KiB "
-      f"blocks ({st['sqfs_bytes'] / 1e9:.2f} GB). FanStore default pack: ratio "
-      f"{num(info.get('ratio'), 2)}; chunk sizes: "
-      f"{json.dumps(info.get('chunk_sizes') or info.get('chunk_size'))}. A pass: "
-      f"{a.gets:,} random gets per reader (LMDB `txn.get`, mmap, `readahead=False`; HDF5 "
-      "`ds[i]`), every value checked.")
-    w("")
-    w("### Gets per second (cold)")
-    w("")
-    backends = ["raw", "squashfuse_ll", "fanstore:default",
-                *[f"fanstore:{v}" for v in a.variants]]
-    w("| data | readers | " + " | ".join(backends) + " | FanStore vs squashfuse_ll | "
-      "FanStore vs raw |")
-    w("| --- | ---: | " + " | ".join("---:" for _ in backends) + " | ---: | ---: |")
-    targets = []
+    backends = ["raw", "squashfuse_ll", "fanstore:default", *[f"fanstore:{v}" for v in a.variants]]
+    gets, targets = [], []
     for kind in [k for k in a.kinds if k != "seq"]:
         for readers in a.readers:
-            cells, vals = [], {}
-            for b in backends:
-                v = [r["gets_per_s"] for r in rows if r.get("kind") == kind and
-                     r.get("backend") == b and r.get("readers") == readers and
-                     r.get("gets_per_s")]
-                vals[b] = med(v)
-                cells.append(common.spread(v))
-            f, s, raw = vals.get("fanstore:default"), vals.get("squashfuse_ll"), vals.get("raw")
-            w(f"| {kind} | {readers} | " + " | ".join(cells) + f" | {common.ratio(f, s)} | "
-              f"{common.ratio(f, raw)} |")
-            if f and s and raw:
-                targets.append((kind, readers, f / s, f / raw))
-    w("")
-    w("### Targets")
-    w("")
-    w("| target | measured | goal | status |")
-    w("| --- | --- | ---: | --- |")
-    for kind, readers, vs_s, vs_raw in targets:
-        w(f"| {kind}, {readers} reader(s), default pack and mount: vs squashfuse_ll | "
-          f"{vs_s:.2f}x | >= 1.5x | {common.check(vs_s >= 1.5)} |")
-        w(f"| {kind}, {readers} reader(s), default pack and mount: vs the raw directory | "
-          f"{vs_raw:.2f}x | >= 1.0x | {common.check(vs_raw >= 1.0)} |")
+            cells = {b: [r["gets_per_s"] for r in rows if r.get("kind") == kind
+                         and r.get("backend") == b and r.get("readers") == readers
+                         and r.get("gets_per_s")] for b in backends}
+            f, s_, raw = (med(cells.get(b, [])) for b in ("fanstore:default", "squashfuse_ll",
+                                                          "raw"))
+            gets.append((kind, readers, *(h.spread(cells[b]) for b in backends),
+                         h.ratio(f, s_), h.ratio(f, raw)))
+            if f and s_ and raw:
+                what = f"{kind}, {readers} reader(s), default pack and mount"
+                targets += [(f"{what}: vs squashfuse_ll", f"{f / s_:.2f}x", ">= 1.5x",
+                             h.check(f / s_ >= 1.5)),
+                            (f"{what}: vs the raw directory", f"{f / raw:.2f}x", ">= 1.0x",
+                             h.check(f / raw >= 1.0))]
     fr = [r for r in rows if r.get("backend") == "fanstore:default" and r.get("daemon")
           and r.get("kind") != "seq"]
     chunk = info.get("chunk_size") or (1 << 20)
@@ -511,61 +390,57 @@ def section(bench: Bench, label: str | None, argv: list[str]) -> str:
     amp = [r["daemon"].get("chunks_decoded", 0) / n_chunks[r["kind"]] for r in fr
            if r["kind"] in n_chunks]
     if amp:
-        w(f"| chunks decoded per chunk of the file (worst pass; a pass touches about every "
-          f"chunk) | {max(amp):.2f}x | <= 1.1x | {common.check(max(amp) <= 1.1)} |")
+        targets.append(("chunks decoded per chunk of the file (worst pass)",
+                        f"{max(amp):.2f}x", "<= 1.1x", h.check(max(amp) <= 1.1)))
     cache = 256 << 20
     pss = [(r["pss_after"] - r["pss_base"]) for r in fr if r.get("pss_after")]
     if pss:
-        w(f"| PSS of the FanStore processes after a pass <= base + `--cache-mb` + 10% "
-          f"(worst) | +{max(pss) / 1e6:,.0f} MB | <= +{cache * 1.1 / 1e6:,.0f} MB | "
-          f"{common.check(max(pss) <= cache * 1.1)} |")
+        targets.append(("PSS of the FanStore processes after a pass <= base + `--cache-mb` "
+                        "+ 10% (worst)", f"+{max(pss) / 1e6:,.0f} MB",
+                        f"<= +{cache * 1.1 / 1e6:,.0f} MB", h.check(max(pss) <= cache * 1.1)))
     seq = {b: med([r["gets"] * SEQ_MB * 1.048576 / r["seconds"] for r in rows
                    if r.get("kind") == "seq" and r.get("backend") == b and r.get("seconds")])
            for b in backends}
     if seq.get("fanstore:default"):
-        w(f"| sequential reads of {SEQ_MB} MiB files, 1 reader (MB/s; compare with earlier "
-          f"runs) | FanStore {num(seq['fanstore:default'])}, raw {num(seq.get('raw'))}, "
-          f"squashfuse_ll {num(seq.get('squashfuse_ll'))} | – | (info) |")
-    w("")
-    w("### FanStore counters per pass")
-    w("")
-    w("| data | readers | backend | FanStore CPU µs/get | READs/get | chunks decoded | chunks "
-      "in the file | bytes decoded per byte of READ replies (the page cache serves the rest) "
-      "| PSS base → after MB |")
-    w("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        targets.append((f"sequential reads of {SEQ_MB} MiB files, 1 reader (MB/s)",
+                        f"FanStore {num(seq['fanstore:default'])}, raw {num(seq.get('raw'))}, "
+                        f"squashfuse_ll {num(seq.get('squashfuse_ll'))}", "–", "(info)"))
+    counters = []
     for r in rows:
         d = r.get("daemon")
-        if not d or r.get("kind") == "seq":
-            continue
-        reads = (d.get("requests_by_op") or {}).get("read", 0)
-        w(f"| {r['kind']} | {r['readers']} | {r['backend']} | "
-          f"{num((r.get('fanstore_cpu_s') or 0) / max(1, r['gets']) * 1e6)} | "
-          f"{num(reads / max(1, r['gets']), 2)} | {num(d.get('chunks_decoded'))} | "
-          f"{num(n_chunks.get(r['kind']))} | "
-          f"{num(d.get('bytes_decoded', 0) / max(1, d.get('bytes_returned', 0)), 1)} | "
-          f"{num(r.get('pss_base', 0) / 1e6)} → {num(r.get('pss_after', 0) / 1e6)} |")
-    w("")
-    w("### Correctness")
-    w("")
-    bad = sum(r.get("bad") or 0 for r in rows)
+        if d and r.get("kind") != "seq":
+            counters.append((
+                r["kind"], r["readers"], r["backend"],
+                num((r.get("fanstore_cpu_s") or 0) / max(1, r["gets"]) * 1e6),
+                num((d.get("requests_by_op") or {}).get("read", 0) / max(1, r["gets"]), 2),
+                num(d.get("chunks_decoded")), num(n_chunks.get(r["kind"])),
+                num(d.get("bytes_decoded", 0) / max(1, d.get("bytes_returned", 0)), 1),
+                f"{num(r.get('pss_base', 0) / 1e6)} → {num(r.get('pss_after', 0) / 1e6)}"))
     errs = [r for r in rows if r.get("errors")]
-    w(f"- values that differed from what was written: {bad}; passes with errors: "
-      f"{len(errs)}" + (f" (first: {errs[0].get('first_error')})" if errs else ""))
-    w("")
-    w("### Exact commands")
-    w("")
-    w("```")
-    for c in bench.commands:
-        w(c.replace(common.REPO + "/", ""))
-    w("```")
-    return "\n".join(out)
+    return h.section(bench, label, argv, [
+        f"LMDB of {a.records:,} records ({st['sizes']['lmdb'] / 1e9:.2f} GB), HDF5 of "
+        f"{a.rows:,} rows of 4 kB ({st['sizes']['hdf5'] / 1e9:.2f} GB), {a.seq_files} x "
+        f"{SEQ_MB} MiB; squashfs {st['sqfs_bytes'] / 1e9:.2f} GB; FanStore default pack ratio "
+        f"{num(info.get('ratio'), 2)}, chunk sizes "
+        f"{json.dumps(info.get('chunk_sizes') or info.get('chunk_size'))}; {a.gets:,} gets "
+        "per reader.",
+        h.table(["data", "readers", *backends, "FanStore vs squashfuse_ll", "FanStore vs raw"],
+                gets, title="Gets per second (cold)"),
+        h.table(["target", "measured", "goal", "status"], targets, "llrl", "Targets"),
+        h.table(["data", "readers", "backend", "FanStore CPU µs/get", "READs/get",
+                 "chunks decoded", "chunks in the file", "bytes decoded per byte of READ "
+                 "replies", "PSS base → after MB"], counters, "lrl" + "r" * 6,
+                "FanStore counters per pass"),
+        "### Correctness\n\n- values that differed from what was written: "
+        f"{sum(r.get('bad') or 0 for r in rows)}; passes with errors: {len(errs)}"
+        + (f" (first: {errs[0].get('first_error')})" if errs else "")])
 
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="full")
-    ap.add_argument("--work", default="/tmp/fanstore-randombench")
+    h.args(ap, "random_bench", "/tmp/fanstore-randombench")
     ap.add_argument("--records", type=int)
     ap.add_argument("--rows", type=int)
     ap.add_argument("--gets", type=int)
@@ -578,20 +453,10 @@ def parse_args(argv):
                          "mount before the chunk spill), chunk64 (pack --chunk-kb 64), "
                          "cache3000 (mount --cache-mb 3000); empty for none")
     ap.add_argument("--pass-limit", type=float, default=1800)
-    ap.add_argument("--label")
-    ap.add_argument("--docs", default=common.DOCS)
-    ap.add_argument("--results", default=os.path.join(common.RESULTS_DIR, "random_bench.jsonl"))
-    ap.add_argument("--no-docs", action="store_true")
-    ap.add_argument("--fanstore")
-    a = ap.parse_args(argv)
-    for k, v in PRESETS[a.preset].items():
-        if getattr(a, k, None) is None:
-            setattr(a, k, v)
+    a = h.presets(ap.parse_args(argv), PRESETS)
     a.kinds = [k for k in a.kinds.split(",") if k]
     a.readers = [int(x) for x in a.readers.split(",") if x]
     a.variants = [v for v in a.variants.split(",") if v]
-    if a.label is None and a.preset == "quick":
-        a.label = "SMOKE RUN (--preset quick): the harness end to end; not results."
     return a
 
 
@@ -600,18 +465,12 @@ def main(argv=None) -> int:
     if raw and raw[0] == "_pass":
         return pass_main(raw[1:])
     a = parse_args(raw)
-    if os.geteuid() != 0:
-        print("random_bench: run as root", file=sys.stderr)
-        return 2
     for tool in ("mksquashfs", "squashfuse_ll"):
         if not shutil.which(tool):
             print(f"random_bench: {tool} is missing (apt-get install squashfs-tools "
                   "squashfuse)", file=sys.stderr)
             return 2
-    bench = Bench(a)
-    ok = common.guarded_run(bench, log, lambda: [m for m in bench.mounted if is_mounted(m)])
-    return common.publish(ok, bench, a, log, SECTION, section,
-                          "tools/bench/random_bench.py", raw)
+    return h.main(RandomBench(a), render, raw)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Design options for remote reads, measured before building one (issue "Remote reads at
-local speed"; results in docs/architecture.md, "Remote reads: the options measured").
+local speed").
 
 Two "nodes" on this machine. Node 1 holds a file of FILES x SIZE stored bytes (page cache
 warm: this measures the path, not the disk); node 0 reads every piece once with READERS
@@ -95,108 +95,7 @@ def serve_mpi(comm, path: str, stop: threading.Event, counts: list[int]) -> None
     os.close(fd)
 
 
-class Engine:
-    """One thread per process makes every MPI call: it answers node requests (pread +
-    Isend) and completes this process's own fetches, whose callers block on an Event (a
-    futex: no polling in the reader). One poll loop per process instead of two."""
-
-    def __init__(self, comm, path: str | None, counts: list[int]) -> None:
-        import queue
-
-        from mpi4py import MPI
-
-        self.MPI, self.comm, self.counts = MPI, comm, counts
-        self.fd = os.open(path, os.O_RDONLY) if path else -1
-        self.submit: "queue.SimpleQueue" = queue.SimpleQueue()
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
-        self.thread.start()
-
-    def fetch(self, owner: int, piece: int) -> bytearray:
-        done = threading.Event()
-        item = [owner, piece, bytearray(SIZE), done]
-        self.submit.put(item)
-        done.wait()
-        return item[2]
-
-    def run(self) -> None:
-        MPI, comm = self.MPI, self.comm
-        serving = self.fd >= 0
-        bufs = [bytearray(REQ.size) for _ in range(8)] if serving else []
-        reqs = [comm.Irecv(b, MPI.ANY_SOURCE, TAG_REQ) for b in bufs]
-        sends: list = []
-        waits: list = []  # (recv request, item)
-        last, nap = time.perf_counter(), 20e-6
-        statuses = [MPI.Status() for _ in bufs]
-        while not self.stop.is_set():
-            active = False
-            while True:
-                try:
-                    item = self.submit.get_nowait()
-                except Exception:
-                    break
-                owner, piece, out, _ = item
-                r = comm.Irecv(out, owner, TAG_REP0 + piece)
-                sends.append((comm.Isend(REQ.pack(piece, piece * SIZE, SIZE), owner,
-                                         TAG_REQ), None))
-                waits.append((r, item))
-                active = True
-            if reqs:
-                done = MPI.Request.Testsome(reqs, statuses)
-                for k, i in enumerate(done or ()):
-                    active = True
-                    piece, offset, length = REQ.unpack(bufs[i])
-                    out = bytearray(length)
-                    os.preadv(self.fd, [out], offset)
-                    sends.append((comm.Isend(out, statuses[k].Get_source(),
-                                             TAG_REP0 + piece), out))
-                    self.counts[0] += 1
-                    reqs[i] = comm.Irecv(bufs[i], MPI.ANY_SOURCE, TAG_REQ)
-            if waits:
-                keep = []
-                for r, item in waits:
-                    if r.Test():
-                        item[3].set()
-                        active = True
-                    else:
-                        keep.append((r, item))
-                waits = keep
-            if sends:
-                sends = [(r, b) for r, b in sends if not r.Test()]
-            now = time.perf_counter()
-            if active or sends or waits and now - last < WAIT_SPIN:
-                if active:
-                    last, nap = now, 20e-6
-                continue
-            if now - last > WAIT_SPIN:
-                time.sleep(nap)
-                nap = min(2e-3, nap * 1.5)
-        for r in reqs:
-            r.Cancel()
-
-
-def rma_progress(comm, stop: threading.Event) -> None:
-    """What an RMA target still needs with this MPICH: a thread that enters MPI (a Test of
-    a receive that never comes) so that passive-target Gets make progress; the same
-    spin-then-sleep as the servers."""
-    from mpi4py import MPI
-
-    r = comm.Irecv(bytearray(8), MPI.ANY_SOURCE, 999)
-    served0 = 0
-    last, nap = time.perf_counter(), 20e-6
-    while not stop.is_set():
-        r.Test()
-        now = time.perf_counter()
-        if now - last > WAIT_SPIN:
-            time.sleep(nap)
-            nap = min(2e-3, nap * 1.5)
-    r.Cancel()
-    del served0
-
-
 def fetch(comm, owner: int, piece: int) -> bytearray:
-    from mpi4py import MPI
-
     out = bytearray(SIZE)
     r = comm.Irecv(out, owner, TAG_REP0 + piece)
     s = comm.Isend(REQ.pack(piece, piece * SIZE, SIZE), owner, TAG_REQ)
@@ -220,10 +119,18 @@ def relay_reader(sock_path: str, pieces: list[int]) -> None:
 
 
 def main() -> None:
-    if sys.argv[1] == "--relay-reader":
+    if sys.argv[1:2] == ["--relay-reader"]:
         relay_reader(sys.argv[2], json.loads(sys.argv[3]))
         return
-    mode, readers = sys.argv[1], int(sys.argv[2])
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=("relay", "direct"))
+    ap.add_argument("readers", type=int)
+    ap.add_argument("--save", action="store_true", help="append the row to results/")
+    a = ap.parse_args()
+    mode, readers = a.mode, a.readers
     import mpi4py
 
     mpi4py.rc.initialize = False
@@ -247,48 +154,13 @@ def main() -> None:
     stop = threading.Event()
     counts = [0]
     server = None
-    if os.environ.get("TIMERSLACK"):
-        import ctypes
-
-        ctypes.CDLL(None).prctl(29, int(os.environ["TIMERSLACK"]), 0, 0, 0)
-    engine = None
-    win = None
-    if mode == "rma":
-        import mmap
-
-        from mpi4py import MPI
-
-        if node == 1:
-            f = open(data, "rb")
-            mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            win = MPI.Win.Create(memoryview(mm).cast("B"), 1, comm=comm)
-            server = threading.Thread(target=rma_progress, args=(comm, stop))
-            server.start()
-        else:
-            win = MPI.Win.Create(None, 1, comm=comm)
-        comm.Barrier()
-    elif mode == "engine":
-        engine = Engine(comm, data if node == 1 else None, counts)
-    elif node == 1:
+    if node == 1:
         server = threading.Thread(target=serve_mpi, args=(comm, data, stop, counts))
         server.start()
     comm.Barrier()
     t0, c0 = time.perf_counter(), time.process_time()
     reader_cpu = 0.0
-    if node == 0 and mode == "rma":
-        from mpi4py import MPI
-
-        owner = per_node + rank
-        win.Lock(owner, MPI.LOCK_SHARED)
-        for p in range(rank, FILES, per_node):
-            out = bytearray(SIZE)
-            r = win.Rget(out, owner, target=(p * SIZE, SIZE, MPI.BYTE))
-            poll(r)
-        win.Unlock(owner)
-    elif node == 0 and mode == "engine":
-        for p in range(rank, FILES, per_node):
-            engine.fetch(per_node + rank, p)
-    elif node == 0 and mode == "direct":
+    if node == 0 and mode == "direct":
         mine = list(range(rank, FILES, per_node))
         owner = per_node + rank  # the rank of node 1 with the same local index
         for p in mine:
@@ -324,20 +196,11 @@ def main() -> None:
             p.wait()
     comm.Barrier()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    if win is not None:
-        comm.Barrier()
     stop.set()
     if server is not None:
         server.join()
-    if win is not None:
-        win.Free()
-    if engine is not None:
-        engine.stop.set()
-        engine.thread.join()
     rows = comm.gather({"rank": rank, "node": node, "cpu": cpu, "reader_cpu": reader_cpu,
                         "served": counts[0], "loop": counts[1:] }, root=0)
-    if rank == 0:
-        print([r["loop"] for r in rows], flush=True)
     if rank == 0:
         files = FILES
         out = {
@@ -355,7 +218,7 @@ def main() -> None:
                                      for r in rows],
         }
         print(json.dumps(out), flush=True)
-        if "--save" in sys.argv:
+        if a.save:
             res = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                "remote_options.jsonl")
             with open(res, "a") as f:

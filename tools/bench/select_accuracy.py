@@ -39,9 +39,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import harness as h  # noqa: E402
 
-REPO = common.REPO
+REPO = h.REPO
 sys.path.insert(0, REPO)
 from fanstore.select.epoch import Target, drop_page_cache, run_pass  # noqa: E402
 
@@ -200,7 +200,7 @@ def default_pack(name: str, data: str, a, emit) -> None:
         _same(os.path.join(stores["quiet"][0], n), os.path.join(stores["busy"][0], n))
         for n in names)
     info = json.loads(run([FANSTORE, "info", stores["quiet"][0], "--json"]).stdout)
-    stored = common.dir_bytes(stores["quiet"][0])
+    stored = h.dir_bytes(stores["quiet"][0])
     emit({"kind": "default", "dataset": name, "raw_bytes": raw, "files": len(files_of(data)),
           "mksquashfs_bytes": sq, "mksquashfs_seconds": round(sq_s, 1),
           "fanstore_bytes": stored, "capacity_vs_mksquashfs": round(sq / stored, 4),
@@ -229,7 +229,7 @@ def _same(a: str, b: str) -> bool:
 def render(rows: list[dict], a) -> str:
     acc = [r for r in rows if r["kind"] == "accuracy"]
     out = [f"Measured by `tools/bench/select_accuracy.py` on {time.strftime('%Y-%m-%d')} "
-           f"(commit {common.git_commit()}), one run: {a.readers} readers = `--cores "
+           f"(commit {h.git_commit()}), one run: {a.readers} readers = `--cores "
            f"{a.readers}`; 'reported' is the files/s `fanstore select` printed for the codec "
            "it chose (measured: the median of its 3-5 trial rounds, scaled to the whole data "
            "set); 'full pass' is the whole data set packed with that codec and read once, "
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--select-args", default="", help="more `fanstore select` options")
     p.add_argument("--no-default", action="store_true", help="skip the default-pack part")
     p.add_argument("--no-docs", action="store_true")
-    p.add_argument("--results", default=os.path.join(common.RESULTS_DIR,
+    p.add_argument("--results", default=os.path.join(h.RESULTS_DIR,
                                                      "select_accuracy.jsonl"))
     a = p.parse_args(argv)
     a.modes = [m for m in a.modes.split(",") if m]
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render(rows, a)
     print(text)
     if not a.no_docs:
-        common.replace_section("select_accuracy", text, path=SELECTION_MD)
+        h.replace_section("select_accuracy", text, path=SELECTION_MD)
     return 0
 
 

@@ -1,27 +1,14 @@
 #!/usr/bin/env python3
 """Packing from an archive, and stage-in from object storage (docs/sources.md).
 
-A. The small files of the peer dataset (20,000 files of 50-150 kB, ~2 GB: `gen_dataset.py`
-   of ../shared/bench when present, else tools/gen_dataset.py with the same shape) as one
-   tar made by `tar`:
-     - `fanstore pack data.tar`                        (streamed, never extracted)
-     - `tar -xf data.tar` + `fanstore pack extracted/` (what users do today)
-   page cache dropped before each step; wall time and CPU seconds (user+sys of the
-   processes) per step, alternating the two ways, `--reps` times. With `--before REV`
-   a third way, in the same rotation: `fanstore pack data.tar` by the code of git
-   revision REV (its `fanstore/` and `compressors/`, exported with `git archive`), to
-   compare an implementation with the one before it in one sitting.
-B. That store packed into a local S3 endpoint (moto's server mode on 127.0.0.1, one Python
-   process: it, not the network, is the ceiling here), then staged into an empty local
-   directory with 1 and with 8 parallel range-read streams (`stage_partitions`, as
-   `fanstore mount s3://... --local-dir D --stage-jobs N` does), alternating, `--reps`
-   times. Every staged partition is checked against its XXH3-128 before it counts.
+A. The peer dataset's small files as one tar: `fanstore pack data.tar` (streamed) vs `tar
+   -xf` + `fanstore pack dir` (and with `--before REV` the tar packed by revision REV),
+   caches dropped before each step, alternating, `--reps` times.
+B. That store packed into a local S3 endpoint (moto), staged with 1 and 8 range-read
+   streams (`stage_partitions`). What is measured: docs/benchmarks.md, "Packing from a tar".
 
     .venv/bin/python tools/bench/sources_bench.py [--files 20000] [--reps 2] [--work DIR]
         [--before REV] [--no-docs]
-
-Writes the section `sources_bench` of docs/benchmarks.md and tools/bench/results/
-sources-bench.jsonl. Run as root on a quiet machine (drop_caches).
 """
 
 from __future__ import annotations
@@ -40,11 +27,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "tests"))
 
-from common import (  # noqa: E402
+from harness import (  # noqa: E402
     DOCS,
     REPO,
     RESULTS_DIR,
     drop_caches,
+    export_revision,
+    log,
     machine_table,
     now_utc,
     replace_section,
@@ -54,22 +43,6 @@ from common import (  # noqa: E402
 PY = sys.executable
 FANSTORE = os.path.join(os.path.dirname(PY), "fanstore")
 PEER_GEN = os.path.join(os.path.dirname(REPO), "shared", "bench", "gen_dataset.py")
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] sources_bench: {msg}", file=sys.stderr, flush=True)
-
-
-def export_revision(rev: str, work: str) -> str:
-    """The fanstore/ and compressors/ of git revision ``rev``, in a directory for
-    PYTHONPATH (the installed dependencies are the same)."""
-    out = os.path.join(work, f"code-{rev}")
-    if not os.path.isdir(out):
-        os.makedirs(out)
-        archive = subprocess.run(["git", "-C", REPO, "archive", rev, "fanstore", "compressors"],
-                                 capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-C", out, "-xf", "-"], input=archive, check=True)
-    return out
 
 
 def timed(cmd: list[str], env: dict | None = None) -> dict:
@@ -119,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--before", metavar="REV",
                     help="also pack the tar with the code of this git revision")
     ap.add_argument("--no-docs", action="store_true")
+    ap.add_argument("--docs", default=DOCS, help="markdown file the section is written to")
+    ap.add_argument("--results", default=os.path.join(RESULTS_DIR, "sources-bench.jsonl"))
     a = ap.parse_args(argv)
     os.makedirs(a.work, exist_ok=True)
     data = os.path.join(a.work, "data")
@@ -132,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     pack_args = ["--codec", "zstd:3", "--partitions", "8", "--jobs", str(a.jobs),
                  "--no-progress", "--force"]
     rows: list[dict] = []
-    os.makedirs(RESULTS_DIR, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(a.results)), exist_ok=True)
 
     # ---- A. pack from the tar vs extract + pack (vs the tar by an earlier revision)
     ways = ("tar", "extract") + (("before",) if a.before else ())
@@ -210,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
 
-    with open(os.path.join(RESULTS_DIR, "sources-bench.jsonl"), "w") as f:
+    with open(a.results, "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
     identical = None
@@ -224,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.no_docs:
         print(body)
     else:
-        replace_section("sources_bench", body, DOCS)
-        log(f"wrote {DOCS} (section sources_bench)")
+        replace_section("sources_bench", body, a.docs)
+        log(f"wrote {a.docs} (section sources_bench)")
     return 0
 
 
@@ -235,24 +210,15 @@ def render(rows, a, how, n_files, raw, tar_size, same, identical=None) -> str:
                                                                   for k, v in kw.items())]
 
     w = []
-    w.append("## Packing from a tar; stage-in from object storage "
-             "(`tools/bench/sources_bench.py`)")
-    w.append("")
-    w.append(f"Run {now_utc()}, {a.reps} repetitions of each step, alternating; the machine "
-             "is shared with other sessions, so the numbers are noisy: compare the ratios "
-             "within this run. Values are median (min-max). CPU = user+sys seconds of the "
-             "processes the step ran.")
-    w.append("")
-    w.append("### Machine")
+    w.append(f"Run {now_utc()}, {a.reps} repetitions of each step, alternating; median "
+             "(min-max).")
     w.append("")
     w.append(machine_table(a.work))
     w.append("")
     w.append(f"### A. Pack from a tar vs extract + pack ({n_files:,} files, "
              f"{raw / 1e9:.2f} GB; tar {tar_size / 1e9:.2f} GB)")
     w.append("")
-    w.append(f"Dataset: `{how}` (the small files of the peer dataset), made into one tar by "
-             "`tar -cf`. Every way: `fanstore pack ... --codec zstd:3 --partitions 8 "
-             f"--jobs {a.jobs}`; page cache dropped before each step.")
+    w.append(f"Dataset: `{how}`; `--codec zstd:3 --partitions 8 --jobs {a.jobs}`.")
     w.append("")
     w.append("| way | wall s | CPU s | CPU µs per file |")
     w.append("|---|---|---|---|")
@@ -279,10 +245,8 @@ def render(rows, a, how, n_files, raw, tar_size, same, identical=None) -> str:
         w.append("")
         w.append(f"Streamed pack / (extract + pack), medians: wall "
                  f"{median('tar', 'wall') / median('extract', 'wall'):.2f}x, CPU "
-                 f"{median('tar', 'cpu') / median('extract', 'cpu'):.2f}x. The streamed pack "
-                 f"also writes nothing but the store (extraction writes {raw / 1e9:.2f} GB and "
-                 f"{n_files:,} files to the file system first). Same paths, kinds, sizes, "
-                 f"modes and checksums in both stores: {same}.")
+                 f"{median('tar', 'cpu') / median('extract', 'cpu'):.2f}x; same paths, kinds, "
+                 f"sizes, modes and checksums in both stores: {same}.")
         if a.before and vals("A", "wall", way="before"):
             w.append(f"Streamed pack now / by `{a.before}`, medians: wall "
                      f"{median('tar', 'wall') / median('before', 'wall'):.2f}x, CPU "
@@ -290,12 +254,6 @@ def render(rows, a, how, n_files, raw, tar_size, same, identical=None) -> str:
                      f"are byte-identical (every partition and the index): {identical}.")
     w.append("")
     w.append("### B. Stage-in from a local S3 endpoint: 1 vs 8 range-read streams")
-    w.append("")
-    w.append("The store of A (8 partitions) packed into `s3://bench/ds.fs` on moto's server "
-             "mode (one Python process on 127.0.0.1, serving from memory), then staged into "
-             "an empty local directory by `stage_partitions` (what `fanstore mount s3://... "
-             "--local-dir D --stage-jobs N` runs): 8 MiB ranges, every partition checked "
-             "against its XXH3-128 before it is installed.")
     w.append("")
     w.append("| streams | staged MB | stage s | MB/s | process CPU s |")
     w.append("|---|---|---|---|---|")
@@ -305,10 +263,6 @@ def render(rows, a, how, n_files, raw, tar_size, same, identical=None) -> str:
         rates = [b / 1e6 / x for b, x in zip(mb, secs) if x]
         w.append(f"| {s} | {mb[0] / 1e6:,.0f} | {spread(secs, 2)} | {spread(rates)} | "
                  f"{spread(vals('B', 'cpu', streams=s), 1)} |" if mb else f"| {s} | – | | | |")
-    w.append("")
-    w.append("On this 2-core machine the moto server (Python, one process) competes with "
-             "the stager for the cores, so these rates are a floor for a real endpoint; "
-             "the ratio between the rows is what the streams buy here.")
     w.append("")
     w.append("### Exact commands")
     w.append("")

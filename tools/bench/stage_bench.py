@@ -1,41 +1,14 @@
 #!/usr/bin/env python3
-"""Stage-in next to `cp` + `sync` of the same partition files (docs/benchmarks.md, "Stage-in").
+"""Stage-in next to `cp` + `sync` of the same partition files, N ranks at once.
 
-A store of several partitions (by default tools/gen_dataset.py, 2,000 small files and 12
-float32 arrays of 320 MiB, packed with `--codec none --partitions 16`: 4.2 GB in 16
-partitions; `--store` uses an existing one) is staged cold into empty local directories on
-the same machine by N concurrent "ranks" (processes), rank r taking the partitions p with
-p mod N == r (the daemons' placement with `--replicas 1`), each with `stage_partitions` as
-`fanstore mount --local-dir` runs it (`--stage-jobs` threads). Next to it, in the same
-rotation: N concurrent `cp` of exactly those partition files, then one `sync`; and N
-concurrent loops of `dd bs=8M oflag=direct` over the same files, then `sync` (the disk
-with the page cache left out of the writes: a reference, not a target).
-
-For every contender: the page cache is dropped (sync; echo 3 > /proc/sys/vm/drop_caches),
-the rank processes are started and have imported everything before the clock starts, and
-the clock stops when every rank has finished and a `sync` has returned (staging fsyncs each
-copy, so its `sync` has nothing left to do; `cp` leaves all of it to the `sync`). The order of
-the contenders rotates every repetition. MB = 10^6 bytes.
-
-- MB/s = bytes of all ranks / wall time; per rank = that / N (the ranks run at once).
-- ratio = contender / cp+sync of the same repetition (adjacent runs), median of the reps.
-- CPU s/GB = user+sys of the work itself per GB copied: the ranks' CPU during staging (all
-  their threads), or the `cp` processes' and the `sync`'s.
-- machine CPU s/GB = busy time of all cores (/proc/stat) during the run per GB: it also
-  counts the kernel's writeback threads (which write `cp`'s data in the background) and
-  anything else the machine runs.
-
-`--before REV` adds the staging code of git revision REV (its `fanstore/` and
-`compressors/`, exported with `git archive`) as a contender, to compare a change with the
-code before it in one sitting. `--ways` also times ways to copy and check a partition
-that staging could use (plain loops in this file, 1 process, every partition of the
-store, each hashed with XXH3-128): what was tried before choosing one.
+A store of 16 partitions (tools/gen_dataset.py, 2,000 small files + 12 x 320 MiB, `--codec
+none`; or `--store`) staged cold by N concurrent rank processes with `stage_partitions`,
+next to N concurrent `cp` (then `sync`) and `dd oflag=direct` loops, in rotating order.
+`--before REV` adds the staging code of git revision REV; `--ways` also times the copy
+loops that were tried. What is measured: docs/benchmarks.md, "Stage-in".
 
     .venv/bin/python tools/bench/stage_bench.py [--ranks 1,4] [--reps 5] [--jobs 4]
         [--before REV] [--ways [--ways-reps 3]] [--work DIR] [--store DIR] [--no-docs]
-
-Writes the section `stage_bench` of docs/benchmarks.md and tools/bench/results/
-stage_bench.jsonl. Run as root (drop_caches) on a machine as quiet as you can get.
 """
 
 from __future__ import annotations
@@ -52,31 +25,12 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness as h  # noqa: E402
+from harness import PY, log  # noqa: E402
 
-import common  # noqa: E402
-
-PY = sys.executable
 FANSTORE = os.path.join(os.path.dirname(PY), "fanstore")
 BLOCK = 8 << 20
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] stage_bench: {msg}", file=sys.stderr, flush=True)
-
-
-def export_revision(rev: str, work: str) -> str:
-    """The fanstore/ and compressors/ of git revision ``rev``, in a directory for
-    PYTHONPATH (the installed dependencies are the same)."""
-    out = os.path.join(work, f"code-{rev}")
-    if not os.path.isdir(out):
-        os.makedirs(out)
-        archive = subprocess.run(["git", "-C", common.REPO, "archive", rev, "fanstore",
-                                  "compressors"], capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-C", out, "-xf", "-"], input=archive, check=True)
-    return out
 
 
 def busy() -> tuple[int, int]:
@@ -95,7 +49,7 @@ def make_store(work: str) -> tuple[str, str]:
            f"{FANSTORE} pack WORK/data WORK/store --partitions 16 --codec none --jobs 2 "
            "--no-progress --force"]
     if not os.path.exists(os.path.join(store, "fanstore.idx")):
-        subprocess.run([PY, os.path.join(common.REPO, "tools", "gen_dataset.py"), data,
+        subprocess.run([PY, h.GEN, data,
                         "--files", "2000", "--classes", "20", "--min-kb", "50", "--max-kb",
                         "150", "--large", "12", "--large-mb", "320", "--seed", "20240601"],
                        check=True)
@@ -162,28 +116,21 @@ def timed_sync() -> float:
 # ----------------------------------------------------------------------------- the bench
 
 
-class Bench(common.RowLog):
+class StageBench(h.Bench):
+    name = "stage_bench"
+
     def __init__(self, a: argparse.Namespace) -> None:
-        self.a = a
-        self.work = os.path.abspath(a.work)
-        self.rows: list[dict] = []
-        self.run_id = time.strftime("%Y%m%dT%H%M%S")
-        self.jsonl_tmp = os.path.join(self.work, f"stage_bench-{self.run_id}.jsonl")
-        self.total_seconds = 0.0
+        a.fanstore = FANSTORE
+        super().__init__(a)
         self.codes: dict[str, str] = {}
         self.how = ""
-        self.total_bytes = 0
-        self.n_parts = 0
-        self.machine = ""
+        self.total_bytes = self.n_parts = 0
 
     def cleanup(self) -> None:
         shutil.rmtree(os.path.join(self.work, "dst"), ignore_errors=True)
 
     def run(self) -> None:
         a = self.a
-        t0 = time.monotonic()
-        os.makedirs(self.work, exist_ok=True)
-        self.machine = common.machine_table(self.work)
         if a.store:
             self.store, self.how = os.path.abspath(a.store), f"existing store {a.store}"
         else:
@@ -191,9 +138,9 @@ class Bench(common.RowLog):
         files = partition_files(self.store)
         self.n_parts = len(files)
         self.total_bytes = sum(os.path.getsize(f) for f in files)
-        self.codes = {"stage": common.REPO}
+        self.codes = {"stage": h.REPO}
         if a.before:
-            self.codes = {f"stage {a.before}": export_revision(a.before, self.work),
+            self.codes = {f"stage {a.before}": h.export_revision(a.before, self.work),
                           **self.codes}
         contenders = list(TOOLS) + list(self.codes)
         log(f"{self.n_parts} partitions, {self.total_bytes / 1e6:,.0f} MB; ranks {a.ranks}, "
@@ -210,7 +157,6 @@ class Bench(common.RowLog):
                         f"{row['machine_cpu_s_per_gb']:.2f} s/GB")
         if a.ways:
             self.ways(files)
-        self.total_seconds = time.monotonic() - t0
 
     def dest(self, name: str) -> str:
         d = os.path.join(self.work, "dst", name)
@@ -223,7 +169,7 @@ class Bench(common.RowLog):
         dests = [os.path.join(base, f"local{r}") for r in range(n)]
         shares = [share(files, n, r) for r in range(n)]
         nbytes = sum(os.path.getsize(f) for f in files)
-        common.drop_caches()
+        h.drop_caches()
         ranks_out: list[dict] = []
         if contender in TOOLS:
             for d in dests:
@@ -266,7 +212,7 @@ class Bench(common.RowLog):
         if copied != nbytes:
             raise RuntimeError(f"{contender}: {copied} bytes in the local dirs, not {nbytes}")
         gb = nbytes / 1e9
-        machine = (b1 - b0) / TICK
+        machine = (b1 - b0) / h.CLK_TCK
         shutil.rmtree(base, ignore_errors=True)
         return self.emit({
             "kind": "stage", "contender": contender, "ranks": n, "rep": rep,
@@ -274,7 +220,7 @@ class Bench(common.RowLog):
             "before_sync": round(w_cp, 3), "mb_per_s": round(nbytes / 1e6 / wall, 1),
             "cpu": round(cpu, 3), "cpu_s_per_gb": round(cpu / gb, 3),
             "machine_cpu_s_per_gb": round(machine / gb, 3),
-            "loadavg1": common.loadavg1(), "ranks_out": ranks_out})
+            "loadavg1": h.loadavg1(), "ranks_out": ranks_out})
 
     # ------------------------------------------------------------------- ways to copy
 
@@ -284,7 +230,7 @@ class Bench(common.RowLog):
             order = names[rep % len(names):] + names[:rep % len(names)]
             for way in order:
                 d = self.dest("way")
-                common.drop_caches()
+                h.drop_caches()
                 b0, t0 = busy()
                 r0 = resource.getrusage(resource.RUSAGE_SELF)
                 w0 = time.perf_counter()
@@ -296,7 +242,7 @@ class Bench(common.RowLog):
                 wall = time.perf_counter() - w0
                 b1, t1 = busy()
                 gb = self.total_bytes / 1e9
-                machine = (b1 - b0) / TICK
+                machine = (b1 - b0) / h.CLK_TCK
                 row = self.emit({"kind": "way", "way": way, "rep": rep,
                                  "bytes": self.total_bytes, "wall": round(wall, 3),
                                  "mb_per_s": round(self.total_bytes / 1e6 / wall, 1),
@@ -455,42 +401,20 @@ WAYS = {
 # ----------------------------------------------------------------------------- report
 
 
-def render(bench: Bench, label: str, shown: list[str]) -> str:
+def render(bench: StageBench, label: str, shown: list[str]) -> str:
     a = bench.a
     rows = bench.rows
-    w = ["## Stage-in", ""]
-    w.append(f"`tools/bench/stage_bench.py`, run {bench.run_id} ({common.now_utc()}), "
-             f"{bench.total_seconds / 60:.1f} min. {label or ''}".rstrip())
-    w.append("")
-    w.append(bench.machine)
-    w.append("")
-    w.append(f"Store: {bench.n_parts} partitions, {bench.total_bytes / 1e6:,.0f} MB "
-             f"(`--codec none`: staging copies bytes, their content does not matter). The "
-             f"store and the local directories are on the same disk, so reads and writes "
-             f"share it; \"cold\" is guest-cold (the host may still cache the virtual disk). "
-             f"Each run: caches dropped, the ranks started (imports done), then the clock; "
-             f"stopped when all ranks are done and `sync` has returned. `stage` = "
-             f"`stage_partitions` with `--stage-jobs {a.jobs}` in each rank (every copy "
-             f"checked against its XXH3-128 and fsynced before it is installed); `cp+sync` = "
-             f"one `cp` per rank of exactly that rank's partition files, then `sync`; "
-             f"`dd oflag=direct+sync` = one loop of `dd bs=8M oflag=direct` per rank over "
-             f"the same files, then `sync` (the page cache left out of the writes). "
-             f"Contenders rotate order every repetition; {a.reps} repetitions; cells are "
-             f"median (min–max). Ratio = contender / cp+sync of the same repetition. CPU = "
-             f"user+sys of the ranks while staging (of `cp` and `sync`) per GB copied; "
-             f"machine CPU = busy time of both cores per GB, which also counts the kernel's "
-             f"writeback threads (they write `cp`'s data) and anything else running. "
-             f"Raw rows: `tools/bench/results/stage_bench.jsonl`.")
-    w.append("")
+    w = [f"Store: {bench.n_parts} partitions, {bench.total_bytes / 1e6:,.0f} MB; "
+         f"`--stage-jobs {a.jobs}`; {a.reps} repetitions; cells median (min–max).", ""]
     w.append("| ranks | contender | MB/s (all ranks) | MB/s per rank | / cp+sync | "
              "CPU s/GB | machine CPU s/GB |")
     w.append("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     contenders = list(TOOLS) + list(bench.codes)
     for n in a.ranks:
-        cp = {r["rep"]: r["mb_per_s"] for r in common.pick_rows(rows, kind="stage",
+        cp = {r["rep"]: r["mb_per_s"] for r in h.pick_rows(rows, kind="stage",
                                                                  contender="cp+sync", ranks=n)}
         for c in contenders:
-            rs = common.pick_rows(rows, kind="stage", contender=c, ranks=n)
+            rs = h.pick_rows(rows, kind="stage", contender=c, ranks=n)
             if not rs:
                 continue
             mbs = [r["mb_per_s"] for r in rs]
@@ -498,53 +422,47 @@ def render(bench: Bench, label: str, shown: list[str]) -> str:
             ratio = "1.00x" if c == "cp+sync" else (
                 f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}–{max(ratios):.2f})"
                 if ratios else "–")
-            w.append(f"| {n} | {c} | {common.spread(mbs)} | "
-                     f"{common.spread([m / n for m in mbs])} | {ratio} | "
-                     f"{common.spread([r['cpu_s_per_gb'] for r in rs], 2)} | "
-                     f"{common.spread([r['machine_cpu_s_per_gb'] for r in rs], 2)} |")
+            w.append(f"| {n} | {c} | {h.spread(mbs)} | "
+                     f"{h.spread([m / n for m in mbs])} | {ratio} | "
+                     f"{h.spread([r['cpu_s_per_gb'] for r in rs], 2)} | "
+                     f"{h.spread([r['machine_cpu_s_per_gb'] for r in rs], 2)} |")
     targets = []
     for n in a.ranks:
-        cp = {r["rep"]: r["mb_per_s"] for r in common.pick_rows(rows, kind="stage",
+        cp = {r["rep"]: r["mb_per_s"] for r in h.pick_rows(rows, kind="stage",
                                                                  contender="cp+sync", ranks=n)}
-        ratios = [r["mb_per_s"] / cp[r["rep"]] for r in common.pick_rows(
+        ratios = [r["mb_per_s"] / cp[r["rep"]] for r in h.pick_rows(
             rows, kind="stage", contender="stage", ranks=n) if cp.get(r["rep"])]
         if ratios:
             m = statistics.median(ratios)
             targets.append(f"{n} rank{'s' if n > 1 else ''}: {m:.2f}x "
-                           f"{common.check(m >= 0.9)}")
+                           f"{h.check(m >= 0.9)}")
     if targets:
         w.append("")
         w.append("Target, stage-in at least 0.9x `cp`+`sync` per rank (median ratio of the "
                  "repetitions): " + "; ".join(targets) + ".")
-    wr = common.pick_rows(rows, kind="way")
+    wr = h.pick_rows(rows, kind="way")
     if wr:
         w.append("")
-        w.append(f"Ways to copy and check a partition (`--ways`): 1 process copies every "
-                 f"partition of the store one after another, each hashed with XXH3-128 and "
-                 f"fsynced, plus one `sync` at the end; caches dropped before each; "
-                 f"{a.ways_reps} repetitions in rotating order.")
+        w.append(f"### Ways to copy and check a partition (`--ways`, {a.ways_reps} reps)")
         w.append("")
         w.append("| way | what | MB/s | CPU s/GB | machine CPU s/GB |")
         w.append("| --- | --- | ---: | ---: | ---: |")
         for way, (_, what) in WAYS.items():
-            rs = common.pick_rows(wr, way=way)
+            rs = h.pick_rows(wr, way=way)
             if rs:
-                w.append(f"| {way} | {what} | {common.spread([r['mb_per_s'] for r in rs])} | "
-                         f"{common.spread([r['cpu_s_per_gb'] for r in rs], 2)} | "
-                         f"{common.spread([r['machine_cpu_s_per_gb'] for r in rs], 2)} |")
-    w.append("")
-    w.append("Exact commands:")
-    w.append("")
-    w.append("```")
-    w.append("# drop_caches = sync; echo 3 > /proc/sys/vm/drop_caches (before every run)")
-    w.append(" ".join(shown).replace(bench.work, "WORK"))
-    w.append(bench.how.replace(PY, ".venv/bin/python").replace(FANSTORE, ".venv/bin/fanstore"))
-    w.append("cp STORE/part-*.fsp (this rank's partitions) WORK/dst/run/local{rank}/   "
-             "# one cp per rank, concurrently; then: sync")
-    w.append("for f in (this rank's partitions); do dd if=$f of=WORK/dst/run/local{rank}/"
-             "$(basename $f) bs=8M oflag=direct; done   # one loop per rank; then: sync")
-    w.append("```")
-    return "\n".join(w)
+                w.append(f"| {way} | {what} | {h.spread([r['mb_per_s'] for r in rs])} | "
+                         f"{h.spread([r['cpu_s_per_gb'] for r in rs], 2)} | "
+                         f"{h.spread([r['machine_cpu_s_per_gb'] for r in rs], 2)} |")
+    bench.cmd(" ".join(shown))
+    for line in bench.how.replace(PY, ".venv/bin/python").replace(
+            FANSTORE, ".venv/bin/fanstore").splitlines():
+        bench.cmd(line)
+    bench.cmd("cp STORE/part-*.fsp (this rank's partitions) WORK/dst/run/local{rank}/   "
+              "# one cp per rank, concurrently; then: sync")
+    bench.cmd("for f in (this rank's partitions); do dd if=$f of=WORK/dst/run/local{rank}/"
+              "$(basename $f) bs=8M oflag=direct; done   # one loop per rank; then: sync")
+    return h.section(bench, label, shown, ["\n".join(w)])
+
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -564,18 +482,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--before", metavar="REV", help="also stage with the code of git REV")
     ap.add_argument("--ways", action="store_true", help="also time ways to copy (1 process)")
     ap.add_argument("--ways-reps", type=int, default=3)
-    ap.add_argument("--work", default="/tmp/fanstore-stagebench")
     ap.add_argument("--store", help="an existing store to stage (default: make one)")
-    ap.add_argument("--label", default="")
-    ap.add_argument("--docs", default=common.DOCS)
-    ap.add_argument("--results", default=os.path.join(common.RESULTS_DIR,
-                                                      "stage_bench.jsonl"))
-    ap.add_argument("--no-docs", action="store_true")
+    h.args(ap, "stage_bench", "/tmp/fanstore-stagebench", fanstore=False)
     a = ap.parse_args(raw_argv)
-    bench = Bench(a)
-    ok = common.guarded_run(bench, log, lambda: [], doing="cleaning up")
-    return common.publish(ok, bench, a, log, "stage_bench", render,
-                          "tools/bench/stage_bench.py", raw_argv)
+    return h.main(StageBench(a), render, raw_argv)
 
 
 if __name__ == "__main__":
