@@ -1,47 +1,12 @@
 #!/usr/bin/env python3
 """Capacity study: what small files gain from trained dictionaries and from solid blocks,
-and what each costs a reader, next to mksquashfs on the same data.
+and what each costs a reader, next to mksquashfs on the same data (docs/selection.md).
 
-For one data set (a directory; ``tools/gen_dataset.py --preset ...`` makes the three of
-issue 13), every option below is laid out as ``fanstore pack`` lays a store out (the
-files balanced over ``--partitions`` by ``plan_partitions``, each partition's files in
-scan order), compressed, and measured:
-
-* **per-file** ``zstd:L`` for L in ``--levels``, with and without trained dictionaries:
-  every file compressed alone, in chunks of 1 MiB (the store as it is today);
-* **solid blocks** of ``--blocks`` KiB: in each partition, the files no larger than the
-  block size are appended back to back to an open block (one open block per file kind,
-  ``--no-group`` for one per partition), which is compressed as one chunk when the next
-  file would not fit; larger files are per-file as above. zstd:3 (and ``--solid-slow``
-  levels) with and without dictionaries.
-
-Dictionaries are the selector's: one per kind (``fanstore.kinds.file_kind``; kinds of the
-tiny/small bands with at least 16 files), trained with ``compressors.train_dictionary`` on
-a seeded random 8 MiB of the kinds' files, and stored in the index (counted).
-
-Measured per option:
-
-* **ratio** = raw bytes / (partitions + index + dictionaries); the index is encoded for
-  real by ``fanstore.format.index.encode_index`` from the option's entry and chunk columns
-  (chunk checksums random: they are incompressible either way). Options marked ``~`` in
-  the table compressed a random subset of their chunks (each with probability
-  ``--slow-mb`` / data size) and scale it up (Horvitz-Thompson estimate).
-* **random read, µs/file**: CPU time (one thread, ``time.thread_time``) to produce each of
-  ``--read-files`` files in a seeded random order, as the store's read path does: decode
-  every chunk the file touches with the codec the store would use (``compressors``),
-  XXH3-64 of each decoded chunk (the store verifies every chunk), and the file's bytes
-  (a copy of its slice for a file in a solid block); no cache. Median of 3 passes.
-* **in-order read, µs/file**: the same over ``--read-files`` consecutive files of one
-  partition in storage order, with an LRU of 8 decoded chunks (a solid block is decoded
-  once for its neighbours).
-* **decoded kB/file**: bytes decoded per file in random order (read amplification).
-
-mksquashfs (``-comp zstd -Xcompression-level 3``, default block 128K, and ``-b 1M``) is
-run on the same directory when installed (``apt-get install squashfs-tools``).
-
-Results: one JSON row per option appended to ``--jsonl`` (default
-``tools/bench/results/capacity_study.jsonl``) and a markdown table on stdout (``--md`` to
-also write it to a file).
+Every option (per-file zstd:L with and without dictionaries, solid blocks of --blocks KiB)
+is laid out as ``fanstore pack`` lays a store out, compressed, and measured: ratio (index
+and dictionaries counted; ``~`` = estimated from a sample of the chunks), random and
+in-order read CPU µs per file, decoded kB per file. One JSON row per option to --jsonl and
+a markdown table on stdout (--md: also to a file).
 
     python tools/gen_dataset.py /tmp/st --preset small-text
     python tools/bench/capacity_study.py /tmp/st --name small-text --md /tmp/st.md
@@ -410,7 +375,8 @@ def namespace_columns(data: Data):
         if i:
             b.set_name(i, os.path.basename(ent.rel))
     lk_hash, lk_entry = b.build_lookup()
-    return (lk_hash, lk_entry, b.entries["name_off"].copy(), b.entries["name_len"].copy()), bytes(b.names)
+    cols = (lk_hash, lk_entry, b.entries["name_off"].copy(), b.entries["name_len"].copy())
+    return cols, bytes(b.names)
 
 
 # --------------------------------------------------------------------------- read cost

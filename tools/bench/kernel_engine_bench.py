@@ -1,27 +1,14 @@
 """Benchmark of the kernel-protocol FUSE engine (fanstore/fuse/engine) with its memfs.
 
-For each worker count and reader mode, a fresh mount of memfs (N files of SIZE bytes held in
-memory) is read by R reader processes in a shuffled order: a cold pass (first after the
-mount: LOOKUP + READ through the daemon) then a warm pass (kernel caches full). The same
-files in a raw directory on the local disk are read the same way for scale (cold = after
-fadvise(DONTNEED) on each file). Reader modes: ``default`` is Python's ``open(p, "rb")``
-(one FUSE_IOCTL per open, from isatty), ``raw`` is ``open(p, "rb", buffering=0)``.
-
-Reported per pass: files/s (wall, noisy on a shared machine), and CPU-time costs, which are
-steadier: daemon CPU per request and per file (the workers' on-CPU time from
-/proc/PID/schedstat, which includes their kernel time on /dev/fuse), and reader CPU per file
-(includes the kernel's FUSE client path). Also: one client pinging the daemon (IOCTL,
-negative LOOKUP) next to a pipe ping-pong (the context-switch floor); READDIRPLUS of a
-10,000-entry directory (daemon CPU per request and per entry, and the numpy packing cost
-of the listing); the warm relisting cost with zero-message opendir vs FOPEN_CACHE_DIR
-answers; clone fd vs one shared fd. Configurations are interleaved in each of --repeat
-rounds and the summary gives medians (min-max).
+Per worker count and reader mode (``default`` = ``open(p, "rb")``, ``raw`` = buffering=0),
+a fresh memfs mount read cold and warm by R readers in a shuffled order, next to the same
+files in a raw directory; files/s, daemon CPU per request and per file (schedstat), reader
+CPU per file. Also: ping-pong against a pipe, READDIRPLUS of a 10,000-entry directory,
+relisting with either opendir answer, clone fd vs one shared fd; --repeat rounds,
+interleaved, medians (min-max). Prints a table; appends a JSON line to --results.
 
     .venv/bin/python tools/bench/kernel_engine_bench.py [--files 20000 --size 100000]
         [--readers 4] [--workers 1,2] [--modes default,raw] [--workdir DIR] [--no-raw]
-
-Prints a table and appends one JSON line to tools/bench/results/kernel_engine_bench.jsonl.
-Needs root (mount(2)).
 """
 
 from __future__ import annotations
@@ -42,6 +29,9 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests"))  # kernel_memfs: the engine's test file system
 
 import kernel_memfs as memfs
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness as h  # noqa: E402
 
 from fanstore.fuse.engine.counters import RequestCounters, diff
 from fanstore.fuse.engine.mount import is_mounted
@@ -370,24 +360,18 @@ def summary(rows: list[dict]) -> str:
         if "fs" in r:
             keyed.setdefault((r["fs"], r["workers"], r["mode"], r["extra"], r["pass_"]),
                              []).append(r)
-    lines = [("| fs | workers | reader open() | pass | files/s | reader CPU us/file | "
-              "daemon CPU us/file | daemon CPU us/request | requests/file |"),
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = []
     for (fs, w, mode, extra, which), rs in keyed.items():
-        name = fs if not extra else f"{fs} {extra}"
-        mode_s = "rb, buffering=0" if mode == "raw" else "rb (default)"
-        if fs == "fuse":
-            per_file = _med([r["requests"] / r["files"] for r in rs])
-            lines.append(f"| {name} | {w} | {mode_s} | {which} | "
-                         f"{_med([r['files_s'] for r in rs])} | "
-                         f"{_med([r['reader_us_per_file'] for r in rs])} | "
-                         f"{_med([r['daemon_us_per_file'] for r in rs])} | "
-                         f"{_med([r['us_per_req'] for r in rs])} | {per_file} |")
-        else:
-            lines.append(f"| raw ext4 dir | - | {mode_s} | {which} | "
-                         f"{_med([r['files_s'] for r in rs])} | "
-                         f"{_med([r['reader_us_per_file'] for r in rs])} | - | - | - |")
-    return "\n".join(lines)
+        fuse = fs == "fuse"
+        lines.append((f"{fs} {extra}".strip() if fuse else "raw ext4 dir", w if fuse else "-",
+                      "rb, buffering=0" if mode == "raw" else "rb (default)", which,
+                      *(_med([r[k] for r in rs]) for k in ("files_s", "reader_us_per_file")),
+                      *((_med([r[k] for r in rs]) for k in ("daemon_us_per_file", "us_per_req"))
+                        if fuse else ("-", "-")),
+                      _med([r["requests"] / r["files"] for r in rs]) if fuse else "-"))
+    return h.table(["fs", "workers", "reader open()", "pass", "files/s", "reader CPU us/file",
+                    "daemon CPU us/file", "daemon CPU us/request", "requests/file"], lines,
+                   "l" * 9)
 
 
 def main() -> int:
@@ -404,6 +388,8 @@ def main() -> int:
     ap.add_argument("--no-readdir", action="store_true")
     ap.add_argument("--no-pingpong", action="store_true")
     ap.add_argument("--no-clone-compare", action="store_true")
+    ap.add_argument("--results", default=os.path.join(REPO, "tools", "bench", "results",
+                                                      "kernel_engine_bench.jsonl"))
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("kernel_engine_bench: needs root (mount(2))", file=sys.stderr)
@@ -433,8 +419,7 @@ def main() -> int:
             shutil.rmtree(work, ignore_errors=True)
     print("\nmedians (min-max) over rounds; uptime:", os.getloadavg())
     print(summary(rows))
-    out = os.path.join(REPO, "tools", "bench", "results", "kernel_engine_bench.jsonl")
-    with open(out, "a") as f:
+    with open(args.results, "a") as f:
         f.write(json.dumps({"time": time.time(), "args": vars(args), "rows": rows,
                             "extra": extra_rows, "loadavg": os.getloadavg()}) + "\n")
     return 0

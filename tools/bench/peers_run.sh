@@ -4,19 +4,11 @@
 # usage: tools/bench/peers_run.sh [WORKDIR]      (default /tmp/fsbench; run as root)
 #
 # Runs ../shared/bench/peers.sh with FanStore as its custom backend, in the same run as the
-# raw directory, squashfs zstd-3 / lz4 through squashfuse_ll and the kernel squashfs mount,
-# then writes the table (with the target ratios) between <!-- BEGIN peers --> and
-# <!-- END peers --> in docs/benchmarks.md and copies the raw rows to tools/bench/results/.
-#
-# peers.sh takes one custom backend per run, so each FanStore codec and frontend gets its own
-# run:
-#   run 1: PEER_BACKENDS + fanstore-<first codec>                      (builds every image)
-#   run k: raw + sqfs-<codec k>-squashfuse_ll + fanstore-<codec k>      (SKIP_BUILD=1: the
-#          dataset and the squashfs images of run 1 are reused; only the FanStore store of
-#          codec k is packed). raw and the same-codec squashfuse_ll are measured again so that
-#          every ratio in the table compares rows of one run.
-# Each run's report (peers.sh's own, with MERGE_RESULTS of the earlier runs) and rows are
-# kept in WORKDIR/fanstore-runK.{md,jsonl}.
+# raw directory and squashfs (squashfuse_ll, kernel), one run per FanStore codec and
+# frontend (run 1 builds every image; later runs reuse them with SKIP_BUILD=1 and measure
+# raw and the same-codec squashfuse_ll again, so every ratio compares rows of one run); then
+# peers_table.py writes the `peers` section of docs/benchmarks.md and the rows go to
+# tools/bench/results/. Each run's report and rows stay in WORKDIR/fanstore-runK.{md,jsonl}.
 #
 # Environment (peers.sh's own knobs pass through: N_SMALL N_LARGE LARGE_MIB SEED REPS
 # WARM_REPS INSTALL SKIP_BUILD; PASS_LIMIT defaults to 120 s here instead of 30):

@@ -115,20 +115,11 @@ def section(runs: list[Run], work: str, label: str, total_seconds: int | None) -
         pass
     total_bytes = summary.get("total_bytes")
 
-    w("## FanStore next to its peers (`tools/bench/peers_run.sh` → `../shared/bench/peers.sh`)")
-    w("")
     if label:
         w(f"> **{label}**")
         w("")
     w(f"Generated {h.now_utc()} from {len(runs)} peers.sh run(s)"
-      + (f", {total_seconds / 60:.0f} min in all" if total_seconds else "")
-      + ". FanStore is the harness's custom backend, measured by the same reader "
-      "(`fsread.py`), in the same run as the raw directory and squashfuse_ll with the same "
-      "codec; every ratio below compares rows of one run. The peers' reference numbers "
-      "quoted in the issue (`../shared/bench/peers-results.md`) come from another run and "
-      "another day: compare ratios, not absolute numbers. Raw rows: "
-      "`tools/bench/results/peers-run*.jsonl`. Rerun: `tools/bench/peers_run.sh` (as root; "
-      "see its header for the knobs).")
+      + (f", {total_seconds / 60:.0f} min in all" if total_seconds else "") + ".")
     w("")
     for run in runs:
         w(f"- run {run.idx}: {', '.join(run.backends)}")
@@ -140,19 +131,13 @@ def section(runs: list[Run], work: str, label: str, total_seconds: int | None) -
     if summary:
         w("### Dataset (`../shared/bench/gen_dataset.py`)")
         w("")
-        w(f"{summary.get('n_small', 0):,} small files ({summary.get('small_bytes', 0):,} bytes, "
-          "sizes uniform 50–150 kB, 100 class dirs; kinds: "
-          + ", ".join(f"{k} {v['files']:,}" for k, v in summary.get("small_by_ext", {}).items())
-          + f") and {summary.get('n_large', 0)} large file(s) of {summary.get('large_mib')} MiB; "
-          f"{total_bytes or 0:,} bytes in all, seed {summary.get('seed')}. MB = 10^6 bytes. "
-          "Ratio = total raw bytes / artifact bytes.")
+        w(f"{summary.get('n_small', 0):,} small files ({summary.get('small_bytes', 0):,} bytes) "
+          f"and {summary.get('n_large', 0)} large file(s) of {summary.get('large_mib')} MiB; "
+          f"{total_bytes or 0:,} bytes in all, seed {summary.get('seed')}.")
         w("")
 
     # ------------------------------------------------------------ targets
     w("### The issue's targets")
-    w("")
-    w("FanStore / peer, both from the same run (readers = reader processes). Cold = fresh "
-      "mount + dropped page cache; warm = the same pass again.")
     w("")
     w("| target | FanStore | compared with | readers | measured | goal | status |")
     w("| --- | --- | --- | ---: | ---: | ---: | --- |")
@@ -194,9 +179,6 @@ def section(runs: list[Run], work: str, label: str, total_seconds: int | None) -
     # ------------------------------------------------------------ builds
     w("### Build (pack) cost and size")
     w("")
-    w("Build = wall time of the command (see the commands below) from the plain directory, "
-      "page cache dropped first; built once and reused by later runs (the `built in` column).")
-    w("")
     w("| artifact | used by | built in | build s | size MB | ratio | mount s (median) |")
     w("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     arts: list[tuple[str, list[str]]] = []
@@ -214,7 +196,8 @@ def section(runs: list[Run], work: str, label: str, total_seconds: int | None) -
                 arts.append((a, [b]))
     for a, users in arts:
         rec, ridx = build_of(runs, a)
-        mounts = [m for run in runs for u in users for m in run.vals("seconds", op="mount", backend=u)]
+        mounts = [m for run in runs for u in users
+                  for m in run.vals("seconds", op="mount", backend=u)]
         if not rec:
             w(f"| {a} | {', '.join(users)} | – | – | – | – | {h.num(h.med(mounts), 2)} |")
             continue
@@ -228,11 +211,6 @@ def section(runs: list[Run], work: str, label: str, total_seconds: int | None) -
 
     # ------------------------------------------------------------ small files
     w("### Small-file reads (every small file once, shuffled)")
-    w("")
-    w("Cells: median (min–max) over the cold passes (different shuffles) and the warm passes. "
-      "`vs raw` and `vs sqfuse_ll` = median files/s over that backend's median in the same run "
-      "with the same readers (`vs sqfuse_ll`: squashfuse_ll with the same codec). CPU = whole "
-      "machine, includes the FUSE daemon.")
     w("")
     w("| run | backend | readers | cold files/s | cold MB/s | warm files/s | warm MB/s | "
       "cold p50 / p99 ms | cold CPU % | cold vs raw | warm vs raw | cold vs sqfuse_ll | "
@@ -274,10 +252,6 @@ def section(runs: list[Run], work: str, label: str, total_seconds: int | None) -
     # ------------------------------------------------------------ metadata + large
     w("### Metadata and large files")
     w("")
-    w("`walk` = `os.walk` of the tree; `stat` = `os.stat` of every small file, shuffled, 1 "
-      "process (cold follows the cold walk on the same mount, as peers.sh does); large = the "
-      "large files read one after another in 1 MiB `readinto`, 1 reader.")
-    w("")
     w("| run | backend | walk cold s | walk warm s | stat cold /s | stat warm /s | large cold MB/s "
       "| large warm MB/s | spot check |")
     w("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
@@ -299,8 +273,9 @@ def section(runs: list[Run], work: str, label: str, total_seconds: int | None) -
             if mount_err:
                 check += f"; ⚠ {mount_err[0]['error']} ({len(mount_err)}x)"
             lq = dict(backend=b, list="large.txt", op="read")
-            w(f"| {run.idx} | {b} | {h.num(run.med('seconds', backend=b, op='walk', phase='cold'), 3)} | "
-              f"{h.num(run.med('seconds', backend=b, op='walk', phase='warm'), 3)} | "
+            walk = [h.num(run.med("seconds", backend=b, op="walk", phase=ph), 3)
+                    for ph in ("cold", "warm")]
+            w(f"| {run.idx} | {b} | {walk[0]} | {walk[1]} | "
               f"{h.num(run.med('files_per_s', backend=b, op='stat', phase='cold'))} | "
               f"{h.num(run.med('files_per_s', backend=b, op='stat', phase='warm'))} | "
               f"{h.num(run.med('MB_per_s', phase='cold', **lq))} | "
@@ -330,8 +305,9 @@ def _target_row(w, what, b, other, wk, mine, theirs, goal, op, fmt="{:.2f}x"):
         return
     r = mine / theirs
     ok = r >= goal if op == "≥" else r <= goal
-    w(f"| {what} | {b} | {other} | {wk} | {fmt.format(r)} ({h.num(mine, 1 if mine < 100 else 0)} vs "
-      f"{h.num(theirs, 1 if theirs < 100 else 0)}) | {op} {goal} | {h.check(ok)} |")
+    w(f"| {what} | {b} | {other} | {wk} | {fmt.format(r)} "
+      f"({h.num(mine, 1 if mine < 100 else 0)} vs {h.num(theirs, 1 if theirs < 100 else 0)}) "
+      f"| {op} {goal} | {h.check(ok)} |")
 
 
 def main(argv: list[str] | None = None) -> int:

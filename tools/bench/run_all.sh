@@ -1,39 +1,16 @@
 #!/usr/bin/env bash
-# run_all.sh - every FanStore benchmark, in order; what `make bench` runs (as root).
+# run_all.sh - every FanStore benchmark, in order; what `make bench` runs (as root, ~3 h on
+# a quiet machine). Steps (ONLY="step ..." runs only those): mount_bench, peers
+# (peers_run.sh), mpi_bench, prefetch_bench, fuse_bench (five runs), select_accuracy,
+# sources_bench, stage_bench. Each rewrites its own section of docs/benchmarks.md and its
+# rows in tools/bench/results/ (docs/benchmarks.md, "How to rerun", says what each is).
 #
-#   1. tools/bench/mount_bench.py --preset full   FanStore mount vs the raw directory (~10-15 min)
-#   2. tools/bench/peers_run.sh                   FanStore next to squashfs / squashfuse_ll in
-#                                                 the shared peer harness (~25-30 min)
-#   3. tools/bench/mpi_bench.py --preset full     MPI jobs: local vs remote reads, aggregate
-#                                                 files/s with 1/2/4 ranks, stage-in vs cp,
-#                                                 metadata at scale + 512-node projection
-#                                                 (~12-15 min)
-#   4. tools/bench/prefetch_bench.py --preset full  raw / FUSE sync / FUSE prefetch / Python
-#                                                 API, read passes and DataLoader stalls
-#                                                 (~10-15 min)
-#   5. tools/bench/fuse_bench.py                  the two FUSE frontends next to squashfuse_ll
-#                                                 and raw: peers, 300,000 and 1,280,000 small
-#                                                 files, directory listing (~60 min)
-#   6. tools/bench/select_accuracy.py             the selector's reported files/s vs a cold
-#                                                 full pass, both modes and frontends, on four
-#                                                 data sets; the default pack twice (one beside
-#                                                 a CPU load) vs mksquashfs (~90 min)
-#   7. tools/bench/sources_bench.py               pack from a tar vs extract + pack; S3
-#                                                 stage-in, 1 vs 8 streams (~15 min)
-#   8. tools/bench/stage_bench.py                 stage-in from a shared directory next to
-#                                                 cp+sync and dd oflag=direct, 1 and 4 ranks
-#                                                 and the copy loops tried (~15 min;
-#                                                 STAGE_BENCH_ARGS, default --ways)
-# Each rewrites its own section of docs/benchmarks.md and its rows in tools/bench/results/.
-# Run it on an otherwise quiet machine: the numbers are only as good as the machine is idle.
-#
-# Environment: MOUNT_BENCH_ARGS (default "--preset full"), MOUNT_BENCH_WORK
-# [/tmp/fanstore-bench], PEERS_WORK [/tmp/fsbench]; peers_run.sh's own knobs pass through;
-# MPI_BENCH_ARGS (default "--preset full"), MPI_BENCH_WORK [/tmp/fanstore-mpibench];
-# PREFETCH_BENCH_ARGS (default "--preset full"), PREFETCH_BENCH_WORK
-# [/tmp/fanstore-prefetchbench].
-# ONLY="mount_bench", "peers", "mpi_bench" or "prefetch_bench" (or several, space separated)
-# runs only those.
+# Environment: MOUNT_BENCH_ARGS ["--preset full"], MOUNT_BENCH_WORK [/tmp/fanstore-bench],
+# PEERS_WORK [/tmp/fsbench] (peers_run.sh's own knobs pass through), MPI_BENCH_ARGS
+# ["--preset full"], MPI_BENCH_WORK [/tmp/fanstore-mpibench], PREFETCH_BENCH_ARGS
+# ["--preset full"], PREFETCH_BENCH_WORK [/tmp/fanstore-prefetchbench], FUSE_BENCH_WORK
+# [/tmp/fuse-bench], SELECT_ACCURACY_WORK [/tmp/select-accuracy], STAGE_BENCH_ARGS
+# [--ways], STAGE_BENCH_WORK [/tmp/fanstore-stagebench].
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)

@@ -1,29 +1,16 @@
 #!/usr/bin/env python3
 """Does `fanstore select` report what the mount then reads? And is the default pack stable?
 
-For each data set (a directory), in one sitting, for each mode (sync, prefetch) and FUSE
-frontend (the kernel frontend; pyfuse3 in sync mode, where it applies):
-
-1. ``fanstore select DATA --cores N --json`` with the budget given (``--budget``; the
-   default budget otherwise), through that frontend (``FANSTORE_FRONTEND``): the chosen
-   codec, its reported files/s (measured for a finalist), the report's verdict, the time
-   the selection took.
-2. The whole data set packed with the chosen codec, then read ``--passes`` times: a fresh
-   mount in the same mode, the partitions dropped from the page cache, every file once in
-   a shuffled order (prefetch: the order handed to the mount first) by N reader processes:
-   ``fanstore.select.epoch.run_pass``, the very definition the selector's trials use, but
-   over the whole data set. The median pass is the truth; the report's files/s over it is
-   the accuracy, and the report's met/not met against the full pass's is the verdict check.
-
-Then the default pack twice, the second beside a busy loop on every core: the same codecs
-and the same bytes? And its size against ``mksquashfs -comp zstd -Xcompression-level 3``.
-
-Results go to ``tools/bench/results/select_accuracy.jsonl`` and (unless ``--no-docs``) to
-the ``select_accuracy`` section of docs/selection.md.
+For each data set, mode (sync, prefetch) and frontend: ``fanstore select`` with the budget
+given, then the whole data set packed with the chosen codec and read ``--passes`` times
+cold by the same readers (``fanstore.select.epoch.run_pass``); the report's files/s over
+the median full pass is the accuracy. Then the default pack twice (the second beside a busy
+loop on every core) and its size against mksquashfs. Rows to
+tools/bench/results/select_accuracy.jsonl, the table to docs/selection.md
+(``select_accuracy`` section) unless ``--no-docs``.
 
     tools/bench/select_accuracy.py --work /work/acc --data /work/data \\
-        --sets small60k,peers,demo,big64 --budget small60k=files:1000 \\
-        --budget small60k=default
+        --sets small60k,peers,demo,big64 --budget small60k=files:1000 --budget small60k=default
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 #!/usr/bin/env python3
 """Check the codec selector's predictions against the store's real read path.
 
-Generates a dataset with tools/gen_dataset.py (or takes --data), runs the selector on it,
-packs it with the chosen codec (and, for comparison, with a few fixed codecs), then reads
-every file through ``fanstore.store.LocalStore`` in one thread with a warm page cache and no
-chunk cache, chunk by chunk (``iter_file``, the bounded-memory path of ``fanstore cat``: a
-FUSE read never concatenates a whole multi-MB file either), and compares:
-
-* the ratio: predicted from the sample vs the store's raw/stored bytes;
-* the single-core read rate: the selector's ``1 / (decode + checksum)`` per byte, and the
-  same plus the time to ``pread`` the stored bytes from the (warm) page cache, which is the
-  sync model's storage term with one core and S = page cache, vs the measured MB/s and
-  files/s (median of --passes timed passes after one warm-up pass). Rates are per CPU second
-  of the reading thread, as the selector measures them (other tenants of a shared machine
-  stretch the wall clock, not the CPU time); the wall-clock rate is printed alongside.
-
-The page cache is warm, so storage does not enter: this checks the CPU side of the model,
-which is the part the selector measures. Prints a markdown table (docs/selection.md keeps
-the numbers measured on the development machine).
+Runs the selector on a dataset (generated, or --data), packs it with the chosen codec and a
+few fixed ones, reads every file through ``LocalStore`` in one thread (warm page cache, no
+chunk cache, ``iter_file``) and compares predicted and store ratio, and predicted and
+measured single-core MB/s (per CPU second; wall clock alongside). Prints a markdown table
+(docs/selection.md keeps the numbers of the development machine).
 
     python tools/bench/select_validate.py --files 1500 --work /tmp/selval
     python tools/bench/select_validate.py --data /data/ds --also none,zstd:3 --per-kind
