@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 
 from fanstore.daemon import protocol as P
+from fanstore.daemon.mpirequests import AllOf, Posted, Reply, done, mpi_error
 from fanstore.daemon.pacing import HOT_SECONDS, Backoff, Pacer, precise_sleeps, wait_request
 from fanstore.daemon.transport import PeerUnreachable, RemoteTimeout
 from fanstore.errors import FanStoreError, RemoteError
@@ -91,8 +92,8 @@ class MpiTransport:
 
     def _serve(self) -> None:
         MPI = self.MPI
-        requests = _Posted(self.comm, MPI, P.REQ.size, P.TAG_REQUEST, "request")
-        controls = _Posted(self.comm, MPI, P.CTRL_MAX, P.TAG_CONTROL, "control")
+        requests = Posted(self.comm, MPI, P.REQ.size, P.TAG_REQUEST, "request")
+        controls = Posted(self.comm, MPI, P.CTRL_MAX, P.TAG_CONTROL, "control")
         pending: list[tuple[object, object]] = []
         precise_sleeps()
         gaps = Pacer(start=400e-6, lo=40e-6, hi=250e-6, share=0.25)
@@ -115,7 +116,7 @@ class MpiTransport:
                     active = True
                     self._control(raw, controls.source)
                 if pending:
-                    pending = [(rq, buf) for rq, buf in pending if not _done(rq)]
+                    pending = [(rq, buf) for rq, buf in pending if not done(rq)]
                     if pending:
                         active = True
                 if active:
@@ -150,7 +151,7 @@ class MpiTransport:
         except Exception:  # pragma: no cover - defensive
             log.exception("control handler failed")
 
-    def _drain(self, requests: _Posted, controls: _Posted,
+    def _drain(self, requests: Posted, controls: Posted,
                pending: list[tuple[object, object]]) -> None:
         """On the way out: cancel the posted receives, give replies 2 s to leave, keep the
         buffers of those that did not (MPI may still read them)."""
@@ -188,10 +189,10 @@ class MpiTransport:
                 sends.append(self.comm.Isend([view[start:end], MPI.BYTE], dest=src,
                                              tag=req.reply_tag))
         except MPI.Exception as exc:  # the asker is gone
-            log.warning("cannot answer rank %d: %s", src, _mpi_error(exc))
+            log.warning("cannot answer rank %d: %s", src, mpi_error(exc))
             if not sends:
                 return None
-        rq = sends[0] if len(sends) == 1 else _AllOf(sends)
+        rq = sends[0] if len(sends) == 1 else AllOf(sends)
         return rq, buf
 
     def _read(self, req: P.Request):
@@ -230,7 +231,7 @@ class MpiTransport:
         try:
             return self._fetch(owner, part, offset, length, timeout, op)
         except self.MPI.Exception as exc:
-            raise PeerUnreachable(f"rank {owner} is unreachable ({_mpi_error(exc)})") \
+            raise PeerUnreachable(f"rank {owner} is unreachable ({mpi_error(exc)})") \
                 from None
 
     def _fetch(self, owner: int, part: int, offset: int, length: int, timeout: float,
@@ -251,7 +252,7 @@ class MpiTransport:
         try:
             replies = [self._post(owner, p, off, n, P.Op.READ) for p, off, n in ranges]
         except self.MPI.Exception as exc:
-            raise PeerUnreachable(f"rank {owner} is unreachable ({_mpi_error(exc)})") \
+            raise PeerUnreachable(f"rank {owner} is unreachable ({mpi_error(exc)})") \
                 from None
         pending = list(replies)
 
@@ -262,7 +263,7 @@ class MpiTransport:
         try:
             done = self._wait_reply(complete, time.monotonic() + timeout)
         except self.MPI.Exception as exc:
-            raise PeerUnreachable(f"rank {owner} is unreachable ({_mpi_error(exc)})") \
+            raise PeerUnreachable(f"rank {owner} is unreachable ({mpi_error(exc)})") \
                 from None
         if not done:
             for r in replies:
@@ -276,8 +277,8 @@ class MpiTransport:
                 out.append(exc)
         return out
 
-    def _post(self, owner: int, part: int, offset: int, length: int, op: int) -> _Reply:
-        """Post the receives of a reply, then send the request (see _Reply)."""
+    def _post(self, owner: int, part: int, offset: int, length: int, op: int) -> Reply:
+        """Post the receives of a reply, then send the request (see Reply)."""
         MPI = self.MPI
         tag, req_id = self._next()
         piece = self.piece if op == P.Op.READ else 0
@@ -288,7 +289,7 @@ class MpiTransport:
                  for start, end in P.pieces(length, piece)]
         header = P.encode_request(P.Request(op, part, tag, offset, length, req_id, piece))
         r_send = self.comm.Isend([header, MPI.BYTE], dest=owner, tag=P.TAG_REQUEST)
-        return _Reply(self, owner, part, length, req_id, piece, buf, recvs, r_send, header)
+        return Reply(self, owner, part, length, req_id, piece, buf, recvs, r_send, header)
 
     def _wait_reply(self, test: Callable[[], bool], deadline: float) -> bool:
         """Poll ``test()`` (a reply complete?): a few tests at once (a fast peer), then
@@ -333,7 +334,7 @@ class MpiTransport:
             try:
                 reqs.append(self.comm.Isend([msg, MPI.BYTE], dest=r, tag=P.TAG_CONTROL))
             except MPI.Exception as exc:
-                log.info("cannot tell rank %d: %s", r, _mpi_error(exc))
+                log.info("cannot tell rank %d: %s", r, mpi_error(exc))
         deadline = time.monotonic() + timeout
         for rq in reqs:
             try:
@@ -351,158 +352,3 @@ class MpiTransport:
         except Exception as exc:  # noqa: BLE001 - MPI errors on a dying job
             log.debug("cancel failed: %s", exc)
             self._abandoned.append((req, buf))
-
-
-class _Reply:
-    """A request sent and the receives of its reply posted (MpiTransport._post): test it
-    with ``complete()``, then take ``result()``; ``abandon()`` a reply given up on."""
-
-    __slots__ = (
-        "buf",
-        "first_done",
-        "header",
-        "length",
-        "owner",
-        "part",
-        "piece",
-        "r_send",
-        "recvs",
-        "req_id",
-        "rest",
-        "status",
-        "t",
-        "view",
-    )
-
-    def __init__(self, t, owner, part, length, req_id, piece, buf, recvs, r_send,
-                 header) -> None:
-        self.t = t
-        self.owner, self.part, self.length = owner, part, length
-        self.req_id, self.piece = req_id, piece
-        self.buf, self.view = buf, memoryview(buf)
-        self.recvs, self.rest = recvs, recvs[1:]
-        self.r_send, self.header = r_send, header
-        self.status = t.MPI.Status()
-        self.first_done = False
-
-    def complete(self) -> bool:
-        # the first message (the header) first; then the rest, unless it was an error
-        # (one message: the other receives never match). The pieces travel together:
-        # once the first is here, the others are in MPI's queues and each test takes
-        # about one out, so test on without sleeping for a while (measured: 13 pieces
-        # of a 100 kB reply in 160 us this way, 1.9 ms with a 50 us nap between tests)
-        if not self.first_done:
-            if not self.recvs[0].Test(self.status):
-                return False
-            self.first_done = True
-            if not self.rest or bytes(self.view[P.RESP_STATUS_AT:P.RESP_STATUS_AT + 2]) != b"\0\0":
-                return True
-        until = time.monotonic() + 2e-3
-        while not self.t.MPI.Request.Testall(self.rest):
-            if time.monotonic() > until:
-                return False
-        return True
-
-    def abandon(self) -> None:
-        t = self.t
-        for r in self.recvs:
-            t._cancel(r, self.buf)
-        if not self.r_send.Test():
-            t._abandoned.append((self.r_send, self.header))
-
-    def result(self) -> memoryview:
-        t, owner, view = self.t, self.owner, self.view
-        n = self.status.Get_count(t.MPI.BYTE)
-        try:
-            resp = P.decode_response_header(view[:n], self.piece)
-        except P.ProtocolError as exc:
-            for r in self.rest:
-                t._cancel(r, self.buf)
-            raise RemoteError(f"rank {owner} sent a malformed reply: {exc}") from None
-        if resp.status != P.Status.OK:
-            for r in self.rest:
-                t._cancel(r, self.buf)
-        if not wait_request(self.r_send, time.monotonic() + 1.0):
-            t._abandoned.append((self.r_send, self.header))
-        if resp.req_id != self.req_id:
-            raise RemoteError(f"rank {owner} answered another request")
-        if resp.status != P.Status.OK:
-            raise RemoteError(
-                f"rank {owner} could not serve partition {self.part}: "
-                f"{P.Status(resp.status).name.lower().replace('_', ' ')}"
-            )
-        if resp.length != self.length:
-            raise RemoteError(f"rank {owner} sent {resp.length} bytes, asked for "
-                              f"{self.length}")
-        return view[P.RESP.size:P.RESP.size + self.length]
-
-
-class _AllOf:
-    """Several requests seen as one (a reply sent or received in pieces)."""
-
-    __slots__ = ("reqs",)
-
-    def __init__(self, reqs: list) -> None:
-        self.reqs = reqs
-
-    def Test(self, status=None) -> bool:
-        from mpi4py import MPI
-
-        return bool(MPI.Request.Testall(self.reqs))
-
-    def Cancel(self) -> None:
-        for r in self.reqs:
-            try:
-                r.Cancel()
-            except Exception:  # noqa: BLE001, S110 - best effort: the peer may be gone
-                pass
-
-
-class _Posted:
-    """A receive kept posted from any source on one tag: ``take()`` tests it and, when a
-    message has arrived, returns its bytes (the sender in ``source``) and posts the next.
-
-    A receive from anyone fails when a peer dies: that is logged and a new one posted.
-    """
-
-    def __init__(self, comm, MPI, size: int, tag: int, what: str) -> None:
-        self.comm, self.MPI, self.size, self.tag, self.what = comm, MPI, size, tag, what
-        self.status = MPI.Status()
-        self.source = -1
-        self._post()
-
-    def _post(self) -> None:
-        self.buf = bytearray(self.size)
-        self.request = self.comm.Irecv([self.buf, self.MPI.BYTE],
-                                       source=self.MPI.ANY_SOURCE, tag=self.tag)
-
-    def take(self) -> bytes | None:
-        try:
-            arrived = self.request.Test(self.status)
-        except self.MPI.Exception as exc:  # a peer died: a receive from anyone fails
-            log.info("a %s receive failed (%s); posting a new one", self.what,
-                     _mpi_error(exc))
-            self._post()
-            return None
-        if not arrived:
-            return None
-        n = self.status.Get_count(self.MPI.BYTE)
-        self.source = self.status.Get_source()
-        raw = bytes(self.buf[:n])
-        self.request = self.comm.Irecv([self.buf, self.MPI.BYTE],
-                                       source=self.MPI.ANY_SOURCE, tag=self.tag)
-        return raw
-
-
-def _done(req) -> bool:
-    """A request that completed, or failed (its peer is gone): nothing left to wait for."""
-    try:
-        return bool(req.Test())
-    except Exception:  # noqa: BLE001 - mpi4py.MPI.Exception: a send to a dead peer
-        return True
-
-
-def _mpi_error(exc) -> str:
-    text = exc.Get_error_string() if hasattr(exc, "Get_error_string") else str(exc)
-    return text.splitlines()[0] if text else type(exc).__name__
-
