@@ -1,8 +1,10 @@
 """FanStore's error tree.
 
 Library errors (codec, OS, MPI) are translated into these at the layer that sees them.
-Only ``fanstore.fuse`` turns them into ``FUSEError(errno)`` and only ``fanstore.cli.main``
-turns them into a message and an exit status.
+Only the FUSE frontends turn them into errnos (``FuseErrno`` in :mod:`fanstore.fuse.kernelfs`,
+``pyfuse3.FUSEError`` in :mod:`fanstore.fuse.pyfuse3`), and only :mod:`fanstore.cli` turns
+them into a message and an exit status (and the entry points of the processes it starts,
+before their logging is set up).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 ``fanstore mount`` (the CLI) calls :func:`mount`; it picks the world (a world of one, or
 MPI under a launcher), the frontend (pyfuse3 or the kernel protocol), builds the
 :class:`~fanstore.daemon.node.Node` and runs it in the foreground or as a background
-daemon. This is the only module that knows both the daemon and the FUSE frontends.
+daemon. The two modules above the frontends compose them: this one (the mount) and
+:mod:`fanstore.workerrank` (a node's worker rank: daemon side and kernel-frontend worker).
 """
 
 from __future__ import annotations

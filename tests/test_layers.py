@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -292,3 +293,73 @@ def test_every_variable_settings_reads_is_in_its_table():
     arch = (ROOT / "docs" / "architecture.md").read_text()
     assert all(f"`{name}`" in arch for name in settings.VARIABLES)
 
+
+
+# --------------------------------------------------------------------------- the edges
+
+def _writes_to_the_terminal(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, top-level function) of every ``print(...)`` and ``sys.stdout/stderr.write``;
+    the function is "" at module level."""
+    found = []
+    for top in tree.body if isinstance(tree, ast.Module) else []:
+        owner = top.name if isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef)) else ""
+        for node in ast.walk(top):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            if (isinstance(f, ast.Name) and f.id == "print") or (
+                    isinstance(f, ast.Attribute) and f.attr == "write"
+                    and isinstance(f.value, ast.Attribute)
+                    and f.value.attr in ("stdout", "stderr")):
+                found.append((node.lineno, owner))
+    return found
+
+
+def _entry_points(tree: ast.AST) -> set[str]:
+    """The functions an ``if __name__ == "__main__":`` block calls: a process's own edge."""
+    names: set[str] = set()
+    for node in getattr(tree, "body", []):
+        if (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+                and isinstance(node.test.left, ast.Name)
+                and node.test.left.id == "__name__"):
+            names |= {n.func.id for n in ast.walk(node)
+                      if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    return names
+
+
+def _prints_outside_the_edges(sources: dict[str, str]) -> list[str]:
+    out = []
+    for module, text in sources.items():
+        if module == "fanstore.cli" or module.startswith("fanstore.cli."):
+            continue
+        tree = ast.parse(text)
+        edge = _entry_points(tree)
+        out += [f"{module}:{line}" for line, owner in _writes_to_the_terminal(tree)
+                if owner not in edge]
+    return out
+
+
+def test_only_the_cli_and_process_entry_points_print():
+    """Errors are translated at the edges: the CLI prints; so may the entry point of a
+    process the CLI starts (a worker rank, a kernel-frontend process) before its logging
+    is set up. Everything else raises or logs."""
+    sources = {module: path.read_text() for module, path in MODULES.items()}
+    assert _prints_outside_the_edges(sources) == []
+
+
+def test_the_print_rule_catches_a_print():
+    deep = "import sys\ndef f():\n    print('x')\n    sys.stderr.write('y')\n"
+    main = "def main():\n    print('x')\nif __name__ == '__main__':\n    main()\n"
+    assert _prints_outside_the_edges({"fanstore.read.core": deep}) == [
+        "fanstore.read.core:3", "fanstore.read.core:4"]
+    assert _prints_outside_the_edges({"fanstore.workerrank": main}) == []
+    assert _prints_outside_the_edges({"fanstore.cli.pack": deep}) == []
+
+
+def test_every_test_file_is_in_the_tests_by_level_table():
+    arch = (ROOT / "docs" / "architecture.md").read_text()
+    table = arch.split("## Tests by level", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"(test_\w+\.py)", table))
+    files = {p.name for p in (ROOT / "tests").glob("test_*.py")}
+    assert files - listed == set(), "add them to docs/architecture.md, Tests by level"
+    assert listed - files == set(), "the table names test files that do not exist"

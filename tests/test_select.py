@@ -565,7 +565,7 @@ def test_plot_written(tmp_path):
 
 def test_selection_options_from_the_cli_parsers():
     from fanstore.cli import build_parser
-    from fanstore.select import selection_options
+    from fanstore.cli.select import selection_options
 
     args = build_parser().parse_args(
         ["select", "SRC", "--mode", "prefetch", "--files-per-sec", "10", "--cores", "3",

@@ -125,6 +125,6 @@ def cmd_pack(args) -> int:
 
 
 def _selection_options(args):
-    from fanstore.select import selection_options
+    from fanstore.cli.select import selection_options
 
     return selection_options(args)

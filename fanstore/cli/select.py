@@ -61,7 +61,6 @@ def cmd_select(args) -> int:
     if not args.src:
         raise UsageError("give SRC (the data to select a codec for) or --check "
                          "STORE_OR_MOUNT")
-    from fanstore.select.options import selection_options
     from fanstore.select.plot import plot, require_matplotlib
     from fanstore.select.report import check_met, table, to_json
     from fanstore.select.selector import run_selection
@@ -104,3 +103,36 @@ def _check(args) -> int:
                                 f"{res.bytes_per_s / p.required_bytes_per_s:.0%} of the "
                                 f"budget of {p.required_bytes_per_s / 1e6:,.0f} MB/s")
     return 0
+
+
+def selection_options(args):
+    """The :class:`~fanstore.select.options.SelectionOptions` of ``fanstore select`` /
+    ``fanstore pack --codec auto`` arguments."""
+    from fanstore.select.options import TRIALS, SelectionOptions
+
+    return SelectionOptions(
+        mode=getattr(args, "mode", "sync") or "sync",
+        files_per_sec=getattr(args, "files_per_sec", None),
+        mb_per_sec=getattr(args, "mb_per_sec", None),
+        cores=getattr(args, "cores", None),
+        sample_mb=getattr(args, "sample_mb", None) or 200.0,
+        seed=getattr(args, "seed", 0) or 0,
+        per_kind=bool(getattr(args, "per_kind", False)),
+        storage_mb_per_sec=getattr(args, "storage_mb_per_sec", None),
+        storage_latency_us=getattr(args, "storage_latency_us", None),
+        reader=getattr(args, "reader", None) or _default_reader(),
+        chunk_size=(getattr(args, "chunk_kb", None) or 1024) * 1024,
+        progress=False if getattr(args, "no_progress", False) else None,
+        trials=TRIALS if getattr(args, "trials", None) is None else args.trials,
+    )
+
+
+def _default_reader() -> str:
+    """``mount`` where FUSE works here, else ``api`` (said once on stderr)."""
+    from fanstore.select.calibrate import fuse_problem
+
+    problem = fuse_problem()
+    if problem:
+        print(f"fanstore: --reader api (no FUSE here: {problem})", file=sys.stderr)
+        return "api"
+    return "mount"

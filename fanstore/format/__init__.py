@@ -1,4 +1,8 @@
-"""On-disk format v1: pure, synchronous, no MPI/FUSE/trio.
+"""The on-disk format (v2: v1 plus solid chunks): pure, synchronous, no MPI/FUSE/trio.
+
+The index: :mod:`.layout` (bytes), :mod:`.build` (written by a pack), :mod:`.load` and
+:mod:`.validate` (read and checked), :mod:`.tables` (the loaded :class:`Index`); the data:
+:mod:`.partition`; :mod:`.localcopy` and :mod:`.symlinks` for staged copies and links.
 
 The canonical byte layout is docs/format.md; the constants and struct layouts here are its
 executable form and the two must change together.

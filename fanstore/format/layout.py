@@ -4,7 +4,7 @@ Layout of ``fanstore.idx``::
 
     header (64 bytes, little-endian)
         magic        8s   b"FANSTIDX"
-        version      u16  format version (1)
+        version      u16  format version (1, or 2 when some file lives in a solid chunk)
         flags        u16  0
         header_size  u32  64
         body_raw     u64  size of the body after decompression

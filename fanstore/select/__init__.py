@@ -8,7 +8,7 @@ are in :mod:`.options`, the result in :mod:`.result`, the run in :mod:`.selector
 and its formulas are written down in ``docs/selection.md``.
 """
 
-from fanstore.select.options import SelectionOptions, selection_options
+from fanstore.select.options import SelectionOptions
 from fanstore.select.result import CandidateResult, SelectionResult
 from fanstore.select.selector import run_selection
 
@@ -17,5 +17,4 @@ __all__ = [
     "SelectionOptions",
     "SelectionResult",
     "run_selection",
-    "selection_options",
 ]

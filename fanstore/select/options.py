@@ -1,17 +1,15 @@
 """What a selection is asked for: the mode, the budget, the cores, the sample, the reader.
 
-:class:`SelectionOptions` is what :func:`fanstore.select.run_selection` takes;
-:func:`selection_options` builds it from the arguments of ``fanstore select`` and
-``fanstore pack --codec auto`` (the same argument group).
+:class:`SelectionOptions` is what :func:`fanstore.select.run_selection` takes; the CLI
+(``fanstore.cli.select.selection_options``) builds it from the arguments of ``fanstore
+select`` and ``fanstore pack --codec auto`` (the same argument group).
 """
 
 from __future__ import annotations
 
 import math
 import os
-import sys
 from dataclasses import dataclass
-from typing import Any
 
 from fanstore.errors import UsageError
 from fanstore.select import policy
@@ -70,33 +68,3 @@ class SelectionOptions:
             return len(os.sched_getaffinity(0))
         except AttributeError:  # pragma: no cover - not Linux
             return os.cpu_count() or 1
-
-
-def selection_options(args: Any) -> SelectionOptions:
-    """Options from ``fanstore select``/``fanstore pack --codec auto`` arguments."""
-    return SelectionOptions(
-        mode=getattr(args, "mode", "sync") or "sync",
-        files_per_sec=getattr(args, "files_per_sec", None),
-        mb_per_sec=getattr(args, "mb_per_sec", None),
-        cores=getattr(args, "cores", None),
-        sample_mb=getattr(args, "sample_mb", None) or 200.0,
-        seed=getattr(args, "seed", 0) or 0,
-        per_kind=bool(getattr(args, "per_kind", False)),
-        storage_mb_per_sec=getattr(args, "storage_mb_per_sec", None),
-        storage_latency_us=getattr(args, "storage_latency_us", None),
-        reader=getattr(args, "reader", None) or _default_reader(),
-        chunk_size=(getattr(args, "chunk_kb", None) or 1024) * 1024,
-        progress=False if getattr(args, "no_progress", False) else None,
-        trials=TRIALS if getattr(args, "trials", None) is None else args.trials,
-    )
-
-
-def _default_reader() -> str:
-    """``mount`` where FUSE works here, else ``api`` (said once on stderr)."""
-    from fanstore.select.calibrate import fuse_problem
-
-    problem = fuse_problem()
-    if problem:
-        print(f"fanstore: --reader api (no FUSE here: {problem})", file=sys.stderr)
-        return "api"
-    return "mount"

@@ -4,7 +4,8 @@ No libfuse, pyfuse3 or trio: requests are read from ``/dev/fuse`` with ``os.read
 preallocated buffer, parsed with precompiled structs, dispatched by opcode to a *handler*,
 and answered with ``os.writev``. After INIT the supervisor forks K workers that each read
 the same connection through their own cloned descriptor. This package imports nothing from
-FanStore except :mod:`fanstore.errors` (MountError).
+FanStore except :mod:`fanstore.errors` (MountError) and :mod:`fanstore.unixsock` (the
+hand-off socket's address); tests/test_layers.py holds it to that.
 
 Modules, lowest first: :mod:`.proto` (the protocol's layouts, constants and scalar
 packers), :mod:`.records` (numpy packers: EntryTable, DirListing), :mod:`.counters` (per-op
