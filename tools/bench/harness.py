@@ -843,6 +843,24 @@ def args(ap: argparse.ArgumentParser, name: str, work: str, fanstore: bool = Tru
         ap.add_argument("--clean", action="store_true", help="delete the work dir at the end")
 
 
+def dataset_args(ap: argparse.ArgumentParser, partitions: int | None = 8,
+                 pass_limit: float = 600.0, codec: str | None = "zstd:3") -> None:
+    """The dataset (tools/gen_dataset.py), store and pass options of the read benchmarks."""
+    ap.add_argument("--files", type=int, help="small files in the dataset")
+    ap.add_argument("--classes", type=int, help="class directories")
+    ap.add_argument("--min-kb", type=int, default=50)
+    ap.add_argument("--max-kb", type=int, default=150)
+    ap.add_argument("--seed", type=int, default=20240601, help="dataset seed")
+    if codec:
+        ap.add_argument("--codec", default=codec, help=f"store codec (default {codec})")
+    ap.add_argument("--partitions", type=int, default=partitions, help="store partitions")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="fanstore pack --jobs")
+    ap.add_argument("--pass-limit", type=float, default=pass_limit,
+                    help=f"seconds after which a read pass is cut short (default {pass_limit:g})")
+    ap.add_argument("--reuse-store", action="store_true",
+                    help="keep an existing store packed with the same parameters (not timed)")
+
+
 def presets(a: argparse.Namespace, table_: dict, smoke: str = "quick") -> argparse.Namespace:
     """Fill the options left unset from the chosen preset; label a smoke run as such."""
     for key, value in table_[a.preset].items():

@@ -299,28 +299,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--preset", choices=sorted(PRESETS), default="full",
                     help="dataset size and repetitions (default full); options below override")
     h.args(ap, "mount_bench", os.environ.get("FANSTORE_BENCH_WORK", "/tmp/fanstore-bench"))
-    ap.add_argument("--files", type=int, help="small files")
-    ap.add_argument("--classes", type=int, help="class directories")
-    ap.add_argument("--min-kb", type=int, default=50)
-    ap.add_argument("--max-kb", type=int, default=150)
+    h.dataset_args(ap, codec=None)
     ap.add_argument("--large", type=int, help="large files")
     ap.add_argument("--large-mb", type=int, help="size of each large file in MiB")
-    ap.add_argument("--seed", type=int, default=20240601, help="dataset seed")
     ap.add_argument("--codec", action="append", help="FanStore codec(s) to pack with, one "
                     "backend each (repeatable; default zstd:3)")
-    ap.add_argument("--partitions", type=int, default=8)
-    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
-                    help="fanstore pack --jobs (default: all cores)")
     ap.add_argument("--mount-opts", default="", help="extra options for `fanstore mount`")
     ap.add_argument("--workers", default="1,4", help="reader process counts (default 1,4)")
     ap.add_argument("--reps", type=int, help="cold passes per backend and reader count")
     ap.add_argument("--warm-reps", type=int, help="warm passes (after the first cold ones)")
     ap.add_argument("--large-reps", type=int, help="cold+warm large-file passes")
-    ap.add_argument("--pass-limit", type=float, default=600.0,
-                    help="seconds after which one read pass is cut short (default 600)")
     ap.add_argument("--verify-sample", type=int, default=300)
-    ap.add_argument("--reuse-store", action="store_true",
-                    help="keep an existing store instead of packing again (pack is not timed)")
     a = h.presets(ap.parse_args(argv), PRESETS)
     a.codec = a.codec or ["zstd:3"]
     a.workers = h.ints(a.workers)

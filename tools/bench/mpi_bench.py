@@ -661,14 +661,7 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--preset", choices=sorted(PRESETS), default="full",
                     help="dataset size and repetitions (default full); options below override")
     h.args(ap, "mpi_bench", os.environ.get("FANSTORE_MPIBENCH_WORK", "/tmp/fanstore-mpibench"))
-    ap.add_argument("--files", type=int, help="small files in the dataset")
-    ap.add_argument("--classes", type=int, help="class directories")
-    ap.add_argument("--min-kb", type=int, default=50)
-    ap.add_argument("--max-kb", type=int, default=150)
-    ap.add_argument("--seed", type=int, default=20240601, help="dataset seed")
-    ap.add_argument("--codec", default="zstd:3")
-    ap.add_argument("--partitions", type=int, help="store partitions")
-    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="fanstore pack --jobs")
+    h.dataset_args(ap, partitions=None)
     ap.add_argument("--phases", default="lr,agg,meta",
                     help="which parts to run: lr (local vs remote), agg (aggregate + stage-in), "
                          "meta (metadata at scale); default all")
@@ -684,8 +677,6 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--bcast-ranks", type=int, default=4)
     ap.add_argument("--bcast-reps", type=int)
     ap.add_argument("--keep-synth", action="store_true", help="keep the synthetic index files")
-    ap.add_argument("--pass-limit", type=float, default=600.0,
-                    help="seconds after which a read pass is cut short (default 600)")
     g = ap.add_argument_group("projection assumptions")
     g.add_argument("--proj-nodes", type=int, default=512)
     g.add_argument("--proj-files", type=float, default=10e6)
@@ -696,8 +687,6 @@ def parse_args(argv: list[str] | None):
                    help="PFS GB/s of one stream (rank 0 reading the index)")
     g.add_argument("--proj-raw-tb", type=float, default=10.0)
     g.add_argument("--proj-ratio", type=float, default=2.0)
-    ap.add_argument("--reuse-store", action="store_true",
-                    help="keep an existing store packed with the same parameters")
     ap.add_argument("--mpiexec", help="mpiexec (default: next to this python)")
     a = h.presets(ap.parse_args(argv), PRESETS)
     a.lr_readers, a.agg_ranks, a.agg_readers, a.meta_files = (

@@ -756,14 +756,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--preset", choices=sorted(PRESETS), default="full")
     h.args(ap, "prefetch_bench", os.environ.get("FANSTORE_PREFETCHBENCH_WORK",
                                                 "/tmp/fanstore-prefetchbench"))
-    ap.add_argument("--files", type=int)
-    ap.add_argument("--classes", type=int)
-    ap.add_argument("--min-kb", type=int, default=50)
-    ap.add_argument("--max-kb", type=int, default=150)
-    ap.add_argument("--seed", type=int, default=20240601)
-    ap.add_argument("--codec", default="zstd:3")
-    ap.add_argument("--partitions", type=int, default=8)
-    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    h.dataset_args(ap, pass_limit=900.0)
     ap.add_argument("--phases", default="read,serial,loader,ranks,model",
                     help="read, serial, loader, ranks, model (default all)")
     ap.add_argument("--model-sample-mb", type=int, default=100,
@@ -790,9 +783,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "(first = the tight budget; default 1.0,0.5)")
     ap.add_argument("--compute-ms", type=float,
                     help="fixed compute per batch (one set; skips the calibration)")
-    ap.add_argument("--pass-limit", type=float, default=900.0)
     ap.add_argument("--verify-sample", type=int, default=200)
-    ap.add_argument("--reuse-store", action="store_true")
     a = h.presets(ap.parse_args(argv), PRESETS)
     a.workers = h.ints(a.workers)
     a.modes, a.serial_modes, a.dl_modes = (h.words(x) for x in (a.modes, a.serial_modes,
