@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import posixpath
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -31,6 +32,9 @@ from fanstore.format.symlinks import ESCAPES, Resolver, components
 if TYPE_CHECKING:
     from fanstore.format.tables import Index
 
+#: Makes the error for a refused index (its message prefixed with where the index is from).
+_Refusal = Callable[[str], FormatError]
+
 
 def validate_index(
     index: Index, partition_sizes: dict[int, int] | None = None, where: str = "index"
@@ -49,44 +53,90 @@ def validate_index(
     def bad(msg: str) -> FormatError:
         return FormatError(f"{where}: {msg}")
 
-    e, c = index.entries, index.chunks
-    n, m = index.n_entries, index.n_chunks
+    # The order of the checks is the order of the messages a corrupt index gets.
+    _check_header(index, bad)
+    dirs = np.nonzero(index.entries["kind"] == KIND_DIR)[0]
+    _check_tree_shape(index, dirs, bad)
+    _check_names(index, bad)
+    _check_lookup_table(index, bad)
+    _check_symlinks(index, bad)
+    file_runs = _check_file_entries(index, dirs, bad)
+    if not index.n_chunks:
+        return
+    chunks = _check_chunk_table(index, partition_sizes, bad)
+    _check_chunk_owners(index, file_runs, chunks, bad)
+    _check_no_overlap_in_partitions(chunks, bad)
+
+
+class _FileRuns(NamedTuple):
+    """The files that have chunks, one int64 row each: their chunk run and their data."""
+
+    first: np.ndarray  # first chunk of the run
+    count: np.ndarray  # chunks in the run (> 0)
+    size: np.ndarray  # bytes of the file
+    offset: np.ndarray  # where the file's data starts in its first chunk (v2)
+
+    def where(self, mask: np.ndarray) -> _FileRuns:
+        return _FileRuns(self.first[mask], self.count[mask], self.size[mask], self.offset[mask])
+
+
+class _ChunkColumns(NamedTuple):
+    """The chunk table's columns as int64, checked against the partitions."""
+
+    raw: np.ndarray
+    stored: np.ndarray
+    part: np.ndarray
+    offset: np.ndarray
+
+
+def _check_header(index: Index, bad: _Refusal) -> None:
+    """The chunk size is bounded; entry 0 is the root directory; kinds and modes are known."""
+    entries = index.entries
     chunk_size = index.chunk_size
     if not 0 < chunk_size <= MAX_CHUNK_SIZE:
         raise bad(f"bad chunk size {chunk_size}")
-    if n < 1:
+    if index.n_entries < 1:
         raise bad("no root entry")
-    kind, parent, first, count = e["kind"], e["parent"], e["first"], e["count"]
-    if kind[0] != KIND_DIR or parent[0] != 0 or e["name_len"][0] != 0:
+    kind = entries["kind"]
+    if kind[0] != KIND_DIR or entries["parent"][0] != 0 or entries["name_len"][0] != 0:
         raise bad("entry 0 is not the root directory")
     if np.any(kind > KIND_SYMLINK):
         raise bad("unknown entry kind")
-    if np.any(e["mode"] > 0o7777):
+    if np.any(entries["mode"] > 0o7777):
         raise bad("mode has bits beyond 07777")
 
-    # -- tree: the children runs of directories tile entries 1..n-1 in directory order.
-    dirs = np.nonzero(kind == KIND_DIR)[0]
-    d_first = first[dirs].astype(np.int64)
-    d_count = count[dirs].astype(np.int64)
-    if d_count.sum() != n - 1:
+
+def _check_tree_shape(index: Index, dirs: np.ndarray, bad: _Refusal) -> None:
+    """The children runs of the directories ``dirs`` tile entries 1..n-1 in directory
+    order (breadth-first), and every entry follows its parent."""
+    entries, n_entries = index.entries, index.n_entries
+    dir_first = entries["first"][dirs].astype(np.int64)
+    dir_count = entries["count"][dirs].astype(np.int64)
+    if dir_count.sum() != n_entries - 1:
         raise bad("directory child counts do not add up to the number of entries")
-    expected_first = np.concatenate(([1], 1 + np.cumsum(d_count)[:-1])) if len(dirs) else []
-    if not np.array_equal(d_first, expected_first):
+    expected_first = np.concatenate(([1], 1 + np.cumsum(dir_count)[:-1])) if len(dirs) else []
+    if not np.array_equal(dir_first, expected_first):
         raise bad("directory child runs are not contiguous in breadth-first order")
-    if n > 1:
-        expected_parent = np.repeat(dirs, d_count)
-        if not np.array_equal(parent[1:].astype(np.int64), expected_parent):
+    if n_entries > 1:
+        parent = entries["parent"][1:].astype(np.int64)
+        expected_parent = np.repeat(dirs, dir_count)
+        if not np.array_equal(parent, expected_parent):
             raise bad("entries are not where their parent's child run says")
-        if np.any(parent[1:].astype(np.int64) >= np.arange(1, n)):
+        if np.any(parent >= np.arange(1, n_entries)):
             raise bad("an entry precedes its parent")
 
-    # -- names (bounds are checked on the unsigned values first: a u64 offset above 2**63
-    # would turn negative as an int64 and slip past the checks below)
+
+def _check_names(index: Index, bad: _Refusal) -> None:
+    """Every entry but the root has a name inside the name table: not empty, not over-long,
+    without '/' or NUL, not '.' or '..'."""
+    entries, n_entries = index.entries, index.n_entries
+    # Bounds are checked on the unsigned values first: a u64 offset above 2**63 would turn
+    # negative as an int64 and slip past the checks below.
     names = np.frombuffer(index.names, dtype=np.uint8)
-    if np.any(e["name_off"][1:] > len(names)):
+    if np.any(entries["name_off"][1:] > len(names)):
         raise bad("a name lies outside the name table")
-    name_off = e["name_off"][1:].astype(np.int64)
-    name_len = e["name_len"][1:].astype(np.int64)
+    name_off = entries["name_off"][1:].astype(np.int64)
+    name_len = entries["name_len"][1:].astype(np.int64)
     if np.any(name_len == 0) or np.any(name_len > MAX_NAME):
         raise bad("an entry has an empty or over-long name")
     if np.any(name_off + name_len > len(names)):
@@ -94,153 +144,212 @@ def validate_index(
     if np.any(names == ord("/")) or np.any(names == 0):
         raise bad("a name contains '/' or NUL")
     dot = ord(".")
-    if n > 1:
-        b0 = names[name_off]
-        b1 = names[np.minimum(name_off + 1, max(len(names) - 1, 0))]
-        if np.any((name_len == 1) & (b0 == dot)) or np.any(
-            (name_len == 2) & (b0 == dot) & (b1 == dot)
+    if n_entries > 1:
+        first_byte = names[name_off]
+        second_byte = names[np.minimum(name_off + 1, max(len(names) - 1, 0))]
+        if np.any((name_len == 1) & (first_byte == dot)) or np.any(
+            (name_len == 2) & (first_byte == dot) & (second_byte == dot)
         ):
             raise bad("an entry is named '.' or '..'")
 
-    # -- lookup table
-    if index.lk_hash.shape[0] != n - 1 or index.lk_entry.shape[0] != n - 1:
+
+def _check_lookup_table(index: Index, bad: _Refusal) -> None:
+    """The lookup table has one sorted row per entry but the root, naming real entries."""
+    n_entries = index.n_entries
+    if index.lk_hash.shape[0] != n_entries - 1 or index.lk_entry.shape[0] != n_entries - 1:
         raise bad("lookup table has the wrong length")
-    if n > 1:
+    if n_entries > 1:
         if np.any(index.lk_hash[1:] < index.lk_hash[:-1]):
             raise bad("lookup table is not sorted")
-        if np.any(index.lk_entry == 0) or np.any(index.lk_entry >= n):
+        if np.any(index.lk_entry == 0) or np.any(index.lk_entry >= n_entries):
             raise bad("lookup table points outside the entry table")
 
-    # -- symlinks
-    links = np.nonzero(kind == KIND_SYMLINK)[0]
-    if len(links):
-        if np.any(first[links] > len(index.targets)):
-            raise bad("a symlink target lies outside the target table or is empty")
-        t_end = first[links].astype(np.int64) + count[links].astype(np.int64)
-        if np.any(t_end > len(index.targets)) or np.any(count[links] == 0):
-            raise bad("a symlink target lies outside the target table or is empty")
-        if np.any(count[links] > MAX_TARGET):
-            raise bad("a symlink target is over-long")
-        if np.any(e["size"][links] != count[links]):
-            raise bad("a symlink's size differs from its target length")
-        # Depth of every directory (parents come first): a symlink's own path is needed
-        # only to name it (building it for each symlink cost O(depth): a hostile index
-        # of 4,000 nested directories and 4,000 symlinks took 11 s to validate).
-        par = parent.tolist()
-        depth = [0] * n
-        for i in range(1, n):
-            depth[i] = depth[par[i]] + 1
-        upward = []
-        for entry in links.tolist():
-            target = index.target(entry)
-            if b"\0" in target:
-                raise bad("a symlink target contains NUL")
-            if not _stays_inside(depth[par[entry]], target):
-                raise bad(
-                    f"symlink {os.fsdecode(index.path(entry))!r} points outside the store"
-                )
-            if b".." in components(target):
-                upward.append(entry)
-        # Lexically inside is not enough: ``..`` after a symlink (``c -> a/b/..`` with
-        # ``a/b -> ..``) climbs from where that symlink leads, and on the mount the kernel
-        # would climb out of the mount point. Only targets with a ``..`` can climb; the
-        # symlinks they pass through are resolved on the way (fanstore.format.symlinks).
-        if upward:
-            resolver = Resolver(_IndexTree(index))
-            for entry in upward:
-                if resolver.resolve(entry).status == ESCAPES:
-                    raise bad(f"symlink {os.fsdecode(index.path(entry))!r} resolves outside "
-                              "the store (through other symlinks)")
 
-    # -- files and chunks
+def _check_symlinks(index: Index, bad: _Refusal) -> None:
+    """Symlink targets lie in the target table and stay inside the store: lexically, and
+    through the other symlinks they pass."""
+    links = np.nonzero(index.entries["kind"] == KIND_SYMLINK)[0]
+    if not len(links):
+        return
+    _check_target_bounds(index, links, bad)
+    upward = _check_targets_lexically(index, links, bad)
+    # Lexically inside is not enough: ``..`` after a symlink (``c -> a/b/..`` with
+    # ``a/b -> ..``) climbs from where that symlink leads, and on the mount the kernel
+    # would climb out of the mount point. Only targets with a ``..`` can climb; the
+    # symlinks they pass through are resolved on the way (fanstore.format.symlinks).
+    if upward:
+        resolver = Resolver(_IndexTree(index))
+        for entry in upward:
+            if resolver.resolve(entry).status == ESCAPES:
+                raise bad(f"symlink {os.fsdecode(index.path(entry))!r} resolves outside "
+                          "the store (through other symlinks)")
+
+
+def _check_target_bounds(index: Index, links: np.ndarray, bad: _Refusal) -> None:
+    """The targets of the symlinks ``links`` lie in the target table, are not empty or
+    over-long, and each symlink's size is its target's length."""
+    first, count = index.entries["first"][links], index.entries["count"][links]
+    if np.any(first > len(index.targets)):
+        raise bad("a symlink target lies outside the target table or is empty")
+    target_end = first.astype(np.int64) + count.astype(np.int64)
+    if np.any(target_end > len(index.targets)) or np.any(count == 0):
+        raise bad("a symlink target lies outside the target table or is empty")
+    if np.any(count > MAX_TARGET):
+        raise bad("a symlink target is over-long")
+    if np.any(index.entries["size"][links] != count):
+        raise bad("a symlink's size differs from its target length")
+
+
+def _check_targets_lexically(index: Index, links: np.ndarray, bad: _Refusal) -> list[int]:
+    """Refuse a target of the symlinks ``links`` with a NUL or one that climbs above the
+    root lexically; return the symlinks whose targets have a ``..`` (they may still climb
+    out through other symlinks)."""
+    # Depth of every directory (parents come first): a symlink's own path is needed
+    # only to name it (building it for each symlink cost O(depth): a hostile index
+    # of 4,000 nested directories and 4,000 symlinks took 11 s to validate).
+    parents = index.entries["parent"].tolist()
+    depth = [0] * index.n_entries
+    for entry in range(1, index.n_entries):
+        depth[entry] = depth[parents[entry]] + 1
+    upward = []
+    for entry in links.tolist():
+        target = index.target(entry)
+        if b"\0" in target:
+            raise bad("a symlink target contains NUL")
+        if not _stays_inside(depth[parents[entry]], target):
+            raise bad(f"symlink {os.fsdecode(index.path(entry))!r} points outside the store")
+        if b".." in components(target):
+            upward.append(entry)
+    return upward
+
+
+def _check_file_entries(index: Index, dirs: np.ndarray, bad: _Refusal) -> _FileRuns:
+    """Only files carry data; a file's chunk run lies in the chunk table and a file without
+    chunks is empty. Return the runs of the files that have chunks."""
+    entries, n_chunks = index.entries, index.n_chunks
+    kind, first, count = entries["kind"], entries["first"], entries["count"]
     files = np.nonzero(kind == KIND_FILE)[0]
     nonfile = np.nonzero(kind != KIND_FILE)[0]
-    if np.any(e["checksum"][nonfile] != 0) or np.any(e["size"][dirs] != 0):
+    if np.any(entries["checksum"][nonfile] != 0) or np.any(entries["size"][dirs] != 0):
         raise bad("a directory or symlink carries file data")
-    if np.any(e["offset"][nonfile] != 0):
+    if np.any(entries["offset"][nonfile] != 0):
         raise bad("a directory or symlink has a data offset")
-    f_count = count[files].astype(np.int64)
-    if np.any(first[files] > np.uint64(m)):  # unsigned, before any arithmetic
+    run_count = count[files].astype(np.int64)
+    if np.any(first[files] > np.uint64(n_chunks)):  # unsigned, before any arithmetic
         raise bad("a file's chunk run lies outside the chunk table")
-    f_first = first[files].astype(np.int64)
-    f_size = e["size"][files]
-    if np.any(f_size > np.uint64(MAX_META_INT)):
+    run_first = first[files].astype(np.int64)
+    size = entries["size"][files]
+    if np.any(size > np.uint64(MAX_META_INT)):
         raise bad("a file claims an absurd size")
-    f_size = f_size.astype(np.int64)
-    f_off = e["offset"][files].astype(np.int64)
-    used = f_count > 0
-    if np.any(f_size[~used] != 0) or np.any(f_off[~used] != 0):
+    size = size.astype(np.int64)
+    offset = entries["offset"][files].astype(np.int64)
+    used = run_count > 0
+    if np.any(size[~used] != 0) or np.any(offset[~used] != 0):
         raise bad("a file's size differs from the sum of its chunks")
-    if np.any(f_first[used] + f_count[used] > m):
+    if np.any(run_first[used] + run_count[used] > n_chunks):
         raise bad("a file's chunk run lies outside the chunk table")
-    if not m:
-        return
-    if np.any(c["offset"] > np.uint64(MAX_META_INT)):
+    return _FileRuns(run_first, run_count, size, offset).where(used)
+
+
+def _check_chunk_table(
+    index: Index, partition_sizes: dict[int, int] | None, bad: _Refusal
+) -> _ChunkColumns:
+    """Chunk sizes are bounded (no decompression bombs), codecs and partitions exist, and
+    each chunk lies inside its partition (of ``partition_sizes`` where given)."""
+    table = index.chunks
+    if np.any(table["offset"] > np.uint64(MAX_META_INT)):
         raise bad("a chunk lies outside its partition")
-    raw = c["raw"].astype(np.int64)
-    stored = c["stored"].astype(np.int64)
-    part = c["part"].astype(np.int64)
-    offset = c["offset"].astype(np.int64)
-    if np.any(raw == 0) or np.any(raw > chunk_size):
+    chunks = _ChunkColumns(
+        raw=table["raw"].astype(np.int64),
+        stored=table["stored"].astype(np.int64),
+        part=table["part"].astype(np.int64),
+        offset=table["offset"].astype(np.int64),
+    )
+    if np.any(chunks.raw == 0) or np.any(chunks.raw > index.chunk_size):
         raise bad("a chunk claims an absurd raw size (possible decompression bomb)")
-    if np.any(stored == 0):
+    if np.any(chunks.stored == 0):
         raise bad("a chunk has no stored bytes")
-    if np.any(c["codec"] >= len(index.codecs)):
+    if np.any(table["codec"] >= len(index.codecs)):
         raise bad("a chunk names a codec outside the codec table")
-    if np.any(part >= len(index.partitions)):
+    if np.any(chunks.part >= len(index.partitions)):
         raise bad("a chunk names a partition outside the partition table")
     sizes = np.array([p.size for p in index.partitions], dtype=np.int64)
     if partition_sizes is not None:
         for number, size in partition_sizes.items():
             sizes[number] = size
-    if np.any(offset < PARTITION_HEADER_SIZE) or np.any(offset + stored > sizes[part]):
+    if np.any(chunks.offset < PARTITION_HEADER_SIZE) or np.any(
+        chunks.offset + chunks.stored > sizes[chunks.part]
+    ):
         raise bad("a chunk lies outside its partition")
-    # How many files refer to each chunk (a difference array over the runs).
-    u_first, u_count = f_first[used], f_count[used]
-    diff = np.zeros(m + 1, dtype=np.int64)
-    np.add.at(diff, u_first, 1)
-    np.add.at(diff, u_first + u_count, -1)
-    refs = np.cumsum(diff[:m])
+    return chunks
+
+
+def _check_chunk_owners(
+    index: Index, runs: _FileRuns, chunks: _ChunkColumns, bad: _Refusal
+) -> None:
+    """Every chunk belongs to a file. Files of one chunk may share it (solid chunks, v2
+    only): their bytes lie inside it. Files of several chunks own them (no other file
+    refers to any)."""
+    refs = _references_per_chunk(runs, index.n_chunks)
     if np.any(refs == 0):
         raise bad("a chunk belongs to no file")
-    # Files of one chunk ("single") may share it (solid chunks, v2): their bytes must lie
-    # inside it. Files of several chunks own them: no other file refers to any of them.
-    single = u_count == 1
-    s_first, s_size, s_off = u_first[single], f_size[used][single], f_off[used][single]
-    if np.any(s_off + s_size > raw[s_first]):
+    single = runs.count == 1
+    singles = runs.where(single)
+    if np.any(singles.offset + singles.size > chunks.raw[singles.first]):
         raise bad("a file's data lies outside its chunk")
-    if index.version < 2 and (np.any(refs > 1) or np.any(s_size != raw[s_first])
-                              or np.any(f_off != 0)):
+    # (runs.offset covers all files with a non-zero offset: a file without chunks has none)
+    if index.version < 2 and (np.any(refs > 1) or np.any(singles.size != chunks.raw[singles.first])
+                              or np.any(runs.offset != 0)):
         raise bad("a file's size differs from the sum of its chunks")
     multi = ~single
     if np.any(multi):
-        m_first, m_count = u_first[multi], u_count[multi]
-        m_last = m_first + m_count - 1
-        if np.any(f_off[used][multi] != 0):
-            raise bad("a file of several chunks has a data offset")
+        _check_multi_chunk_files(index.chunk_size, runs.where(multi), refs, chunks, bad)
 
-        def run_sum(flags: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-            """Sum of ``flags[lo:hi]`` for each run (prefix sums)."""
-            prefix = np.concatenate(([0], np.cumsum(flags, dtype=np.int64)))
-            return prefix[hi] - prefix[lo]
 
-        if np.any(run_sum(refs > 1, m_first, m_last + 1)):
-            raise bad("file chunk runs overlap")
-        if np.any(run_sum(raw, m_first, m_last + 1) != f_size[used][multi]):
-            raise bad("a file's size differs from the sum of its chunks")
-        # Every chunk but a file's last is exactly chunk_size long (offsets map to chunks).
-        if np.any(run_sum(raw != chunk_size, m_first, m_last)):
-            raise bad("a chunk other than a file's last is not chunk_size long")
-        # Chunks of one file are contiguous in one partition.
-        broken = np.zeros(m, dtype=bool)
-        broken[:-1] = (part[1:] != part[:-1]) | (offset[1:] != offset[:-1] + stored[:-1])
-        if np.any(run_sum(broken, m_first, m_last)):
-            raise bad("a file's chunks are not contiguous in one partition")
-    # No two chunks overlap inside a partition.
-    by_pos = np.lexsort((offset, part))
-    p_s, o_s, s_s = part[by_pos], offset[by_pos], stored[by_pos]
-    same = p_s[1:] == p_s[:-1]
-    if np.any(o_s[1:][same] < o_s[:-1][same] + s_s[:-1][same]):
+def _references_per_chunk(runs: _FileRuns, n_chunks: int) -> np.ndarray:
+    """How many files refer to each chunk (a difference array over the runs)."""
+    diff = np.zeros(n_chunks + 1, dtype=np.int64)
+    np.add.at(diff, runs.first, 1)
+    np.add.at(diff, runs.first + runs.count, -1)
+    return np.cumsum(diff[:n_chunks])
+
+
+def _check_multi_chunk_files(
+    chunk_size: int, runs: _FileRuns, refs: np.ndarray, chunks: _ChunkColumns, bad: _Refusal
+) -> None:
+    """Files of several chunks (``runs``) start at offset 0, own their chunks, which add up
+    to their size, are chunk_size long but the last, and lie contiguous in one partition."""
+    end = runs.first + runs.count  # one past each run's last chunk
+    last = end - 1
+    if np.any(runs.offset != 0):
+        raise bad("a file of several chunks has a data offset")
+    if np.any(_run_sum(refs > 1, runs.first, end)):
+        raise bad("file chunk runs overlap")
+    if np.any(_run_sum(chunks.raw, runs.first, end) != runs.size):
+        raise bad("a file's size differs from the sum of its chunks")
+    # Every chunk but a file's last is exactly chunk_size long (offsets map to chunks).
+    if np.any(_run_sum(chunks.raw != chunk_size, runs.first, last)):
+        raise bad("a chunk other than a file's last is not chunk_size long")
+    # Chunks of one file are contiguous in one partition.
+    part, offset, stored = chunks.part, chunks.offset, chunks.stored
+    broken = np.zeros(len(part), dtype=bool)
+    broken[:-1] = (part[1:] != part[:-1]) | (offset[1:] != offset[:-1] + stored[:-1])
+    if np.any(_run_sum(broken, runs.first, last)):
+        raise bad("a file's chunks are not contiguous in one partition")
+
+
+def _run_sum(flags: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Sum of ``flags[lo:hi]`` for each run (prefix sums)."""
+    prefix = np.concatenate(([0], np.cumsum(flags, dtype=np.int64)))
+    return prefix[hi] - prefix[lo]
+
+
+def _check_no_overlap_in_partitions(chunks: _ChunkColumns, bad: _Refusal) -> None:
+    """No two chunks overlap inside a partition."""
+    by_pos = np.lexsort((chunks.offset, chunks.part))
+    part, offset, stored = chunks.part[by_pos], chunks.offset[by_pos], chunks.stored[by_pos]
+    same = part[1:] == part[:-1]
+    if np.any(offset[1:][same] < offset[:-1][same] + stored[:-1][same]):
         raise bad("chunks overlap inside a partition")
 
 
