@@ -120,6 +120,34 @@ def read_index_bytes(data: bytes, where: str = "index") -> Index:
 def parse_body(body: bytes, where: str, version: int = FORMAT_VERSION) -> Index:
     """The decompressed ``body`` of a v``version`` index as an :class:`Index` whose arrays
     are views of it (checked only as far as parsing needs: the caller validates)."""
+    meta, columns_start = _parse_meta(body, where)
+    directory = meta["columns"]
+    column = _ColumnReader(body, directory, columns_start, where)
+    _check_meta_fields(meta, where, version)
+    entries, chunks = _entry_and_chunk_tables(column, meta, version, where)
+    lk_hash = column("lk_hash", "<u8")
+    lk_entry = column("lk_entry", "<u4")
+    codecs = meta.get("codecs")
+    if not isinstance(codecs, list) or not all(isinstance(x, dict) and "id" in x for x in codecs):
+        raise FormatError(f"{where}: index codec table is malformed")
+    partitions = _parse_partitions(meta, where)
+    return Index(
+        meta=meta,
+        entries=entries,
+        chunks=chunks,
+        lk_hash=lk_hash,
+        lk_entry=lk_entry,
+        names=column("names", None),
+        targets=column("targets", None),
+        codecs=codecs,
+        partitions=partitions,
+        version=version,
+    )
+
+
+def _parse_meta(body: bytes, where: str) -> tuple[dict[str, Any], int]:
+    """The JSON metadata at the start of ``body`` (it has a column directory) and the
+    offset where the columns may start (just past it)."""
     if len(body) < 4:
         raise FormatError(f"{where}: index body too short")
     (meta_len,) = struct.unpack_from("<I", body)
@@ -131,12 +159,26 @@ def parse_body(body: bytes, where: str, version: int = FORMAT_VERSION) -> Index:
         raise FormatError(f"{where}: index metadata is not valid JSON") from exc
     if not isinstance(meta, dict):
         raise FormatError(f"{where}: index metadata is not an object")
-    directory = meta.get("columns")
-    if not isinstance(directory, dict):
+    if not isinstance(meta.get("columns"), dict):
         raise FormatError(f"{where}: index has no column directory")
+    return meta, 4 + meta_len
 
-    def column(name: str, dtype: str | None) -> Any:
-        spec = directory.get(name)
+
+class _ColumnReader:
+    """Reads the columns of an index body by name, as the column directory places them."""
+
+    def __init__(
+        self, body: bytes, directory: dict[str, Any], columns_start: int, where: str
+    ) -> None:
+        self.body = body
+        self.directory = directory
+        self.columns_start = columns_start
+        self.where = where
+
+    def __call__(self, name: str, dtype: str | None) -> Any:
+        """Column ``name``: a numpy view of ``dtype`` rows, or the bytes if ``dtype`` is None."""
+        body, where = self.body, self.where
+        spec = self.directory.get(name)
         if (
             not isinstance(spec, list)
             or len(spec) != 2
@@ -144,23 +186,23 @@ def parse_body(body: bytes, where: str, version: int = FORMAT_VERSION) -> Index:
         ):
             raise FormatError(f"{where}: index column {name!r} missing or malformed")
         off, length = spec
-        if off + length > len(body) or off < 4 + meta_len:
+        if off + length > len(body) or off < self.columns_start:
             raise FormatError(f"{where}: index column {name!r} lies outside the body")
         if dtype is None:
             return body[off : off + length]
         itemsize = np.dtype(dtype).itemsize
         if length % itemsize:
             raise FormatError(f"{where}: index column {name!r} has a partial row")
-        arr = np.frombuffer(body, dtype=dtype, count=length // itemsize, offset=off)
-        return arr
+        return np.frombuffer(body, dtype=dtype, count=length // itemsize, offset=off)
 
+
+def _check_meta_fields(meta: dict[str, Any], where: str, version: int) -> None:
+    """The counts, the optional fields and the format version of the metadata are sound."""
     for key in ("n_entries", "n_chunks", "chunk_size"):
         if key not in meta:
             raise FormatError(f"{where}: index metadata lacks {key!r}")
         if not _meta_int(meta[key]):
             raise FormatError(f"{where}: index metadata {key!r} is not a valid count")
-    n_entries = meta["n_entries"]
-    n_chunks = meta["n_chunks"]
     counts = meta.get("counts", {})
     if not isinstance(counts, dict) or not all(_meta_int(v) for v in counts.values()):
         raise FormatError(f"{where}: index counts are malformed")
@@ -170,68 +212,66 @@ def parse_body(body: bytes, where: str, version: int = FORMAT_VERSION) -> Index:
     if meta.get("format_version", version) != version:
         raise FormatError(f"{where}: index metadata says format v{meta.get('format_version')}, "
                           f"its header v{version}")
-    e = {}
+
+
+def _entry_and_chunk_tables(
+    column: _ColumnReader, meta: dict[str, Any], version: int, where: str
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The entry and chunk columns, each of its table's length; an entry column that
+    ``version`` does not have reads as zeros."""
+    n_entries = meta["n_entries"]
+    n_chunks = meta["n_chunks"]
+    entries = {}
     absent = []
     for name, dt in ENTRY_COLUMNS:
         if ABSENT_BEFORE.get(name, 0) > version:
-            if ENTRY_PREFIX + name in directory:
+            if ENTRY_PREFIX + name in column.directory:
                 raise FormatError(f"{where}: a v{version} index has a column {name!r} of a "
                                   "later version")
             absent.append((name, dt))
         else:
-            e[name] = column(ENTRY_PREFIX + name, dt)
-    c = {name: column(CHUNK_PREFIX + name, dt) for name, dt in CHUNK_COLUMNS}
-    for name, arr in e.items():
+            entries[name] = column(ENTRY_PREFIX + name, dt)
+    chunks = {name: column(CHUNK_PREFIX + name, dt) for name, dt in CHUNK_COLUMNS}
+    for name, arr in entries.items():
         if arr.shape[0] != n_entries:
             raise FormatError(f"{where}: entry column {name!r} has the wrong length")
     for name, dt in absent:  # only now: n_entries is the real length of the columns
         zeros = np.zeros(n_entries, dtype=dt)
         zeros.flags.writeable = False
-        e[name] = zeros
-    for name, arr in c.items():
+        entries[name] = zeros
+    for name, arr in chunks.items():
         if arr.shape[0] != n_chunks:
             raise FormatError(f"{where}: chunk column {name!r} has the wrong length")
-    lk_hash = column("lk_hash", "<u8")
-    lk_entry = column("lk_entry", "<u4")
-    codecs = meta.get("codecs")
-    if not isinstance(codecs, list) or not all(isinstance(x, dict) and "id" in x for x in codecs):
-        raise FormatError(f"{where}: index codec table is malformed")
+    return entries, chunks
+
+
+def _parse_partitions(meta: dict[str, Any], where: str) -> list[PartitionInfo]:
+    """The partition table of the metadata."""
     parts_raw = meta.get("partitions")
     if not isinstance(parts_raw, list):
         raise FormatError(f"{where}: index partition table is malformed")
     partitions = []
-    for number, p in enumerate(parts_raw):
+    for number, part in enumerate(parts_raw):
         if not (
-            isinstance(p, dict)
-            and _meta_int(p.get("size"))
-            and isinstance(p.get("checksum"), str)
-            and _meta_int(p.get("files", 0))
-            and _meta_int(p.get("raw_bytes", 0))
-            and isinstance(p.get("broadcast", False), bool)
+            isinstance(part, dict)
+            and _meta_int(part.get("size"))
+            and isinstance(part.get("checksum"), str)
+            and _meta_int(part.get("files", 0))
+            and _meta_int(part.get("raw_bytes", 0))
+            and isinstance(part.get("broadcast", False), bool)
         ):
             raise FormatError(f"{where}: partition {number} entry is malformed")
         partitions.append(
             PartitionInfo(
                 number=number,
-                size=p["size"],
-                checksum=p["checksum"],
-                files=p.get("files", 0),
-                raw_bytes=p.get("raw_bytes", 0),
-                broadcast=p.get("broadcast", False),
+                size=part["size"],
+                checksum=part["checksum"],
+                files=part.get("files", 0),
+                raw_bytes=part.get("raw_bytes", 0),
+                broadcast=part.get("broadcast", False),
             )
         )
-    return Index(
-        meta=meta,
-        entries=e,
-        chunks=c,
-        lk_hash=lk_hash,
-        lk_entry=lk_entry,
-        names=column("names", None),
-        targets=column("targets", None),
-        codecs=codecs,
-        partitions=partitions,
-        version=version,
-    )
+    return partitions
 
 
 def _meta_int(value: Any) -> bool:
