@@ -51,7 +51,7 @@ class ApiBench(h.Bench):
     def __init__(self, a) -> None:
         a.fanstore = "fanstore"  # each build's own, from --build
         super().__init__(a)
-        self.builds = dict(b.split("=", 1) for b in a.build)
+        self.builds = {n: os.path.abspath(d) for n, d in (b.split("=", 1) for b in a.build)}
         self.job: subprocess.Popen | None = None
 
     def mnt(self, r: int) -> str:
