@@ -82,7 +82,7 @@ class _Rows:
 
     def __init__(self, writer: PartitionWriter, n_est: int) -> None:
         self.writer = writer
-        self.k = 0
+        self.n_rows = 0
         self.cols = {
             "offset": np.zeros(n_est, "<u8"),
             "stored": np.zeros(n_est, "<u4"),
@@ -93,25 +93,25 @@ class _Rows:
 
     def add(self, raw, slot: int, codec) -> int:
         """Compress (or keep raw) and append one chunk; returns its row."""
-        n = len(raw)
+        raw_len = len(raw)
         stored = codec.encode(raw) if slot else raw
         use = slot
-        if len(stored) >= n:
+        if len(stored) >= raw_len:
             stored, use = raw, 0
-        k = self.k
-        if k == len(self.cols["offset"]):  # more chunks than estimated (cannot happen)
+        row = self.n_rows
+        if row == len(self.cols["offset"]):  # more chunks than estimated (cannot happen)
             for name, arr in self.cols.items():
                 self.cols[name] = np.concatenate((arr, np.zeros_like(arr)))
         try:
-            self.cols["offset"][k] = self.writer.append(stored)
+            self.cols["offset"][row] = self.writer.append(stored)
         except OSError as exc:  # writing the partition, not reading a source file
             raise _WriteError(exc.errno, exc.strerror) from exc
-        self.cols["stored"][k] = len(stored)
-        self.cols["raw"][k] = n
-        self.cols["codec"][k] = use
-        self.cols["checksum"][k] = xxhash.xxh3_64_intdigest(raw)
-        self.k += 1
-        return k
+        self.cols["stored"][row] = len(stored)
+        self.cols["raw"][row] = raw_len
+        self.cols["codec"][row] = use
+        self.cols["checksum"][row] = xxhash.xxh3_64_intdigest(raw)
+        self.n_rows += 1
+        return row
 
 
 def _progress_add(n: int) -> None:
@@ -123,91 +123,10 @@ def _progress_add(n: int) -> None:
 def _pack_partition(task: PartTask) -> PartResult:
     codecs = [get_codec(cfg) for cfg in task.codecs]
     res = PartResult(task.number)
-    n_est = sum(max(1, -(-size // task.chunk_size)) for _, _, size, *_ in task.files)
-    n_files = len(task.files)
-    entries = np.zeros(n_files, "<u4")
-    sums = np.zeros(n_files, "<u8")
-    counts = np.zeros(n_files, "<u4")
-    firsts = np.zeros(n_files, "<u8")
-    offsets = np.zeros(n_files, "<u4")
     writer = PartitionWriter(task.path, task.number, mode=PRIVATE_FILE_MODE)
-    rows = _Rows(writer, n_est)
-    buf = bytearray(task.chunk_size)
-    view = memoryview(buf)
-    # Open solid blocks: (slot, block size, group) -> [files (index, data)], fill
-    blocks: dict[tuple[int, int, int], tuple[list[tuple[int, bytes]], list[int]]] = {}
-
-    def flush(key: tuple[int, int, int]) -> None:
-        members, _ = blocks.pop(key)
-        slot = key[0]
-        raw = members[0][1] if len(members) == 1 else b"".join(d for _, d in members)
-        try:
-            k = rows.add(raw, slot, codecs[slot])
-        except CodecError as exc:
-            raise PackError(f"{show(task.files[members[0][0]][1])} and the files packed with "
-                            f"it: compression failed: {exc}") from exc
-        pos = 0
-        for i, data in members:
-            firsts[i], counts[i], offsets[i] = k, 1, pos
-            pos += len(data)
-
+    packer = _PartitionPacker(task, codecs, writer, res)
     try:
-        for i, (entry, path, size, slot, solid, group) in enumerate(task.files):
-            codec = codecs[slot]
-            entries[i] = entry
-            if solid and 0 < size <= solid:
-                data = _read_small(path, size, solid)
-                sums[i] = xxhash.xxh3_64_intdigest(data)
-                key = (slot, solid, group)
-                if key in blocks and blocks[key][1][0] + size > solid:
-                    flush(key)
-                members, fill = blocks.setdefault(key, ([], [0]))
-                members.append((i, data))
-                fill[0] += size
-                res.raw_bytes += size
-                _progress_add(size)
-                continue
-            whole = xxhash.xxh3_64()
-            got = 0
-            firsts[i] = rows.k
-            try:
-                with open(path, "rb", buffering=0) as f:
-                    while True:
-                        n = f.readinto(buf)
-                        if not n:
-                            break
-                        # Short reads happen (pipes, network FS): fill the chunk before coding.
-                        while n < len(buf):
-                            m = f.readinto(view[n:])
-                            if not m:
-                                break
-                            n += m
-                        got += n
-                        if got > size:
-                            raise PackError(f"{show(path)}: file grew while being packed")
-                        raw = view[:n]
-                        whole.update(raw)
-                        rows.add(raw, slot, codec)
-                        counts[i] += 1
-                        _progress_add(n)
-                        if n < len(buf):
-                            break
-            except _WriteError:
-                raise
-            except OSError as exc:
-                raise PackError(f"{show(path)}: cannot read: {exc.strerror}") from exc
-            except CodecError as exc:
-                raise PackError(f"{show(path)}: compression failed: {exc}") from exc
-            if got != size:
-                raise PackError(
-                    f"{show(path)}: file changed size while being packed ({size} -> {got} bytes)"
-                )
-            if not counts[i]:
-                firsts[i] = 0
-            sums[i] = whole.intdigest()
-            res.raw_bytes += size
-        for key in list(blocks):
-            flush(key)
+        packer.pack_files()
         res.checksum = writer.close()
         res.size = writer.size
     except FanStoreError as exc:  # a source problem, or object storage failing
@@ -221,11 +140,130 @@ def _pack_partition(task: PartTask) -> PartResult:
         else:
             res.error = f"cannot write {task.path}: {exc.strerror}"
         return res
-    res.entries, res.file_sums, res.chunk_counts = entries, sums, counts
-    res.chunk_firsts, res.data_offsets = firsts, offsets
-    res.chunks = {name: arr[: rows.k] for name, arr in rows.cols.items()}
-    res.chunks["part"] = np.full(rows.k, task.number, "<u4")
+    res.entries, res.file_sums, res.chunk_counts = packer.entries, packer.sums, packer.counts
+    res.chunk_firsts, res.data_offsets = packer.firsts, packer.offsets
+    rows = packer.rows
+    res.chunks = {name: arr[: rows.n_rows] for name, arr in rows.cols.items()}
+    res.chunks["part"] = np.full(rows.n_rows, task.number, "<u4")
     return res
+
+
+class _PartitionPacker:
+    """The files of one partition task going into its partition: the chunk rows, one row of
+    the per-file columns for each file (in task order), and the open solid blocks."""
+
+    def __init__(
+        self, task: PartTask, codecs: list, writer: PartitionWriter, result: PartResult
+    ) -> None:
+        self.task = task
+        self.codecs = codecs
+        self.result = result  # counts raw_bytes as files are packed
+        n_files = len(task.files)
+        self.entries = np.zeros(n_files, "<u4")
+        self.sums = np.zeros(n_files, "<u8")  # XXH3-64 of each file
+        self.counts = np.zeros(n_files, "<u4")  # chunks of each file
+        self.firsts = np.zeros(n_files, "<u8")  # first chunk of each file
+        self.offsets = np.zeros(n_files, "<u4")  # offset in the first chunk (solid blocks)
+        n_est = sum(max(1, -(-size // task.chunk_size)) for _, _, size, *_ in task.files)
+        self.rows = _Rows(writer, n_est)
+        self.buf = bytearray(task.chunk_size)
+        self.view = memoryview(self.buf)
+        # Open solid blocks: (slot, block size, group) -> [files (index, data)], fill
+        self.blocks: dict[tuple[int, int, int], tuple[list[tuple[int, bytes]], list[int]]] = {}
+
+    def pack_files(self) -> None:
+        """Pack every file of the task, then the solid blocks still open."""
+        for file_no, (entry, path, size, slot, solid, group) in enumerate(self.task.files):
+            codec = self.codecs[slot]
+            self.entries[file_no] = entry
+            if solid and 0 < size <= solid:
+                self._add_to_block(file_no, path, size, slot, solid, group)
+            else:
+                self._add_chunked(file_no, path, size, slot, codec)
+        for key in list(self.blocks):
+            self._flush(key)
+
+    def _add_to_block(
+        self, file_no: int, path: bytes, size: int, slot: int, solid: int, group: int
+    ) -> None:
+        """Append small file ``file_no`` to the open block of its (slot, block size ``solid``,
+        group), compressing that block first if the file would not fit."""
+        data = _read_small(path, size, solid)
+        self.sums[file_no] = xxhash.xxh3_64_intdigest(data)
+        key = (slot, solid, group)
+        if key in self.blocks and self.blocks[key][1][0] + size > solid:
+            self._flush(key)
+        members, fill = self.blocks.setdefault(key, ([], [0]))
+        members.append((file_no, data))
+        fill[0] += size
+        self.result.raw_bytes += size
+        _progress_add(size)
+
+    def _flush(self, key: tuple[int, int, int]) -> None:
+        """Compress the open block ``key`` as one chunk; its files point into it."""
+        members, _ = self.blocks.pop(key)
+        slot = key[0]
+        raw = members[0][1] if len(members) == 1 else b"".join(d for _, d in members)
+        try:
+            chunk = self.rows.add(raw, slot, self.codecs[slot])
+        except CodecError as exc:
+            raise PackError(f"{show(self.task.files[members[0][0]][1])} and the files packed "
+                            f"with it: compression failed: {exc}") from exc
+        pos = 0
+        for file_no, data in members:
+            self.firsts[file_no], self.counts[file_no], self.offsets[file_no] = chunk, 1, pos
+            pos += len(data)
+
+    def _add_chunked(self, file_no: int, path: bytes, size: int, slot: int, codec: Any) -> None:
+        """Pack file ``file_no`` in chunks of its own, checking it keeps its scanned ``size``."""
+        self.firsts[file_no] = self.rows.n_rows
+        try:
+            got, whole = self._append_chunks(file_no, path, size, slot, codec)
+        except _WriteError:
+            raise
+        except OSError as exc:
+            raise PackError(f"{show(path)}: cannot read: {exc.strerror}") from exc
+        except CodecError as exc:
+            raise PackError(f"{show(path)}: compression failed: {exc}") from exc
+        if got != size:
+            raise PackError(
+                f"{show(path)}: file changed size while being packed ({size} -> {got} bytes)"
+            )
+        if not self.counts[file_no]:
+            self.firsts[file_no] = 0
+        self.sums[file_no] = whole.intdigest()
+        self.result.raw_bytes += size
+
+    def _append_chunks(
+        self, file_no: int, path: bytes, size: int, slot: int, codec: Any
+    ) -> tuple[int, Any]:
+        """Read file ``file_no`` a chunk at a time and append each (compressed by ``codec``, table
+        slot ``slot``); return the bytes read and the running hash of the whole file."""
+        buf, view = self.buf, self.view
+        whole = xxhash.xxh3_64()
+        got = 0
+        with open(path, "rb", buffering=0) as source:
+            while True:
+                filled = source.readinto(buf)
+                if not filled:
+                    break
+                # Short reads happen (pipes, network FS): fill the chunk before coding.
+                while filled < len(buf):
+                    more = source.readinto(view[filled:])
+                    if not more:
+                        break
+                    filled += more
+                got += filled
+                if got > size:
+                    raise PackError(f"{show(path)}: file grew while being packed")
+                raw = view[:filled]
+                whole.update(raw)
+                self.rows.add(raw, slot, codec)
+                self.counts[file_no] += 1
+                _progress_add(filled)
+                if filled < len(buf):
+                    break
+        return got, whole
 
 
 def _read_small(path: bytes, size: int, limit: int) -> bytes:
