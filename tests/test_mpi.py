@@ -182,7 +182,9 @@ class TestFourRanks:
         remote bytes are exactly the stored sizes of the files held elsewhere. (With the
         kernel frontend each worker process has its own chunk cache: two workers that serve
         READs of the same chunk at once, e.g. a read and the kernel's read-ahead, both
-        fetch it, so the bytes are at least, not exactly, the stored sizes.)"""
+        fetch it; and when the page cache is emptied between the two passes, by memory
+        pressure or another job's drop_caches, the second pass asks again. So the bytes
+        are at least the stored sizes, and at most one fetch per worker and pass.)"""
         src, store = dataset
         ok, wrong, errors = read_tree_bytes(src, job4.mnt(0))
         assert not wrong and not errors and ok > 200
@@ -194,7 +196,8 @@ class TestFourRanks:
         if frontend == "pyfuse3":
             assert stats["remote_bytes"] == expected
         else:
-            assert expected <= stats["remote_bytes"] < 1.25 * expected
+            passes = 2  # the byte-exact test's and this one's
+            assert expected <= stats["remote_bytes"] <= passes * stats["workers"] * expected
         assert stats["errors"] == 0
         for key in ("opens", "reads", "bytes_returned", "cache_hits", "cache_misses",
                     "decode_seconds", "remote_latency_ms_p50", "remote_latency_ms_p99"):
