@@ -872,6 +872,12 @@ def presets(a: argparse.Namespace, table_: dict, smoke: str = "quick") -> argpar
     return a
 
 
+def load_list(path: str) -> list[str]:
+    """A file list: one path a line."""
+    with open(path) as f:
+        return [line.rstrip("\n") for line in f if line.strip()]
+
+
 def ints(text) -> list[int]:
     return [int(x) for x in str(text).split(",") if x.strip()]
 

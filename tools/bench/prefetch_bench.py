@@ -23,8 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness as h  # noqa: E402
-from harness import med, num, ratio, spread  # noqa: E402
-from reader import load_list  # noqa: E402
+from harness import load_list, med, num, ratio, spread  # noqa: E402
 
 ME = os.path.abspath(__file__)
 MB = 1e6

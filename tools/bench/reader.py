@@ -31,9 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness as h  # noqa: E402
 
 
-def load_list(path: str) -> list[str]:
-    with open(path) as f:
-        return [line.rstrip("\n") for line in f if line.strip()]
+load_list = h.load_list
 
 
 def shuffled(items: list[str], seed: int) -> list[str]:
