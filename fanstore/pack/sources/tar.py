@@ -147,81 +147,11 @@ class TarSource(Source):
 
     def _parse(self, blocks: TarBlocks, path: str, comp: str, glob: dict[bytes, bytes],
                start: int) -> tuple[Member | None, _Data | None]:
-        longname = longlink = None
-        pax: dict[bytes, bytes] = {}
-        too_long: dict[bytes, str] = {}  # GNU long names and links skipped unread
-        run = 0
-        while True:
-            block = blocks.read(th.BLOCK)
-            if len(block) < th.BLOCK:
-                # The data ends without the end-of-archive blocks (or inside a header).
-                if start == 0 and not block:
-                    raise PackError(f"{path}: empty or not a tar archive")
-                raise PackError(f"{path}: truncated tar archive: it ends after {start:,} "
-                                "bytes without its end-of-archive marker")
-            if block == th.ZERO_BLOCK:
-                if longname is not None or longlink is not None or pax or too_long:
-                    raise th.TarFormatError("a long-name or pax header is followed by the "
-                                            "end of the archive")
-                return None, None
-            hdr = th.parse_header(block)
-            t = hdr.type
-            if t in (th.GNU_LONGNAME, th.GNU_LONGLINK, th.PAX_GLOBAL) or t in th.PAX_LOCAL:
-                run += 1
-                if run > th.MAX_META_RUN:
-                    raise th.TarFormatError(f"more than {th.MAX_META_RUN} extended headers "
-                                            "in a row")
-                # Bounded before anything is read: a GNU long name or link target longer
-                # than a path can be is skipped unread and the member refused by name; a
-                # pax header beyond MAX_PAX refuses the archive (it may say the next
-                # member's size: it cannot be skipped).
-                if t in (th.GNU_LONGNAME, th.GNU_LONGLINK) and hdr.size > MAX_PATH + 1:
-                    todo = hdr.size + -hdr.size % th.BLOCK
-                    if blocks.skip(todo) < todo:
-                        raise broken(path, comp, blocks, truncated())
-                    what = "name" if t == th.GNU_LONGNAME else "link target"
-                    too_long[t] = (f"{what} longer than {MAX_PATH} bytes (a GNU long {what} "
-                                   f"of {hdr.size:,} bytes)")
-                    continue
-                if hdr.size > th.MAX_PAX:
-                    raise PackError(f"{path}: tar archive refused: a {hdr.size:,}-byte pax "
-                                    f"header at byte {blocks.offset - th.BLOCK:,} of the tar "
-                                    f"stream (more than the {th.MAX_PAX >> 20} MiB FanStore "
-                                    "reads)")
-                body = blocks.read(hdr.size)
-                if len(body) < hdr.size or blocks.skip(-hdr.size % th.BLOCK) < \
-                        -hdr.size % th.BLOCK:
-                    raise broken(path, comp, blocks, truncated())
-                too_long.pop(t, None)
-                if t == th.GNU_LONGNAME:
-                    longname = th.cstring(body)
-                elif t == th.GNU_LONGLINK:
-                    longlink = th.cstring(body)
-                elif t == th.PAX_GLOBAL:
-                    glob.update(th.parse_pax(body))
-                else:
-                    pax.update(th.parse_pax(body))
-                continue
-            break
-        name, link, size = hdr.name, hdr.linkname, hdr.size
-        mtime_ns = hdr.mtime * 1_000_000_000
-        if longname is not None:
-            name = longname
-        if longlink is not None:
-            link = longlink
-        if glob or pax:
-            ext = {**glob, **pax}
-            name = ext.get(b"path", name)
-            link = ext.get(b"linkpath", link)
-            if b"size" in ext:
-                size = th.pax_number(ext[b"size"], "size")
-            if b"mtime" in ext:
-                ns = th.pax_mtime_ns(ext[b"mtime"])
-                mtime_ns = mtime_ns if ns is None else ns
-        else:
-            ext = pax
-        # Base-256 numbers and pax times can say anything: the index holds i64 ns.
-        mtime_ns = clamp_mtime_ns(mtime_ns)
+        extended = _Extended()
+        hdr = _member_header(blocks, path, comp, glob, start, extended)
+        if hdr is None:
+            return None, None
+        name, link, size, mtime_ns, ext = _apply_extended(hdr, extended, glob)
         mode = hdr.mode & 0o7777
         if hdr.extended:  # GNU sparse map continued in further blocks
             more = True
@@ -230,26 +160,27 @@ class TarSource(Source):
                 if len(block) < th.BLOCK:
                     raise broken(path, comp, blocks, truncated())
                 more = block[504] != 0
-        if t == b"\0" and name.endswith(b"/"):
-            t = th.DIRECTORY  # a v7 directory
-        data = _Data(0 if t in th.NO_DATA else size)
-        if too_long:
+        kind = hdr.type
+        if kind == b"\0" and name.endswith(b"/"):
+            kind = th.DIRECTORY  # a v7 directory
+        data = _Data(0 if kind in th.NO_DATA else size)
+        if extended.too_long:
             return Member(name, KIND_SPECIAL, mode, mtime_ns, where=path,
-                          problem=next(iter(too_long.values()))), data
-        if t == th.GNU_SPARSE or th.is_sparse_pax(ext):
+                          problem=next(iter(extended.too_long.values()))), data
+        if kind == th.GNU_SPARSE or th.is_sparse_pax(ext):
             name = ext.get(b"GNU.sparse.name", name)  # pax 1.0 puts a made-up one in path
             return Member(name, KIND_SPECIAL, mode, mtime_ns, where=path,
                           problem="sparse file cannot be packed (GNU sparse members are not "
                                   "supported; archive it without --sparse)"), data
-        if t in th.REGULAR:
+        if kind in th.REGULAR:
             return self._file(blocks, path, comp, name, mode, mtime_ns, size, data), data
-        if t == th.DIRECTORY:
+        if kind == th.DIRECTORY:
             return Member(name, KIND_DIR, mode, mtime_ns, where=path), data
-        if t == th.SYMLINK:
+        if kind == th.SYMLINK:
             return Member(name, KIND_SYMLINK, mode, mtime_ns, target=link, where=path), data
-        if t == th.HARDLINK:
+        if kind == th.HARDLINK:
             return Member(name, KIND_HARDLINK, mode, mtime_ns, target=link, where=path), data
-        what = _SPECIAL.get(t, f"entry of tar type {t!r}")
+        what = _SPECIAL.get(kind, f"entry of tar type {kind!r}")
         return Member(name, KIND_SPECIAL, mode, mtime_ns, where=path, special=what), data
 
     @staticmethod
@@ -273,3 +204,108 @@ class TarSource(Source):
 
         return Member(name, KIND_FILE, mode, mtime_ns, size, read=read, readinto=readinto,
                       where=path)
+
+
+class _Extended:
+    """The extended headers read before a member's own header: they apply to that member."""
+
+    __slots__ = ("longlink", "longname", "pax", "run", "too_long")
+
+    def __init__(self) -> None:
+        self.longname: bytes | None = None  # GNU long name
+        self.longlink: bytes | None = None  # GNU long link target
+        self.pax: dict[bytes, bytes] = {}  # local pax records
+        self.too_long: dict[bytes, str] = {}  # GNU long names and links skipped unread
+        self.run = 0  # extended headers in a row
+
+    def pending(self) -> bool:
+        return (self.longname is not None or self.longlink is not None or bool(self.pax)
+                or bool(self.too_long))
+
+
+def _member_header(blocks: TarBlocks, path: str, comp: str, glob: dict[bytes, bytes],
+                   start: int, extended: _Extended) -> th.Header | None:
+    """The next member's own header, after the extended headers before it (read into
+    ``extended``, or ``glob`` for global pax headers), or None at the end-of-archive block."""
+    while True:
+        block = blocks.read(th.BLOCK)
+        if len(block) < th.BLOCK:
+            # The data ends without the end-of-archive blocks (or inside a header).
+            if start == 0 and not block:
+                raise PackError(f"{path}: empty or not a tar archive")
+            raise PackError(f"{path}: truncated tar archive: it ends after {start:,} "
+                            "bytes without its end-of-archive marker")
+        if block == th.ZERO_BLOCK:
+            if extended.pending():
+                raise th.TarFormatError("a long-name or pax header is followed by the "
+                                        "end of the archive")
+            return None
+        hdr = th.parse_header(block)
+        kind = hdr.type
+        if kind not in (th.GNU_LONGNAME, th.GNU_LONGLINK, th.PAX_GLOBAL) and \
+                kind not in th.PAX_LOCAL:
+            return hdr
+        _read_extended(blocks, path, comp, glob, hdr, extended)
+
+
+def _read_extended(blocks: TarBlocks, path: str, comp: str, glob: dict[bytes, bytes],
+                   hdr: th.Header, extended: _Extended) -> None:
+    """Read the body of the extended header ``hdr`` into ``extended`` (or ``glob``)."""
+    kind = hdr.type
+    extended.run += 1
+    if extended.run > th.MAX_META_RUN:
+        raise th.TarFormatError(f"more than {th.MAX_META_RUN} extended headers in a row")
+    # Bounded before anything is read: a GNU long name or link target longer than a path
+    # can be is skipped unread and the member refused by name; a pax header beyond MAX_PAX
+    # refuses the archive (it may say the next member's size: it cannot be skipped).
+    if kind in (th.GNU_LONGNAME, th.GNU_LONGLINK) and hdr.size > MAX_PATH + 1:
+        todo = hdr.size + -hdr.size % th.BLOCK
+        if blocks.skip(todo) < todo:
+            raise broken(path, comp, blocks, truncated())
+        what = "name" if kind == th.GNU_LONGNAME else "link target"
+        extended.too_long[kind] = (f"{what} longer than {MAX_PATH} bytes (a GNU long {what} "
+                                   f"of {hdr.size:,} bytes)")
+        return
+    if hdr.size > th.MAX_PAX:
+        raise PackError(f"{path}: tar archive refused: a {hdr.size:,}-byte pax header at "
+                        f"byte {blocks.offset - th.BLOCK:,} of the tar stream (more than the "
+                        f"{th.MAX_PAX >> 20} MiB FanStore reads)")
+    body = blocks.read(hdr.size)
+    padding = -hdr.size % th.BLOCK
+    if len(body) < hdr.size or blocks.skip(padding) < padding:
+        raise broken(path, comp, blocks, truncated())
+    extended.too_long.pop(kind, None)
+    if kind == th.GNU_LONGNAME:
+        extended.longname = th.cstring(body)
+    elif kind == th.GNU_LONGLINK:
+        extended.longlink = th.cstring(body)
+    elif kind == th.PAX_GLOBAL:
+        glob.update(th.parse_pax(body))
+    else:
+        extended.pax.update(th.parse_pax(body))
+
+
+def _apply_extended(hdr: th.Header, extended: _Extended, glob: dict[bytes, bytes]
+                    ) -> tuple[bytes, bytes, int, int, dict[bytes, bytes]]:
+    """The member's name, link target, size and mtime (ns) once the extended headers
+    (``extended`` and the global pax records ``glob``) override its header's, and the pax
+    records that apply to it."""
+    name, link, size = hdr.name, hdr.linkname, hdr.size
+    mtime_ns = hdr.mtime * 1_000_000_000
+    if extended.longname is not None:
+        name = extended.longname
+    if extended.longlink is not None:
+        link = extended.longlink
+    if glob or extended.pax:
+        ext = {**glob, **extended.pax}
+        name = ext.get(b"path", name)
+        link = ext.get(b"linkpath", link)
+        if b"size" in ext:
+            size = th.pax_number(ext[b"size"], "size")
+        if b"mtime" in ext:
+            ns = th.pax_mtime_ns(ext[b"mtime"])
+            mtime_ns = mtime_ns if ns is None else ns
+    else:
+        ext = extended.pax
+    # Base-256 numbers and pax times can say anything: the index holds i64 ns.
+    return name, link, size, clamp_mtime_ns(mtime_ns), ext
