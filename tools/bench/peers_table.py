@@ -105,8 +105,6 @@ def artifact_of(backend: str) -> str | None:
 
 
 def section(runs: list[Run], work: str, label: str, total_seconds: int | None) -> str:
-    out: list[str] = []
-    w = out.append
     summary = {}
     try:
         with open(os.path.join(work, "lists", "summary.json")) as f:
@@ -114,147 +112,104 @@ def section(runs: list[Run], work: str, label: str, total_seconds: int | None) -
     except (OSError, ValueError):
         pass
     total_bytes = summary.get("total_bytes")
-
-    if label:
-        w(f"> **{label}**")
-        w("")
-    w(f"Generated {h.now_utc()} from {len(runs)} peers.sh run(s)"
-      + (f", {total_seconds / 60:.0f} min in all" if total_seconds else "") + ".")
-    w("")
-    for run in runs:
-        w(f"- run {run.idx}: {', '.join(run.backends)}")
-    w("")
-    w("### Machine")
-    w("")
-    w(h.machine_table(work))
-    w("")
+    out = [f"> **{label}**", ""] if label else []
+    out += [f"Generated {h.now_utc()} from {len(runs)} peers.sh run(s)"
+            + (f", {total_seconds / 60:.0f} min in all" if total_seconds else "") + ".", ""]
+    out += [f"- run {run.idx}: {', '.join(run.backends)}" for run in runs]
+    out += ["", "### Machine", "", h.machine_table(work), ""]
     if summary:
-        w("### Dataset (`../shared/bench/gen_dataset.py`)")
-        w("")
-        w(f"{summary.get('n_small', 0):,} small files ({summary.get('small_bytes', 0):,} bytes) "
-          f"and {summary.get('n_large', 0)} large file(s) of {summary.get('large_mib')} MiB; "
-          f"{total_bytes or 0:,} bytes in all, seed {summary.get('seed')}.")
-        w("")
+        out += ["### Dataset (`../shared/bench/gen_dataset.py`)", "",
+                f"{summary.get('n_small', 0):,} small files ({summary.get('small_bytes', 0):,} "
+                f"bytes) and {summary.get('n_large', 0)} large file(s) of "
+                f"{summary.get('large_mib')} MiB; {total_bytes or 0:,} bytes in all, seed "
+                f"{summary.get('seed')}.", ""]
 
-    # ------------------------------------------------------------ targets
-    w("### The issue's targets")
-    w("")
-    w("| target | FanStore | compared with | readers | measured | goal | status |")
-    w("| --- | --- | --- | ---: | ---: | ---: | --- |")
+    targets = []
     for run in runs:
-        for b in run.backends:
-            if not is_fanstore(b):
-                continue
+        for b in filter(is_fanstore, run.backends):
             peer = peer_of(b)
-            have_peer = peer in run.backends
             for wk in (1, 4):
                 q = dict(list="small.txt", op="read", workers=wk)
-                fc = run.med("files_per_s", backend=b, phase="cold", **q)
-                fw = run.med("files_per_s", backend=b, phase="warm", **q)
-                if have_peer:
-                    pc = run.med("files_per_s", backend=peer, phase="cold", **q)
-                    pw = run.med("files_per_s", backend=peer, phase="warm", **q)
-                    _target_row(w, "cold small-file reads", b, f"{peer} (run {run.idx})", wk,
-                                fc, pc, COLD_VS_SQFUSE, "≥")
-                    _target_row(w, "warm small-file reads", b, f"{peer} (run {run.idx})", wk,
-                                fw, pw, WARM_VS_SQFUSE, "≥")
+                fc, fw = (run.med("files_per_s", backend=b, phase=ph, **q)
+                          for ph in ("cold", "warm"))
+                if peer in run.backends:
+                    pc, pw = (run.med("files_per_s", backend=peer, phase=ph, **q)
+                              for ph in ("cold", "warm"))
+                    targets += [_target("cold small-file reads", b, f"{peer} (run {run.idx})",
+                                        wk, fc, pc, COLD_VS_SQFUSE, "≥"),
+                                _target("warm small-file reads", b, f"{peer} (run {run.idx})",
+                                        wk, fw, pw, WARM_VS_SQFUSE, "≥")]
                 if "raw" in run.backends:
                     rw = run.med("files_per_s", backend="raw", phase="warm", **q)
-                    _target_row(w, "warm small-file reads (aim)", b, f"raw (run {run.idx})",
-                                wk, fw, rw, WARM_VS_RAW_AIM, "≥")
-            fb, fr = build_of(runs, artifact_of(b) or "")
+                    targets.append(_target("warm small-file reads (aim)", b,
+                                           f"raw (run {run.idx})", wk, fw, rw, WARM_VS_RAW_AIM,
+                                           "≥"))
+            fb, _ = build_of(runs, artifact_of(b) or "")
             sb, sr = build_of(runs, artifact_of(peer) or "") if peer else (None, None)
             if fb and sb and fb.get("ok") and sb.get("ok"):
-                _target_row(w, "pack time", b, f"mksquashfs {CODEC_TAG.get(tag_of(b), '')} "
-                            f"(run {sr})", "", fb["seconds"], sb["seconds"], PACK_VS_MKSQUASHFS,
-                            "≤", fmt="{:.2f}x time")
+                targets.append(_target("pack time", b, f"mksquashfs "
+                                       f"{CODEC_TAG.get(tag_of(b), '')} (run {sr})", "",
+                                       fb["seconds"], sb["seconds"], PACK_VS_MKSQUASHFS, "≤",
+                                       fmt="{:.2f}x time"))
             if fb and fb.get("ok") and total_bytes and fb.get("bytes"):
-                r = total_bytes / fb["bytes"]
-                goal = tag_of(b) == "zstd3"
-                w(f"| compression ratio | {b} | – | | {r:.2f} | "
-                  f"{'≥ ' + str(RATIO_MIN) if goal else '(≥ 2.0 is for zstd:3)'} | "
-                  f"{h.check(r >= RATIO_MIN) if goal else '–'} |")
-    w("")
+                r, goal = total_bytes / fb["bytes"], tag_of(b) == "zstd3"
+                targets.append(("compression ratio", b, "–", "", f"{r:.2f}",
+                                f"≥ {RATIO_MIN}" if goal else "(≥ 2.0 is for zstd:3)",
+                                h.check(r >= RATIO_MIN) if goal else "–"))
+    out += [h.table(["target", "FanStore", "compared with", "readers", "measured", "goal",
+                     "status"], targets, "lllrrrl", "The issue's targets"), ""]
 
-    # ------------------------------------------------------------ builds
-    w("### Build (pack) cost and size")
-    w("")
-    w("| artifact | used by | built in | build s | size MB | ratio | mount s (median) |")
-    w("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
-    arts: list[tuple[str, list[str]]] = []
+    arts: dict[str, list[str]] = {}  # artifact -> the backends that use it, in order
     for run in runs:
         for b in run.backends:
-            a = artifact_of(b)
-            if not a:
-                continue
-            for name, users in arts:
-                if name == a:
-                    if b not in users:
-                        users.append(b)
-                    break
-            else:
-                arts.append((a, [b]))
-    for a, users in arts:
+            if artifact_of(b) and b not in arts.setdefault(artifact_of(b), []):
+                arts[artifact_of(b)].append(b)
+    builds = []
+    for a, users in arts.items():
         rec, ridx = build_of(runs, a)
-        mounts = [m for run in runs for u in users
-                  for m in run.vals("seconds", op="mount", backend=u)]
-        if not rec:
-            w(f"| {a} | {', '.join(users)} | – | – | – | – | {h.num(h.med(mounts), 2)} |")
-            continue
-        ok = rec.get("ok")
-        w(f"| {a} | {', '.join(users)} | run {ridx} | "
-          f"{h.num(rec.get('seconds'), 1) if ok else 'FAILED'} | "
-          f"{h.num(rec.get('bytes', 0) / 1e6)} | "
-          f"{(total_bytes / rec['bytes']) if ok and total_bytes and rec.get('bytes') else 0:.2f} | "
-          f"{h.num(h.med(mounts), 2)} |")
-    w("")
+        mount = h.num(h.med([m for run in runs for u in users
+                             for m in run.vals("seconds", op="mount", backend=u)]), 2)
+        ok = rec and rec.get("ok")
+        builds.append((a, ", ".join(users), *(("–",) * 4 if not rec else (
+            f"run {ridx}", h.num(rec.get("seconds"), 1) if ok else "FAILED",
+            h.num(rec.get("bytes", 0) / 1e6),
+            f"{(total_bytes / rec['bytes']) if ok and total_bytes and rec.get('bytes') else 0:.2f}"
+        )), mount))
+    out += [h.table(["artifact", "used by", "built in", "build s", "size MB", "ratio",
+                     "mount s (median)"], builds, "llrrrrr", "Build (pack) cost and size"), ""]
 
-    # ------------------------------------------------------------ small files
-    w("### Small-file reads (every small file once, shuffled)")
-    w("")
-    w("| run | backend | readers | cold files/s | cold MB/s | warm files/s | warm MB/s | "
-      "cold p50 / p99 ms | cold CPU % | cold vs raw | warm vs raw | cold vs sqfuse_ll | "
-      "warm vs sqfuse_ll |")
-    w("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    small = []
     for run in runs:
         for wk in (1, 4):
             q = dict(list="small.txt", op="read", workers=wk)
-            raw_c = run.med("files_per_s", backend="raw", phase="cold", **q)
-            raw_w = run.med("files_per_s", backend="raw", phase="warm", **q)
+            raw_c, raw_w = (run.med("files_per_s", backend="raw", phase=ph, **q)
+                            for ph in ("cold", "warm"))
             for b in run.backends:
                 rows = run.pick(backend=b, **q)
                 if not rows:
                     continue
-                cf = run.vals("files_per_s", backend=b, phase="cold", **q)
-                wf = run.vals("files_per_s", backend=b, phase="warm", **q)
+                c, w = dict(q, backend=b, phase="cold"), dict(q, backend=b, phase="warm")
+                cf, wf = h.med(run.vals("files_per_s", **c)), h.med(run.vals("files_per_s", **w))
                 peer = peer_of(b) if is_fanstore(b) else None
-                pc = run.med("files_per_s", backend=peer, phase="cold", **q) if peer else None
-                pw = run.med("files_per_s", backend=peer, phase="warm", **q) if peer else None
-                flags = ""
-                if any(r.get("truncated") for r in rows):
-                    flags += " ⚠ cut at time limit"
-                errs = sum(r.get("errors") or 0 for r in rows)
-                if errs:
-                    flags += f" ⚠ {errs} errors"
-                name = f"**{b}**" if is_fanstore(b) else b
-                w(f"| {run.idx} | {name}{flags} | {wk} | {h.spread(cf)} | "
-                  f"{h.spread(run.vals('MB_per_s', backend=b, phase='cold', **q))} | "
-                  f"{h.spread(wf)} | "
-                  f"{h.spread(run.vals('MB_per_s', backend=b, phase='warm', **q))} | "
-                  f"{h.num(run.med('lat_ms_p50', backend=b, phase='cold', **q), 2)} / "
-                  f"{h.num(run.med('lat_ms_p99', backend=b, phase='cold', **q), 1)} | "
-                  f"{h.num(run.med('cpu_busy_pct', backend=b, phase='cold', **q))} | "
-                  f"{h.ratio(h.med(cf), raw_c)} | {h.ratio(h.med(wf), raw_w)} | "
-                  f"{h.ratio(h.med(cf), pc) if peer else ''} | "
-                  f"{h.ratio(h.med(wf), pw) if peer else ''} |")
-    w("")
+                pc, pw = (run.med("files_per_s", backend=peer, phase=ph, **q) if peer else None
+                          for ph in ("cold", "warm"))
+                flags = " ⚠ cut at time limit" if any(r.get("truncated") for r in rows) else ""
+                small.append((run.idx, (f"**{b}**" if is_fanstore(b) else b) + flags
+                              + h.err_tag(rows), wk, h.spread(run.vals("files_per_s", **c)),
+                              h.spread(run.vals("MB_per_s", **c)),
+                              h.spread(run.vals("files_per_s", **w)),
+                              h.spread(run.vals("MB_per_s", **w)),
+                              f"{h.num(run.med('lat_ms_p50', **c), 2)} / "
+                              f"{h.num(run.med('lat_ms_p99', **c), 1)}",
+                              h.num(run.med("cpu_busy_pct", **c)), h.ratio(cf, raw_c),
+                              h.ratio(wf, raw_w), h.ratio(cf, pc) if peer else "",
+                              h.ratio(wf, pw) if peer else ""))
+    out += [h.table(["run", "backend", "readers", "cold files/s", "cold MB/s", "warm files/s",
+                     "warm MB/s", "cold p50 / p99 ms", "cold CPU %", "cold vs raw",
+                     "warm vs raw", "cold vs sqfuse_ll", "warm vs sqfuse_ll"], small,
+                    "rl" + "r" * 11, "Small-file reads (every small file once, shuffled)"), ""]
 
-    # ------------------------------------------------------------ metadata + large
-    w("### Metadata and large files")
-    w("")
-    w("| run | backend | walk cold s | walk warm s | stat cold /s | stat warm /s | large cold MB/s "
-      "| large warm MB/s | spot check |")
-    w("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    meta = []
     for run in runs:
         for b in run.backends:
             ver = run.pick(backend=b, op="verify")
@@ -273,41 +228,34 @@ def section(runs: list[Run], work: str, label: str, total_seconds: int | None) -
             if mount_err:
                 check += f"; ⚠ {mount_err[0]['error']} ({len(mount_err)}x)"
             lq = dict(backend=b, list="large.txt", op="read")
-            walk = [h.num(run.med("seconds", backend=b, op="walk", phase=ph), 3)
-                    for ph in ("cold", "warm")]
-            w(f"| {run.idx} | {b} | {walk[0]} | {walk[1]} | "
-              f"{h.num(run.med('files_per_s', backend=b, op='stat', phase='cold'))} | "
-              f"{h.num(run.med('files_per_s', backend=b, op='stat', phase='warm'))} | "
-              f"{h.num(run.med('MB_per_s', phase='cold', **lq))} | "
-              f"{h.num(run.med('MB_per_s', phase='warm', **lq))} | {check} |")
-    w("")
+            meta.append((run.idx, b, *(h.num(run.med("seconds", backend=b, op="walk", phase=ph),
+                                             3) for ph in ("cold", "warm")),
+                         *(h.num(run.med("files_per_s", backend=b, op="stat", phase=ph))
+                           for ph in ("cold", "warm")),
+                         *(h.num(run.med("MB_per_s", phase=ph, **lq)) for ph in ("cold", "warm")),
+                         check))
+    out += [h.table(["run", "backend", "walk cold s", "walk warm s", "stat cold /s",
+                     "stat warm /s", "large cold MB/s", "large warm MB/s", "spot check"], meta,
+                    "rl" + "r" * 6 + "l", "Metadata and large files"), ""]
 
-    # ------------------------------------------------------------ commands
-    w("### Exact commands")
-    w("")
-    w("```")
+    out += ["### Exact commands", "", "```"]
     for run in runs:
-        cmds = run.path[:-len(".jsonl")] + ".commands.txt"
-        w(f"# ===== run {run.idx}: BACKENDS=\"{' '.join(run.backends)}\"")
+        out.append(f"# ===== run {run.idx}: BACKENDS=\"{' '.join(run.backends)}\"")
         try:
-            with open(cmds) as f:
-                for line in f:
-                    w(line.rstrip("\n").replace(h.REPO + "/", ""))
+            with open(run.path[:-len(".jsonl")] + ".commands.txt") as f:
+                out += [line.rstrip("\n").replace(h.REPO + "/", "") for line in f]
         except OSError:
-            w("# (command log missing)")
-    w("```")
-    return "\n".join(out)
+            out.append("# (command log missing)")
+    return "\n".join(out + ["```"])
 
 
-def _target_row(w, what, b, other, wk, mine, theirs, goal, op, fmt="{:.2f}x"):
+def _target(what, b, other, wk, mine, theirs, goal, op, fmt="{:.2f}x") -> tuple:
     if mine is None or not theirs:
-        w(f"| {what} | {b} | {other} | {wk} | – | {op} {goal} | – |")
-        return
+        return (what, b, other, wk, "–", f"{op} {goal}", "–")
     r = mine / theirs
-    ok = r >= goal if op == "≥" else r <= goal
-    w(f"| {what} | {b} | {other} | {wk} | {fmt.format(r)} "
-      f"({h.num(mine, 1 if mine < 100 else 0)} vs {h.num(theirs, 1 if theirs < 100 else 0)}) "
-      f"| {op} {goal} | {h.check(ok)} |")
+    return (what, b, other, wk, f"{fmt.format(r)} ({h.num(mine, 1 if mine < 100 else 0)} vs "
+            f"{h.num(theirs, 1 if theirs < 100 else 0)})", f"{op} {goal}",
+            h.check(r >= goal if op == "≥" else r <= goal))
 
 
 def main(argv: list[str] | None = None) -> int:
