@@ -180,71 +180,114 @@ def choose_per_kind(
     ties (within ``tie`` of a kind's stored size) then go to the faster candidate per kind.
     If nothing meets the budget: the fastest candidate of every kind, ``met=False``.
     """
-    kinds = [k for k in table if weights.get(k, 0) > 0 and table[k]]
-    total = float(sum(weights[k] for k in kinds))
-    if not kinds:
-        raise ValueError("no kinds with data")
-    order = list(order) if order is not None else []
-    pos = {label: i for i, label in enumerate(order)}
-    frac = {k: weights[k] / total for k in kinds}
+    kinds = _KindMix(table, weights, budget, order)
+    best = _least_stored_in_budget(kinds, grid)
+    if single is not None and all(single in table[kind] for kind in kinds.kinds):
+        one = {kind: single for kind in kinds.kinds}
+        if meets(kinds.mixed(one), budget) and (
+            best is None or kinds.mixed(one).stored < kinds.mixed(best).stored
+        ):
+            best = one
+    if best is None or not meets(kinds.mixed(best), budget):
+        fastest = kinds.fastest()
+        return MixChoice(fastest, kinds.mixed(fastest), False)
+    best = _prefer_faster_near_ties(kinds, best, tie)
+    return MixChoice(best, kinds.mixed(best), True)
 
-    def rank(label: str) -> int:
-        return pos.get(label, len(pos))
 
-    def mixed(assign: Mapping[str, str]) -> Cost:
-        return mix([table[k][assign[k]] for k in kinds], [weights[k] for k in kinds])
+class _KindMix:
+    """The kinds with data, with their candidates' costs and their weights: what an
+    assignment (kind -> label) costs as a whole."""
 
-    allowance = budget.time_allowance
+    def __init__(self, table: Mapping[str, Mapping[str, Cost]], weights: Mapping[str, float],
+                 budget: Budget, order: Sequence[str] | None) -> None:
+        self.kinds = [kind for kind in table if weights.get(kind, 0) > 0 and table[kind]]
+        total = float(sum(weights[kind] for kind in self.kinds))
+        if not self.kinds:
+            raise ValueError("no kinds with data")
+        self.table = table
+        self.weights = weights
+        self.budget = budget
+        order = list(order) if order is not None else []
+        self.position = {label: i for i, label in enumerate(order)}
+        self.fraction = {kind: weights[kind] / total for kind in self.kinds}
 
-    def steps_of(k: str, cost: Cost) -> int:
-        return max(0, math.ceil(frac[k] * budget.work(cost) / allowance * grid - 1e-9))
+    def rank(self, label: str) -> int:
+        """Where ``label`` comes in the preferred order (unlisted labels last)."""
+        return self.position.get(label, len(self.position))
 
-    best: dict[str, str] | None = None
-    # dp[g]: least stored (fraction of the mix) whose rounded work is at most g grid steps.
-    dp = np.zeros(grid + 1)
+    def mixed(self, assign: Mapping[str, str]) -> Cost:
+        """The cost of the whole mix with ``assign[kind]`` for each kind."""
+        return mix([self.table[kind][assign[kind]] for kind in self.kinds],
+                   [self.weights[kind] for kind in self.kinds])
+
+    def steps(self, kind: str, cost: Cost, grid: int) -> int:
+        """The work of ``cost`` on ``kind``'s share of the mix in steps of the time allowance
+        (of ``grid`` steps), rounded up."""
+        allowance = self.budget.time_allowance
+        return max(0, math.ceil(self.fraction[kind] * self.budget.work(cost) / allowance * grid
+                                - 1e-9))
+
+    def fastest(self) -> dict[str, str]:
+        """The fastest candidate of every kind (least work, then least stored, then order)."""
+        table, work = self.table, self.budget.work
+        return {kind: min(table[kind], key=lambda lb, kind=kind: (work(table[kind][lb]),
+                                                                  table[kind][lb].stored,
+                                                                  self.rank(lb)))
+                for kind in self.kinds}
+
+
+def _least_stored_in_budget(kinds: _KindMix, grid: int) -> dict[str, str] | None:
+    """The assignment of least stored size whose work, each kind's rounded up to steps of
+    the time allowance, fits in ``grid`` steps (None if none does or, at the boundary, the
+    mix misses the real budget): a multiple-choice knapsack by dynamic programming."""
+    table = kinds.table
+    # least[step]: least stored (fraction of the mix) whose rounded work is at most step steps.
+    least = np.zeros(grid + 1)
     picks: list[tuple[list[str], np.ndarray]] = []
-    for k in kinds:
-        labels = sorted(table[k], key=rank)
+    for kind in kinds.kinds:
+        labels = sorted(table[kind], key=kinds.rank)
         new = np.full(grid + 1, np.inf)
         pick = np.full(grid + 1, -1)
-        for i, label in enumerate(labels):
-            steps = steps_of(k, table[k][label])
+        for label_no, label in enumerate(labels):
+            steps = kinds.steps(kind, table[kind][label], grid)
             if steps > grid:
                 continue
+            share = kinds.fraction[kind] * table[kind][label].stored  # of the mix's stored size
             cand = np.full(grid + 1, np.inf)
-            cand[steps:] = dp[: grid + 1 - steps] + frac[k] * table[k][label].stored
+            cand[steps:] = least[: grid + 1 - steps] + share
             better = cand < new - 1e-15
             new[better] = cand[better]
-            pick[better] = i
-        dp = new
+            pick[better] = label_no
+        least = new
         picks.append((labels, pick))
-    if np.isfinite(dp[grid]):
-        assign: dict[str, str] = {}
-        g = grid
-        for k, (labels, pick) in zip(reversed(kinds), reversed(picks)):
-            label = labels[int(pick[g])]
-            assign[k] = label
-            g -= steps_of(k, table[k][label])
-        if meets(mixed(assign), budget):  # always, up to floating point at the boundary
-            best = assign
-    if single is not None and all(single in table[k] for k in kinds):
-        one = {k: single for k in kinds}
-        if meets(mixed(one), budget) and (best is None or mixed(one).stored < mixed(best).stored):
-            best = one
-    if best is None or not meets(mixed(best), budget):
-        fastest = {k: min(table[k], key=lambda lb, k=k: (budget.work(table[k][lb]),
-                                                         table[k][lb].stored, rank(lb)))
-                   for k in kinds}
-        return MixChoice(fastest, mixed(fastest), False)
-    # Near ties per kind go to the faster candidate (heaviest kinds first).
-    for k in sorted(kinds, key=lambda k: -weights[k]):
-        here = table[k][best[k]]
-        for label in sorted(table[k], key=lambda lb, k=k: (budget.work(table[k][lb]), rank(lb))):
-            cost = table[k][label]
-            if budget.work(cost) >= budget.work(here) or cost.stored > here.stored * (1 + tie):
+    if not np.isfinite(least[grid]):
+        return None
+    assign: dict[str, str] = {}
+    step = grid
+    for kind, (labels, pick) in zip(reversed(kinds.kinds), reversed(picks)):
+        label = labels[int(pick[step])]
+        assign[kind] = label
+        step -= kinds.steps(kind, table[kind][label], grid)
+    if meets(kinds.mixed(assign), kinds.budget):  # always, up to floating point at the boundary
+        return assign
+    return None
+
+
+def _prefer_faster_near_ties(kinds: _KindMix, best: dict[str, str], tie: float
+                             ) -> dict[str, str]:
+    """``best`` with near ties per kind (within ``tie`` of its stored size) given to the
+    faster candidate while the mix still meets the budget (heaviest kinds first)."""
+    table, work = kinds.table, kinds.budget.work
+    for kind in sorted(kinds.kinds, key=lambda kind: -kinds.weights[kind]):
+        here = table[kind][best[kind]]
+        for label in sorted(table[kind], key=lambda lb, kind=kind: (work(table[kind][lb]),
+                                                                     kinds.rank(lb))):
+            cost = table[kind][label]
+            if work(cost) >= work(here) or cost.stored > here.stored * (1 + tie):
                 continue
-            trial = dict(best, **{k: label})
-            if meets(mixed(trial), budget):
+            trial = dict(best, **{kind: label})
+            if meets(kinds.mixed(trial), kinds.budget):
                 best = trial
                 break
-    return MixChoice(best, mixed(best), True)
+    return best
