@@ -14,6 +14,7 @@ from typing import Any
 from fanstore.errors import BudgetNotMetError
 from fanstore.kinds import access_pattern
 from fanstore.select.options import TRIALS
+from fanstore.select.policy import Cost
 from fanstore.select.result import CandidateResult, SelectionResult
 
 MB = 1e6
@@ -91,58 +92,22 @@ def _measurement_json(res: SelectionResult) -> dict[str, Any] | None:
 def to_json(res: SelectionResult, capacity: int | None = None) -> dict[str, Any]:
     """The JSON report; ``capacity``: also how many copies fit in that many bytes per node
     (:func:`capacity_json`). It ends with the ``fanstore pack`` command of the choice."""
-    b = res.budget
-    opts = res.options
     chosen = res.candidate(res.chosen)
     doc: dict[str, Any] = {
         "version": JSON_VERSION,
         "source": res.source,
         "mode": res.mode,
         "assumes": assumptions(res),
-        "budget": {
-            "from": res.budget_from,
-            "mb_per_sec": opts.mb_per_sec,
-            "files_per_sec": opts.files_per_sec,
-            "required_mb_per_s": _num(b.required / MB),
-            "required_files_per_s": _num(res.files_rate(b.required)),
-            "cores": b.cores,
-            "storage_mb_per_s": _num(b.storage / MB),
-            "storage_from": res.storage_from,
-            "storage_latency_us": _num(b.latency * 1e6, 1),
-        },
-        "sample": {
-            "seed": opts.seed,
-            "target_mb": opts.sample_mb,
-            "mb": _num(res.sample_bytes / MB, 2),
-            "units": res.sample_units,
-            "chunk_size": opts.chunk_size,
-            "source_files": res.files,
-            "source_mb": _num(res.raw_bytes / MB, 2),
-            "mean_file_bytes": _num(res.raw_bytes / res.files if res.files else 0.0, 0),
-        },
+        "budget": _budget_json(res),
+        "sample": _sample_json(res),
         "checksum_mb_per_s": _num(res.checksum_mb_per_s),
         "reader": res.reader.to_json() if res.reader is not None else None,
         "measurement": _measurement_json(res),
         "candidates": [_cand_json(res, c) for c in res.candidates if c.kinds is None],
         "chosen": res.chosen,
         "met": res.budget_met,
-        "predicted": {
-            "ratio": _num(chosen.cost.ratio, 4),
-            "mb_per_s": _num(chosen.rate / MB),
-            "files_per_s": _num(res.files_rate(chosen.rate)),
-            "rate_from": chosen.rate_from,
-            "read_mb_per_s_one_core": _num(1 / chosen.cost.cpu / MB) if chosen.cost.cpu else None,
-        },
-        "kinds": {
-            k: {"files": kr.files, "mb": _num(kr.raw_bytes / MB, 3),
-                "sample_mb": _num(kr.sample_bytes / MB, 3), "typesize": kr.typesize,
-                "typesize_from": kr.typesize_from, "chosen": kr.chosen,
-                "access": access_pattern(k),
-                "ratio": _num(kr.costs[kr.chosen].ratio, 4) if kr.chosen else None,
-                "decode_mb_per_s": _num(1 / kr.decode_s[kr.chosen] / MB)
-                if kr.chosen and kr.decode_s[kr.chosen] > 0 else None}
-            for k, kr in sorted(res.kinds.items())
-        },
+        "predicted": _predicted_json(res, chosen),
+        "kinds": _kinds_json(res),
         "seconds": _num(res.seconds, 2),
     }
     labels = {res.chosen}
@@ -151,16 +116,7 @@ def to_json(res: SelectionResult, capacity: int | None = None) -> dict[str, Any]
         doc["kind_candidates"] = [_cand_json(res, c) for c in extras]
     if res.per_kind is not None and res.per_kind_cost is not None:
         doc["per_kind"] = dict(sorted(res.per_kind.items()))
-        rate = res.per_kind_rate or 0.0
-        doc["per_kind_predicted"] = {
-            "ratio": _num(res.per_kind_cost.ratio, 4),
-            "mb_per_s": _num(rate / MB),
-            "files_per_s": _num(res.files_rate(rate)),
-            "rate_from": "measured" if res.per_kind_measured is not None else "model",
-            "measured": res.per_kind_measured.to_json() if res.per_kind_measured else None,
-            "gain_over_single": _num(res.per_kind_gain or 1.0, 4),
-            "met": bool(res.per_kind_met),
-        }
+        doc["per_kind_predicted"] = _per_kind_predicted_json(res, res.per_kind_cost)
         labels |= set(res.per_kind.values())
     doc["configs"] = {lb: _compact_config(res.candidate(lb).codec.get_config())
                       for lb in sorted(labels)}
@@ -170,11 +126,88 @@ def to_json(res: SelectionResult, capacity: int | None = None) -> dict[str, Any]
         doc["pack_command_single"] = pack_command(res, per_kind=False)
     doc["pack_command"] = pack_command(res)
     if not res.budget_met:
-        doc["not_met"] = {"fastest": res.chosen, "mb_per_s": _num(chosen.rate / MB),
-                          "files_per_s": _num(res.files_rate(chosen.rate)),
-                          "of_budget": _num(chosen.rate / b.required, 3),
-                          "short_mb_per_s": _num((b.required - chosen.rate) / MB)}
+        doc["not_met"] = _not_met_json(res, chosen)
     return doc
+
+
+def _budget_json(res: SelectionResult) -> dict[str, Any]:
+    """The budget the selection had to meet, and where its numbers came from."""
+    budget = res.budget
+    opts = res.options
+    return {
+        "from": res.budget_from,
+        "mb_per_sec": opts.mb_per_sec,
+        "files_per_sec": opts.files_per_sec,
+        "required_mb_per_s": _num(budget.required / MB),
+        "required_files_per_s": _num(res.files_rate(budget.required)),
+        "cores": budget.cores,
+        "storage_mb_per_s": _num(budget.storage / MB),
+        "storage_from": res.storage_from,
+        "storage_latency_us": _num(budget.latency * 1e6, 1),
+    }
+
+
+def _sample_json(res: SelectionResult) -> dict[str, Any]:
+    """The sample the candidates were measured on, and the source it was drawn from."""
+    opts = res.options
+    return {
+        "seed": opts.seed,
+        "target_mb": opts.sample_mb,
+        "mb": _num(res.sample_bytes / MB, 2),
+        "units": res.sample_units,
+        "chunk_size": opts.chunk_size,
+        "source_files": res.files,
+        "source_mb": _num(res.raw_bytes / MB, 2),
+        "mean_file_bytes": _num(res.raw_bytes / res.files if res.files else 0.0, 0),
+    }
+
+
+def _predicted_json(res: SelectionResult, chosen: CandidateResult) -> dict[str, Any]:
+    """What the chosen candidate is predicted to do."""
+    return {
+        "ratio": _num(chosen.cost.ratio, 4),
+        "mb_per_s": _num(chosen.rate / MB),
+        "files_per_s": _num(res.files_rate(chosen.rate)),
+        "rate_from": chosen.rate_from,
+        "read_mb_per_s_one_core": _num(1 / chosen.cost.cpu / MB) if chosen.cost.cpu else None,
+    }
+
+
+def _kinds_json(res: SelectionResult) -> dict[str, Any]:
+    """Each kind of file: its share of the source and of the sample, and its choice."""
+    return {
+        kind: {"files": kr.files, "mb": _num(kr.raw_bytes / MB, 3),
+               "sample_mb": _num(kr.sample_bytes / MB, 3), "typesize": kr.typesize,
+               "typesize_from": kr.typesize_from, "chosen": kr.chosen,
+               "access": access_pattern(kind),
+               "ratio": _num(kr.costs[kr.chosen].ratio, 4) if kr.chosen else None,
+               "decode_mb_per_s": _num(1 / kr.decode_s[kr.chosen] / MB)
+               if kr.chosen and kr.decode_s[kr.chosen] > 0 else None}
+        for kind, kr in sorted(res.kinds.items())
+    }
+
+
+def _per_kind_predicted_json(res: SelectionResult, cost: Cost) -> dict[str, Any]:
+    """What the per-kind choice (of mixed ``cost``) is predicted (or was measured) to do."""
+    rate = res.per_kind_rate or 0.0
+    return {
+        "ratio": _num(cost.ratio, 4),
+        "mb_per_s": _num(rate / MB),
+        "files_per_s": _num(res.files_rate(rate)),
+        "rate_from": "measured" if res.per_kind_measured is not None else "model",
+        "measured": res.per_kind_measured.to_json() if res.per_kind_measured else None,
+        "gain_over_single": _num(res.per_kind_gain or 1.0, 4),
+        "met": bool(res.per_kind_met),
+    }
+
+
+def _not_met_json(res: SelectionResult, chosen: CandidateResult) -> dict[str, Any]:
+    """How far the fastest candidate (the choice when none meets the budget) falls short."""
+    required = res.budget.required
+    return {"fastest": res.chosen, "mb_per_s": _num(chosen.rate / MB),
+            "files_per_s": _num(res.files_rate(chosen.rate)),
+            "of_budget": _num(chosen.rate / required, 3),
+            "short_mb_per_s": _num((required - chosen.rate) / MB)}
 
 
 #: The defaults of the selection options as ``fanstore select`` spells them (an option at its
