@@ -359,7 +359,7 @@ def stored_extent(store, rel, chunk: int = 0) -> tuple[str, int, int]:
     except FanStoreError:
         entry = None
     assert entry is not None, f"{rel} is not in {store}"
-    first, count = int(index.entries["first"][entry]), int(index.entries["count"][entry])
+    first, count = index.chunk_run(entry)
     assert 0 <= chunk < count, f"{rel} has {count} chunks"
     k = first + chunk
     part = index.partitions[int(index.chunks["part"][k])].name
@@ -698,7 +698,7 @@ def files_by_partition(store) -> dict[int, list[str]]:
     index = read_index(os.fspath(store))
     out: dict[int, list[str]] = {p.number: [] for p in index.partitions}
     for entry in index.file_entries().tolist():
-        first, count = int(index.entries["first"][entry]), int(index.entries["count"][entry])
+        first, count = index.chunk_run(entry)
         if count:
             out[int(index.chunks["part"][first])].append(os.fsdecode(index.path(entry)))
     return out

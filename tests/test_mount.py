@@ -425,7 +425,7 @@ def test_random_damage_never_gives_wrong_bytes(mounted, special_store, special_t
     c = index.chunks
     owner = {}  # chunk -> file entry
     for entry in index.file_entries().tolist():
-        first, count = int(index.entries["first"][entry]), int(index.entries["count"][entry])
+        first, count = index.chunk_run(entry)
         for k in range(first, first + count):
             owner[k] = entry
     rng = random.Random(5)

@@ -84,7 +84,7 @@ def remote_stored_bytes(store: Path, local_parts: set[int]) -> int:
     index = read_index(str(store))
     total = 0
     for entry in index.file_entries().tolist():
-        first, count = int(index.entries["first"][entry]), int(index.entries["count"][entry])
+        first, count = index.chunk_run(entry)
         if count and int(index.chunks["part"][first]) not in local_parts:
             total += int(index.chunks["stored"][first : first + count].sum())
     return total
@@ -286,7 +286,7 @@ def test_without_replicas_a_dead_ranks_files_give_eio_within_the_timeout(dataset
         seen_eio = 0
         for entry in index.file_entries().tolist():
             rel = os.fsdecode(index.path(entry))
-            first, count = int(index.entries["first"][entry]), int(index.entries["count"][entry])
+            first, count = index.chunk_run(entry)
             path = job.mnt(0) / rel
             t = time.monotonic()
             if count and int(index.chunks["part"][first]) in dead_parts:
@@ -392,7 +392,7 @@ def test_a_hung_node_gives_eio_within_the_timeout_and_serves_again_when_it_resum
             slowest, eio, ok = 0.0, 0, 0
             for entry in index.file_entries().tolist():
                 rel = os.fsdecode(index.path(entry))
-                first, count = int(index.entries["first"][entry]), int(index.entries["count"][entry])
+                first, count = index.chunk_run(entry)
                 path = job.mnt(0) / rel
                 t = time.monotonic()
                 if count and int(index.chunks["part"][first]) in hung_parts:

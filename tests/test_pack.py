@@ -334,7 +334,7 @@ def test_broadcast_directories_get_their_own_partitions(small_tree, tmp_path):
     ns = Namespace(index)
     for rel in files:
         entry = ns.resolve(rel)
-        first, count = int(index.entries["first"][entry]), int(index.entries["count"][entry])
+        first, count = index.chunk_run(entry)
         if count:
             part = int(index.chunks["part"][first])
             assert (part in bc) == rel.startswith("sub/"), rel

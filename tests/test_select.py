@@ -644,7 +644,7 @@ def test_pack_auto_per_kind_applies_the_policy(tmp_path):
         rel = os.fsdecode(index.path(entry))
         kind = file_kind(rel, int(index.entries["size"][entry]))
         want = sel["configs"][per_kind[kind]]
-        first, count = int(index.entries["first"][entry]), int(index.entries["count"][entry])
+        first, count = index.chunk_run(entry)
         for slot in index.chunks["codec"][first:first + count].tolist():
             cfg = index.codecs[slot]
             slots_seen.setdefault(kind, set()).add(cfg["id"])

@@ -115,8 +115,12 @@ class Index:
             out[i] = -1 if found is None else found
         return out
 
+    def chunk_run(self, entry: int) -> tuple[int, int]:
+        """(first chunk row, number of chunks) of a file entry: its rows of ``chunks``."""
+        return int(self.entries["first"][entry]), int(self.entries["count"][entry])
+
     def stored_bytes_of(self, entry: int) -> int:
-        first, count = int(self.entries["first"][entry]), int(self.entries["count"][entry])
+        first, count = self.chunk_run(entry)
         return int(self.chunks["stored"][first : first + count].sum())
 
     def file_entries(self) -> np.ndarray:
