@@ -59,7 +59,7 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
     files = list_source(src)
     sample = draw_sample(files, int(options.sample_mb * MB), options.chunk_size, options.seed,
                          root=src, progress=options.progress)
-    kinds = [k for k, ks in sample.kinds.items() if ks.units]
+    kinds = [kind for kind, kind_sample in sample.kinds.items() if kind_sample.units]
     if not kinds:
         raise UsageError(f"{src}: no file could be read for the sample")
 
@@ -99,94 +99,122 @@ def _model(src: str, files, sample: Sample, kinds: list[str], options: Selection
            storage: float, latency: float, storage_from: str,
            reader: ReaderCost | None) -> SelectionResult:
     """Every candidate measured on the sample and modelled for the node: the ranking."""
-    base = {k: bench.baseline(sample.kinds[k].units) for k in kinds}
+    baselines = {kind: bench.baseline(sample.kinds[kind].units) for kind in kinds}
     cands = whole_set_candidates(sample)
     if options.per_kind:
         cands += per_kind_candidates(sample, cands)
     measures = _measure_all(sample, kinds, cands, options)
-
-    results = {k: KindResult(k, sample.kinds[k].files, sample.kinds[k].raw_bytes,
-                             sample.kinds[k].sample_bytes, sample.kinds[k].typesize,
-                             sample.kinds[k].typesize_from) for k in kinds}
-    path, seeks = _per_file_costs(files, sample, kinds, reader, options.chunk_size)
-    caches = (readorder.reader_caches(options.reader, options.n_cores)
-              if options.reader is not None else None)
-    for cand in cands:
-        amps = _solid_amplification(sample, measures[cand.label], caches) if cand.solid else {}
-        # A dictionary is stored once: charge it per raw byte of the kind(s) that use it.
-        spread = cand.overhead / sum(sample.kinds[k].raw_bytes for k in measures[cand.label])
-        for k, m in measures[cand.label].items():
-            if cand.by_kind:
-                own = cand.codec_for(k).get_config().get("dict")
-                extra = (len(cand.codec_for(k).dict_data) / sample.kinds[k].raw_bytes
-                         if own else 0.0)
-            else:
-                extra = spread
-            # Solid blocks: a read decodes and checks its whole block, unless the reader's
-            # caches still hold it (readorder: decodes per raw byte delivered).
-            amp = amps.get(k, 1.0)
-            decode = (m.decode_s + m.raw_unit_bytes * base[k].copy) / m.raw_bytes * amp
-            stored = m.stored_bytes / m.raw_bytes
-            results[k].costs[cand.label] = Cost(
-                stored + extra, decode + base[k].checksum * amp,
-                stored * amp if cand.solid else None, path.get(k, 0.0),
-                _solid_seeks(seeks.get(k, 0.0), m, amp) if cand.solid else seeks.get(k, 0.0))
-            results[k].decode_s[cand.label] = decode
-    weights = {k: float(sample.kinds[k].raw_bytes) for k in kinds}
-    wsum = sum(weights.values())
-
-    # The budget (a default one is set again from the measured `none` when measured).
-    cores = options.n_cores
-    if options.mb_per_sec is not None:
-        required, budget_from = options.mb_per_sec * MB, "mb_per_sec"
-    elif options.files_per_sec is not None:
-        required, budget_from = options.files_per_sec * sample.mean_file_size, "files_per_sec"
-    else:
-        none_cost = policy.mix([results[k].costs["none"] for k in kinds],
-                               [weights[k] for k in kinds])
-        required = DEFAULT_BUDGET * policy.node_rate(
-            none_cost, Budget(options.mode, 1.0, cores, storage, latency))
-        budget_from = "default"
-    budget = Budget(options.mode, required, cores, storage, latency)
-
-    cand_results: list[CandidateResult] = []
-    for cand in cands:
-        ks = [k for k in kinds if cand.label in results[k].costs]
-        w = [weights[k] for k in ks]
-        cost = policy.mix([results[k].costs[cand.label] for k in ks], w)
-        decode = sum(weights[k] * results[k].decode_s[cand.label] for k in ks) / sum(w)
-        ms = [measures[cand.label][k] for k in ks]
-        enc_s = sum(m.encode_s for m in ms)
-        measured = sum(m.raw_bytes for m in ms)
-        rate = policy.node_rate(cost, budget) if cand.kinds is None else math.nan
-        cand_results.append(CandidateResult(
-            cand.label, cand.codec, cost, decode,
-            measured / enc_s / MB if enc_s > 0 else math.inf, measured,
-            sum(m.raw_unit_bytes for m in ms) / measured if measured else 0.0,
-            rate, cand.kinds is None and policy.meets(cost, budget),
-            kinds=None if cand.kinds is None else sorted(cand.kinds), solid=cand.solid,
-            by_kind=dict(cand.by_kind)))
+    kind_results = _kind_costs(files, sample, kinds, cands, measures, baselines, options,
+                               reader)
+    weights = {kind: float(sample.kinds[kind].raw_bytes) for kind in kinds}
+    budget, budget_from = _budget(options, sample, kind_results, weights, storage, latency)
+    cand_results = [_candidate_result(cand, kind_results, weights, measures[cand.label], budget)
+                    for cand in cands]
     order = [c.label for c in cands]
     single_costs = {c.label: c.cost for c in cand_results if c.kinds is None}
     chosen, met = policy.choose(single_costs, budget, order)
 
+    checksum_s = sum(weights[kind] * baselines[kind].checksum for kind in kinds)
     result = SelectionResult(
         source=os.path.abspath(src), options=options, budget=budget, budget_from=budget_from,
         files=sample.files, raw_bytes=sample.raw_bytes, sample_bytes=sample.sample_bytes,
         sample_units=sample.units, storage_from=storage_from,
-        checksum_mb_per_s=wsum / sum(weights[k] * base[k].checksum for k in kinds) / MB,
-        candidates=cand_results, kinds=results, chosen=chosen, met=met, reader=reader)
+        checksum_mb_per_s=sum(weights.values()) / checksum_s / MB,
+        candidates=cand_results, kinds=kind_results, chosen=chosen, met=met, reader=reader)
     _mark_chosen(result)
     if options.per_kind:
         _choose_per_kind(result, weights, order)
     return result
 
 
+def _kind_costs(files, sample: Sample, kinds: list[str], cands: list[Candidate],
+                measures: dict[str, dict[str, bench.KindMeasure]],
+                baselines: dict[str, bench.KindBaseline], options: SelectionOptions,
+                reader: ReaderCost | None) -> dict[str, KindResult]:
+    """Each kind with the modelled cost, per raw byte, of every candidate measured on it."""
+    results = {kind: KindResult(kind, sample.kinds[kind].files, sample.kinds[kind].raw_bytes,
+                                sample.kinds[kind].sample_bytes, sample.kinds[kind].typesize,
+                                sample.kinds[kind].typesize_from) for kind in kinds}
+    path, seeks = _per_file_costs(files, sample, kinds, reader, options.chunk_size)
+    caches = (readorder.reader_caches(options.reader, options.n_cores)
+              if options.reader is not None else None)
+    for cand in cands:
+        cand_measures = measures[cand.label]
+        amplification = (_solid_amplification(sample, cand_measures, caches) if cand.solid
+                         else {})
+        # A dictionary is stored once: charge it per raw byte of the kind(s) that use it.
+        spread = cand.overhead / sum(sample.kinds[kind].raw_bytes for kind in cand_measures)
+        for kind, measure in cand_measures.items():
+            if cand.by_kind:
+                own = cand.codec_for(kind).get_config().get("dict")
+                dict_share = (len(cand.codec_for(kind).dict_data) / sample.kinds[kind].raw_bytes
+                              if own else 0.0)
+            else:
+                dict_share = spread
+            # Solid blocks: a read decodes and checks its whole block, unless the reader's
+            # caches still hold it (readorder: decodes per raw byte delivered).
+            amp = amplification.get(kind, 1.0)
+            baseline = baselines[kind]
+            decode = (measure.decode_s + measure.raw_unit_bytes * baseline.copy) \
+                / measure.raw_bytes * amp
+            stored = measure.stored_bytes / measure.raw_bytes
+            kind_seeks = seeks.get(kind, 0.0)
+            results[kind].costs[cand.label] = Cost(
+                stored + dict_share, decode + baseline.checksum * amp,
+                stored * amp if cand.solid else None, path.get(kind, 0.0),
+                _solid_seeks(kind_seeks, measure, amp) if cand.solid else kind_seeks)
+            results[kind].decode_s[cand.label] = decode
+    return results
+
+
+def _budget(options: SelectionOptions, sample: Sample, kind_results: dict[str, KindResult],
+            weights: dict[str, float], storage: float, latency: float) -> tuple[Budget, str]:
+    """The budget and where it comes from: the options, else the default (a fraction of
+    what the model gives the data stored raw; set again from the measured ``none`` when the
+    finalists are measured)."""
+    cores = options.n_cores
+    if options.mb_per_sec is not None:
+        required, budget_from = options.mb_per_sec * MB, "mb_per_sec"
+    elif options.files_per_sec is not None:
+        required, budget_from = options.files_per_sec * sample.mean_file_size, "files_per_sec"
+    else:
+        none_cost = policy.mix([kind_results[kind].costs["none"] for kind in kind_results],
+                               [weights[kind] for kind in kind_results])
+        required = DEFAULT_BUDGET * policy.node_rate(
+            none_cost, Budget(options.mode, 1.0, cores, storage, latency))
+        budget_from = "default"
+    return Budget(options.mode, required, cores, storage, latency), budget_from
+
+
+def _candidate_result(cand: Candidate, kind_results: dict[str, KindResult],
+                      weights: dict[str, float], cand_measures: dict[str, bench.KindMeasure],
+                      budget: Budget) -> CandidateResult:
+    """Candidate ``cand`` over the kinds it was measured on: its costs mixed by bytes."""
+    covered = [kind for kind in kind_results if cand.label in kind_results[kind].costs]
+    covered_weights = [weights[kind] for kind in covered]
+    cost = policy.mix([kind_results[kind].costs[cand.label] for kind in covered],
+                      covered_weights)
+    decode = sum(weights[kind] * kind_results[kind].decode_s[cand.label]
+                 for kind in covered) / sum(covered_weights)
+    kind_measures = [cand_measures[kind] for kind in covered]
+    encode_s = sum(measure.encode_s for measure in kind_measures)
+    measured = sum(measure.raw_bytes for measure in kind_measures)
+    rate = policy.node_rate(cost, budget) if cand.kinds is None else math.nan
+    return CandidateResult(
+        cand.label, cand.codec, cost, decode,
+        measured / encode_s / MB if encode_s > 0 else math.inf, measured,
+        sum(measure.raw_unit_bytes for measure in kind_measures) / measured
+        if measured else 0.0,
+        rate, cand.kinds is None and policy.meets(cost, budget),
+        kinds=None if cand.kinds is None else sorted(cand.kinds), solid=cand.solid,
+        by_kind=dict(cand.by_kind))
+
+
 def _mark_chosen(result: SelectionResult) -> None:
-    for c in result.candidates:
-        c.chosen = c.label == result.chosen
-    for k in result.kinds.values():
-        k.chosen = result.chosen
+    for cand in result.candidates:
+        cand.chosen = cand.label == result.chosen
+    for kind_result in result.kinds.values():
+        kind_result.chosen = result.chosen
 
 
 def _choose_per_kind(result: SelectionResult, weights: dict[str, float], order: list[str],
@@ -197,11 +225,13 @@ def _choose_per_kind(result: SelectionResult, weights: dict[str, float], order: 
     budget = result.budget
     if correction != 1.0:
         budget = dataclasses.replace(budget, required=budget.required / correction)
-    mc = policy.choose_per_kind({k: result.kinds[k].costs for k in kinds}, weights, budget,
-                                single=result.chosen if result.met else None, order=order)
-    result.per_kind, result.per_kind_cost, result.per_kind_met = mc.assign, mc.cost, mc.met
-    for k, label in mc.assign.items():
-        result.kinds[k].chosen = label
+    mix_choice = policy.choose_per_kind(
+        {kind: result.kinds[kind].costs for kind in kinds}, weights, budget,
+        single=result.chosen if result.met else None, order=order)
+    result.per_kind = mix_choice.assign
+    result.per_kind_cost, result.per_kind_met = mix_choice.cost, mix_choice.met
+    for kind, label in mix_choice.assign.items():
+        result.kinds[kind].chosen = label
 
 
 def _decide(result: SelectionResult, measuring: Measuring, none_trial: Measured,
@@ -262,13 +292,13 @@ def _measure_mix(result: SelectionResult, measuring: Measuring) -> None:
     labels = set(result.per_kind.values())
     rate = min(_encode_rate(result.candidate(lb)) for lb in labels)
     try:
-        m = measuring.measure(result.mix_policy(result.per_kind), rate, "per-kind mix")
+        measured = measuring.measure(result.mix_policy(result.per_kind), rate, "per-kind mix")
     except TrialError as exc:
         log.warning("the per-kind mix could not be measured: %s", exc)
         result.per_kind_met = False
         return
-    result.per_kind_measured = m
-    result.per_kind_met = m.bytes_per_s >= result.budget.required * (1 - 1e-9)
+    result.per_kind_measured = measured
+    result.per_kind_met = measured.bytes_per_s >= result.budget.required * (1 - 1e-9)
     if result.measurement is not None:
         result.measurement.trials += 1
 
@@ -291,26 +321,27 @@ def _per_file_costs(files, sample: Sample, kinds: list[str], reader: ReaderCost 
 
     seconds: dict[str, float] = {}
     count: dict[str, int] = {}
-    for f in files:
-        k = file_kind(f.rel, f.size)
-        count[k] = count.get(k, 0) + 1
+    for listed in files:
+        kind = file_kind(listed.rel, listed.size)
+        count[kind] = count.get(kind, 0) + 1
         if reader is not None:
-            seconds[k] = seconds.get(k, 0.0) + reader.file_cost(-(-f.size // chunk_size))
+            seconds[kind] = (seconds.get(kind, 0.0)
+                             + reader.file_cost(-(-listed.size // chunk_size)))
     raw = {k: sample.kinds[k].raw_bytes for k in kinds if sample.kinds[k].raw_bytes}
     path = {k: seconds.get(k, 0.0) / n for k, n in raw.items()} if reader is not None else {}
     return path, {k: count.get(k, 0) / n for k, n in raw.items()}
 
 
-def _solid_seeks(per_file: float, m: bench.KindMeasure, amp: float) -> float:
+def _solid_seeks(per_file: float, measure: bench.KindMeasure, amp: float) -> float:
     """Random storage reads per raw byte of a kind packed in solid blocks: one per decode of
     a block (its stored bytes are one extent; the files read from a block a cache still
     holds need no read at all), ``amp`` / the mean block's raw size; never more than one per
     file (``per_file``). On 60,000 small files in 64 KiB blocks that is 0.17 reads per file
     where one per file had predicted half the measured rate."""
-    total = sum(raw for raw, _ in m.blocks)
+    total = sum(raw for raw, _ in measure.blocks)
     if not total:
         return per_file
-    return min(per_file, amp * len(m.blocks) / total)
+    return min(per_file, amp * len(measure.blocks) / total)
 
 
 def _solid_amplification(sample: Sample, measures: dict[str, bench.KindMeasure],
@@ -338,15 +369,15 @@ def _measure_all(sample: Sample, kinds: list[str], cands: list[Candidate],
     bar = _progress_bar(len(cands), "measuring codecs", options.progress)
     try:
         for cand in list(cands):
-            mine = [k for k in kinds if cand.kinds is None or k in cand.kinds]
-            mine_bytes = sum(sample.kinds[k].sample_bytes for k in mine)
+            mine = [kind for kind in kinds if cand.kinds is None or kind in cand.kinds]
+            mine_bytes = sum(sample.kinds[kind].sample_bytes for kind in mine)
             try:
                 out[cand.label] = {}
-                for k in mine:
-                    budget = options.encode_seconds * sample.kinds[k].sample_bytes / mine_bytes
-                    units = sample.kinds[k].units
-                    codec = cand.codec_for(k)
-                    out[cand.label][k] = (
+                for kind in mine:
+                    budget = options.encode_seconds * sample.kinds[kind].sample_bytes / mine_bytes
+                    units = sample.kinds[kind].units
+                    codec = cand.codec_for(kind)
+                    out[cand.label][kind] = (
                         bench.measure_solid(codec, units, budget, cand.solid)
                         if cand.solid else bench.measure(codec, units, budget))
             except (CodecError, FanStoreError) as exc:
