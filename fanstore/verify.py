@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from fanstore.errors import FanStoreError, FormatError
-from fanstore.format.index import read_index
+from fanstore.format.index import Index, read_index
 from fanstore.namespace import Namespace
 from fanstore.read import ChunkReader, LocalPartitions
 
@@ -59,12 +59,7 @@ def verify_store(path: str, jobs: int = 0, progress: bool | None = None,
     if not os.path.isdir(data_dir):  # a mistyped --local-dir must not verify "all intact"
         raise FormatError(f"{data_dir}: no such directory")
     report = VerifyReport()
-    wanted = []
-    for p in range(len(index.partitions)):
-        if only_present and not os.path.exists(os.path.join(data_dir, index.partitions[p].name)):
-            report.skipped_partitions.append(p)
-        else:
-            wanted.append(p)
+    wanted = _wanted_partitions(index, data_dir, only_present, report)
     parts, broken = LocalPartitions.available(data_dir, index, wanted)
     # Files that share a solid chunk (format v2 only) are checked one after the other (todo
     # is sorted by first chunk below) and a one-chunk file keeps its chunk in a small LRU:
@@ -72,45 +67,11 @@ def verify_store(path: str, jobs: int = 0, progress: bool | None = None,
     shared = index.version >= 2
     reader = ChunkReader(index, parts,
                          cache_bytes=min(64 << 20, 16 * index.chunk_size) if shared else 0)
-    part_of = index.chunks["part"]
-    sums = index.entries["checksum"]
-    counts = index.entries["count"]
-
-    todo = []
-    for entry in index.file_entries().tolist():
-        first, count, _, _ = reader.span(entry)
-        p = int(part_of[first]) if count else -1
-        if p in broken:
-            report.damaged.append((os.fsdecode(ns.path(entry)), broken[p]))
-            report.checked += 1
-        elif p == -1 or parts.has(p):
-            todo.append(entry)
-
+    todo = _files_to_check(index, ns, reader, parts, broken, report)
     if shared:
         todo.sort(key=index.entries["first"].__getitem__)
-
-    show_bar = sys.stderr.isatty() if progress is None else progress
-    bar = None
-    if show_bar:
-        from tqdm import tqdm
-
-        total = int(sum(int(index.entries["size"][e]) for e in todo))
-        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc="verifying",
-                   file=sys.stderr)
-
-    def check(entry: int) -> tuple[int, int, str | None]:
-        h = xxhash.xxh3_64()
-        size = 0
-        try:
-            for data in reader.iter_file(entry, keep=shared and int(counts[entry]) == 1):
-                h.update(data)
-                size += len(data)
-        except FanStoreError as exc:
-            return entry, size, str(exc).split(": ", 1)[-1]
-        if h.intdigest() != int(sums[entry]):
-            return entry, size, "whole-file checksum mismatch"
-        return entry, size, None
-
+    bar = _progress_bar(index, todo, progress)
+    check = _FileCheck(index, reader, shared)
     workers = jobs or len(os.sched_getaffinity(0))
     try:
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
@@ -127,3 +88,72 @@ def verify_store(path: str, jobs: int = 0, progress: bool | None = None,
         parts.close()
     report.seconds = time.monotonic() - t0
     return report
+
+
+def _wanted_partitions(index: Index, data_dir: str, only_present: bool,
+                       report: VerifyReport) -> list[int]:
+    """The partitions to verify: all, or with ``only_present`` those in ``data_dir`` (the
+    others are noted in ``report`` as skipped)."""
+    wanted = []
+    for number in range(len(index.partitions)):
+        if only_present and not os.path.exists(
+            os.path.join(data_dir, index.partitions[number].name)
+        ):
+            report.skipped_partitions.append(number)
+        else:
+            wanted.append(number)
+    return wanted
+
+
+def _files_to_check(index: Index, ns: Namespace, reader: ChunkReader, parts: LocalPartitions,
+                    broken: dict[int, str], report: VerifyReport) -> list[int]:
+    """The files to read: those in the partitions at hand and empty ones. A file in a
+    ``broken`` partition is reported damaged (and counted as checked) without reading."""
+    part_of = index.chunks["part"]
+    todo = []
+    for entry in index.file_entries().tolist():
+        first, count, _, _ = reader.span(entry)
+        part = int(part_of[first]) if count else -1
+        if part in broken:
+            report.damaged.append((os.fsdecode(ns.path(entry)), broken[part]))
+            report.checked += 1
+        elif part == -1 or parts.has(part):
+            todo.append(entry)
+    return todo
+
+
+def _progress_bar(index: Index, todo: list[int], progress: bool | None):
+    """A progress bar over the bytes of the files ``todo`` (on a terminal, or as asked)."""
+    show_bar = sys.stderr.isatty() if progress is None else progress
+    if not show_bar:
+        return None
+    from tqdm import tqdm
+
+    total = int(sum(int(index.entries["size"][e]) for e in todo))
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc="verifying",
+                file=sys.stderr)
+
+
+class _FileCheck:
+    """Reads one file through the read core and checks its whole-content checksum (called
+    from the worker threads): ``(entry, bytes read, what is wrong or None)``."""
+
+    def __init__(self, index: Index, reader: ChunkReader, shared: bool) -> None:
+        self.reader = reader
+        self.shared = shared  # keep one-chunk files' chunks: other files may share them
+        self.sums = index.entries["checksum"]
+        self.counts = index.entries["count"]
+
+    def __call__(self, entry: int) -> tuple[int, int, str | None]:
+        whole = xxhash.xxh3_64()
+        size = 0
+        keep = self.shared and int(self.counts[entry]) == 1
+        try:
+            for data in self.reader.iter_file(entry, keep=keep):
+                whole.update(data)
+                size += len(data)
+        except FanStoreError as exc:
+            return entry, size, str(exc).split(": ", 1)[-1]
+        if whole.intdigest() != int(self.sums[entry]):
+            return entry, size, "whole-file checksum mismatch"
+        return entry, size, None
