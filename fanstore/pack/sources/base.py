@@ -194,9 +194,17 @@ class VirtualTree:
         Problems (files used as directories, symlinks that escape or loop) are added to
         ``problems``; the offending entries (and what lies below them) are left out.
         """
-        nodes = self.nodes
         where = os.fsdecode(root)
-        # A name below a non-directory: the source used a file (or symlink) as a directory.
+        children, bad = self._children(where)
+        self._refuse_symlinks(where, bad)
+        result, order = self._lay_out(root, children, bad)
+        _date_implicit_dirs(result, order)
+        return result
+
+    def _children(self, where: str) -> tuple[dict[bytes, list[bytes]], set[bytes]]:
+        """Each directory's children, and the names left out (``bad``): a name below a
+        non-directory (the source used a file or symlink as a directory) and all below it."""
+        nodes = self.nodes
         children: dict[bytes, list[bytes]] = {}
         bad: set[bytes] = set()
         for rel in sorted(nodes):
@@ -206,17 +214,22 @@ class VirtualTree:
             if parent in bad:
                 bad.add(rel)
                 continue
-            p = nodes.get(parent)
-            if p is None or p.kind != KIND_DIR:
+            parent_node = nodes.get(parent)
+            if parent_node is None or parent_node.kind != KIND_DIR:
                 self.problem(where, rel, f"is inside {show(parent)!r}, which is not a directory "
                                          "in the source")
                 bad.add(rel)
                 continue
             children.setdefault(parent, []).append(rel)
-        # Symlinks: each on its own (target, lexically inside), then walked through the
-        # tree (loops, chains that climb out), as scan_tree walks a real tree: the walk
-        # sees every symlink, those refused on their own too (a directory scan sees them
-        # on disk), so a chain is judged the same in an archive and in a directory.
+        return children, bad
+
+    def _refuse_symlinks(self, where: str, bad: set[bytes]) -> None:
+        """Add to ``bad`` (and report) the symlinks refused: each on its own (target,
+        lexically inside), then walked through the tree (loops, chains that climb out)."""
+        nodes = self.nodes
+        # As scan_tree walks a real tree: the walk sees every symlink, those refused on
+        # their own too (a directory scan sees them on disk), so a chain is judged the
+        # same in an archive and in a directory.
         links = [rel for rel, node in nodes.items()
                  if rel not in bad and node.kind == KIND_SYMLINK]
         resolver = Resolver(_TreeView(nodes, set(bad)))
@@ -233,7 +246,12 @@ class VirtualTree:
             if msg:
                 self.problem(where, rel, msg)
                 bad.add(rel)
-        # Breadth-first layout.
+
+    def _lay_out(self, root: bytes, children: dict[bytes, list[bytes]], bad: set[bytes]
+                 ) -> tuple[ScanResult, list[Node]]:
+        """The entries breadth-first, children sorted by name bytes, without ``bad``; and
+        the node of each entry, in entry order."""
+        nodes = self.nodes
         result = ScanResult(root=root)
         rootnode = nodes[b""]
         result.entries.append(ScanEntry(b"", KIND_DIR, rootnode.mode, 0, rootnode.mtime_ns))
@@ -241,34 +259,28 @@ class VirtualTree:
         order: list[Node] = [rootnode]
         head = 0
         while head < len(result.entries):
-            d = head
+            dir_no = head
             head += 1
-            if result.entries[d].kind != KIND_DIR:
+            if result.entries[dir_no].kind != KIND_DIR:
                 continue
             first = len(result.entries)
-            names = [r for r in children.get(result.entries[d].rel, []) if r not in bad]
+            names = [r for r in children.get(result.entries[dir_no].rel, []) if r not in bad]
             names.sort(key=lambda r: r.rpartition(b"/")[2])
             for rel in names:
-                n = nodes[rel]
-                e = ScanEntry(rel, n.kind, n.mode & 0o7777, 0, n.mtime_ns, parent=d)
-                if n.kind == KIND_FILE:
-                    e.size = n.size
-                    file_ids.append(n.file_id)
-                elif n.kind == KIND_SYMLINK:
-                    e.target = n.target
-                    e.size = len(n.target)
-                result.entries.append(e)
-                order.append(n)
-            result.entries[d].children = (first, len(result.entries) - first)
-        # Directories the source never listed: mode 0755, mtime of their newest child.
-        for i in range(len(result.entries) - 1, -1, -1):
-            e = result.entries[i]
-            if e.kind == KIND_DIR and not order[i].explicit:
-                first, count = e.children
-                e.mtime_ns = max((result.entries[k].mtime_ns
-                                  for k in range(first, first + count)), default=0)
+                node = nodes[rel]
+                entry = ScanEntry(rel, node.kind, node.mode & 0o7777, 0, node.mtime_ns,
+                                  parent=dir_no)
+                if node.kind == KIND_FILE:
+                    entry.size = node.size
+                    file_ids.append(node.file_id)
+                elif node.kind == KIND_SYMLINK:
+                    entry.target = node.target
+                    entry.size = len(node.target)
+                result.entries.append(entry)
+                order.append(node)
+            result.entries[dir_no].children = (first, len(result.entries) - first)
         result.file_ids = file_ids  # type: ignore[attr-defined] - entry order of files
-        return result
+        return result, order
 
     @staticmethod
     def _check_target(rel: bytes, target: bytes) -> str | None:
@@ -278,6 +290,17 @@ class VirtualTree:
         if target.startswith(b"/") or not target_stays_inside(rel, target):
             return f"symlink points outside the source ({show(target)})"
         return None
+
+
+def _date_implicit_dirs(result: ScanResult, order: list[Node]) -> None:
+    """Directories the source never listed (``order``: the node of each entry) get the
+    mtime of their newest child (their mode is already 0755)."""
+    for entry_no in range(len(result.entries) - 1, -1, -1):
+        entry = result.entries[entry_no]
+        if entry.kind == KIND_DIR and not order[entry_no].explicit:
+            first, count = entry.children
+            entry.mtime_ns = max((result.entries[child].mtime_ns
+                                  for child in range(first, first + count)), default=0)
 
 
 class _TreeView:
