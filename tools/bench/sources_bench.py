@@ -38,6 +38,7 @@ from harness import (  # noqa: E402
     now_utc,
     replace_section,
     spread,
+    table,
 )
 
 PY = sys.executable
@@ -209,68 +210,55 @@ def render(rows, a, how, n_files, raw, tar_size, same, identical=None) -> str:
         return [r[key] for r in rows if r["part"] == part and all(r.get(k) == v
                                                                   for k, v in kw.items())]
 
-    w = []
-    w.append(f"Run {now_utc()}, {a.reps} repetitions of each step, alternating; median "
-             "(min-max).")
-    w.append("")
-    w.append(machine_table(a.work))
-    w.append("")
-    w.append(f"### A. Pack from a tar vs extract + pack ({n_files:,} files, "
-             f"{raw / 1e9:.2f} GB; tar {tar_size / 1e9:.2f} GB)")
-    w.append("")
-    w.append(f"Dataset: `{how}`; `--codec zstd:3 --partitions 8 --jobs {a.jobs}`.")
-    w.append("")
-    w.append("| way | wall s | CPU s | CPU µs per file |")
-    w.append("|---|---|---|---|")
-    def row(way: str, label: str) -> None:
-        wall, cpu = vals("A", "wall", way=way), vals("A", "cpu", way=way)
-        w.append(f"| {label} | {spread(wall, 1)} | {spread(cpu, 1)} | "
-                 f"{spread([c / n_files * 1e6 for c in cpu])} |")
-
-    row("tar", "`fanstore pack data.tar` (streamed)")
-    row("extract", "`tar -xf` + `fanstore pack dir`")
-    ex_w, ex_c = vals("A", "extract_wall", way="extract"), vals("A", "extract_cpu",
-                                                                way="extract")
-    pk_w, pk_c = vals("A", "pack_wall", way="extract"), vals("A", "pack_cpu", way="extract")
-    w.append(f"| (of which `tar -xf`) | {spread(ex_w, 1)} | {spread(ex_c, 1)} | |")
-    w.append(f"| (of which pack of the extracted tree) | {spread(pk_w, 1)} | {spread(pk_c, 1)} "
-             "| |")
-    if a.before:
-        row("before", f"`fanstore pack data.tar` by `{a.before}` (before)")
-
     def median(way: str, key: str) -> float:
         return statistics.median(vals("A", key, way=way))
 
+    ways = [("tar", "`fanstore pack data.tar` (streamed)"),
+            ("extract", "`tar -xf` + `fanstore pack dir`")]
+    packs = [(label, spread(vals("A", "wall", way=way), 1), spread(vals("A", "cpu", way=way), 1),
+              spread([c / n_files * 1e6 for c in vals("A", "cpu", way=way)]))
+             for way, label in ways]
+    packs += [(label, spread(vals("A", f"{key}_wall", way="extract"), 1),
+               spread(vals("A", f"{key}_cpu", way="extract"), 1), "")
+              for key, label in (("extract", "(of which `tar -xf`)"),
+                                 ("pack", "(of which pack of the extracted tree)"))]
+    if a.before:
+        cpu = vals("A", "cpu", way="before")
+        packs.append((f"`fanstore pack data.tar` by `{a.before}` (before)",
+                      spread(vals("A", "wall", way="before"), 1), spread(cpu, 1),
+                      spread([c / n_files * 1e6 for c in cpu])))
+    notes = []
     if vals("A", "wall", way="tar") and vals("A", "wall", way="extract"):
-        w.append("")
-        w.append(f"Streamed pack / (extract + pack), medians: wall "
+        notes = ["", f"Streamed pack / (extract + pack), medians: wall "
                  f"{median('tar', 'wall') / median('extract', 'wall'):.2f}x, CPU "
                  f"{median('tar', 'cpu') / median('extract', 'cpu'):.2f}x; same paths, kinds, "
-                 f"sizes, modes and checksums in both stores: {same}.")
+                 f"sizes, modes and checksums in both stores: {same}."]
         if a.before and vals("A", "wall", way="before"):
-            w.append(f"Streamed pack now / by `{a.before}`, medians: wall "
-                     f"{median('tar', 'wall') / median('before', 'wall'):.2f}x, CPU "
-                     f"{median('tar', 'cpu') / median('before', 'cpu'):.2f}x; the two stores "
-                     f"are byte-identical (every partition and the index): {identical}.")
-    w.append("")
-    w.append("### B. Stage-in from a local S3 endpoint: 1 vs 8 range-read streams")
-    w.append("")
-    w.append("| streams | staged MB | stage s | MB/s | process CPU s |")
-    w.append("|---|---|---|---|---|")
+            notes.append(f"Streamed pack now / by `{a.before}`, medians: wall "
+                         f"{median('tar', 'wall') / median('before', 'wall'):.2f}x, CPU "
+                         f"{median('tar', 'cpu') / median('before', 'cpu'):.2f}x; the two "
+                         f"stores are byte-identical (every partition and the index): "
+                         f"{identical}.")
+    stage = []
     for s in (1, 8):
-        secs = vals("B", "stage_seconds", streams=s)
-        mb = vals("B", "bytes", streams=s)
-        rates = [b / 1e6 / x for b, x in zip(mb, secs) if x]
-        w.append(f"| {s} | {mb[0] / 1e6:,.0f} | {spread(secs, 2)} | {spread(rates)} | "
-                 f"{spread(vals('B', 'cpu', streams=s), 1)} |" if mb else f"| {s} | – | | | |")
-    w.append("")
-    w.append("### Exact commands")
-    w.append("")
-    w.append("```")
-    w.append(f".venv/bin/python tools/bench/sources_bench.py --files {a.files} --reps {a.reps} "
-             f"--jobs {a.jobs} --work {a.work}" + (f" --before {a.before}" if a.before else ""))
-    w.append("```")
-    return "\n".join(w)
+        secs, mb = vals("B", "stage_seconds", streams=s), vals("B", "bytes", streams=s)
+        stage.append((s, f"{mb[0] / 1e6:,.0f}", spread(secs, 2), spread(
+            [b / 1e6 / x for b, x in zip(mb, secs) if x]), spread(vals("B", "cpu", streams=s), 1))
+            if mb else (s, "–", "", "", ""))
+    return "\n".join([
+        f"Run {now_utc()}, {a.reps} repetitions of each step, alternating; median (min-max).",
+        "", machine_table(a.work), "",
+        f"### A. Pack from a tar vs extract + pack ({n_files:,} files, {raw / 1e9:.2f} GB; "
+        f"tar {tar_size / 1e9:.2f} GB)", "",
+        f"Dataset: `{how}`; `--codec zstd:3 --partitions 8 --jobs {a.jobs}`.", "",
+        table(["way", "wall s", "CPU s", "CPU µs per file"], packs, "llll"),
+        *notes, "",
+        table(["streams", "staged MB", "stage s", "MB/s", "process CPU s"], stage, "lllll",
+              "B. Stage-in from a local S3 endpoint: 1 vs 8 range-read streams"),
+        "", "### Exact commands", "", "```",
+        f".venv/bin/python tools/bench/sources_bench.py --files {a.files} --reps {a.reps} "
+        f"--jobs {a.jobs} --work {a.work}" + (f" --before {a.before}" if a.before else ""),
+        "```"])
 
 
 if __name__ == "__main__":
