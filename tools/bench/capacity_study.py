@@ -531,27 +531,12 @@ def real_pack(data_dir: str, work: str, label: str, args: list[str], n_read: int
 # --------------------------------------------------------------------------- driver
 
 
-class _Rows(list):
-    """Result rows, each also appended to the JSONL file as soon as it is measured (a long
-    run that stops half-way keeps what it measured)."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__()
-        self.path = path
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-
-    def append(self, row: dict) -> None:
-        super().append(row)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row, sort_keys=True, default=_plain) + "\n")
-
-
-def _plain(value):
-    """numpy scalars as JSON numbers and booleans."""
-    if isinstance(value, np.generic):
-        return value.item()
-    raise TypeError(f"cannot write {type(value).__name__} as JSON")
-
+def save(rows: list[dict], path: str, row: dict) -> None:
+    """Keep ``row`` and append it to the JSONL file at once (a long run that stops half-way
+    keeps what it measured); numpy scalars are written as plain numbers."""
+    rows.append(row)
+    with open(path, "a") as f:
+        f.write(json.dumps(row, sort_keys=True, default=lambda v: v.item()) + "\n")
 
 
 def options(levels: list[int], blocks: list[int], slow: list[int], group: bool,
@@ -611,7 +596,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{name}: {n_files:,} files, {data.raw_bytes / MB:,.1f} MB; training dictionaries")
     dicts = train_dicts(data, a.seed)
     lookup, names = namespace_columns(data)
-    rows = _Rows(a.jsonl)
+    rows: list[dict] = []
+    os.makedirs(os.path.dirname(os.path.abspath(a.jsonl)), exist_ok=True)
     run = h.now_utc()
     base = {"run": run, "dataset": name, "files": n_files, "raw_bytes": data.raw_bytes,
             "partitions": a.partitions, "commit": h.git_commit()}
@@ -622,8 +608,8 @@ def main(argv: list[str] | None = None) -> int:
                 label = f"mksquashfs zstd-{level}" + (f" -b {block}" if block else "")
                 log(f"{name}: {label}")
                 r = squashfs(a.data, w, level, block, a.jobs)
-                rows.append(dict(base, option=label, kind="squashfs",
-                                 ratio=data.raw_bytes / r["store_bytes"], **r))
+                save(rows, a.jsonl, dict(base, option=label, kind="squashfs",
+                                         ratio=data.raw_bytes / r["store_bytes"], **r))
     if a.packs:
         with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(a.data))) as w:
             for spec in a.packs.split(";"):
@@ -631,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
                 label = "fanstore pack " + (" ".join(args) or "(default)")
                 log(f"{name}: {label}")
                 r = real_pack(a.data, w, label, args, a.read_files, a.seed)
-                rows.append(dict(base, ratio=data.raw_bytes / r["store_bytes"], **r))
+                save(rows, a.jsonl, dict(base, ratio=data.raw_bytes / r["store_bytes"], **r))
                 log(f"  ratio {rows[-1]['ratio']:.3f}, pack {r['pack_wall_s']} s, API read "
                     f"{r['api_cpu_us_per_file']:.0f} µs CPU/file")
     opts = options(ints(a.levels), ints(a.blocks), ints(a.solid_slow), not a.no_group,
@@ -663,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         costs = read_costs(data, lay, opt, dicts,
                            a.read_files if not opt.sampled else min(a.read_files, 1000),
                            a.seed)
-        rows.append(dict(
+        save(rows, a.jsonl, dict(
             base, option=opt.name, kind="fanstore", level=opt.level, dict=opt.dict,
             block_kb=opt.block >> 10, group=opt.group, sampled=bool(prob < 1.0),
             sample_fraction=round(prob, 4), chunks=len(lay.pieces),
@@ -675,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         r = rows[-1]
         log(f"  ratio {r['ratio']:.3f}, random {r['random_us_per_file']:.1f} µs/file, "
             f"in order {r['in_order_us_per_file']:.1f} µs/file")
-    text = render(list(rows), time.monotonic() - t_start)
+    text = render(rows, time.monotonic() - t_start)
     print(text)
     if a.md:
         with open(a.md, "w") as f:
@@ -688,31 +674,27 @@ def render(rows: list[dict], seconds: float) -> str:
         return ""
     r0 = rows[0]
     sq = next((r for r in rows if r["option"] == "mksquashfs zstd-3"), None)
-    out = [f"### {r0['dataset']}: {r0['files']:,} files, {r0['raw_bytes'] / MB:,.1f} MB "
-           f"(mean {r0['raw_bytes'] / max(1, r0['files']) / 1e3:,.2f} kB), "
-           f"{r0['partitions']} partitions; run {r0['run']}, {seconds / 60:.0f} min", "",
-           "| option | ratio | vs mksquashfs zstd-3 | stored MB | index MB | "
-           "random read µs/file | in-order read µs/file | decoded kB/file (random) | "
-           "encode / pack CPU s |", "|---|---|---|---|---|---|---|---|---|"]
+    out = []
     for r in rows:
-        vs = f"{r['ratio'] / sq['ratio']:.2f}x" if sq else "–"
+        head = (r["option"] + (" ~" if r.get("sampled") else ""), f"{r['ratio']:.3f}",
+                f"{r['ratio'] / sq['ratio']:.2f}x" if sq else "–",
+                f"{r['store_bytes'] / MB:,.1f}")
+        pack = f"{r.get('pack_cpu_s', 0):.0f} ({r.get('pack_wall_s', 0):.0f} wall)"
         if r["kind"] == "pack":
-            out.append(f"| {r['option']} | {r['ratio']:.3f} | {vs} | "
-                       f"{r['store_bytes'] / MB:,.1f} | – | API {r['api_cpu_us_per_file']:,.0f} "
-                       f"(CPU), {r['api_wall_us_per_file']:,.0f} (wall) | – | – | "
-                       f"{r['pack_cpu_s']:.0f} ({r['pack_wall_s']:.0f} wall) |")
-            continue
-        if r["kind"] == "squashfs":
-            out.append(f"| {r['option']} | {r['ratio']:.3f} | {vs} | "
-                       f"{r['store_bytes'] / MB:,.1f} | – | – | – | – | "
-                       f"{r['pack_cpu_s']:.0f} ({r['pack_wall_s']:.0f} wall) |")
-            continue
-        mark = " ~" if r["sampled"] else ""
-        out.append(f"| {r['option']}{mark} | {r['ratio']:.3f} | {vs} | "
-                   f"{r['store_bytes'] / MB:,.1f} | {r['index_bytes'] / MB:,.2f} | "
-                   f"{r['random_us_per_file']:,.1f} | {r['in_order_us_per_file']:,.1f} | "
-                   f"{r['decoded_kb_per_file']:,.1f} | {r['encode_cpu_s']:,.0f} |")
-    return "\n".join(out)
+            out.append((*head, "–", f"API {r['api_cpu_us_per_file']:,.0f} (CPU), "
+                        f"{r['api_wall_us_per_file']:,.0f} (wall)", "–", "–", pack))
+        elif r["kind"] == "squashfs":
+            out.append((*head, "–", "–", "–", "–", pack))
+        else:
+            out.append((*head, f"{r['index_bytes'] / MB:,.2f}", f"{r['random_us_per_file']:,.1f}",
+                        f"{r['in_order_us_per_file']:,.1f}", f"{r['decoded_kb_per_file']:,.1f}",
+                        f"{r['encode_cpu_s']:,.0f}"))
+    return h.table(["option", "ratio", "vs mksquashfs zstd-3", "stored MB", "index MB",
+                    "random read µs/file", "in-order read µs/file", "decoded kB/file (random)",
+                    "encode / pack CPU s"], out, "l" * 9,
+                   f"{r0['dataset']}: {r0['files']:,} files, {r0['raw_bytes'] / MB:,.1f} MB "
+                   f"(mean {r0['raw_bytes'] / max(1, r0['files']) / 1e3:,.2f} kB), "
+                   f"{r0['partitions']} partitions; run {r0['run']}, {seconds / 60:.0f} min")
 
 
 if __name__ == "__main__":
