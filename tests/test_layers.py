@@ -134,6 +134,23 @@ def test_no_module_outgrows_its_job():
     assert {p: n for p, n in sizes.items() if n > MAX_MODULE_LINES} == {}
 
 
+#: A function that does one thing reads in one screen; a longer one is split at its seams.
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_outgrows_a_screen():
+    long = []
+    for top in ("compressors", "fanstore"):
+        for path in (ROOT / top).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > MAX_FUNCTION_LINES:
+                        long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} "
+                                    f"({lines} lines)")
+    assert long == []
+
+
 def test_imports_only_point_down():
     bad = []
     for src, dst, line in EDGES:
