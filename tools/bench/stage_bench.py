@@ -401,19 +401,19 @@ WAYS = {
 # ----------------------------------------------------------------------------- report
 
 
+def cpu_cells(rs: list[dict]) -> tuple[str, str]:
+    return (h.spread([r["cpu_s_per_gb"] for r in rs], 2),
+            h.spread([r["machine_cpu_s_per_gb"] for r in rs], 2))
+
+
 def render(bench: StageBench, label: str, shown: list[str]) -> str:
     a = bench.a
     rows = bench.rows
-    w = [f"Store: {bench.n_parts} partitions, {bench.total_bytes / 1e6:,.0f} MB; "
-         f"`--stage-jobs {a.jobs}`; {a.reps} repetitions; cells median (min–max).", ""]
-    w.append("| ranks | contender | MB/s (all ranks) | MB/s per rank | / cp+sync | "
-             "CPU s/GB | machine CPU s/GB |")
-    w.append("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
-    contenders = list(TOOLS) + list(bench.codes)
+    runs = []
     for n in a.ranks:
         cp = {r["rep"]: r["mb_per_s"] for r in h.pick_rows(rows, kind="stage",
                                                                  contender="cp+sync", ranks=n)}
-        for c in contenders:
+        for c in list(TOOLS) + list(bench.codes):
             rs = h.pick_rows(rows, kind="stage", contender=c, ranks=n)
             if not rs:
                 continue
@@ -422,10 +422,12 @@ def render(bench: StageBench, label: str, shown: list[str]) -> str:
             ratio = "1.00x" if c == "cp+sync" else (
                 f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}–{max(ratios):.2f})"
                 if ratios else "–")
-            w.append(f"| {n} | {c} | {h.spread(mbs)} | "
-                     f"{h.spread([m / n for m in mbs])} | {ratio} | "
-                     f"{h.spread([r['cpu_s_per_gb'] for r in rs], 2)} | "
-                     f"{h.spread([r['machine_cpu_s_per_gb'] for r in rs], 2)} |")
+            runs.append((n, c, h.spread(mbs), h.spread([m / n for m in mbs]), ratio,
+                         *cpu_cells(rs)))
+    w = [f"Store: {bench.n_parts} partitions, {bench.total_bytes / 1e6:,.0f} MB; "
+         f"`--stage-jobs {a.jobs}`; {a.reps} repetitions; cells median (min–max).", "",
+         h.table(["ranks", "contender", "MB/s (all ranks)", "MB/s per rank", "/ cp+sync",
+                  "CPU s/GB", "machine CPU s/GB"], runs, "rl" + "r" * 5)]
     targets = []
     for n in a.ranks:
         cp = {r["rep"]: r["mb_per_s"] for r in h.pick_rows(rows, kind="stage",
@@ -437,22 +439,15 @@ def render(bench: StageBench, label: str, shown: list[str]) -> str:
             targets.append(f"{n} rank{'s' if n > 1 else ''}: {m:.2f}x "
                            f"{h.check(m >= 0.9)}")
     if targets:
-        w.append("")
-        w.append("Target, stage-in at least 0.9x `cp`+`sync` per rank (median ratio of the "
-                 "repetitions): " + "; ".join(targets) + ".")
-    wr = h.pick_rows(rows, kind="way")
-    if wr:
-        w.append("")
-        w.append(f"### Ways to copy and check a partition (`--ways`, {a.ways_reps} reps)")
-        w.append("")
-        w.append("| way | what | MB/s | CPU s/GB | machine CPU s/GB |")
-        w.append("| --- | --- | ---: | ---: | ---: |")
-        for way, (_, what) in WAYS.items():
-            rs = h.pick_rows(wr, way=way)
-            if rs:
-                w.append(f"| {way} | {what} | {h.spread([r['mb_per_s'] for r in rs])} | "
-                         f"{h.spread([r['cpu_s_per_gb'] for r in rs], 2)} | "
-                         f"{h.spread([r['machine_cpu_s_per_gb'] for r in rs], 2)} |")
+        w += ["", "Target, stage-in at least 0.9x `cp`+`sync` per rank (median ratio of the "
+              "repetitions): " + "; ".join(targets) + "."]
+    ways = [(way, what, h.spread([r["mb_per_s"] for r in rs]), *cpu_cells(rs))
+            for way, (_, what) in WAYS.items() for rs in [h.pick_rows(rows, kind="way", way=way)]
+            if rs]
+    if ways:
+        w += ["", h.table(["way", "what", "MB/s", "CPU s/GB", "machine CPU s/GB"], ways,
+                          "llrrr", f"Ways to copy and check a partition (`--ways`, "
+                                   f"{a.ways_reps} reps)")]
     bench.cmd(" ".join(shown))
     for line in bench.how.replace(PY, ".venv/bin/python").replace(
             FANSTORE, ".venv/bin/fanstore").splitlines():
