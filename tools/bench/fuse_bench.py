@@ -33,6 +33,10 @@ PRESETS = {
     "small1280k": dict(kind="text", files=1_280_000, classes=1000, reps=1),
 }
 
+#: --fuse-flags of the READDIRPLUS backends: plain READDIR instead of READDIRPLUS (the
+#: default), READDIRPLUS for every listing, the kernel's pick per call
+FUSE_FLAGS = {"kernel-noplus": "-DO_READDIRPLUS", "kernel-plus": "+DO_READDIRPLUS",
+              "kernel-autoplus": "+DO_READDIRPLUS,+READDIRPLUS_AUTO"}
 WORDS = ("the a of to and in is for on with by at from as model image label train data "
          "batch loss layer value score class sample epoch feature vector token text caption "
          "red green blue small large fast slow left right up down north south cat dog car "
@@ -72,14 +76,8 @@ class FuseBench(h.Bench):
 
     # -------------------------------------------------------------- data and images
     def dataset(self) -> None:
-        stamp = self.data + ".json"
-        want = dict(self.p, preset=self.a.preset)
-        try:
-            with open(stamp) as f:
-                have = json.load(f)
-        except (OSError, ValueError):
-            have = None
-        if have != want or not os.path.isdir(self.data):
+        stamp, want = self.data + ".json", dict(self.p, preset=self.a.preset)
+        if not (h.stamped(stamp, want) and os.path.isdir(self.data)):
             shutil.rmtree(self.data, ignore_errors=True)
             log(f"generating {self.p['files']:,} files ({self.p['kind']})")
             t = time.time()
@@ -118,9 +116,7 @@ class FuseBench(h.Bench):
                            "seconds": round(time.time() - t, 1),
                            "bytes": os.path.getsize(img)})
             self.img = img
-        if any(b in ("pyfuse3", "pyfuse3-old", "kernel", "kernel-noplus", "kernel-plus",
-                     "kernel-autoplus")
-               or b.startswith("kernel-w") for b in self.backends):
+        if any(b.startswith(("pyfuse3", "kernel")) for b in self.backends):
             store = os.path.join(self.work, f"store-{self.a.preset}")
             if not os.path.exists(os.path.join(store, "fanstore.idx")) or os.path.getmtime(
                     store) < os.path.getmtime(self.data + ".json"):
@@ -158,24 +154,16 @@ class FuseBench(h.Bench):
         if b == "pyfuse3-old":  # another FanStore build (--old-fanstore), as it mounts
             subprocess.run([self.a.old_fanstore, "mount", self.store, mnt], check=True)
             self.fuse_mounts.add(mnt)
-            from fanstore import runtime
-
-            return (runtime.read_state(mnt) or {}).get("pid")
-        frontend = "pyfuse3" if b == "pyfuse3" else "kernel"
-        argv = [self.fanstore, "mount", self.store, mnt, "--frontend", frontend]
+            return h.state_pid(mnt)
+        argv = [self.fanstore, "mount", self.store, mnt, "--frontend",
+                "pyfuse3" if b == "pyfuse3" else "kernel"]
         if b.startswith("kernel-w"):
             argv += ["--workers", b[len("kernel-w"):]]
-        if b == "kernel-noplus":  # plain READDIR instead of READDIRPLUS (the default)
-            argv += ["--fuse-flags=-DO_READDIRPLUS"]
-        elif b == "kernel-plus":  # READDIRPLUS for every listing
-            argv += ["--fuse-flags=+DO_READDIRPLUS"]
-        elif b == "kernel-autoplus":  # the kernel picks READDIRPLUS or READDIR per call
-            argv += ["--fuse-flags=+DO_READDIRPLUS,+READDIRPLUS_AUTO"]
+        if b in FUSE_FLAGS:
+            argv.append(f"--fuse-flags={FUSE_FLAGS[b]}")
         subprocess.run(argv, check=True)
         self.fuse_mounts.add(mnt)
-        from fanstore import runtime
-
-        return (runtime.read_state(mnt) or {}).get("pid")
+        return h.state_pid(mnt)
 
     def umount(self, b: str) -> None:
         if b == "raw":
@@ -190,12 +178,10 @@ class FuseBench(h.Bench):
             subprocess.run([self.fanstore, "umount", mnt], capture_output=True)
         self.fuse_mounts.discard(mnt)
 
-    def stats(self, b: str) -> dict:
-        if b in ("raw", "squashfuse_ll", "pyfuse3-old"):
-            return {}
-        out = subprocess.run([self.fanstore, "stats", self.root_of(b), "--json"],
-                             capture_output=True, text=True)
-        return json.loads(out.stdout) if out.returncode == 0 else {}
+    def stats(self, b: str) -> dict | None:
+        if b not in ("raw", "squashfuse_ll", "pyfuse3-old"):
+            return h.control(self.root_of(b), {"op": "stats"})
+        return None
 
     # -------------------------------------------------------------- passes
     def read_pass(self, b: str, pid: int | None, seed: int, unbuffered: bool) -> dict:
@@ -208,15 +194,12 @@ class FuseBench(h.Bench):
         before = self.stats(b)
         out = subprocess.run(argv, capture_output=True, text=True)
         row = json.loads(out.stdout.strip().splitlines()[-1])
-        after = self.stats(b)
-        if after:
-            ops_b, ops_a = before.get("requests_by_op", {}), after.get("requests_by_op", {})
-            row["requests"] = {k: ops_a.get(k, 0) - ops_b.get(k, 0) for k in ops_a
-                               if ops_a.get(k, 0) != ops_b.get(k, 0)}
-            if "requests" in after:  # the kernel frontend counts requests; pyfuse3 does not
-                row["requests_total"] = after["requests"] - before.get("requests", 0)
-            row["chunks_decoded"] = after.get("chunks_decoded", 0) - before.get(
-                "chunks_decoded", 0)
+        d = h.diff_stats(self.stats(b), before)
+        if d:
+            row["requests"] = d["requests_by_op"]
+            if "requests" in d:  # the kernel frontend counts requests; pyfuse3 does not
+                row["requests_total"] = d["requests"]
+            row["chunks_decoded"] = d.get("chunks_decoded", 0)
         return row
 
     def find(self, b: str) -> float:
@@ -281,80 +264,64 @@ class FuseBench(h.Bench):
 
 
 def render(bench: FuseBench, label: str, shown: list[str]) -> str:
-    rows = bench.rows
-    files = len(bench.files)
+    rows, files, bs = bench.rows, len(bench.files), bench.backends
+    phases = ("cold", "warm", "warm-unbuffered")
+
+    def vals(b, phase, key):
+        return h.row_vals(rows, key, kind="read", backend=b, phase=phase)
+
+    reads = []
+    for phase in phases:
+        base_sq, base_raw = (h.med(vals(b, phase, "files_per_s"))
+                             for b in ("squashfuse_ll", "raw"))
+        for b in bs:
+            fps, rs = vals(b, phase, "files_per_s"), h.pick_rows(rows, kind="read", backend=b,
+                                                                 phase=phase)
+            if fps:
+                reads.append((b, phase, h.spread(fps), h.ratio(h.med(fps), base_sq),
+                               h.ratio(h.med(fps), base_raw),
+                               h.num(h.med(vals(b, phase, "watched_cpu_us_per_file"))),
+                               h.num(h.med([r["requests_total"] / max(1, r["files"]) for r in rs
+                                            if "requests_total" in r]), 3),
+                               h.num(h.med([r["server_pss_kb"] * 1024 / max(1, files)
+                                            for r in rs if r.get("server_pss_kb")]))))
     out = [f"### FUSE frontends, {bench.a.preset}: {files:,} files, {bench.a.readers} readers",
            "", label or "", "", f"`{' '.join(shown)}` (commit {h.git_commit()}, "
-           f"{h.now_utc()}, load average at the end {h.loadavg1()})", ""]
-    out.append("| backend | phase | files/s (median, min-max) | x squashfuse_ll | x raw | "
-               "server CPU us/file | requests/file | PSS B/file |")
-    out.append("|---|---|---|---|---|---|---|---|")
-
-    def med(b, phase, key):
-        return h.med(h.row_vals(rows, key, kind="read", backend=b, phase=phase))
-
-    for phase in ("cold", "warm", "warm-unbuffered"):
-        base_sq = med("squashfuse_ll", phase, "files_per_s")
-        base_raw = med("raw", phase, "files_per_s")
-        for b in bench.backends:
-            vals = h.row_vals(rows, "files_per_s", kind="read", backend=b, phase=phase)
-            if not vals:
-                continue
-            fps = h.med(vals)
-            cpu = med(b, phase, "watched_cpu_us_per_file")
-            req = h.med([r["requests_total"] / max(1, r["files"]) for r in
-                              h.pick_rows(rows, kind="read", backend=b, phase=phase)
-                              if "requests_total" in r])
-            pss = h.med([r["server_pss_kb"] * 1024 / max(1, files) for r in
-                              h.pick_rows(rows, kind="read", backend=b, phase=phase)
-                              if r.get("server_pss_kb")])
-            out.append(f"| {b} | {phase} | {h.spread(vals)} | {h.ratio(fps, base_sq)}"
-                       f" | {h.ratio(fps, base_raw)} | {h.num(cpu)} | "
-                       f"{h.num(req, 3)} | {h.num(pss)} |")
+           f"{h.now_utc()}, load average at the end {h.loadavg1()})", "",
+           h.table(["backend", "phase", "files/s (median, min-max)", "x squashfuse_ll", "x raw",
+                    "server CPU us/file", "requests/file", "PSS B/file"], reads, "l" * 8)]
     # A per-file CPU model: what a node needs to serve the 40,000 files/s of 8 GPUs.
-    model = []
-    for b in bench.backends:
-        for phase in ("cold", "warm", "warm-unbuffered"):
-            cpu = med(b, phase, "watched_cpu_us_per_file")
-            if cpu is not None and b != "raw":
-                per_core = 1e6 / cpu if cpu > 0 else None
-                cores = 40_000 * cpu / 1e6
-                model.append(f"| {b} | {phase} | {h.num(cpu)} | "
-                             f"{h.num(per_core) if per_core else 'no limit'} | "
-                             f"{h.num(cores, 1)} | "
-                             f"{h.num(64e6 / cpu) if cpu > 0 else 'no limit'} |")
+    model = [(b, phase, h.num(cpu), h.num(1e6 / cpu) if cpu > 0 else "no limit",
+              h.num(40_000 * cpu / 1e6, 1), h.num(64e6 / cpu) if cpu > 0 else "no limit")
+             for b in bs if b != "raw" for phase in phases
+             for cpu in [h.med(vals(b, phase, "watched_cpu_us_per_file"))] if cpu is not None]
     if model:
         out += ["", "Per-file CPU model: files/s one core serves, cores for 40,000 files/s, "
                 "files/s on 64 cores.", "",
-                "| backend | phase | server CPU us/file | files/s per core | cores for 40,000 "
-                "files/s | files/s on 64 cores |", "|---|---|---|---|---|---|"] + model
-    fr = [r for r in rows if r.get("kind") == "findread"]
-    if fr:
-        out += ["", "| backend | find, then cold read of every file: s (find + read) | "
-                "files/s of the read | requests/file |", "|---|---|---|---|"]
-        for b in bench.backends:
-            mine = [r for r in fr if r["backend"] == b]
-            if mine:
-                tot = h.med([r["total_s"] for r in mine])
-                fnd = h.med([r["find_s"] for r in mine])
-                req = h.med([r.get("requests_total", 0) / max(1, r["files"]) for r in mine])
-                out.append(f"| {b} | {h.num(tot, 2)} ({h.num(fnd, 2)} + "
-                           f"{h.num(tot - fnd, 2)}) | "
-                           f"{h.num(h.med([r['files_per_s'] for r in mine]))} | "
-                           f"{h.num(req, 2)} |")
-    finds = [r for r in rows if r.get("kind") == "find"]
+                h.table(["backend", "phase", "server CPU us/file", "files/s per core",
+                         "cores for 40,000 files/s", "files/s on 64 cores"], model, "l" * 6)]
+    findread = []
+    for b in bs:
+        mine = h.pick_rows(rows, kind="findread", backend=b)
+        if mine:
+            tot, fnd = (h.med([r[k] for r in mine]) for k in ("total_s", "find_s"))
+            findread.append((b, f"{h.num(tot, 2)} ({h.num(fnd, 2)} + {h.num(tot - fnd, 2)})",
+                             h.num(h.med([r["files_per_s"] for r in mine])),
+                             h.num(h.med([r.get("requests_total", 0) / max(1, r["files"])
+                                          for r in mine]), 2)))
+    if findread:
+        out += ["", h.table(["backend", "find, then cold read of every file: s (find + read)",
+                             "files/s of the read", "requests/file"], findread, "l" * 4)]
+    finds = h.pick_rows(rows, kind="find")
     if finds:
-        out += ["", "| backend | find cold s | find warm s | x squashfuse_ll cold / warm |",
-                "|---|---|---|---|"]
-        sq_c = h.med([r["cold_s"] for r in finds if r["backend"] == "squashfuse_ll"])
-        sq_w = h.med([r["warm_s"] for r in finds if r["backend"] == "squashfuse_ll"])
-        for b in bench.backends:
-            c = [r["cold_s"] for r in finds if r["backend"] == b]
-            w = [r["warm_s"] for r in finds if r["backend"] == b]
-            if c:
-                out.append(f"| {b} | {h.spread(c, 2)} | {h.spread(w, 2)} | "
-                           f"{h.ratio(h.med(c), sq_c)} / "
-                           f"{h.ratio(h.med(w), sq_w)} |")
+        sq = [[r[k] for r in finds if r["backend"] == "squashfuse_ll"]
+              for k in ("cold_s", "warm_s")]
+        found = [(b, *(h.spread(x, 2) for x in (c, w)),
+                  f"{h.ratio(h.med(c), h.med(sq[0]))} / {h.ratio(h.med(w), h.med(sq[1]))}")
+                 for b in bs for c, w in [[[r[k] for r in finds if r["backend"] == b]
+                                            for k in ("cold_s", "warm_s")]] if c]
+        out += ["", h.table(["backend", "find cold s", "find warm s",
+                             "x squashfuse_ll cold / warm"], found, "l" * 4)]
     return "\n".join(out)
 
 

@@ -3,9 +3,10 @@
 - ``Bench``: one run: its rows (``emit``, kept in a JSONL file as they come), the commands
   it ran (``cmd``), FanStore mounts (``mount`` / ``umount``) and MPI jobs (``Job``), reader
   subprocesses (``sub``), cleanup on errors and signals, and publishing (``main``).
-- process metrics: CPU seconds of a process tree, RSS/PSS (``Cost`` samples a span), the
-  machine's busy time; ``drop_caches`` (the page cache).
-- tables: ``table`` renders rows as markdown, ``spread`` / ``ratio`` / ``num`` format cells;
+- process metrics: CPU seconds of a process tree, RSS/PSS, the machine's busy time;
+  ``drop_caches`` (the page cache).
+- tables: ``table`` renders rows as markdown, ``spread`` / ``ratio`` / ``num`` format cells,
+  ``Bench.cells`` makes a row's cells from specs (``spread:files_per_s``, ``p:lat_ms``);
   ``section`` puts a caption, the tables, the machine and the commands together, and
   ``replace_section`` writes it between the markers of docs/benchmarks.md.
 """
@@ -22,7 +23,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -174,15 +174,10 @@ def now_utc() -> str:
 def proc_cpu(pid: int) -> float | None:
     """utime + stime of a process (all its threads) in seconds; None when it is gone."""
     try:
-        rest = _read_strict(f"/proc/{pid}/stat").rsplit(")", 1)[1].split()
+        rest = _read(f"/proc/{pid}/stat").rsplit(")", 1)[1].split()
         return (int(rest[11]) + int(rest[12])) / CLK_TCK
-    except (OSError, IndexError, ValueError):
+    except (IndexError, ValueError):
         return None
-
-
-def _read_strict(path: str) -> str:
-    with open(path) as f:
-        return f.read()
 
 
 def descendants(pid: int) -> list[int]:
@@ -193,8 +188,7 @@ def descendants(pid: int) -> list[int]:
         out.append(p)
         try:
             for task in os.listdir(f"/proc/{p}/task"):
-                todo.extend(int(c) for c in _read_strict(f"/proc/{p}/task/{task}/children")
-                            .split())
+                todo.extend(int(c) for c in _read(f"/proc/{p}/task/{task}/children").split())
         except OSError:
             pass
     return out
@@ -230,42 +224,10 @@ def memory(pids: list[int]) -> tuple[int, int]:
     return rss, pss
 
 
-class Cost:
-    """CPU and memory of FanStore processes over one span: ``start()``, then ``stop()``
-    gives their CPU seconds and base / peak RSS and PSS (sampled every 50 ms)."""
-
-    def __init__(self, root_pid: int | None) -> None:
-        self.root = root_pid
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def start(self) -> "Cost":
-        self.pids = fanstore_processes(self.root)
-        self.cpu0 = cpu_seconds(self.pids)
-        self.base = self.peak = memory(self.pids)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.05):
-            rss, pss = memory(fanstore_processes(self.root))
-            self.peak = (max(self.peak[0], rss), max(self.peak[1], pss))
-
-    def stop(self) -> dict:
-        self._stop.set()
-        self._thread.join(5)
-        pids = fanstore_processes(self.root)
-        cpu = cpu_seconds(pids) - self.cpu0 if set(pids) >= set(self.pids) else None
-        return {"fanstore_cpu_s": None if cpu is None else round(cpu, 3),
-                "rss_base": self.base[0], "pss_base": self.base[1],
-                "rss_peak": self.peak[0], "pss_peak": self.peak[1]}
-
-
 def machine_cpu() -> tuple[int, int, int] | None:
     """(total, idle, iowait) jiffies of the whole machine from /proc/stat."""
-    try:
-        fields = [int(x) for x in _read_strict("/proc/stat").split("\n", 1)[0].split()[1:]]
-    except OSError:
+    fields = [int(x) for x in _read("/proc/stat").split("\n", 1)[0].split()[1:]]
+    if not fields:
         return None
     return sum(fields[:8]), fields[3], fields[4] if len(fields) > 4 else 0
 
@@ -286,18 +248,35 @@ def percentile_ms(sorted_values: list[float], p: float) -> float | None:
     return round(sorted_values[min(len(sorted_values) - 1, max(0, k))] * 1e3, 3)
 
 
-def fork_pass(target, shares: list, on_release=None, timeout: float = 300) -> dict:
-    """One forked process per share runs ``target(share, barrier, queue)``: it sets up,
-    waits on the barrier, works and puts one dict with its ``start`` / ``end`` clock (or
-    ``setup_error`` after ``barrier.abort()``). The clock runs from the earliest release
-    seen to the last reader done. ``on_release()`` runs in the parent at the release.
-    Returns {results, wall, busy, iowait, released}; raises if a reader fails."""
+def _forked(setup, share, barrier, queue) -> None:
+    try:
+        work = setup(share)  # before the barrier: not timed
+    except Exception as exc:  # noqa: BLE001 - reported by the parent
+        queue.put({"setup_error": f"{type(exc).__name__}: {exc}"})
+        barrier.abort()
+        return
+    try:
+        barrier.wait()
+    except Exception:  # noqa: BLE001 - a broken barrier: the parent reports it
+        return
+    start = time.perf_counter()
+    row = work()
+    queue.put(dict(row, start=start, end=time.perf_counter()))
+
+
+def fork_pass(setup, shares: list, on_release=None, timeout: float = 300) -> dict:
+    """One forked process per share: ``setup(share)`` returns a ``work()``, which runs when
+    every reader is set up (a barrier) and returns the reader's dict. The clock runs from
+    the earliest release seen to the last reader done. ``on_release()`` runs in the parent
+    at the release. Returns {results, wall, busy, iowait, released}; raises if a reader
+    fails."""
     import multiprocessing as mp
     import queue as _queue
 
     ctx = mp.get_context("fork")
     barrier, q = ctx.Barrier(len(shares) + 1), ctx.Queue()
-    procs = [ctx.Process(target=target, args=(s, barrier, q), daemon=True) for s in shares]
+    procs = [ctx.Process(target=_forked, args=(setup, s, barrier, q), daemon=True)
+             for s in shares]
     for p in procs:
         p.start()
     results: list[dict] = []
@@ -424,7 +403,8 @@ def diff_stats(after: dict | None, before: dict | None) -> dict | None:
     return out
 
 
-def _stamped(stamp: str, want: dict) -> bool:
+def stamped(stamp: str, want: dict) -> bool:
+    """True if the JSON file ``stamp`` holds ``want`` (what made a dataset or a store)."""
     try:
         with open(stamp) as f:
             return json.load(f) == want
@@ -443,7 +423,7 @@ def ensure_dataset(work: str, files: int, classes: int, min_kb: int = 50, max_kb
     argv = [PY, GEN, data, "--files", files, "--classes", classes, "--min-kb", min_kb,
             "--max-kb", max_kb, "--seed", seed, "--subdir", "small"]
     argv = [str(x) for x in argv + (["--large", large, "--large-mb", large_mb] if large else [])]
-    if not (_stamped(stamp, want) and os.path.isdir(data)):
+    if not (stamped(stamp, want) and os.path.isdir(data)):
         log(f"generating dataset: {files} files of {min_kb}-{max_kb} kB + {large} large")
         shutil.rmtree(data, ignore_errors=True)
         if os.path.exists(stamp):
@@ -467,7 +447,7 @@ def pack_store(fanstore: str, data: str, dest: str, partitions: int, codec: str,
             "--jobs", str(jobs), "--no-progress", "--force"]
     stamp, want = dest + ".params.json", dict(partitions=partitions, codec=codec, data=data)
     seconds = None
-    if not (reuse and _stamped(stamp, want) and os.path.exists(f"{dest}/fanstore.idx")):
+    if not (reuse and stamped(stamp, want) and os.path.exists(f"{dest}/fanstore.idx")):
         shutil.rmtree(dest, ignore_errors=True)
         drop_caches()
         log(f"pack: {shown(argv[1:])}")
@@ -580,22 +560,6 @@ class Job:
     def pid_list(self) -> list[int]:
         return [self.pids[r] for r in sorted(self.pids)]
 
-    def roles(self) -> dict[int, str]:
-        """pid -> role of every FanStore process: nN.daemon, nN.frontend, nN.fworker (a
-        forked FUSE worker), nN.rank (a worker rank)."""
-        from fanstore import runtime
-
-        roles = {}
-        for r in range(self.ranks):
-            st = runtime.read_state(self.mnt(r)) or {}
-            if st.get("pid"):
-                roles[st["pid"]] = f"n{r}.daemon"
-                for c in descendants(st["pid"])[1:]:
-                    roles[c] = f"n{r}.frontend" if c in _children(st["pid"]) else f"n{r}.fworker"
-                for w in st.get("worker_pids") or []:
-                    roles[w] = f"n{r}.rank"
-        return roles
-
     def stats(self, r: int) -> dict | None:
         return control(self.mnt(r), {"op": "stats"})
 
@@ -633,7 +597,8 @@ class Job:
             b.jobs.remove(self)
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
+    """The live child pids of ``pid`` (its main thread's)."""
     return [int(c) for c in _read(f"/proc/{pid}/task/{pid}/children").split()]
 
 
@@ -670,6 +635,12 @@ def ratio(a: float | None, b: float | None, digits: int = 2) -> str:
     return "–" if a is None or not b else f"{a / b:.{digits}f}x"
 
 
+def err_tag(rows: list[dict]) -> str:
+    """' ⚠ N errors' when ``rows`` recorded read errors."""
+    n = sum(r.get("errors") or 0 for r in rows)
+    return f" ⚠ {n} errors" if n else ""
+
+
 def check(ok: bool | None) -> str:
     return "–" if ok is None else ("**met**" if ok else "**missed**")
 
@@ -695,16 +666,15 @@ def table(header: list[str], rows, align: str = "", title: str = "") -> str:
     return "\n".join(out)
 
 
-def section(bench: "Bench", label: str | None, argv: list[str], parts: list[str],
-            machine: bool = True, commands: bool = True) -> str:
+def section(bench: "Bench", label: str | None, argv: list[str], parts: list[str]) -> str:
     """A docs section: a one-line caption, the tables, the machine, the exact commands."""
     out = [f"> **{label}**", ""] if label else []
     out += [f"Run {bench.run_id} ({now_utc()}), {bench.total_seconds / 60:.1f} min; "
             f"`{' '.join(argv)}`; raw rows `tools/bench/results/{bench.name}.jsonl`.", ""]
     out += [p + "\n" for p in parts if p]
-    if machine and bench.machine:
+    if bench.machine:
         out += [bench.machine, ""]
-    if commands and bench.commands:
+    if bench.commands:
         out += ["```"] + [c.replace(REPO + "/", "") for c in bench.commands] + ["```"]
     return "\n".join(out)
 
@@ -771,6 +741,22 @@ class Bench:
 
     def pick(self, **kw) -> list[dict]:
         return pick_rows(self.rows, **kw)
+
+    def cells(self, q: dict, *specs: str) -> list[str]:
+        """Table cells over the rows matching ``q``, one a spec ``how:key[:digits]``: how is
+        ``spread`` (median (min–max)), ``med`` (the median) or ``p`` (``key_p50 / key_p99``,
+        digits 2 / 1 unless given)."""
+        out = []
+        for spec in specs:
+            how, key, *d = spec.split(":")
+            if how == "p":
+                d50, d99 = (int(x) for x in d) if d else (2, 1)
+                out.append(f"{num(med(self.vals(key + '_p50', **q)), d50)} / "
+                           f"{num(med(self.vals(key + '_p99', **q)), d99)}")
+            else:
+                v, d = self.vals(key, **q), int(d[0]) if d else 0
+                out.append(spread(v, d) if how == "spread" else num(med(v), d))
+        return out
 
     # -------------------------------------------------------------- mounts
     def mount(self, store: str, mnt: str, args: list[str] = (), timeout: float = 120
@@ -890,13 +876,12 @@ def _raise_interrupt(signum, _frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def main(bench: Bench, render, raw_argv: list[str], root: bool = True, section_name=None
-         ) -> int:
+def main(bench: Bench, render, raw_argv: list[str], section_name=None) -> int:
     """Run ``bench`` so that Ctrl-C, SIGTERM, SIGHUP or a crash still end in its cleanup;
     then write ``render(bench, label, argv)`` into its docs section and its rows to
     ``--results`` (or print it with ``--no-docs``). Returns the exit status."""
     a, name = bench.a, section_name or bench.name
-    if root and os.geteuid() != 0:
+    if os.geteuid() != 0:
         print(f"{name}: run as root (drop_caches and FUSE mounts)", file=sys.stderr)
         return 2
     for sig, handler in ((signal.SIGINT, signal.default_int_handler),

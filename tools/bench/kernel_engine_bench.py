@@ -75,14 +75,6 @@ def proc_cpu(pid: int) -> float:
         return 0.0
 
 
-def children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except OSError:
-        return []
-
-
 class Server:
     """memfs served in a subprocess; CPU of its workers and its request counters."""
 
@@ -109,7 +101,7 @@ class Server:
         self.counters = RequestCounters.attach(self.cnt_path)
 
     def cpu(self) -> float:
-        return sum(proc_cpu(p) for p in children(self.sup)) + proc_cpu(self.sup)
+        return sum(proc_cpu(p) for p in h.children(self.sup)) + proc_cpu(self.sup)
 
     def snap(self) -> dict[str, int]:
         return self.counters.snapshot()

@@ -19,11 +19,12 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness as h  # noqa: E402
-from harness import load_list, med, num, ratio, spread  # noqa: E402
+from harness import load_list, med, num, ratio  # noqa: E402
 
 ME = os.path.abspath(__file__)
 MB = 1e6
@@ -63,37 +64,37 @@ def _open(mode: str, a):
     return fanstore.open_store(a.store if mode == "api-store" else a.mount)
 
 
-def _read_one(store, root: str, rel: str) -> int:
-    if store is not None:
-        return len(store.read(rel))
-    with open(os.path.join(root, rel), "rb") as f:
-        return len(f.read())
-
-
-def _share(job, barrier, queue) -> None:
-    a, rels = job
-    try:
-        store = _open(a.mode, a)  # before the barrier: not timed
-    except Exception as exc:  # noqa: BLE001 - reported by the parent
-        queue.put({"setup_error": f"{type(exc).__name__}: {exc}"})
-        barrier.abort()
-        return
-    try:
-        barrier.wait()
-    except Exception:  # noqa: BLE001 - a broken barrier: the parent reports it
-        return
+def _read_list(store, root: str, rels: list[str], compute_s: float = 0.0) -> tuple:
+    """Read ``rels`` in order (through ``store``, else plain files under ``root``), sleeping
+    ``compute_s`` after each: (bytes, errors, first error, seconds of each read)."""
     clock, lat, nbytes, errors, first = time.perf_counter, [], 0, 0, None
-    start = clock()
     for rel in rels:
         t = clock()
         try:
-            nbytes += _read_one(store, a.root, rel)
+            if store is not None:
+                nbytes += len(store.read(rel))
+            else:
+                with open(os.path.join(root, rel), "rb") as f:
+                    nbytes += len(f.read())
         except Exception as exc:  # noqa: BLE001 - OSError or FanStoreError
             errors += 1
             first = first or f"{rel}: {type(exc).__name__}: {exc}"
         lat.append(clock() - t)
-    queue.put({"done": len(rels), "bytes": nbytes, "errors": errors, "first_error": first,
-               "lat": lat, "start": start, "end": clock()})
+        if compute_s:
+            time.sleep(compute_s)
+    return nbytes, errors, first, lat
+
+
+def _share(job):
+    a, rels = job
+    store = _open(a.mode, a)  # before the barrier: not timed
+
+    def work() -> dict:
+        nbytes, errors, first, lat = _read_list(store, a.root, rels)
+        return {"done": len(rels), "bytes": nbytes, "errors": errors, "first_error": first,
+                "lat": lat}
+
+    return work
 
 
 def _reader_args(prog: str) -> argparse.ArgumentParser:
@@ -138,24 +139,14 @@ def serial_main(argv: list[str]) -> int:
     time spent reading (and sending the order)."""
     a = _reader_args("_serial").parse_args(argv)
     rels, store = load_list(a.list), _open(a.mode, a)
-    clock, t0 = time.perf_counter, time.perf_counter()
+    t0 = time.perf_counter()
     order_s = _send_order(a.mode, a.mount, rels, store) if a.mode in ORDER_AT_START else 0.0
-    stall, nbytes, errors, first, lat = order_s, 0, 0, None, []
-    for rel in rels:
-        t = clock()
-        try:
-            nbytes += _read_one(store, a.root, rel)
-        except Exception as exc:  # noqa: BLE001
-            errors += 1
-            first = first or f"{rel}: {type(exc).__name__}: {exc}"
-        lat.append(clock() - t)
-        stall += lat[-1]
-        if a.compute_ms:
-            time.sleep(a.compute_ms / 1e3)
+    nbytes, errors, first, lat = _read_list(store, a.root, rels, a.compute_ms / 1e3)
+    stall = order_s + sum(lat)
     lat.sort()
     print(json.dumps({"mode": a.mode, "files": len(rels), "bytes": nbytes, "errors": errors,
                       "first_error": first, "compute_ms": a.compute_ms,
-                      "epoch_s": round(clock() - t0, 4), "stall_s": round(stall, 4),
+                      "epoch_s": round(time.perf_counter() - t0, 4), "stall_s": round(stall, 4),
                       "order_send_s": round(order_s, 4),
                       "read_ms_p50": h.percentile_ms(lat, 50),
                       "read_ms_p99": h.percentile_ms(lat, 99)}), flush=True)
@@ -245,6 +236,39 @@ def loader_main(argv: list[str]) -> int:
 # ------------------------------------------------------------------------------ the run
 
 
+class Cost:
+    """CPU and memory of FanStore processes over one span: ``start()``, then ``stop()``
+    gives their CPU seconds and base / peak RSS and PSS (sampled every 50 ms)."""
+
+    def __init__(self, root_pid: int | None) -> None:
+        self.root = root_pid
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def start(self) -> "Cost":
+        self.pids = h.fanstore_processes(self.root)
+        self.cpu0 = h.cpu_seconds(self.pids)
+        self.base = self.peak = h.memory(self.pids)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.05):
+            rss, pss = h.memory(h.fanstore_processes(self.root))
+            self.peak = (max(self.peak[0], rss), max(self.peak[1], pss))
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join(5)
+        pids = h.fanstore_processes(self.root)
+        cpu = h.cpu_seconds(pids) - self.cpu0 if set(pids) >= set(self.pids) else None
+        return {"fanstore_cpu_s": None if cpu is None else round(cpu, 3),
+                "rss_base": self.base[0], "pss_base": self.base[1],
+                "rss_peak": self.peak[0], "pss_peak": self.peak[1]}
+
+
+
+
 class PrefetchBench(h.Bench):
     name = "prefetch_bench"
 
@@ -296,7 +320,7 @@ class PrefetchBench(h.Bench):
         mnt = mnt or (self.mnt(MOUNT_OF[mode]) if mode in MOUNT_OF else None)
         pre = self.prefetch_before(lst) if mode == "fuse-prefetched" else {}
         before = h.control(mnt, {"op": "stats"})
-        cost = h.Cost(pid).start() if pid or kind == "ranks" else None
+        cost = Cost(pid).start() if pid or kind == "ranks" else None
         load = h.loadavg1()
         row = self.sub(argv)
         if cost:
@@ -550,6 +574,9 @@ def render(bench: PrefetchBench, label: str | None, argv: list[str]) -> str:
         return med([r["fanstore_cpu_s"] / r["files"] * 1e6 for r in rs
                     if r.get("fanstore_cpu_s") is not None and r.get("files")])
 
+    def reads(rs, mode=None):
+        return num(reads_per_file(rs), 3) if mode is None or mode in MOUNT_OF else "–"
+
     def dmed(rs, key, scale=1.0):
         return med([(r.get("daemon") or {}).get(key, 0) / scale for r in rs if r.get("daemon")])
 
@@ -616,16 +643,12 @@ def render(bench: PrefetchBench, label: str | None, argv: list[str]) -> str:
             q = dict(kind="pass", mode=mode, workers=wk)
             rs = pick(**q)
             if rs:
-                fs, err = vals("files_per_s", **q), sum(r.get("errors") or 0 for r in rs)
+                fps = med(vals("files_per_s", **q))
                 extra = num(med(vals("order_send_s", **q)), 3) if mode in ORDER_AT_START else \
                     num(med(vals("prefetch_s", **q)), 2) if mode == "fuse-prefetched" else "–"
-                passes.append((mode + (f" ⚠ {err} errors" if err else ""), wk, spread(fs),
-                               spread(vals("MB_per_s", **q)),
-                               f"{num(med(vals('lat_ms_p50', **q)), 2)} / "
-                               f"{num(med(vals('lat_ms_p99', **q)), 1)}",
-                               num(med(vals("cpu_busy_pct", **q))), num(cpu_us(rs)),
-                               num(reads_per_file(rs), 3) if mode in MOUNT_OF else "–", extra,
-                               ratio(med(fs), raw), ratio(med(fs), sync)))
+                passes.append((mode + h.err_tag(rs), wk, *bench.cells(
+                    q, "spread:files_per_s", "spread:MB_per_s", "p:lat_ms", "med:cpu_busy_pct"),
+                    num(cpu_us(rs)), reads(rs, mode), extra, ratio(fps, raw), ratio(fps, sync)))
     counters = []
     groups = [("pass", m, {"workers": wk}, wk) for wk in a.workers for m in a.modes] + \
         [("serial", m, {}, 1) for m in a.serial_modes] + \
@@ -637,16 +660,14 @@ def render(bench: PrefetchBench, label: str | None, argv: list[str]) -> str:
                                                            for r in rs]), 2) for k in (
                 "prefetch_pushed", "prefetch_buffered", "prefetch_served_from_buffer",
                 "prefetch_late", "prefetch_missed", "prefetch_skipped", "prefetch_listings")),
-                num(reads_per_file(rs), 3), num(dmed(rs, "prefetch_bytes_evicted_unused", MB), 1)))
+                reads(rs), num(dmed(rs, "prefetch_bytes_evicted_unused", MB), 1)))
     serial = []
     for mode in a.serial_modes:
         q = dict(kind="serial", mode=mode)
         rs, s = pick(**q), med(vals("stall_s", **q))
         if rs:
-            serial.append((mode, spread(vals("epoch_s", **q), 2), spread(vals("stall_s", **q), 2),
-                           f"{num(med(vals('read_ms_p50', **q)), 2)} / "
-                           f"{num(med(vals('read_ms_p99', **q)), 1)}", num(cpu_us(rs)),
-                           num(reads_per_file(rs), 3) if mode in MOUNT_OF else "–",
+            serial.append((mode, *bench.cells(q, "spread:epoch_s:2", "spread:stall_s:2",
+                                              "p:read_ms"), num(cpu_us(rs)), reads(rs, mode),
                            f"{1 - s / s_sync:.0%}" if s is not None and s_sync else "–"))
     loaders = []
     calib = (pick(kind="compute") or [{}])[0].get("sync_per_batch_ms") or []
@@ -661,12 +682,9 @@ def render(bench: PrefetchBench, label: str | None, argv: list[str]) -> str:
             s0 = med(vals("stall_s", kind="dl", mode=r0, factor=f)) if r0 else None
             err = [r.get("first_error") for r in rs if r.get("errors")]
             lines.append((mode + (" ⚠ " + str(err[0])[:80] if err else ""), HOW[mode],
-                          spread(vals("epoch_s", **q), 2), spread(vals("stall_s", **q), 3),
-                          num(med(vals("first_batch_s", **q)), 3),
-                          f"{num(med(vals('wait_ms_p50', **q)), 1)} / "
-                          f"{num(med(vals('wait_ms_p99', **q)), 0)}",
-                          num(med(vals("cpu_busy_pct", **q))), num(cpu_us(rs)),
-                          num(reads_per_file(rs), 3) if mode in MOUNT_OF else "–",
+                          *bench.cells(q, "spread:epoch_s:2", "spread:stall_s:3",
+                                       "med:first_batch_s:3", "p:wait_ms:1:0", "med:cpu_busy_pct"),
+                          num(cpu_us(rs)), reads(rs, mode),
                           f"{s / s0:.2f}x {r0}" if s is not None and s0 else "–"))
         nb, cm = med(vals("batches", kind="dl", factor=f)), comp_ms.get(f)
         loaders.append(h.table(
@@ -681,11 +699,9 @@ def render(bench: PrefetchBench, label: str | None, argv: list[str]) -> str:
         q = dict(kind="ranks", ranks=n)
         rs = pick(**q)
         if rs:
-            ranks.append((n, spread(vals("epoch_s", **q), 2), spread(vals("stall_s", **q), 2),
-                          f"{num(med(vals('read_ms_p50', **q)), 2)} / "
-                          f"{num(med(vals('read_ms_p99', **q)), 1)}",
+            ranks.append((n, *bench.cells(q, "spread:epoch_s:2", "spread:stall_s:2", "p:read_ms"),
                           num(dmed(rs, "remote_reads")), num(dmed(rs, "prefetch_pushed")),
-                          num(reads_per_file(rs), 3), num(cpu_us(rs))))
+                          reads(rs), num(cpu_us(rs))))
     memory = []
     for kind in ("pass", "serial", "dl"):
         for mode in ("fuse-prefetch", "fuse-prefetched", "api-prefetch"):

@@ -20,7 +20,6 @@ import random
 import shutil
 import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness as h  # noqa: E402
@@ -120,7 +119,7 @@ def make_seq(path: str, files: int, seed: int = 11) -> None:
 # (run as `random_bench.py _pass ...` in its own process group; prints one JSON row)
 
 
-def _share(job, barrier, queue) -> None:
+def _share(job):
     kind, root, gets, seed, n_items = job
     text = corpus()
     rnd = random.Random(seed)
@@ -129,64 +128,57 @@ def _share(job, barrier, queue) -> None:
         rnd.shuffle(keys)
     else:
         keys = [rnd.randrange(n_items) for _ in range(gets)]
-    try:
-        if kind == "lmdb":
-            import lmdb
+    if kind == "lmdb":
+        import lmdb
 
-            env = lmdb.open(os.path.join(root, "lmdb"), readonly=True, lock=False,
-                            readahead=False, subdir=True, max_readers=64)
-            txn = env.begin(buffers=False)
+        env = lmdb.open(os.path.join(root, "lmdb"), readonly=True, lock=False,
+                        readahead=False, subdir=True, max_readers=64)
+        txn = env.begin(buffers=False)
 
-            def get(i):
-                return txn.get(b"%08d" % i)
+        def get(i):
+            return txn.get(b"%08d" % i)
 
-            def want(i):
-                return lmdb_value(text, i)
-        elif kind == "hdf5":
-            import h5py
+        def want(i):
+            return lmdb_value(text, i)
+    elif kind == "hdf5":
+        import h5py
 
-            f = h5py.File(os.path.join(root, "rows.h5"), "r")
-            ds = f["rows"]
+        f = h5py.File(os.path.join(root, "rows.h5"), "r")
+        ds = f["rows"]
 
-            def get(i):
-                return ds[i].tobytes()
+        def get(i):
+            return ds[i].tobytes()
 
-            def want(i):
-                return hdf5_row(text, i)
-        else:  # seq: whole files, 1 MiB reads
-            buf = bytearray(1 << 20)
+        def want(i):
+            return hdf5_row(text, i)
+    else:  # seq: whole files, 1 MiB reads
+        buf = bytearray(1 << 20)
 
-            def get(i):
-                n = 0
-                with open(os.path.join(root, "seq", f"big{i}.bin"), "rb", buffering=0) as f:
-                    while True:
-                        k = f.readinto(buf)
-                        if not k:
-                            return n
-                        n += k
+        def get(i):
+            n = 0
+            with open(os.path.join(root, "seq", f"big{i}.bin"), "rb", buffering=0) as f:
+                while True:
+                    k = f.readinto(buf)
+                    if not k:
+                        return n
+                    n += k
 
-            def want(i):
-                return SEQ_MB << 20
-    except Exception as exc:  # noqa: BLE001 - reported by the parent
-        queue.put({"setup_error": f"{type(exc).__name__}: {exc}"})
-        barrier.abort()
-        return
-    try:
-        barrier.wait()
-    except Exception:  # noqa: BLE001
-        return
-    bad = errors = 0
-    first = None
-    t0 = time.perf_counter()
-    for i in keys:
-        try:
-            if get(i) != want(i):
-                bad += 1
-        except Exception as exc:  # noqa: BLE001
-            errors += 1
-            first = first or f"{type(exc).__name__}: {exc}"
-    queue.put({"gets": len(keys), "bad": bad, "errors": errors, "first_error": first,
-               "start": t0, "end": time.perf_counter()})
+        def want(i):
+            return SEQ_MB << 20
+
+    def work() -> dict:
+        bad = errors = 0
+        first = None
+        for i in keys:
+            try:
+                if get(i) != want(i):
+                    bad += 1
+            except Exception as exc:  # noqa: BLE001
+                errors += 1
+                first = first or f"{type(exc).__name__}: {exc}"
+        return {"gets": len(keys), "bad": bad, "errors": errors, "first_error": first}
+
+    return work
 
 
 def pass_main(argv: list[str]) -> int:
@@ -235,11 +227,7 @@ class RandomBench(h.Bench):
         self.src = os.path.join(self.work, "data")
         stamp = os.path.join(self.work, "data.json")
         want = {"records": a.records, "rows": a.rows, "seq_files": a.seq_files}
-        try:
-            have = json.load(open(stamp))
-        except (OSError, ValueError):
-            have = None
-        if have != want:
+        if not h.stamped(stamp, want):
             shutil.rmtree(self.src, ignore_errors=True)
             os.makedirs(self.src)
             text = corpus()

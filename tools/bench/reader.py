@@ -31,9 +31,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness as h  # noqa: E402
 
 
-load_list = h.load_list
-
-
 def shuffled(items: list[str], seed: int) -> list[str]:
     """A seeded shuffle; seed < 0 keeps the list order."""
     items = list(items)
@@ -68,41 +65,41 @@ def stat_only(path: str, buf) -> int:
     return 0
 
 
-def _child(job, barrier, queue) -> None:
+def _setup(job):
     fn, paths, chunk, time_limit = job
     buf = bytearray(chunk) if chunk else None
-    try:
-        barrier.wait()
-    except Exception:  # noqa: BLE001 - a broken barrier: the parent reports it
-        return
-    clock = time.perf_counter
-    lat: list[float] = []
-    nbytes = errors = 0
-    first_error = None
-    start = clock()
-    deadline = start + time_limit if time_limit > 0 else None
-    for path in paths:
-        t = clock()
-        if deadline is not None and t > deadline:
-            break
-        try:
-            nbytes += fn(path, buf)
-        except OSError as exc:
-            errors += 1
-            first_error = first_error or f"{path}: {exc}"
-        lat.append(clock() - t)
-    queue.put({"done": len(lat), "bytes": nbytes, "errors": errors, "first_error": first_error,
-               "lat": lat, "start": start, "end": clock()})
+
+    def work() -> dict:
+        clock, lat, nbytes, errors, first_error = time.perf_counter, [], 0, 0, None
+        deadline = clock() + time_limit if time_limit > 0 else None
+        for path in paths:
+            t = clock()
+            if deadline is not None and t > deadline:
+                break
+            try:
+                nbytes += fn(path, buf)
+            except OSError as exc:
+                errors += 1
+                first_error = first_error or f"{path}: {exc}"
+            lat.append(clock() - t)
+        return {"done": len(lat), "bytes": nbytes, "errors": errors,
+                "first_error": first_error, "lat": lat}
+
+    return work
 
 
-def run_pass(op: str, paths: list[str], workers: int, chunk: int = 0,
-             time_limit: float = 0.0, watch_pids: tuple[int, ...] = (),
-             unbuffered: bool = False) -> dict:
-    """``workers`` reader processes over ``paths`` (dealt round-robin); one row."""
+def do_items(a) -> dict:
+    """``--workers`` processes over the (shuffled) list, dealt round-robin; one row."""
+    op, workers, chunk = a.cmd, a.workers, getattr(a, "chunk", 0)
+    unbuffered = bool(getattr(a, "unbuffered", False))
+    paths = [os.path.join(a.root, p) for p in shuffled(h.load_list(a.list), a.seed)]
+    watch_pids = tuple(a.watch_pid)
+    if getattr(a, "watch_tree", False):
+        watch_pids = tuple(q for p in watch_pids for q in h.descendants(p))
     fn = stat_only if op == "stat" else read_chunked if chunk else \
         read_whole_unbuffered if unbuffered else read_whole
     watched0 = {pid: h.proc_cpu(pid) for pid in watch_pids}
-    got = h.fork_pass(_child, [(fn, paths[i::workers], chunk, time_limit)
+    got = h.fork_pass(_setup, [(fn, paths[i::workers], chunk, a.time_limit)
                                for i in range(workers)], timeout=120)
     watched1 = {pid: h.proc_cpu(pid) for pid in watch_pids}
     res, wall = got["results"], got["wall"]
@@ -128,24 +125,7 @@ def run_pass(op: str, paths: list[str], workers: int, chunk: int = 0,
         total = [v for v in spent.values() if v is not None]
         if total and done:
             row["watched_cpu_us_per_file"] = round(sum(total) / done * 1e6, 1)
-    return row
-
-
-# ------------------------------------------------------------------------------ passes
-
-
-def do_items(a) -> dict:
-    items = shuffled(load_list(a.list), a.seed)
-    if a.limit:
-        items = items[:a.limit]
-    paths = [os.path.join(a.root, p) for p in items]
-    pids = tuple(a.watch_pid)
-    if getattr(a, "watch_tree", False):
-        pids = tuple(q for p in pids for q in h.descendants(p))
-    row = run_pass(a.cmd, paths, a.workers, getattr(a, "chunk", 0), a.time_limit, pids,
-                   getattr(a, "unbuffered", False))
-    row.update(unbuffered=bool(getattr(a, "unbuffered", False)))
-    row.update(root=a.root, list=os.path.basename(a.list), seed=a.seed)
+    row.update(unbuffered=unbuffered, root=a.root, list=os.path.basename(a.list), seed=a.seed)
     return row
 
 
@@ -175,7 +155,7 @@ def _crc(path: str) -> tuple[int, int]:
 
 
 def do_verify(a) -> dict:
-    items = load_list(a.list)
+    items = h.load_list(a.list)
     if a.sample and a.sample < len(items):
         items = random.Random(a.seed).sample(items, a.sample)
     bad: list[str] = []
@@ -207,9 +187,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(p):
         p.add_argument("--root", required=True, help="directory the list is relative to")
-        p.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE",
-                       help="extra field copied into the JSON row (repeatable)")
-        p.add_argument("--out", help="also append the JSON row to this file")
 
     for name in ("read", "stat"):
         p = sub.add_parser(name)
@@ -218,7 +195,6 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--workers", type=int, default=1, help="reader processes (default 1)")
         p.add_argument("--seed", type=int, default=0,
                        help="shuffle seed (default 0); -1 keeps the list order")
-        p.add_argument("--limit", type=int, default=0, help="only the first N after shuffling")
         p.add_argument("--time-limit", type=float, default=0.0,
                        help="cut each reader off after this many seconds (0 = never)")
         p.add_argument("--watch-tree", action="store_true",
@@ -251,14 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         row = do_walk(a)
     else:
         row = do_verify(a)
-    for kv in a.tag:
-        key, _, value = kv.partition("=")
-        row[key] = value
-    line = json.dumps(row)
-    print(line, flush=True)
-    if a.out:
-        with open(a.out, "a") as f:
-            f.write(line + "\n")
+    print(json.dumps(row), flush=True)
     return 1 if row.get("errors") else 0
 
 

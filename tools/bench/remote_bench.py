@@ -36,11 +36,28 @@ def job_(bench: "RemoteBench", nodes: int, tag: str, mode: str, extra: list[str]
     return h.Job(bench, nodes, tag, args + (["--no-worker-ranks"] if mode == "relay" else []))
 
 
+def job_roles(job: h.Job) -> dict[int, str]:
+    """pid -> role of every FanStore process of ``job``: nN.daemon, nN.frontend, nN.fworker
+    (a forked FUSE worker), nN.rank (a worker rank)."""
+    from fanstore import runtime
+
+    out = {}
+    for r in range(job.ranks):
+        st = runtime.read_state(job.mnt(r)) or {}
+        if st.get("pid"):
+            out[st["pid"]] = f"n{r}.daemon"
+            for c in h.descendants(st["pid"])[1:]:
+                out[c] = f"n{r}.frontend" if c in h.children(st["pid"]) else f"n{r}.fworker"
+            for w in st.get("worker_pids") or []:
+                out[w] = f"n{r}.rank"
+    return out
+
+
 class RemoteBench(h.Bench):
     name = "remote_bench"
 
     def read_pass(self, root: str, lst: str, readers: int, jb: h.Job, tags: dict) -> dict:
-        roles = jb.roles()
+        roles = job_roles(jb)
         argv = [self.py, h.READER, "read", "--root", root, "--list", lst, "--workers",
                 str(readers), "--seed", "-1"]
         self.cmd(argv, ROOT=root, **{"LIST.txt": os.path.basename(lst)})
@@ -171,7 +188,7 @@ class RemoteBench(h.Bench):
         try:
             job.start()
             time.sleep(3)  # let the start-up settle and the pollers cool down
-            roles = job.roles()
+            roles = job_roles(job)
             before = {p: h.proc_cpu(p) for p in roles}
             t0 = time.monotonic()
             time.sleep(self.a.idle_seconds)
@@ -214,32 +231,29 @@ class RemoteBench(h.Bench):
 
 
 def render(bench: RemoteBench, label: str | None, argv: list[str]) -> str:
-    rows = bench.rows
+    rows, vals = bench.rows, bench.vals
     med, num = h.med, h.num
     out = [f"{bench.a.files} files of 50-150 kB, {bench.a.codec}, {bench.a.workers} FUSE "
            "workers per node; every pass cold; medians of the repetitions.", ""]
-    lr = [r for r in rows if r.get("kind") == "lr"]
+    lr = bench.pick(kind="lr")
     if lr:
-        out += ["### Local vs remote through rank 0's mount", "",
-                "| shape | nodes | readers | local files/s | remote files/s | remote/local | "
-                "CPU us/file local | remote | remote/local | busiest process (remote) |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
-        for mode in ("relay", "ranks"):
-            for n in sorted({r["nodes"] for r in lr}):
-                for w in sorted({r["readers"] for r in lr}):
-                    q = dict(kind="lr", mode=mode, nodes=n, readers=w)
-                    loc = med(h.row_vals(rows, "files_per_s", which="local", **q))
-                    rem = med(h.row_vals(rows, "files_per_s", which="remote", **q))
-                    cl = med(h.row_vals(rows, "cpu_us_per_file", which="local", **q))
-                    cr = med(h.row_vals(rows, "cpu_us_per_file", which="remote", **q))
-                    busy = med(h.row_vals(rows, "busiest_share", which="remote", **q))
-                    if loc is None and rem is None:
-                        continue
-                    out.append(f"| {mode} | {n} | {w} | {num(loc)} | {num(rem)} | "
-                               f"{h.ratio(rem, loc)} | {num(cl)} | {num(cr)} | "
-                               f"{h.ratio(cr, cl)} | {num(busy, 2)} |")
-        cr4 = [med(h.row_vals(rows, "cpu_us_per_file", which="remote", kind="lr",
-                                   mode="ranks", nodes=n, readers=max(r["readers"] for r in lr)))
+        local_remote = []
+        for mode, n, w in ((m, n, w) for m in ("relay", "ranks")
+                           for n in sorted({r["nodes"] for r in lr})
+                           for w in sorted({r["readers"] for r in lr})):
+            q = dict(kind="lr", mode=mode, nodes=n, readers=w)
+            loc, rem, cl, cr = (med(vals(k, which=wh, **q)) for k in ("files_per_s",
+                                "cpu_us_per_file") for wh in ("local", "remote"))
+            if loc is not None or rem is not None:
+                local_remote.append((mode, n, w, num(loc), num(rem), h.ratio(rem, loc), num(cl),
+                                     num(cr), h.ratio(cr, cl),
+                                     num(med(vals("busiest_share", which="remote", **q)), 2)))
+        out += [h.table(["shape", "nodes", "readers", "local files/s", "remote files/s",
+                         "remote/local", "CPU us/file local", "remote", "remote/local",
+                         "busiest process (remote)"], local_remote, "l" * 10,
+                        "Local vs remote through rank 0's mount")]
+        cr4 = [med(vals("cpu_us_per_file", which="remote", kind="lr", mode="ranks", nodes=n,
+                        readers=max(r["readers"] for r in lr)))
                for n in sorted({r["nodes"] for r in lr})]
         cr4 = [c for c in cr4 if c]
         if cr4:
@@ -249,40 +263,31 @@ def render(bench: RemoteBench, label: str | None, argv: list[str]) -> str:
                                 [(num(c), num(64e6 / c), num(32e6 / c), num(40000 * c / 1e6))],
                                 title="Projection to a 64-core node (an extrapolation)")]
         out += ["", "Per-process split of the CPU per remote file (first repetition):", ""]
-        for r in lr:
-            if r.get("which") == "remote" and r.get("rep") == 1 and r.get("cpu_us_by_role"):
-                parts = ", ".join(f"{k} {v}" for k, v in r["cpu_us_by_role"].items())
-                out.append(f"- {r['mode']}, {r['nodes']} nodes, {r['readers']} readers: "
-                           f"{parts} us/file")
+        out += [f"- {r['mode']}, {r['nodes']} nodes, {r['readers']} readers: "
+                + ", ".join(f"{k} {v}" for k, v in r["cpu_us_by_role"].items()) + " us/file"
+                for r in lr if r.get("which") == "remote" and r.get("rep") == 1
+                and r.get("cpu_us_by_role")]
         out.append("")
-    dist = [r for r in rows if r.get("kind") == "dist"]
-    if dist:
-        out += ["### Spread of the remote path over a node's processes", "",
-                "| worker ranks per node | remote files/s (4 readers) | CPU us/file | "
-                "busiest process's share | target (1/K + 10%) |", "|---|---|---|---|---|"]
-        for k in (1, 2):
-            q = dict(kind="dist", workers=k)
-            out.append(f"| {k} | {num(med(h.row_vals(rows, 'files_per_s', **q)))} | "
-                       f"{num(med(h.row_vals(rows, 'cpu_us_per_file', **q)))} | "
-                       f"{num(med(h.row_vals(rows, 'busiest_share', **q)), 2)} | "
-                       f"{1 / k + 0.1:.2f} |")
-        out.append("")
-    agg = [r for r in rows if r.get("kind") == "agg"]
+    if bench.pick(kind="dist"):
+        dist = [(k, *bench.cells(dict(kind="dist", workers=k), "med:files_per_s",
+                                 "med:cpu_us_per_file", "med:busiest_share:2"),
+                 f"{1 / k + 0.1:.2f}") for k in (1, 2)]
+        out += [h.table(["worker ranks per node", "remote files/s (4 readers)", "CPU us/file",
+                         "busiest process's share", "target (1/K + 10%)"], dist, "l" * 5,
+                        "Spread of the remote path over a node's processes"), ""]
+    agg = bench.pick(kind="agg")
     if agg:
-        one = med(h.row_vals(rows, "files_per_s", kind="agg", mode="ranks", nodes=1))
-        out += ["### Aggregate: every node's mount read at once", "",
-                "| shape | nodes | files/s | vs 1 node | CPU us/file | remote reads |",
-                "|---|---|---|---|---|---|"]
-        for mode in ("ranks", "relay"):
-            for n in sorted({r["nodes"] for r in agg}):
-                q = dict(kind="agg", mode=mode, nodes=n)
-                fps = med(h.row_vals(rows, "files_per_s", **q))
-                if fps is None:
-                    continue
-                out.append(f"| {mode} | {n} | {num(fps)} | {h.ratio(fps, one)} | "
-                           f"{num(med(h.row_vals(rows, 'cpu_us_per_file', **q)))} | "
-                           f"{num(med(h.row_vals(rows, 'remote_reads', **q)))} |")
-        out.append("")
+        one, aggs = med(vals("files_per_s", kind="agg", mode="ranks", nodes=1)), []
+        for mode, n in ((m, n) for m in ("ranks", "relay") for n in sorted({r["nodes"]
+                                                                            for r in agg})):
+            q = dict(kind="agg", mode=mode, nodes=n)
+            fps = med(vals("files_per_s", **q))
+            if fps is not None:
+                aggs.append((mode, n, num(fps), h.ratio(fps, one),
+                             *bench.cells(q, "med:cpu_us_per_file", "med:remote_reads")))
+        out += [h.table(["shape", "nodes", "files/s", "vs 1 node", "CPU us/file",
+                         "remote reads"], aggs, "l" * 6,
+                        "Aggregate: every node's mount read at once"), ""]
     for r in rows:
         if r.get("kind") == "idle":
             out += ["### Idle", "", f"A mounted 4-node job doing nothing for {r['seconds']} s "
