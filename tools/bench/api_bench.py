@@ -110,9 +110,7 @@ class ApiBench(h.Bench):
                  for k in range(self.a.readers)]
         for p in procs:
             assert p.stdout.readline().strip() == "ready"
-        from fanstore import runtime
-
-        pid = (runtime.read_state(self.mnt(0)) or {}).get("pid")
+        pid = h.state_pid(self.mnt(0))
         d0 = h.cpu_seconds(h.descendants(pid))
         for p in procs:
             p.stdin.write("go\n")
@@ -158,26 +156,21 @@ class ApiBench(h.Bench):
 
 
 def render(bench: ApiBench, label: str, shown: list[str]) -> str:
+    names = list(bench.builds)
+    runs = [(build, phase, *bench.cells(
+                dict(build=build, phase=phase), "spread:files_per_s",
+                "med:reader_cpu_us_per_file", "med:daemon_cpu_us_per_file"))
+            for phase in ("cold", "warm") for build in names
+            if bench.vals("files_per_s", build=build, phase=phase)]
     out = [f"### Python API on a live {bench.a.ranks}-rank mount: rank 0's local files, "
            f"{bench.a.readers} reader processes", "", label or "",
            f"`{' '.join(shown)}` (commit {h.git_commit()}, {h.now_utc()})", "",
-           "| build | phase | files/s (median, min-max) | reader CPU us/file | "
-           "daemon CPU us/file |", "|---|---|---|---|---|"]
-    for phase in ("cold", "warm"):
-        for build in bench.builds:
-            v = h.row_vals(bench.rows, "files_per_s", build=build, phase=phase)
-            if v:
-                out.append(f"| {build} | {phase} | {h.spread(v)} | "
-                           f"{h.num(h.med(h.row_vals(bench.rows, 'reader_cpu_us_per_file', build=build, phase=phase)))} | "  # noqa: E501
-                           f"{h.num(h.med(h.row_vals(bench.rows, 'daemon_cpu_us_per_file', build=build, phase=phase)))} |")  # noqa: E501
-    names = list(bench.builds)
+           h.table(["build", "phase", "files/s (median, min-max)", "reader CPU us/file",
+                    "daemon CPU us/file"], runs, "l" * 5)]
     if len(names) == 2:
-        for phase in ("cold", "warm"):
-            a = h.med(h.row_vals(bench.rows, "files_per_s", build=names[1],
-                                           phase=phase))
-            b = h.med(h.row_vals(bench.rows, "files_per_s", build=names[0],
-                                           phase=phase))
-            out.append(f"\n{phase}: {names[1]} / {names[0]} = {h.ratio(a, b)}")
+        out += [f"\n{phase}: {names[1]} / {names[0]} = " + h.ratio(
+            *(h.med(bench.vals("files_per_s", build=n, phase=phase)) for n in names[::-1]))
+            for phase in ("cold", "warm")]
     return "\n".join(out)
 
 

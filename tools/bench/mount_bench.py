@@ -213,21 +213,16 @@ def render(bench: MountBench, label: str | None, argv: list[str]) -> str:
             if b in bench.failed and not pick(**q):
                 small.append((b, wk, bench.failed[b][:60]) + ("",) * 9)
                 continue
-            f = {ph: vals("files_per_s", phase=ph, **q) for ph in ("cold", "warm")}
-            err = sum(r.get("errors") or 0 for r in pick(**q))
-
-            def m(key, ph, d=0, q=q):
-                return num(med(vals(key, phase=ph, **q)), d)
-
-            small.append((b + (f" ⚠ {err} errors" if err else ""), wk, spread(f["cold"]),
-                          spread(vals("MB_per_s", phase="cold", **q)), spread(f["warm"]),
-                          spread(vals("MB_per_s", phase="warm", **q)),
-                          f"{m('lat_ms_p50', 'cold', 2)} / {m('lat_ms_p99', 'cold', 1)}",
-                          f"{m('lat_ms_p50', 'warm', 2)} / {m('lat_ms_p99', 'warm', 1)}",
-                          m("cpu_busy_pct", "cold"), "–" if b == "raw" else
-                          f"{m('watched_cpu_us_per_file', 'cold')} / "
-                          f"{m('watched_cpu_us_per_file', 'warm')}",
-                          ratio(med(f["cold"]), raw["cold"]), ratio(med(f["warm"]), raw["warm"])))
+            c, w = dict(q, phase="cold"), dict(q, phase="warm")
+            fc, fw = (med(vals("files_per_s", **x)) for x in (c, w))
+            small.append((b + h.err_tag(pick(**q)), wk,
+                          *bench.cells(c, "spread:files_per_s", "spread:MB_per_s"),
+                          *bench.cells(w, "spread:files_per_s", "spread:MB_per_s"),
+                          *bench.cells(c, "p:lat_ms"), *bench.cells(w, "p:lat_ms"),
+                          *bench.cells(c, "med:cpu_busy_pct"), "–" if b == "raw" else " / ".join(
+                              bench.cells(c, "med:watched_cpu_us_per_file")
+                              + bench.cells(w, "med:watched_cpu_us_per_file")),
+                          ratio(fc, raw["cold"]), ratio(fw, raw["warm"])))
     rs = {ph: med(vals("files_per_s", kind="meta", backend="raw", op="stat", phase=ph))
           for ph in ("cold", "warm")}
     meta = []

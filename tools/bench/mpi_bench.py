@@ -490,19 +490,14 @@ def render(bench: MpiBench, label: str | None, argv: list[str]) -> str:
             rs = pick(**q)
             if not rs:
                 continue
-            fs, d = vals("files_per_s", **q), [r.get("daemon0") or {} for r in rs]
-            err = sum(r.get("errors") or 0 for r in rs)
-            lr.append((which + (f" ⚠ {err} errors" if err else ""), wk,
-                       num(med(r.get("files") for r in rs)), spread(fs),
-                       spread(vals("MB_per_s", **q)), f"{num(med(vals('lat_ms_p50', **q)), 2)} "
-                       f"/ {num(med(vals('lat_ms_p99', **q)), 1)}",
-                       num(med(vals("cpu_busy_pct", **q))),
-                       num(med(vals("watched_cpu_us_per_file", **q))),
+            d = [r.get("daemon0") or {} for r in rs]
+            lr.append((which + h.err_tag(rs), wk, num(med(r.get("files") for r in rs)),
+                       *bench.cells(q, "spread:files_per_s", "spread:MB_per_s", "p:lat_ms",
+                                    "med:cpu_busy_pct", "med:watched_cpu_us_per_file"),
                        f"{num(med(x.get('local_reads') for x in d))} / "
                        f"{num(med(x.get('remote_reads') for x in d))}",
-                       f"{num(med(vals('remote_latency_ms_p50', **q)), 2)} / "
-                       f"{num(med(vals('remote_latency_ms_p99', **q)), 1)}"
-                       if which == "remote" else "–", ratio(med(fs), loc)))
+                       bench.cells(q, "p:remote_latency_ms")[0] if which == "remote" else "–",
+                       ratio(med(vals("files_per_s", **q)), loc)))
     agg = []
     for rpr in a.agg_readers:
         one = med(vals("files_per_s", kind="agg", ranks=1, rpr=rpr))
@@ -510,16 +505,12 @@ def render(bench: MpiBench, label: str | None, argv: list[str]) -> str:
             q = dict(kind="agg", ranks=n, rpr=rpr)
             rs = pick(**q)
             if rs:
-                fs, err = vals("files_per_s", **q), sum(r.get("errors") or 0 for r in rs)
                 share = med([r["remote_reads"] / max(1, r["remote_reads"] + r["local_reads"])
                              for r in rs if "remote_reads" in r])
-                agg.append((f"{n}" + (f" ⚠ {err} errors" if err else ""), rpr, spread(fs),
-                            spread(vals("MB_per_s", **q)),
-                            f"{num(med(vals('lat_ms_p50', **q)), 2)} / "
-                            f"{num(med(vals('lat_ms_p99', **q)), 1)}",
-                            num(med(vals("cpu_busy_pct", **q))),
-                            num(med(vals("watched_cpu_us_per_file", **q))),
-                            "–" if share is None else f"{share:.0%}", ratio(med(fs), one)))
+                agg.append((f"{n}" + h.err_tag(rs), rpr, *bench.cells(
+                    q, "spread:files_per_s", "spread:MB_per_s", "p:lat_ms", "med:cpu_busy_pct",
+                    "med:watched_cpu_us_per_file"), "–" if share is None else f"{share:.0%}",
+                    ratio(med(vals("files_per_s", **q)), one)))
     stage = []
     for n in a.agg_ranks:
         srs = pick(kind="stage", ranks=n)
