@@ -52,12 +52,17 @@ def pytest_collection_modifyitems(config, items):
     left to run alone at the end."""
     skip = None if _FUSE_OK else pytest.mark.skip(reason=f"FUSE unavailable: {_FUSE_WHY}")
     for item in items:
+        if _MOUNTING_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.fuse)  # a mount, whether or not the test says so
         if skip is not None and "fuse" in item.keywords:
             item.add_marker(skip)
         if "s3_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.s3)
     items.sort(key=lambda item: _LONG_FIRST.get(item.nodeid.split("::")[0], len(_LONG_FIRST)))
 
+
+#: fixtures that mount (or run a test once per FUSE frontend): their tests are ``fuse``
+_MOUNTING_FIXTURES = frozenset({"frontend", "mounted", "module_mounted"})
 
 #: modules of more than a minute, longest first (``--durations``)
 _LONG_FIRST = {f"tests/{name}.py": i for i, name in enumerate(

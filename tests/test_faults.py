@@ -75,8 +75,9 @@ from helpers import (
 )
 from mpi_helpers import MpiJob, mpi_available, read_tree_bytes, wait_gone
 
-#: Every test here runs once per FUSE frontend (conftest.frontend).
-pytestmark = pytest.mark.usefixtures("frontend")
+#: The tests that read through a mount run once per FUSE frontend (conftest.frontend);
+#: packing, staging and refusals happen before any frontend starts and run once.
+per_frontend = pytest.mark.usefixtures("frontend")
 
 _fuse_ok, _fuse_why = fuse_available()
 _mpi_ok, _mpi_why = mpi_available()
@@ -113,6 +114,7 @@ def _no_leftovers(dest) -> bool:
 # =========================================================================== bad input: pack
 
 
+@per_frontend
 @pytest.mark.fuse
 def test_names_with_newlines_pack_and_problems_stay_on_one_line(tmp_path, mounted):
     """A newline is a legal byte in a name: such files pack and mount exactly. A problem
@@ -208,6 +210,7 @@ def _assert_mount_refused(store, mnt, code: int, contains: str) -> str:
     return line
 
 
+@per_frontend
 @pytest.mark.fuse
 def test_sigint_during_pack_leaves_nothing_and_a_killed_pack_nothing_mountable(tmp_path,
                                                                                mounted):
@@ -498,6 +501,7 @@ def _kill_mid_read(data, tmp_path, replicas: bool, timeout: float = 2.0) -> dict
     return total
 
 
+@per_frontend
 @needs_cluster
 def test_sigkill_mid_read_with_replicas_readers_fail_over(data, tmp_path):
     src, store, _ = data
@@ -513,6 +517,7 @@ def test_sigkill_mid_read_with_replicas_readers_fail_over(data, tmp_path):
             assert (ok, wrong, errors) == (96, [], [])
 
 
+@per_frontend
 @needs_cluster
 def test_sigkill_mid_read_without_replicas_eio_within_the_timeout(data, tmp_path, mounted):
     src, store, _ = data
@@ -524,6 +529,7 @@ def test_sigkill_mid_read_without_replicas_eio_within_the_timeout(data, tmp_path
     assert (ok, wrong, errors) == (96, [], [])
 
 
+@per_frontend
 @needs_cluster
 @pytest.mark.slow
 def test_repeated_kills_of_different_ranks_with_replicas(data, tmp_path):
@@ -587,6 +593,7 @@ _STAGE_AND_DIE = textwrap.dedent("""
 """)
 
 
+@per_frontend
 @pytest.mark.fuse
 def test_staging_killed_halfway_then_restarted_copies_only_what_is_missing_or_damaged(
         data, tmp_path, mounted):
@@ -863,6 +870,7 @@ def _victims(store) -> list[tuple[str, int]]:
     return [one, multi]
 
 
+@per_frontend
 @pytest.mark.fuse
 def test_bit_rot_in_a_staged_copy_gives_eio_for_those_files_only(data, tmp_path, mounted):
     src, store, sizes = data
@@ -895,6 +903,7 @@ def test_bit_rot_in_a_staged_copy_gives_eio_for_those_files_only(data, tmp_path,
     assert run_cli("verify", store, "--no-progress").returncode == 0  # the shared copy is fine
 
 
+@per_frontend
 @needs_cluster
 def test_bit_rot_with_replicas_is_refetched_from_a_peer(data, tmp_path):
     src, store, _ = data
