@@ -31,6 +31,10 @@ import numpy as np
 MODES = ("sync", "prefetch")
 #: Ratios within this relative distance of the best are a tie; the faster candidate wins.
 RATIO_TIE = 0.01
+#: Node rates within this relative distance of the fastest tie's are equally fast: timings
+#: of one core vary that much on a busy machine, so the simplest of them (earliest in the
+#: candidates' order) wins, the same answer quiet or busy.
+RATE_NOISE = 0.10
 #: Budget slack for floating-point equality (the default budget is met exactly by ``none``).
 _EPS = 1e-9
 
@@ -133,9 +137,10 @@ def choose(costs: Mapping[str, Cost], budget: Budget, order: Sequence[str] | Non
     """Pick one candidate: ``(label, met)``.
 
     Among the candidates meeting the budget, the highest ratio; candidates whose ratio is
-    within ``tie`` of it are a tie and the one with the highest node rate wins; exact ties
-    fall to the earlier label in ``order`` (simplest first). If none meets the budget, the
-    fastest (highest node rate) with ``met=False``.
+    within ``tie`` of it are a tie and the one with the highest node rate wins, where rates
+    within :data:`RATE_NOISE` of the highest are equal and fall to the earlier label in
+    ``order`` (simplest first). If none meets the budget, the fastest (highest node rate)
+    with ``met=False``.
     """
     if not costs:
         raise ValueError("no candidates")
@@ -148,7 +153,9 @@ def choose(costs: Mapping[str, Cost], budget: Budget, order: Sequence[str] | Non
         return max(labels, key=lambda lb: (rate[lb], -pos.get(lb, len(pos)))), False
     best = min(costs[lb].stored for lb in ok)
     ties = [lb for lb in ok if costs[lb].stored <= best * (1 + tie)]
-    return max(ties, key=lambda lb: (rate[lb], -costs[lb].stored, -pos.get(lb, len(pos)))), True
+    fastest = max(rate[lb] for lb in ties)
+    as_fast = [lb for lb in ties if rate[lb] * (1 + RATE_NOISE) >= fastest]
+    return min(as_fast, key=lambda lb: pos.get(lb, len(pos))), True
 
 
 @dataclass
