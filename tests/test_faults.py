@@ -184,6 +184,8 @@ def _slow_tree(root: Path) -> None:
 
 
 def _start_slow_pack(src, dest) -> subprocess.Popen:
+    """A pack that has started writing partitions, stopped (SIGSTOP to its group) so that it
+    cannot finish before the test's signal however busy the machine; SIGCONT resumes it."""
     cmd = [FANSTORE, "pack", str(src), str(dest), "--jobs", "1", "--partitions", "3",
            "--codec", "zstd:19", "--no-progress"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -192,7 +194,7 @@ def _start_slow_pack(src, dest) -> subprocess.Popen:
         started = wait_until(lambda: glob.glob(f"{dest}{TMP_MARK}*/part-*.fsp"), timeout=30,
                              interval=0.01)
         assert started, "the pack never started writing a partition"
-        time.sleep(0.3)
+        os.killpg(proc.pid, signal.SIGSTOP)
         assert proc.poll() is None, "the pack finished before the fault; enlarge _slow_tree"
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -221,6 +223,7 @@ def test_sigint_during_pack_leaves_nothing_and_a_killed_pack_nothing_mountable(t
     _slow_tree(src)
     proc = _start_slow_pack(src, dest)
     os.killpg(proc.pid, signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGCONT)
     out, err = proc.communicate(timeout=60)
     assert (proc.returncode, out, err) == (130, "", "fanstore: interrupted\n")
     assert not dest.exists() and _no_leftovers(dest)

@@ -858,11 +858,17 @@ def test_endpoint_that_stops_answering_while_writing_a_store(s3_server, tmp_path
 
     try:
         assert wait_until(lambda: uploading() or proc.poll() is not None, 60, 0.01)
+        # the pack is stopped while the endpoint goes quiet, so it cannot finish first
+        # however busy the machine
+        os.killpg(proc.pid, signal.SIGSTOP)
         assert proc.poll() is None, "the pack finished before the endpoint could be stopped"
         s3_server.pause()
+        os.killpg(proc.pid, signal.SIGCONT)
         out, err = proc.communicate(timeout=60)
     finally:
         s3_server.resume()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGCONT)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate(timeout=30)
