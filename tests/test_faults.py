@@ -188,8 +188,11 @@ def _start_slow_pack(src, dest) -> subprocess.Popen:
     cannot finish before the test's signal however busy the machine; SIGCONT resumes it."""
     cmd = [FANSTORE, "pack", str(src), str(dest), "--jobs", "1", "--partitions", "3",
            "--codec", "zstd:19", "--no-progress"]
+    # ^C as at a terminal, even where the test runs in a background job (which starts its
+    # children with SIGINT ignored, as POSIX has it; the pack then rightly ignores it too)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         started = wait_until(lambda: glob.glob(f"{dest}{TMP_MARK}*/part-*.fsp"), timeout=30,
                              interval=0.01)
