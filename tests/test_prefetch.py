@@ -174,9 +174,13 @@ def test_unlisted_files_are_looked_up_then_pushed(tree, mounted, tmp_path):
     assert s["prefetch_pushed"] == len(order) - 1
     # d0..d3, once each; two workers may both find a directory unlisted at the same moment
     assert 4 <= s["prefetch_listings"] <= 8
-    # (a worker that finds the directory being listed by another looks its file up)
-    assert s["prefetch_lookups_ahead"] <= 20
-    assert s["requests_by_op"].get("lookup", 0) <= 30
+    # A worker that finds the directory being listed by another looks its file up: how
+    # many depends on how long a listing takes against the other workers' pace, so what
+    # holds on any machine is at most one look-up per file, most files made by listings,
+    # and no kernel LOOKUP beyond those look-ups and the test's own few.
+    lookups = s["prefetch_lookups_ahead"]
+    assert lookups < (len(order) - 1) / 2, s
+    assert s["requests_by_op"].get("lookup", 0) <= lookups + 10, s
     before = reads(mnt)
     read_all(mnt, src, order)
     assert reads(mnt) - before <= len(order) // 10
