@@ -349,6 +349,7 @@ def _select_json(src, *args, env=None, timeout=300):
     return json.loads(proc.stdout), proc
 
 
+@pytest.mark.long  # a real selection or pack --codec auto: over 5 s of CPU
 @pytest.mark.parametrize("reader", ["api", pytest.param("mount", marks=needs_fuse)])
 def test_select_measures_its_finalists(text_tree, tmp_path, reader):
     """The finalists are packed and read through the public interfaces, cold, three rounds
@@ -417,6 +418,7 @@ def test_select_bad_input(tmp_path, setup, args, message):
     assert_cli_error(proc, code=2, contains=message)
     assert proc.stdout == ""
 
+@pytest.mark.long  # a real selection or pack --codec auto: over 5 s of CPU
 
 def test_select_on_one_10_gb_file(tmp_path):
     """One huge (sparse) file: the sample reads a few chunks of it, nothing divides by zero,

@@ -359,6 +359,7 @@ def test_amplification_of_the_measured_case():
     # a block larger than a worker's cache is never kept: decoded for every file
     assert amplification(blocks, reader_caches("mount", 8192), 1.0) == pytest.approx(25)
 
+@pytest.mark.long  # a real selection or pack --codec auto: over 5 s of CPU
 
 def test_selection_charges_solid_blocks_by_the_readers_caches(tmp_path):
     """Without a reader model every file read decodes its block; the API reader's caches
@@ -580,6 +581,7 @@ def test_selection_options_from_the_cli_parsers():
     assert (o.mode, o.mb_per_sec, o.chunk_size, o.progress) == ("sync", 800.0, 65536, False)
     assert o.n_cores >= 1 and o.cores is None
 
+@pytest.mark.long  # a real selection or pack --codec auto: over 5 s of CPU
 
 def test_cli_impossible_budget_exits_3(tmp_path):
     src = npy_set(tmp_path / "d", n=4)
@@ -607,6 +609,7 @@ def test_cli_usage_errors(tmp_path):
     assert proc.returncode == 2 and "--storage-latency-us must be a number >= 0" in proc.stderr
     assert "Traceback" not in proc.stderr
 
+@pytest.mark.long  # a real selection or pack --codec auto: over 5 s of CPU
 
 def test_pack_auto_records_the_choice(tmp_path):
     src = npy_set(tmp_path / "d", n=8)
@@ -621,6 +624,7 @@ def test_pack_auto_records_the_choice(tmp_path):
     assert ":shuffle:4" in sel["chosen"] or ":bitshuffle:4" in sel["chosen"]
     assert sel["chosen"] in info["codec_chunks"]  # the chunks really use it
 
+@pytest.mark.long  # a real selection or pack --codec auto: over 5 s of CPU
 
 def test_pack_auto_per_kind_applies_the_policy(tmp_path):
     src = mixed_set(tmp_path / "d")
