@@ -29,13 +29,14 @@ _TYPE_BITS = {KIND_FILE: stat_mod.S_IFREG, KIND_DIR: stat_mod.S_IFDIR,
 
 
 def metadata_bytes(index: Index) -> int:
-    """Bytes a node holds for the namespace: the index's arrays and name tables, plus the
-    arrays the Namespace derives from them (what ``fanstore stats``/``info`` report)."""
-    columns = [*index.entries.values(), *index.chunks.values()]
+    """Bytes a node holds for the namespace: the index's tables as the node's mapped copy
+    has them (what ``fanstore stats``/``info`` report). A v1/v2 lookup table is counted (it
+    is in the copy) though no reader touches it; a column a version lacks costs nothing."""
+    columns = [a for a in (*index.entries.values(), *index.chunks.values())
+               if a.strides != (0,)]
     total = sum(a.nbytes for a in columns)
     total += index.lk_hash.nbytes + index.lk_entry.nbytes + len(index.names)
     total += len(index.targets)
-    total += index.n_entries * 8  # Namespace._nlink_dirs (int64 per entry)
     return total
 
 
@@ -73,14 +74,15 @@ class Namespace:
         self._size = e["size"]
         self._mode = e["mode"]
         self._mtime = e["mtime_ns"]
-        # nlink of a directory: 2 + its subdirectories.
-        dirs = np.nonzero(self._kind == KIND_DIR)[0]
-        sub = np.bincount(self._parent[dirs[1:]], minlength=index.n_entries) if len(dirs) > 1 \
-            else np.zeros(index.n_entries, dtype=np.int64)
-        self._nlink_dirs = sub
+        # Nothing per entry is derived here: a process pays only for the pages it reads.
         counts = index.meta.get("counts", {})
-        self.n_files = int(counts.get("files", int((self._kind == KIND_FILE).sum())))
-        self.raw_bytes = int(counts.get("raw_bytes", int(self._size[self._kind == KIND_FILE].sum())))
+        # (computed only when the metadata lacks them: a default argument would scan the
+        # kind and size columns, every page of them, in every process)
+        files = counts.get("files")
+        self.n_files = int((self._kind == KIND_FILE).sum()) if files is None else int(files)
+        raw = counts.get("raw_bytes")
+        self.raw_bytes = (int(self._size[self._kind == KIND_FILE].sum()) if raw is None
+                          else int(raw))
 
     @property
     def n_entries(self) -> int:
@@ -104,9 +106,20 @@ class Namespace:
 
     def stat(self, entry: int) -> Stat:
         kind = int(self._kind[entry])
-        nlink = 2 + int(self._nlink_dirs[entry]) if kind == KIND_DIR else 1
+        nlink = self.dir_nlink(entry) if kind == KIND_DIR else 1
         return Stat(entry, _TYPE_BITS[kind] | int(self._mode[entry]), int(self._size[entry]),
                     int(self._mtime[entry]), nlink, kind)
+
+    def dir_nlink(self, entry: int) -> int:
+        """st_nlink of a directory: 2 + its subdirectories (counted in its run of children)."""
+        first = int(self._first[entry])
+        return 2 + int(np.count_nonzero(
+            self._kind[first : first + int(self._count[entry])] == KIND_DIR))
+
+    def dir_nlinks(self, dirs: np.ndarray) -> np.ndarray:
+        """:meth:`dir_nlink` of many directories (uint32)."""
+        return np.fromiter((self.dir_nlink(int(d)) for d in dirs), dtype=np.uint32,
+                           count=len(dirs))
 
     def size(self, entry: int) -> int:
         return int(self._size[entry])

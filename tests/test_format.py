@@ -12,6 +12,7 @@ import random
 import shutil
 import stat
 import struct
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -574,7 +575,8 @@ def test_golden_store_reads(version):
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_golden_store_is_reproduced_by_the_packer(tmp_path, version):
     """Packing the golden tree again gives identical partitions and the same index (up to
-    the recorded source path and tool version). If this fails after an intended writer
+    the recorded source path and tool version, and its layout: the packer writes v3, the
+    goldens stay v1/v2 stores, the same entries, chunks and names). If this fails after an intended writer
     change, regenerate the fixture; test_golden_store_reads must keep passing."""
     regen = _regen_module()
     src, dest = tmp_path / "src", tmp_path / "store"
@@ -600,8 +602,10 @@ def test_golden_store_is_reproduced_by_the_packer(tmp_path, version):
         m["pack"].pop("source", None)
         m["pack"].pop("tool", None)
         m.pop("columns", None)
+        m.pop("format_version", None)
         return m
 
+    assert a.version == int(version[1:]) and b.version == 3 and len(b.lk_hash) == 0
     assert meta(a) == meta(b)
     for name, _ in ENTRY_COLUMNS:
         assert np.array_equal(a.entries[name], b.entries[name]), name
@@ -647,7 +651,7 @@ def test_v2_index_round_trip():
     data = _encode(parts)
     assert struct.unpack_from("<H", data, 8)[0] == 2
     index = read_index_bytes(data)
-    assert index.version == 2 == index.meta["format_version"] == FORMAT_VERSION
+    assert index.version == 2 == index.meta["format_version"] < FORMAT_VERSION
     assert "e_offset" in index.meta["columns"]
     for name, _ in ENTRY_COLUMNS:
         assert np.array_equal(index.entries[name], parts["e"][name]), name
@@ -726,3 +730,136 @@ def test_metadata_version_must_match_the_header():
     struct.pack_into("<H", data, 8, 1)  # header says v1, metadata v2
     with pytest.raises(FormatError, match="metadata says format v2, its header v1"):
         read_index_bytes(bytes(data))
+
+
+# --------------------------------------------------------------------------- format v3
+
+
+def _random_tree_parts(seed: int, lookup: bool, most: int = 800
+                       ) -> tuple[dict, list[tuple[int, bytes]]]:
+    """A random namespace of about ``most`` entries (directories of 0-40 children named
+    with 1-30 random bytes, none '/' or NUL) as ``encode_index`` inputs, v1 (with a lookup
+    table) or v3; and the (parent, name) of entries 1, 2, ... in order."""
+    rng = random.Random(seed)
+    alphabet = [bytes([c]) for c in range(1, 256) if c != ord("/")]
+    rows, queue = [(0, KIND_DIR, b"")], [0]  # (parent, kind, name), breadth-first
+    children: dict[int, tuple[int, int]] = {}
+    while queue:
+        d = queue.pop(0)
+        names: set[bytes] = set()
+        lo = 0 if most <= 800 else 30  # a large tree must not die out
+        want = 40 if d == 0 else rng.randint(lo, 40) if len(rows) < most else 0
+        while len(names) < want:
+            name = b"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30)))
+            if name not in (b".", b".."):
+                names.add(name)
+        children[d] = (len(rows), len(names))
+        for k, name in enumerate(sorted(names)):
+            kind = KIND_DIR if rng.random() < 0.1 or k == 0 else KIND_FILE
+            rows.append((d, kind, name))
+            if kind == KIND_DIR:
+                queue.append(len(rows) - 1)
+    b = IndexBuilder(len(rows), 0)
+    e = b.entries
+    for i, (parent, kind, _name) in enumerate(rows):
+        e["parent"][i], e["kind"][i], e["mode"][i] = parent, kind, 0o755
+    b.set_names([r[2] for r in rows[1:]])
+    for d, (first, count) in children.items():
+        e["first"][d], e["count"][d] = first, count
+    meta = {"chunk_size": 4096, "codecs": [{"id": "none"}], "partitions": [],
+            "counts": {"files": int((e["kind"] == KIND_FILE).sum()),
+                       "dirs": int((e["kind"] == KIND_DIR).sum()) - 1, "symlinks": 0,
+                       "raw_bytes": 0}}
+    parts = {"meta": meta, "e": e, "c": b.chunks,
+             "lookup": b.build_lookup() if lookup else None,
+             "names": bytes(b.names), "targets": b""}
+    return parts, [(int(p), n) for p, _, n in rows[1:]]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_v3_has_no_lookup_table_and_finds_every_name_as_v1_did(seed):
+    """v3 drops the lookup table and narrows the name columns; bisecting a directory's
+    sorted children finds exactly what v1's hash table found, one name or many at once,
+    and nothing for names that are not there."""
+    v1, names = _random_tree_parts(seed, lookup=True)
+    v3, _ = _random_tree_parts(seed, lookup=False)
+    a, b = read_index_bytes(_encode(v1)), read_index_bytes(_encode(v3))
+    assert (a.version, b.version) == (1, 3) and len(a.lk_hash) == a.n_entries - 1
+    assert len(b.lk_hash) == 0 and "lk_hash" not in b.meta["columns"]
+    assert b.entries["name_off"].dtype == np.dtype("<u4")
+    assert b.entries["name_len"].dtype == np.dtype("u1")
+    rng = random.Random(seed)
+    missing = [(p, n + bytes([rng.randint(1, 255)])) for p, n in rng.sample(names, 40)]
+    missing += [(p, n[:-1]) for p, n in rng.sample(names, 40) if len(n) > 1]
+    missing = [(p, n) for p, n in missing if n not in {m for q, m in names if q == p}]
+    for index in (a, b):
+        for entry, (parent, name) in enumerate(names, start=1):
+            assert index.lookup(parent, name) == entry
+        for parent, name in missing:
+            assert index.lookup(parent, name) is None
+        pairs = names + missing
+        got = index.lookup_many(np.array([p for p, _ in pairs]), [n for _, n in pairs])
+        assert got.tolist() == list(range(1, len(names) + 1)) + [-1] * len(missing)
+
+
+@pytest.mark.parametrize("damage", ["swap", "repeat"])
+def test_an_unsorted_or_repeated_name_is_refused(damage):
+    """Lookups bisect: a directory whose names are out of order (or one repeats) is refused
+    when the index is validated, not left to miss names at run time."""
+    parts, names = _random_tree_parts(1, lookup=False)
+    e = parts["e"]
+    parent = e["parent"].astype(np.int64)
+    i = next(k for k in range(1, len(parent) - 1) if parent[k] == parent[k + 1])
+    if damage == "swap":
+        e["name_off"][i], e["name_off"][i + 1] = e["name_off"][i + 1], e["name_off"][i]
+        e["name_len"][i], e["name_len"][i + 1] = e["name_len"][i + 1], e["name_len"][i]
+    else:
+        e["name_off"][i + 1], e["name_len"][i + 1] = e["name_off"][i], e["name_len"][i]
+    with pytest.raises(FormatError, match="names of a directory are not sorted, or one "
+                                          "repeats"):
+        read_index_bytes(_encode(parts))
+
+
+def _mapping_rss(path: str) -> int:
+    """Resident bytes of this process's mappings of ``path`` (/proc/self/smaps)."""
+    rss, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+                inside = line.rstrip().endswith(path)
+            elif inside and line.startswith("Rss:"):
+                rss += int(line.split()[1]) * 1024
+    return rss
+
+
+def test_a_mapped_index_costs_a_process_only_the_pages_it_reads(request):
+    """A process maps the node's index copy (its checksum checked by reading the file, not
+    through the mapping) and builds its Namespace without touching the body: resident are
+    only the pages its queries read, never the whole copy (the node shares it)."""
+    from fanstore.format.index import map_index_body, write_index_body
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm (where a node's index copy lives)")
+    parts, names = _random_tree_parts(3, lookup=False, most=100_000)
+    index = read_index_bytes(_encode(parts))
+    # in a tmpfs, as the node's copy is: a file system that caches large folios (ext4) maps
+    # a whole folio on a touch, which says nothing about what FanStore reads
+    shm = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    request.addfinalizer(lambda: shutil.rmtree(shm, ignore_errors=True))
+    path = str(shm / "copy.idx")
+    write_index_body(path, index)
+    size = os.path.getsize(path)
+    assert size > 4 << 20
+    mapped = map_index_body(path, check=True)
+    ns = Namespace(mapped)
+    assert ns.n_entries == index.n_entries
+    # A fault maps the pages around it that are in the page cache: up to fault_around_bytes
+    # (64 KiB by default) per touched place.
+    around = 64 << 10
+    start = _mapping_rss(path)  # the header, the metadata JSON and the column directory
+    assert start <= around + len(json.dumps(mapped.meta)), (start, size)
+    parent, name = names[len(names) // 2]
+    assert ns.lookup(parent, name) == len(names) // 2 + 1
+    assert ns.stat(parent).nlink >= 2
+    # a bisection and a stat touch a few places in a dozen columns
+    assert start < _mapping_rss(path) <= start + 24 * around < size / 4

@@ -4,7 +4,7 @@ Layout of ``fanstore.idx``::
 
     header (64 bytes, little-endian)
         magic        8s   b"FANSTIDX"
-        version      u16  format version (1, or 2 when some file lives in a solid chunk)
+        version      u16  format version (3; 1 and 2 are still read: see below)
         flags        u16  0
         header_size  u32  64
         body_raw     u64  size of the body after decompression
@@ -16,6 +16,14 @@ Layout of ``fanstore.idx``::
         meta         JSON (UTF-8): store metadata, codec table, partition table, column directory
         columns      raw little-endian arrays, each 8-byte aligned, at the offsets the column
                      directory gives (relative to the start of the decompressed body)
+
+Format versions: v3 (what ``fanstore pack`` writes) has no name lookup table (a name is
+found by binary search in its directory's run of children, which are sorted by name bytes)
+and narrower name columns (``name_off`` u32, ``name_len`` u8: its names table is under
+4 GiB). v1 and v2 bodies have the lookup table (``lk_hash``, ``lk_entry``: XXH3-64 of
+(parent u32 LE + name), sorted) and 64/16-bit name columns; readers ignore their lookup
+table. v2 added ``e_offset`` (solid chunks); v1 has none (it reads as zeros). Every version
+is mapped and read the same way otherwise (docs/format.md "Versions").
 
 Entries are numbered 0..N-1 (entry 0 is the root directory; inode = entry + 1). They are in
 breadth-first order: the children of a directory are contiguous, sorted by name, and every
@@ -91,6 +99,16 @@ ENTRY_COLUMNS: tuple[tuple[str, str], ...] = (
 )
 #: Entry columns that a version of the format does not have (read as zeros).
 ABSENT_BEFORE = {"offset": 2}
+#: From v3 on, these entry columns are narrower (what a directory listing touches is
+#: smaller, and so is every node's mapped copy); the writer checks the values fit.
+NARROW_FROM_V3: dict[str, str] = {"name_off": "<u4", "name_len": "u1"}
+#: The first version without the name lookup table.
+NO_LOOKUP_FROM = 3
+
+
+def entry_dtype(name: str, dtype: str, version: int) -> str:
+    """The dtype of entry column ``name`` in a v``version`` index."""
+    return NARROW_FROM_V3.get(name, dtype) if version >= NO_LOOKUP_FROM else dtype
 CHUNK_COLUMNS: tuple[tuple[str, str], ...] = (
     ("part", "<u4"),
     ("offset", "<u8"),
@@ -99,7 +117,8 @@ CHUNK_COLUMNS: tuple[tuple[str, str], ...] = (
     ("codec", "<u2"),  # index into the codec table
     ("checksum", "<u8"),  # XXH3-64 of the chunk's original (raw) bytes
 )
-#: Name lookup table: XXH3-64 of (parent u32 LE + name), sorted, with the entry it names.
+#: Name lookup table of v1/v2 indexes (v3 has none): XXH3-64 of (parent u32 LE + name),
+#: sorted, with the entry it names.
 LOOKUP_COLUMNS: tuple[tuple[str, str], ...] = (
     ("lk_hash", "<u8"),
     ("lk_entry", "<u4"),

@@ -30,7 +30,9 @@ from fanstore.format.layout import (
     INDEX_HEADER_SIZE,
     INDEX_NAME,
     MAX_META_INT,
+    NO_LOOKUP_FROM,
     PartitionInfo,
+    entry_dtype,
     parse_index_header,
 )
 from fanstore.format.tables import Index
@@ -89,7 +91,10 @@ def read_index(store_dir: str) -> Index:
     return read_index_bytes(data, where=path)
 
 
-def read_index_bytes(data: bytes, where: str = "index") -> Index:
+def read_index_bytes(data: bytes, where: str = "index", validate: bool = True) -> Index:
+    """The index in ``data`` (a whole ``fanstore.idx``): header, size and checksum checked,
+    body decompressed (bounded) and parsed, then validated unless ``validate`` is False
+    (bytes another process validated and sent: the checksum shows they are the same)."""
     body_raw, body_stored, body_sum = parse_index_header(data, where)
     version = INDEX_HEADER.unpack_from(data)[1]
     stored = memoryview(data)[INDEX_HEADER_SIZE:]
@@ -113,7 +118,8 @@ def read_index_bytes(data: bytes, where: str = "index") -> Index:
     index.raw_body_size = body_raw
     index.stored_size = len(data)
     index.body = body
-    validate_index(index, where=where)
+    if validate:
+        validate_index(index, where=where)
     return index
 
 
@@ -125,8 +131,13 @@ def parse_body(body: bytes, where: str, version: int = FORMAT_VERSION) -> Index:
     column = _ColumnReader(body, directory, columns_start, where)
     _check_meta_fields(meta, where, version)
     entries, chunks = _entry_and_chunk_tables(column, meta, version, where)
-    lk_hash = column("lk_hash", "<u8")
-    lk_entry = column("lk_entry", "<u4")
+    if version >= NO_LOOKUP_FROM:
+        if "lk_hash" in directory or "lk_entry" in directory:
+            raise FormatError(f"{where}: a v{version} index has a lookup table")
+        lk_hash, lk_entry = np.zeros(0, dtype="<u8"), np.zeros(0, dtype="<u4")
+    else:  # parsed (and validated) as written, never used: names are found by bisection
+        lk_hash = column("lk_hash", "<u8")
+        lk_entry = column("lk_entry", "<u4")
     codecs = meta.get("codecs")
     if not isinstance(codecs, list) or not all(isinstance(x, dict) and "id" in x for x in codecs):
         raise FormatError(f"{where}: index codec table is malformed")
@@ -230,15 +241,14 @@ def _entry_and_chunk_tables(
                                   "later version")
             absent.append((name, dt))
         else:
-            entries[name] = column(ENTRY_PREFIX + name, dt)
+            entries[name] = column(ENTRY_PREFIX + name, entry_dtype(name, dt, version))
     chunks = {name: column(CHUNK_PREFIX + name, dt) for name, dt in CHUNK_COLUMNS}
     for name, arr in entries.items():
         if arr.shape[0] != n_entries:
             raise FormatError(f"{where}: entry column {name!r} has the wrong length")
     for name, dt in absent:  # only now: n_entries is the real length of the columns
-        zeros = np.zeros(n_entries, dtype=dt)
-        zeros.flags.writeable = False
-        entries[name] = zeros
+        # a read-only view of one zero: no memory per entry, in any process
+        entries[name] = np.broadcast_to(np.zeros(1, dtype=dt), (n_entries,))
     for name, arr in chunks.items():
         if arr.shape[0] != n_chunks:
             raise FormatError(f"{where}: chunk column {name!r} has the wrong length")

@@ -42,13 +42,31 @@ def write_index_body(path: str, index: Index) -> None:
         f.writelines(index_body_parts(index))
 
 
+def _digest_of(fd: int, start: int, size: int, block: int = 8 << 20) -> int:
+    """XXH3-64 of ``size`` bytes of ``fd`` from ``start``, read in blocks."""
+    h = xxhash.xxh3_64()
+    buf = bytearray(min(block, max(size, 1)))
+    view = memoryview(buf)
+    pos, end = start, start + size
+    while pos < end:
+        n = os.preadv(fd, [view[: min(block, end - pos)]], pos)
+        if n <= 0:
+            raise FormatError("index copy: short read")
+        h.update(view[:n])
+        pos += n
+    return h.intdigest()
+
+
 def map_index_body(path: str, check: bool = True, validate: bool = False,
                    owner: int | None = None) -> Index:
     """The index whose body :func:`index_body_parts` made, in the file ``path``, its arrays
     views of a read-only shared mapping of the file. The file is opened without following a
     symlink and, with ``owner``, must belong to that uid (the daemon's). Magic, sizes and
     the body's checksum (``check``) are verified before anything is parsed: it is the very
-    body a validated index had, so validating it again is optional (``validate``)."""
+    body a validated index had, so validating it again is optional (``validate``). The
+    checksum is computed from reads, not through the mapping: the process then has mapped
+    only the pages its queries touch (the node pays for the copy once, in the page cache;
+    a process for what it uses)."""
     import mmap
 
     from fanstore.safeio import open_nofollow
@@ -57,17 +75,19 @@ def map_index_body(path: str, check: bool = True, validate: bool = False,
     try:
         if os.fstat(fd).st_size < _BODY_HEADER.size:
             raise FormatError(f"{path}: truncated index copy")
+        magic, size, digest, stored, version = _BODY_HEADER.unpack(
+            os.pread(fd, _BODY_HEADER.size, 0))
+        if (magic != _BODY_MAGIC or size != os.fstat(fd).st_size - _BODY_HEADER.size
+                or version > FORMAT_VERSION):
+            raise FormatError(f"{path}: not a FanStore index copy")
+        if check and _digest_of(fd, _BODY_HEADER.size, size) != digest:
+            raise FormatError(f"{path}: index copy checksum mismatch")
         mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
-    if len(mm) < _BODY_HEADER.size:
+    if len(mm) != size + _BODY_HEADER.size:
         raise FormatError(f"{path}: truncated index copy")
-    magic, size, digest, stored, version = _BODY_HEADER.unpack_from(mm)
-    if magic != _BODY_MAGIC or size != len(mm) - _BODY_HEADER.size or version > FORMAT_VERSION:
-        raise FormatError(f"{path}: not a FanStore index copy")
     body = memoryview(mm)[_BODY_HEADER.size:]
-    if check and xxhash.xxh3_64_intdigest(body) != digest:
-        raise FormatError(f"{path}: index copy checksum mismatch")
     index = parse_body(body, path, version)
     index.raw_body_size = size
     index.stored_size = stored

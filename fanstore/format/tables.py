@@ -4,6 +4,10 @@ An :class:`Index` is made by :mod:`fanstore.format.load` (from a store) or
 :func:`fanstore.format.localcopy.map_index_body` (from the node's shared copy), always
 validated first; paths are resolved by :class:`fanstore.namespace.Namespace` (the one
 symlink rule), which asks the index for one name at a time (:meth:`Index.lookup`).
+
+Nothing here is per entry in Python: an Index made by mapping a node's copy costs its
+process only the pages its queries touch (a name is found by bisecting its directory's
+sorted run of children; no hash table is built or read).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from fanstore.format.layout import KIND_FILE, PartitionInfo, name_hash
+from fanstore.format.layout import KIND_DIR, KIND_FILE, PartitionInfo
 from fanstore.version import FORMAT_VERSION
 
 
@@ -71,48 +75,66 @@ class Index:
         return b"/".join(reversed(parts))
 
     def lookup(self, parent: int, name: bytes) -> int | None:
-        """The entry called ``name`` in directory ``parent``, or None (hot: every LOOKUP)."""
-        h = name_hash(parent, name)
-        lk_hash = self.lk_hash
-        i = int(lk_hash.searchsorted(np.uint64(h)))
-        n = lk_hash.shape[0]
+        """The entry called ``name`` in directory ``parent``, or None (hot: every LOOKUP).
+        Bisects the directory's run of children (sorted by name bytes, validated)."""
         e = self.entries
-        while i < n and int(lk_hash[i]) == h:
-            entry = int(self.lk_entry[i])
-            if entry and int(e["parent"][entry]) == parent:
-                off = int(e["name_off"][entry])
-                if self.names[off : off + int(e["name_len"][entry])] == name:
-                    return entry
-            i += 1
+        if int(e["kind"][parent]) != KIND_DIR:
+            return None
+        lo = int(e["first"][parent])
+        hi = lo + int(e["count"][parent])
+        name_off, name_len, names = e["name_off"], e["name_len"], self.names
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            off = int(name_off[mid])
+            probe = bytes(names[off : off + int(name_len[mid])])  # names may be a mapping
+            if probe < name:
+                lo = mid + 1
+            elif probe == name:
+                return mid
+            else:
+                hi = mid
         return None
+
+    def children_names(self, parent: int) -> np.ndarray:
+        """The names of a directory's children as one numpy ``S`` array, in their (sorted)
+        order: for looking many names up at once with ``searchsorted``."""
+        e = self.entries
+        first, count = int(e["first"][parent]), int(e["count"][parent])
+        if not count:
+            return np.zeros(0, dtype="S1")
+        off = e["name_off"][first : first + count].astype(np.int64)
+        ln = e["name_len"][first : first + count].astype(np.int64)
+        width = int(ln.max())
+        blob = np.frombuffer(self.names, dtype=np.uint8)
+        cols = np.arange(width)
+        grid = blob[np.minimum(off[:, None] + cols, len(blob) - 1)]
+        grid[cols >= ln[:, None]] = 0  # names hold no NUL: padding sorts first, as bytes do
+        return grid.view(f"S{width}").ravel()
 
     def lookup_many(self, parents: np.ndarray, names: list[bytes]) -> np.ndarray:
         """:meth:`lookup` of many (parent, name) pairs at once: their entries, -1 where
-        there is none (the hash search vectorised; a pair whose first candidate is not it,
-        a hash collision, is looked up alone)."""
+        there is none. One ``searchsorted`` per distinct parent directory."""
         n = len(names)
         out = np.full(n, -1, dtype=np.int64)
         if not n:
             return out
-        key = name_hash
-        hashes = np.fromiter((key(int(p), nm) for p, nm in zip(parents, names)),
-                             dtype=np.uint64, count=n)
-        idx = self.lk_hash.searchsorted(hashes)
-        idx[idx >= len(self.lk_hash)] = 0
-        cand = self.lk_entry[idx].astype(np.int64)
-        e = self.entries
-        ok = (self.lk_hash[idx] == hashes) & (cand > 0) \
-            & (e["parent"][cand] == parents) & (e["name_len"][cand] == [len(x) for x in names])
-        name_off = e["name_off"]
-        blob = self.names
-        for i in np.nonzero(ok)[0]:
-            c = int(cand[i])
-            off = int(name_off[c])
-            if blob[off:off + len(names[i])] == names[i]:
-                out[i] = c
-        for i in np.nonzero(out < 0)[0]:  # collisions, and the names that are not there
-            found = self.lookup(int(parents[i]), names[i])
-            out[i] = -1 if found is None else found
+        parents = np.asarray(parents, dtype=np.int64)
+        kind, first = self.entries["kind"], self.entries["first"]
+        order = np.argsort(parents, kind="stable")
+        bounds = np.flatnonzero(np.diff(parents[order])) + 1
+        for group in np.split(order, bounds):
+            parent = int(parents[group[0]])
+            if not 0 <= parent < self.n_entries or int(kind[parent]) != KIND_DIR:
+                continue
+            have = self.children_names(parent)
+            if not len(have):
+                continue
+            want = np.array([names[i] for i in group], dtype=f"S{max(have.itemsize, 1)}")
+            fits = np.fromiter((0 < len(names[i]) <= have.itemsize for i in group),
+                               dtype=bool, count=len(group))
+            at = np.minimum(have.searchsorted(want), len(have) - 1)
+            hit = fits & (have[at] == want)
+            out[group[hit]] = int(first[parent]) + at[hit]
         return out
 
     def chunk_run(self, entry: int) -> tuple[int, int]:

@@ -48,7 +48,6 @@ class FsOps:
         self._mode = e["mode"]
         self._size = e["size"]
         self._mtime = e["mtime_ns"]
-        self._nlink_dirs = ns._nlink_dirs
         self.files = ns.n_files
         self.raw_bytes = ns.raw_bytes
 
@@ -76,7 +75,7 @@ class FsOps:
         """(inode, st_mode, st_nlink, st_size, st_blocks, mtime_ns) of one entry."""
         kind = int(self._kind[entry])
         size = DIR_SIZE if kind == KIND_DIR else int(self._size[entry])
-        nlink = 2 + int(self._nlink_dirs[entry]) if kind == KIND_DIR else 1
+        nlink = self.ns.dir_nlink(entry) if kind == KIND_DIR else 1
         mode = int(_TYPE_BITS[kind]) | int(self._mode[entry])
         return entry + 1, mode, nlink, size, (size + 511) // 512, int(self._mtime[entry])
 
@@ -86,10 +85,13 @@ class FsOps:
         kind = self._kind[entries].astype(np.intp)
         is_dir = kind == KIND_DIR
         size = np.where(is_dir, DIR_SIZE, self._size[entries].astype(np.int64))
+        nlink = np.ones(len(entries), dtype=np.uint32)
+        if is_dir.any():
+            nlink[is_dir] = self.ns.dir_nlinks(entries[is_dir])
         return {
             "ino": entries.astype(np.uint64) + 1,
             "mode": _TYPE_BITS[kind] | self._mode[entries].astype(np.uint32),
-            "nlink": np.where(is_dir, 2 + self._nlink_dirs[entries], 1).astype(np.uint32),
+            "nlink": nlink,
             "size": size.astype(np.uint64),
             "blocks": ((size + 511) // 512).astype(np.uint64),
             "mtime_ns": self._mtime[entries].astype(np.int64),
