@@ -204,6 +204,8 @@ class DirListing:
       means "no attributes for this name" (the kernel then does not prime its caches; use it
       for ``.`` and ``..``).
     - ``inos`` / ``types`` (optional): d_ino and d_type; default from the entries' attrs.
+    - ``first_cookie``: the cookie of the first record (a listing built for one request
+      that resumes a directory at entry k passes k + 1, and slices from 0).
     """
 
     __slots__ = ("_dirents", "_entries", "_names", "_plain", "_plain_ends", "_plus",
@@ -211,7 +213,7 @@ class DirListing:
 
     def __init__(self, names: Sequence[bytes] | tuple[np.ndarray, np.ndarray],
                  entries: np.ndarray, *, inos: np.ndarray | None = None,
-                 types: np.ndarray | None = None) -> None:
+                 types: np.ndarray | None = None, first_cookie: int = 1) -> None:
         if entries.dtype != ENTRY_OUT_DTYPE:
             raise TypeError("entries must have ENTRY_OUT_DTYPE")
         concat, starts, lens = _names_buffer(names)
@@ -224,7 +226,7 @@ class DirListing:
         self._names = (concat, starts, lens)
         d = np.zeros(n, dtype=DIRENT_DTYPE)
         d["ino"] = entries["attr"]["ino"] if inos is None else inos
-        d["off"] = np.arange(1, n + 1, dtype=np.uint64)
+        d["off"] = np.arange(first_cookie, first_cookie + n, dtype=np.uint64)
         d["namelen"] = lens
         d["type"] = (entries["attr"]["mode"] >> 12) & 0o17 if types is None else types
         self._dirents = d

@@ -4,7 +4,8 @@ byte layout, in one worker process.
 Thin: the logic is :class:`~fanstore.fuse.fsops.FsOps` (shared with the pyfuse3 frontend)
 and the read core (``ChunkReader.serve``: a READ is a reader's request, counted there);
 this module packs the answers (``fuse_entry_out``, ``fuse_attr_out``, directory listings
-packed once per directory with numpy and sliced per READDIRPLUS). Where it runs:
+built per READDIR(PLUS) with numpy from the mapped index: just the records that fit, no
+per-process cache). Where it runs:
 :mod:`fanstore.fuse.kernelfs.process` (the frontend process and its workers, or a node's worker
 ranks); what the daemon runs: :mod:`fanstore.fuse.kernelfs.frontend`.
 """
@@ -14,8 +15,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections import OrderedDict
-from typing import Any
 
 import numpy as np
 
@@ -23,7 +22,14 @@ from fanstore.errors import FanStoreError, NotFoundError
 from fanstore.format.index import KIND_DIR, KIND_FILE
 from fanstore.fuse.fsops import BLKSIZE, TIMEOUT, FsOps
 from fanstore.fuse.engine import DirListing, FuseErrno
-from fanstore.fuse.engine.proto import ATTR_OUT, ENTRY_OUT, negative_entry, pack_statfs_out
+from fanstore.fuse.engine.proto import (
+    ATTR_OUT,
+    DIRENT_HEAD_SIZE,
+    DIRENTPLUS_HEAD_SIZE,
+    ENTRY_OUT,
+    negative_entry,
+    pack_statfs_out,
+)
 from fanstore.fuse.engine.records import ENTRY_OUT_DTYPE
 
 log = logging.getLogger(__name__)
@@ -34,11 +40,12 @@ class KernelHandler:
 
     Thin: the logic is :class:`~fanstore.fuse.fsops.FsOps` (shared with the pyfuse3
     frontend) and the read core; this class packs the answers in the kernel's byte layout.
-    Directory listings are packed once per directory (vectorised) and kept in a small LRU.
+    A directory listing is built for each READDIR(PLUS) request from the node's mapped
+    index, vectorised: only the records that fit the kernel's buffer, nothing kept (a
+    listing of every directory would otherwise cost each worker ~350 B per entry).
     """
 
-    def __init__(self, fs: FsOps, reader, listing_budget: int = 32 << 20,
-                 publish=None, prefetch=None, spill=None) -> None:
+    def __init__(self, fs: FsOps, reader, publish=None, prefetch=None, spill=None) -> None:
         self.fs = fs
         #: fanstore.fuse.kernelfs.spill.ChunkSpill: the rest of a chunk decoded for a partial READ
         #: goes into the page cache
@@ -59,9 +66,7 @@ class KernelHandler:
         self._count = self.ns.index.entries["count"]  # a directory's number of children
         self._uid, self._gid = fs.uid, fs.gid
         self._negative = negative_entry(TIMEOUT)
-        self._listings: OrderedDict[int, Any] = OrderedDict()
-        self._listing_bytes = 0
-        self._listing_budget = listing_budget
+        self._first = self.ns.index.entries["first"]  # a directory's first child
         self._names = np.frombuffer(self.ns.index.names, dtype=np.uint8)
         self._name_off = self.ns.index.entries["name_off"]
         self._name_len = self.ns.index.entries["name_len"]
@@ -130,21 +135,12 @@ class KernelHandler:
         return data
 
     def readdirplus(self, nodeid: int, offset: int, size: int):
-        if self._past_end(nodeid, offset):
-            return b""  # the end of a listing another worker packed: nothing to build
-        listing = self._listing(nodeid)
-        return listing if isinstance(listing, int) else listing.plus(offset, size)
+        listing = self._listing(nodeid, offset, size, DIRENTPLUS_HEAD_SIZE)
+        return listing if isinstance(listing, (int, bytes)) else listing.plus(0, size)
 
     def readdir(self, nodeid: int, offset: int, size: int):
-        if self._past_end(nodeid, offset):
-            return b""
-        listing = self._listing(nodeid)
-        return listing if isinstance(listing, int) else listing.plain(offset, size)
-
-    def _past_end(self, nodeid: int, offset: int) -> bool:
-        entry = nodeid - 1
-        return (0 <= entry < self._n and int(self._kind[entry]) == KIND_DIR
-                and offset >= int(self._count[entry]))
+        listing = self._listing(nodeid, offset, size, DIRENT_HEAD_SIZE)
+        return listing if isinstance(listing, (int, bytes)) else listing.plain(0, size)
 
     def statfs(self):
         if self._statfs is None:
@@ -161,56 +157,53 @@ class KernelHandler:
         return errno.EROFS if mask & os.W_OK else None
 
     # ------------------------------------------------------------------ listings
-    def _listing(self, nodeid: int):
+    def _listing(self, nodeid: int, offset: int, size: int, head: int):
+        """The records of directory ``nodeid`` from child ``offset`` on that fit in ``size``
+        bytes (each ``head`` + its name, 8-byte aligned), as a DirListing whose cookies
+        continue the directory's (child i has cookie i + 1); an errno for a bad directory."""
         entry = nodeid - 1
         if not 0 <= entry < self._n:
             return errno.ENOENT
-        listing = self._listings.get(entry)
-        if listing is not None:
-            self._listings.move_to_end(entry)
-            return listing
-        try:
-            children = self.fs.children(entry)
-        except FanStoreError as exc:
-            return exc.errno
-        listing = self._build_listing(children)
-        cost = len(children) * 200 + 64
-        self._listings[entry] = listing
-        self._listing_bytes += cost
-        while self._listing_bytes > self._listing_budget and len(self._listings) > 1:
-            _, old = self._listings.popitem(last=False)
-            self._listing_bytes -= len(old) * 200 + 64
-        return listing
+        if int(self._kind[entry]) != KIND_DIR:
+            return errno.ENOTDIR
+        count = int(self._count[entry])
+        if not 0 <= offset < count:
+            return b""  # the end of the directory
+        first = int(self._first[entry]) + offset
+        # at most as many records as could fit (the shortest record is head + 1 byte)
+        most = min(count - offset, size // ((head + 1 + 7) & ~7) + 1)
+        ln = self._name_len[first : first + most].astype(np.int64)
+        ends = np.cumsum((head + ln + 7) & ~7)
+        n = int(np.searchsorted(ends, size, side="right"))
+        if n == 0:
+            return errno.EINVAL  # not even one record fits: the kernel's buffer is too small
+        return self._build_listing(first, n, ln[:n], offset + 1)
 
-    def _build_listing(self, children: range):
-        entries = np.arange(children.start, children.stop, dtype=np.int64)
-        n = len(entries)
+    def _build_listing(self, first: int, n: int, ln: np.ndarray, cookie: int):
+        entries = np.arange(first, first + n, dtype=np.int64)
         out = np.zeros(n, dtype=ENTRY_OUT_DTYPE)
-        if n:
-            a = self.fs.attrs(entries)
-            out["nodeid"] = a["ino"]
-            out["entry_valid"] = TIMEOUT
-            out["attr_valid"] = TIMEOUT
-            attr = out["attr"]
-            attr["ino"] = a["ino"]
-            attr["size"] = a["size"]
-            attr["blocks"] = a["blocks"]
-            sec, nsec = np.divmod(a["mtime_ns"], 1_000_000_000)
-            for f in ("atime", "mtime", "ctime"):
-                attr[f] = sec
-                attr[f + "nsec"] = nsec
-            attr["mode"] = a["mode"]
-            attr["nlink"] = a["nlink"]
-            attr["uid"] = self._uid
-            attr["gid"] = self._gid
-            attr["blksize"] = BLKSIZE
-            out["attr"] = attr
-            off = self._name_off[entries].astype(np.int64)
-            ln = self._name_len[entries].astype(np.int64)
-            if n == 1 or np.array_equal(off[1:], off[:-1] + ln[:-1]):
-                concat = self._names[off[0] : off[-1] + ln[-1]]
-            else:  # names not back to back in the blob: gather them
-                starts = np.repeat(off - np.concatenate(([0], np.cumsum(ln)[:-1])), ln)
-                concat = self._names[starts + np.arange(int(ln.sum()))]
-            return DirListing((concat, ln), out, types=a["dtype"])
-        return DirListing([], out)
+        a = self.fs.attrs(entries)
+        out["nodeid"] = a["ino"]
+        out["entry_valid"] = TIMEOUT
+        out["attr_valid"] = TIMEOUT
+        attr = out["attr"]
+        attr["ino"] = a["ino"]
+        attr["size"] = a["size"]
+        attr["blocks"] = a["blocks"]
+        sec, nsec = np.divmod(a["mtime_ns"], 1_000_000_000)
+        for f in ("atime", "mtime", "ctime"):
+            attr[f] = sec
+            attr[f + "nsec"] = nsec
+        attr["mode"] = a["mode"]
+        attr["nlink"] = a["nlink"]
+        attr["uid"] = self._uid
+        attr["gid"] = self._gid
+        attr["blksize"] = BLKSIZE
+        out["attr"] = attr
+        off = self._name_off[first : first + n].astype(np.int64)
+        if n == 1 or np.array_equal(off[1:], off[:-1] + ln[:-1]):
+            concat = self._names[off[0] : off[-1] + ln[-1]]
+        else:  # names not back to back in the blob (a v1/v2 index may): gather them
+            starts = np.repeat(off - np.concatenate(([0], np.cumsum(ln)[:-1])), ln)
+            concat = self._names[starts + np.arange(int(ln.sum()))]
+        return DirListing((concat, ln), out, types=a["dtype"], first_cookie=cookie)
