@@ -167,22 +167,26 @@ class Node:
 
     # ------------------------------------------------------------------ phases
     def load_index(self):
-        """The index, read by rank 0 and broadcast to every rank, validated."""
+        """The index, read and validated by rank 0 and broadcast to every rank. Validated
+        once: the others check that the bytes they received are intact (the header's
+        checksum of the stored body) and parse them."""
         from fanstore.format.index import INDEX_NAME, read_index_bytes, read_index_file
 
-        data = None
+        data = index = None
         if self.rank == 0:
             try:
                 path, data = read_index_file(self.options.store)
-                if self.world.is_mpi:
-                    read_index_bytes(data, where=path)  # validate before sending it out
+                index = read_index_bytes(data, where=path)  # before sending it out
             except FanStoreError as exc:  # every rank must learn of it, not just rank 0
                 data = b"\0ERROR\0" + str(exc).encode("utf-8", "replace")
         t0 = time.monotonic()
         data = self.world.bcast_bytes(data)
         if bytes(data[:7]) == b"\0ERROR\0":
             raise FormatError(bytes(data[7:]).decode("utf-8", "replace"))
-        index = read_index_bytes(data, where=os.path.join(self.options.store, INDEX_NAME))
+        if index is None:
+            index = read_index_bytes(data, where=os.path.join(self.options.store, INDEX_NAME),
+                                     validate=False)
+        del data
         self.bcast_seconds = time.monotonic() - t0
         return index
 
