@@ -4,6 +4,7 @@ logging set-up. No FUSE, MPI or CLI imports; nothing here prints to the user.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import sys
@@ -29,12 +30,25 @@ def limit_malloc_arenas(arenas: int = 2) -> bool:
     if "MALLOC_ARENA_MAX" in os.environ:
         return False
     try:
-        import ctypes
-
         libc = ctypes.CDLL(None)
         return bool(libc.mallopt(_M_ARENA_MAX, int(arenas)))
     except (OSError, AttributeError):  # not glibc
         return False
+
+
+def release_free_memory() -> None:
+    """Give the C heap's free pages back to the system (glibc ``malloc_trim``).
+
+    Loading the index allocates and frees far more than the process keeps (the compressed
+    bytes, the decompressed body, validation's temporaries: about 2 GiB at ten million
+    files); glibc then keeps freed heap pages mapped (its mmap threshold rises after the
+    first large free, so later temporaries come from the heap). A daemon calls this once
+    after start-up: measured on 1.28 million files, 35 MB of its 64 MB PSS was such pages.
+    A C library without it is left alone."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def pid_alive(pid: int | None) -> bool:

@@ -43,6 +43,7 @@ from fanstore.daemon.options import NodeOptions
 from fanstore.daemon.peerwatch import PeerWatch
 from fanstore.daemon.rankspec import WorkerRankSpec
 from fanstore.daemon.replicas import decide as decide_replicas
+from fanstore.process import release_free_memory
 from fanstore.daemon.routing import PeerSource
 from fanstore.daemon.service import OWNER_OPS
 from fanstore.daemon.world import World
@@ -227,6 +228,7 @@ class Node:
         try:
             index, table, mine = self._start(early)
             index = self._connect(index, table, mine)
+            release_free_memory()  # what loading the index freed (the private body)
             self._mount()
             self.runtime.write_state(phase="ready")
             log.info("%s: serving %s at %s (%d entries, %d partitions here)", self.who,
