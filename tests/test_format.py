@@ -804,6 +804,10 @@ def test_v3_has_no_lookup_table_and_finds_every_name_as_v1_did(seed):
         pairs = names + missing
         got = index.lookup_many(np.array([p for p, _ in pairs]), [n for _, n in pairs])
         assert got.tolist() == list(range(1, len(names) + 1)) + [-1] * len(missing)
+        few = rng.sample(pairs, 3)  # a few names of large directories: bisected one by one
+        got = index.lookup_many(np.array([p for p, _ in few]), [n for _, n in few])
+        assert got.tolist() == [-1 if index.lookup(p, n) is None else index.lookup(p, n)
+                                for p, n in few]
 
 
 @pytest.mark.parametrize("damage", ["swap", "repeat"])

@@ -113,7 +113,8 @@ class Index:
 
     def lookup_many(self, parents: np.ndarray, names: list[bytes]) -> np.ndarray:
         """:meth:`lookup` of many (parent, name) pairs at once: their entries, -1 where
-        there is none. One ``searchsorted`` per distinct parent directory."""
+        there is none. One ``searchsorted`` per distinct parent directory (or, for a few
+        names of a directory 16 times larger, a bisection each)."""
         n = len(names)
         out = np.full(n, -1, dtype=np.int64)
         if not n:
@@ -125,6 +126,12 @@ class Index:
         for group in np.split(order, bounds):
             parent = int(parents[group[0]])
             if not 0 <= parent < self.n_entries or int(kind[parent]) != KIND_DIR:
+                continue
+            if int(self.entries["count"][parent]) > 16 * len(group):
+                # a few names of a large directory: bisect each (no array of all its names)
+                for i in group:
+                    found = self.lookup(parent, names[i])
+                    out[i] = -1 if found is None else found
                 continue
             have = self.children_names(parent)
             if not len(have):
