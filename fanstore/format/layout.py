@@ -44,6 +44,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from fanstore.errors import FormatError, NotAStoreError, VersionTooNewError, VersionTooOldError
@@ -135,6 +136,25 @@ _xxh3_64 = xxhash.xxh3_64_intdigest
 def name_hash(parent: int, name: bytes) -> int:
     """The key of the lookup table: XXH3-64 of (parent u32 LE + name)."""
     return _xxh3_64(_U32.pack(parent) + name)
+
+
+def names_sorted(blob: np.ndarray, off: np.ndarray, length: np.ndarray) -> bool:
+    """Whether the names ``blob[off[i] : off[i] + length[i]]`` are strictly increasing as
+    bytes (sorted, none repeated). Vectorised over neighbouring pairs, one byte position
+    per pass, each pass only over the pairs that agree so far."""
+    off_a, off_b = off[:-1].astype(np.int64), off[1:].astype(np.int64)
+    len_a, len_b = length[:-1].astype(np.int64), length[1:].astype(np.int64)
+    last = max(len(blob) - 1, 0)
+    j = 0
+    while len(off_a):
+        ca = np.where(j < len_a, blob[np.minimum(off_a + j, last)].astype(np.int16), -1)
+        cb = np.where(j < len_b, blob[np.minimum(off_b + j, last)].astype(np.int16), -1)
+        if np.any(ca > cb) or np.any((ca < 0) & (cb < 0)):
+            return False
+        same = ca == cb
+        off_a, off_b, len_a, len_b = off_a[same], off_b[same], len_a[same], len_b[same]
+        j += 1
+    return True
 
 
 def clamp_mtime_ns(ns: int) -> int:

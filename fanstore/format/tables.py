@@ -12,12 +12,14 @@ sorted run of children; no hash table is built or read).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from fanstore.format.layout import KIND_DIR, KIND_FILE, PartitionInfo
+from fanstore.errors import FormatError
+from fanstore.format.layout import KIND_DIR, KIND_FILE, PartitionInfo, names_sorted
 from fanstore.version import FORMAT_VERSION
 
 
@@ -43,6 +45,8 @@ class Index:
     version: int = FORMAT_VERSION  # the format version of the index as read (header)
     #: the decompressed body the arrays above are views of (bytes, or a shared mmap)
     body: Any = None
+    #: directories whose names this process has checked sorted (:meth:`check_sorted`)
+    sorted_dirs: set = field(default_factory=set, repr=False, compare=False)
 
     # ---- shape
     @property
@@ -74,12 +78,31 @@ class Index:
             entry = int(parent[entry])
         return b"/".join(reversed(parts))
 
+    def check_sorted(self, parent: int) -> None:
+        """Refuse (FormatError) a directory whose children are not sorted by name bytes, or
+        repeat a name: lookups bisect them. Checked when a process first looks a name up in
+        the directory (about 0.3 ms for 1,000 names), not when the index is loaded: at ten
+        million files that whole check took 4 s of every mount's start-up."""
+        if parent in self.sorted_dirs:
+            return
+        e = self.entries
+        first, count = int(e["first"][parent]), int(e["count"][parent])
+        if count > 1 and not names_sorted(np.frombuffer(self.names, dtype=np.uint8),
+                                          e["name_off"][first : first + count],
+                                          e["name_len"][first : first + count]):
+            raise FormatError(f"the names of directory {os.fsdecode(self.path(parent)) or '/'}"
+                              " are not sorted, or one repeats (damaged index)")
+        self.sorted_dirs.add(parent)
+
     def lookup(self, parent: int, name: bytes) -> int | None:
         """The entry called ``name`` in directory ``parent``, or None (hot: every LOOKUP).
-        Bisects the directory's run of children (sorted by name bytes, validated)."""
+        Bisects the directory's run of children (sorted by name bytes: checked on the
+        first lookup in the directory, :meth:`check_sorted`)."""
         e = self.entries
         if int(e["kind"][parent]) != KIND_DIR:
             return None
+        if parent not in self.sorted_dirs:
+            self.check_sorted(parent)
         lo = int(e["first"][parent])
         hi = lo + int(e["count"][parent])
         name_off, name_len, names = e["name_off"], e["name_len"], self.names
@@ -133,6 +156,7 @@ class Index:
                     found = self.lookup(parent, names[i])
                     out[i] = -1 if found is None else found
                 continue
+            self.check_sorted(parent)
             have = self.children_names(parent)
             if not len(have):
                 continue

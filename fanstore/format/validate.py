@@ -59,7 +59,6 @@ def validate_index(
     dirs = np.nonzero(index.entries["kind"] == KIND_DIR)[0]
     _check_tree_shape(index, dirs, bad)
     _check_names(index, bad)
-    _check_sorted_children(index, bad)
     if index.version < NO_LOOKUP_FROM:
         _check_lookup_table(index, bad)
     _check_symlinks(index, bad)
@@ -154,34 +153,6 @@ def _check_names(index: Index, bad: _Refusal) -> None:
             (name_len == 2) & (first_byte == dot) & (second_byte == dot)
         ):
             raise bad("an entry is named '.' or '..'")
-
-
-def _check_sorted_children(index: Index, bad: _Refusal) -> None:
-    """The children of every directory are sorted by name bytes, none twice: lookups
-    bisect them. Vectorised over neighbouring siblings, one byte position per pass (a pass
-    only over the pairs that agree so far)."""
-    e = index.entries
-    if index.n_entries < 3:
-        return
-    parent = e["parent"]
-    a = np.nonzero(parent[2:] == parent[1:-1])[0] + 1  # siblings a and a + 1
-    if not len(a):
-        return
-    names = np.frombuffer(index.names, dtype=np.uint8)
-    last = max(len(names) - 1, 0)
-    off_a = e["name_off"][a].astype(np.int64)
-    off_b = e["name_off"][a + 1].astype(np.int64)
-    len_a = e["name_len"][a].astype(np.int64)
-    len_b = e["name_len"][a + 1].astype(np.int64)
-    j = 0
-    while len(off_a):
-        ca = np.where(j < len_a, names[np.minimum(off_a + j, last)].astype(np.int16), -1)
-        cb = np.where(j < len_b, names[np.minimum(off_b + j, last)].astype(np.int16), -1)
-        if np.any(ca > cb) or np.any((ca < 0) & (cb < 0)):
-            raise bad("the names of a directory are not sorted, or one repeats")
-        same = (ca == cb)
-        off_a, off_b, len_a, len_b = off_a[same], off_b[same], len_a[same], len_b[same]
-        j += 1
 
 
 def _check_lookup_table(index: Index, bad: _Refusal) -> None:
