@@ -13,6 +13,8 @@ Passes (``--passes``, in this order):
   sqfs    the same find and read through squashfuse_ll on the mksquashfs image.
   old     the same as ``mount`` with another FanStore build (``--old-fanstore``) on a store
           it can read (``--old-store``): today's figures next to the new ones, one run.
+  noplus  the same as ``mount`` (last --workers value only) with plain READDIR (``--fuse-flags=-DO_READDIRPLUS``): a
+          listing creates no inodes in the kernel, every later open costs a LOOKUP.
   ranks   ``mpiexec -n --ranks`` one-rank nodes on this machine (``--workers 1``) mounting
           ``--rank-store`` (packed from ``--rank-data``, a smaller gen_tree tree): time until
           every rank is ready, ``--rank-sample`` files read through every rank's mount and
@@ -123,11 +125,12 @@ class ScaleBench(h.Bench):
         return {k: row.get(k) for k in ("files", "files_per_s", "errors",
                                         "watched_cpu_us_per_file", "lat_ms_p50", "lat_ms_p99")}
 
-    def fanstore_pass(self, backend: str, fanstore: str, store: str, workers: int) -> None:
+    def fanstore_pass(self, backend: str, fanstore: str, store: str, workers: int,
+                      extra: tuple[str, ...] = ()) -> None:
         mnt = os.path.join(self.mnt_root, backend)
         os.makedirs(mnt, exist_ok=True)
         h.drop_caches()
-        argv = [fanstore, "mount", store, mnt, "--workers", str(workers)]
+        argv = [fanstore, "mount", store, mnt, "--workers", str(workers), *extra]
         self.cmd(argv)
         t0 = time.perf_counter()
         p = subprocess.run(argv, capture_output=True, text=True, timeout=900)
@@ -251,6 +254,9 @@ class ScaleBench(h.Bench):
                 self.fanstore_pass("fanstore", self.fanstore, self.store, w)
             if "old" in passes:
                 self.fanstore_pass("fanstore-before", self.a.old_fanstore, self.a.old_store, w)
+            if "noplus" in passes and w == h.ints(self.a.workers)[-1]:  # one is enough
+                self.fanstore_pass("fanstore-noplus", self.fanstore, self.store, w,
+                                   ("--fuse-flags=-DO_READDIRPLUS",))
         if "ranks" in passes:
             self.ranks_pass()
 
@@ -340,7 +346,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--data (or, for the ranks pass alone, --rank-data) is required")
     a.data = os.path.abspath(a.data or a.rank_data)
     bench = ScaleBench(a)
-    section = a.section or f"scale_bench-{bench.files // 1000}k"
+    section = a.section or ("scale_bench-ranks" if a.passes == "ranks"
+                            else f"scale_bench-{bench.files // 1000}k")
+    bench.name = section  # the docs section and its raw rows, one file per section
+    if "--results" not in " ".join(raw):
+        a.results = os.path.join(h.RESULTS_DIR, f"{section}.jsonl")
     return h.main(bench, render, raw, section_name=section)
 
 
