@@ -42,6 +42,7 @@ from fanstore.format.index import (
     KIND_DIR,
     KIND_FILE,
     KIND_SYMLINK,
+    IndexBuilder,
     encode_index,
     read_index,
 )
@@ -349,6 +350,7 @@ def _hostile(store: Path, case: str) -> str:
     meta = {k: v for k, v in index.meta.items()
             if k not in ("columns", "n_entries", "n_chunks", "format_version")}
     kind = e["kind"]
+    lookup = None  # format v3, as pack writes it
     a_dir = int(np.nonzero(kind == KIND_DIR)[0][1])
     link = int(np.nonzero(kind == KIND_SYMLINK)[0][0])
     multi = [int(x) for x in np.nonzero((kind == KIND_FILE) & (e["count"] > 1))[0]]
@@ -374,7 +376,12 @@ def _hostile(store: Path, case: str) -> str:
         e["name_off"][a_dir], e["name_len"][a_dir] = len(names), 3
         names += b"a\0b"
         expect = "contains '/' or NUL"
-    elif case == "a name offset above 2**63":
+    elif case == "a name offset above 2**63":  # only the v1/v2 layout has 64-bit offsets
+        e["name_off"] = e["name_off"].astype("<u8")
+        e["name_len"] = e["name_len"].astype("<u2")
+        b = IndexBuilder(0, 0)
+        b.entries, b.names = e, bytearray(names)
+        lookup = b.build_lookup()
         e["name_off"][a_dir] = (1 << 64) - 1
         expect = "outside the name table"
     elif case == "a chunk past its partition":
@@ -393,7 +400,7 @@ def _hostile(store: Path, case: str) -> str:
         expect = "absurd raw size"
     else:
         raise AssertionError(case)
-    data = encode_index(meta, e, c, None, names, targets)
+    data = encode_index(meta, e, c, lookup, names, targets)
     (store / INDEX_NAME).write_bytes(data)
     return expect
 

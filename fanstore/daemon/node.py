@@ -173,16 +173,19 @@ class Node:
         checksum of the stored body) and parse them."""
         from fanstore.format.index import INDEX_NAME, read_index_bytes, read_index_file
 
-        data = index = None
+        data = index = error = None
         if self.rank == 0:
             try:
                 path, data = read_index_file(self.options.store)
                 index = read_index_bytes(data, where=path)  # before sending it out
             except FanStoreError as exc:  # every rank must learn of it, not just rank 0
+                error = exc
                 data = b"\0ERROR\0" + str(exc).encode("utf-8", "replace")
         t0 = time.monotonic()
         data = self.world.bcast_bytes(data)
         if bytes(data[:7]) == b"\0ERROR\0":
+            if error is not None:
+                raise error  # rank 0 keeps its error's kind (and exit code: 33 for a newer format)
             raise FormatError(bytes(data[7:]).decode("utf-8", "replace"))
         if index is None:
             index = read_index_bytes(data, where=os.path.join(self.options.store, INDEX_NAME),
