@@ -42,7 +42,7 @@ from fanstore.daemon import protocol as P
 from fanstore.daemon.mpitransport import MpiTransport
 from fanstore.errors import FanStoreError
 from fanstore.format.index import (
-    IndexBuilder,
+    lookup_table,
     CHUNK_COLUMNS,
     ENTRY_COLUMNS,
     INDEX_HEADER_SIZE,
@@ -594,9 +594,7 @@ def test_offsets_above_2_63_are_refused(base, col, row_of, value, version):
     if version == 1:  # 64-bit name offsets and a lookup table: the older layout
         parts["e"]["name_off"] = parts["e"]["name_off"].astype("<u8")
         parts["e"]["name_len"] = parts["e"]["name_len"].astype("<u2")
-        b = IndexBuilder(0, 0)
-        b.entries, b.names = parts["e"], bytearray(parts["names"])
-        lookup = b.build_lookup()
+        lookup = lookup_table(parts["e"], parts["names"])
     parts["e"][col][row] = value
     data = encode_index(parts["meta"], parts["e"], parts["c"], lookup,
                         parts["names"], parts["targets"])

@@ -67,17 +67,23 @@ class IndexBuilder:
         self.names += b"".join(names)
 
     def build_lookup(self) -> tuple[np.ndarray, np.ndarray]:
-        """The v1/v2 lookup table (a Python loop: 0.75 µs/entry; v3 has none)."""
-        n = self.entries["kind"].shape[0]
-        hashes = np.zeros(n, dtype="<u8")
-        names = bytes(self.names)
-        parent, off, ln = self.entries["parent"], self.entries["name_off"], self.entries["name_len"]
-        for i in range(1, n):
-            o = int(off[i])
-            hashes[i] = name_hash(int(parent[i]), names[o : o + int(ln[i])])
-        # The root (entry 0) has no name and is never looked up: leave it out.
-        order = np.argsort(hashes[1:], kind="stable") + 1
-        return hashes[order].astype("<u8"), order.astype("<u4")
+        """The v1/v2 lookup table of this builder's entries (:func:`lookup_table`)."""
+        return lookup_table(self.entries, self.names)
+
+
+def lookup_table(e: dict[str, np.ndarray], names: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """The v1/v2 lookup table of entry columns ``e`` and their ``names`` blob (a Python
+    loop: 0.75 µs/entry; v3 has none)."""
+    n = e["kind"].shape[0]
+    hashes = np.zeros(n, dtype="<u8")
+    names = bytes(names)
+    parent, off, ln = e["parent"], e["name_off"], e["name_len"]
+    for i in range(1, n):
+        o = int(off[i])
+        hashes[i] = name_hash(int(parent[i]), names[o : o + int(ln[i])])
+    # The root (entry 0) has no name and is never looked up: leave it out.
+    order = np.argsort(hashes[1:], kind="stable") + 1
+    return hashes[order].astype("<u8"), order.astype("<u4")
 
 
 def encode_index(
@@ -92,16 +98,15 @@ def encode_index(
     """Serialise an index (header + zstd body) to bytes.
 
     Without ``lookup`` the index is v3 (no lookup table, 32/8-bit name columns); a names
-    table of 4 GiB or more (or a name over 255 bytes) does not fit v3, and gets a lookup table built here and the
-    older layout. With ``lookup`` it is written in the oldest of v1/v2 that can hold it: v1
+    table of 4 GiB or more (or a name over 255 bytes) does not fit v3: it gets a lookup
+    table built here and the older layout. With ``lookup`` it is written in the oldest of v1/v2 that can hold it: v1
     unless some file lives in a solid chunk (:func:`needs_v2`), byte for byte what earlier
     releases wrote.
     """
     name_len = e["name_len"]
-    if lookup is None and (len(names) >= 1 << 32 or (len(name_len) and int(name_len.max()) > 255)):
-        b = IndexBuilder(0, 0)
-        b.entries, b.names = e, bytearray(names)
-        lookup = b.build_lookup()
+    too_wide = len(names) >= 1 << 32 or (len(name_len) and int(name_len.max()) > 255)
+    if lookup is None and too_wide:
+        lookup = lookup_table(e, names)
     if lookup is None:
         version = NO_LOOKUP_FROM
     else:

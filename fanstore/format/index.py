@@ -15,7 +15,13 @@ from here. Each job lives in a module of its own:
 
 from __future__ import annotations
 
-from fanstore.format.build import IndexBuilder, encode_index, needs_v2, write_index
+from fanstore.format.build import (
+    IndexBuilder,
+    encode_index,
+    lookup_table,
+    needs_v2,
+    write_index,
+)
 from fanstore.format.layout import (
     BLOB_COLUMNS,
     CHUNK_COLUMNS,
@@ -68,6 +74,7 @@ __all__ = [
     "clamp_mtime_ns",
     "encode_index",
     "index_body_parts",
+    "lookup_table",
     "map_index_body",
     "name_hash",
     "needs_v2",
