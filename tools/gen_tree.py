@@ -45,12 +45,27 @@ def _init(seed: int) -> None:
     _state["seed"] = seed
 
 
+def file_windows(seed: int, d: int, n: int, text_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(start, length) in the corpus of the n files of directory d: a file's bytes are
+    ``corpus[start : start + length]`` (tools/bench/synth_store.py writes the same)."""
+    rng = np.random.default_rng([seed, d])
+    starts = rng.integers(0, text_len - 4096, size=n)
+    lengths = rng.integers(20, 301, size=n) * 6  # about 6 bytes a word
+    return starts, lengths
+
+
+def tree_args(p: argparse.ArgumentParser) -> None:
+    """The options that say which tree: file count, files a directory, seed; and jobs."""
+    p.add_argument("--files", type=int, required=True)
+    p.add_argument("--per-dir", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=20261127)
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+
+
 def _write_dir(job: tuple[str, int, int, int]) -> int:
     out, d, first, n = job
     text = _state["text"]
-    rng = np.random.default_rng([_state["seed"], d])
-    starts = rng.integers(0, len(text) - 4096, size=n)
-    lengths = rng.integers(20, 301, size=n) * 6  # about 6 bytes a word
+    starts, lengths = file_windows(_state["seed"], d, n, len(text))
     name = f"n{d:08d}"
     path = os.path.join(out, "train", name)
     os.makedirs(path, exist_ok=True)
@@ -68,10 +83,7 @@ def _write_dir(job: tuple[str, int, int, int]) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out")
-    p.add_argument("--files", type=int, required=True)
-    p.add_argument("--per-dir", type=int, default=1000)
-    p.add_argument("--seed", type=int, default=20261127)
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    tree_args(p)
     a = p.parse_args(argv)
     stamp = os.path.join(a.out, ".gen_tree.json")
     want = {"files": a.files, "per_dir": a.per_dir, "seed": a.seed}

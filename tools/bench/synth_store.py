@@ -49,14 +49,6 @@ def _init(seed: int) -> None:
     _state["seed"] = seed
 
 
-def _contents(d: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(start, length) in the corpus of the n files of directory d, as gen_tree draws them."""
-    rng = np.random.default_rng([_state["seed"], d])
-    starts = rng.integers(0, len(_state["text"]) - 4096, size=n)
-    lengths = rng.integers(20, 301, size=n) * 6
-    return starts, lengths
-
-
 def _partition(job: tuple[str, int, list[tuple[int, int]]]) -> dict:
     """Write partition ``number`` holding the directories ``dirs`` ((d, files)); its chunk
     rows, in file order."""
@@ -70,7 +62,7 @@ def _partition(job: tuple[str, int, list[tuple[int, int]]]) -> dict:
     w = PartitionWriter(path, number)
     i = 0
     for d, k in dirs:
-        starts, lengths = _contents(d, k)
+        starts, lengths = gen_tree.file_windows(_state["seed"], d, k, len(text))
         for s, ln in zip(starts.tolist(), lengths.tolist()):
             data = text[s : s + ln]
             z = cctx.compress(data)
@@ -160,11 +152,8 @@ def build(store: str, files: int, per_dir: int, seed: int, partitions: int,
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("store")
-    p.add_argument("--files", type=int, required=True)
-    p.add_argument("--per-dir", type=int, default=1000)
-    p.add_argument("--seed", type=int, default=20261127)
+    gen_tree.tree_args(p)
     p.add_argument("--partitions", type=int, default=8)
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--v1", action="store_true", help="format v1, with a lookup table (what "
                    "FanStore before format v3 wrote and reads)")
     a = p.parse_args(argv)
