@@ -18,7 +18,7 @@ import sys
 
 from fanstore import settings
 from fanstore.cli import mount, pack, select, store
-from fanstore.cli.common import Parser
+from fanstore.cli.common import Parser, say
 from fanstore.errors import FanStoreError, UsageError
 from fanstore.version import __version__
 
@@ -58,10 +58,10 @@ def main(argv: list[str] | None = None) -> int:
 
             traceback.print_exc()
         if not exc.quiet:
-            print(f"fanstore: {exc.label}: {exc}", file=sys.stderr)
+            say(f"{exc.label}: {exc}")
         return exc.exit_code
     except KeyboardInterrupt:
-        print("fanstore: interrupted", file=sys.stderr)
+        say("interrupted")
         return 130
     except BrokenPipeError:
         sys.stdout = None  # type: ignore[assignment]
@@ -72,13 +72,14 @@ def main(argv: list[str] | None = None) -> int:
 
             traceback.print_exc()
         where = f": {exc.filename}" if exc.filename else ""
-        print(f"fanstore: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        say(f"error: {exc.strerror or exc}{where}")
         return 1
     except Exception as exc:  # noqa: BLE001 - last line of defence: never a raw traceback
         if debug:
             import traceback
 
             traceback.print_exc()
-        print(f"fanstore: internal error: {type(exc).__name__}: {exc} (run with --debug for "
-              "details)", file=sys.stderr)
+        say(f"internal error: {type(exc).__name__}: {exc} (run with --debug for "
+            "details)")
         return 70
+

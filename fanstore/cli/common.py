@@ -13,8 +13,14 @@ from fanstore.settings import current
 
 
 def say(text: str) -> None:
-    """One line for the user on stderr: ``fanstore: TEXT``."""
-    print(f"fanstore: {text}", file=sys.stderr, flush=True)
+    """One line for the user on stderr: ``fanstore: TEXT``, in one write: the ranks of a
+    job often share one log, and a line written in two pieces (the text, then the newline)
+    interleaves with another rank's."""
+    try:
+        sys.stderr.write(f"fanstore: {text}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
 
 
 class Parser(argparse.ArgumentParser):
@@ -146,3 +152,4 @@ def add_select_budget_args(s, for_pack: bool) -> None:
                    help="finalists measured at most: each packed from a miniature of the "
                         "source and read cold the way the budget is defined (default 6; 0: "
                         "the model alone, in seconds)")
+
