@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 
+#: the kernel frontend's FUSE workers when ``--workers`` is not given: the cores, at most this
+DEFAULT_MAX_WORKERS = 8
+
+
 @dataclass
 class MountOptions:
     """How to mount and serve (the ``fanstore mount`` options that concern serving)."""
@@ -39,7 +43,10 @@ class MountOptions:
         return max(4, 2 * len(os.sched_getaffinity(0)))
 
     def worker_count(self) -> int:
-        return self.workers or len(os.sched_getaffinity(0))
+        """``workers``, or by default the cores this process may use, at most
+        ``DEFAULT_MAX_WORKERS`` (what a node needs, not what it has: docs/benchmarks.md,
+        "Ranks per node")."""
+        return self.workers or min(DEFAULT_MAX_WORKERS, len(os.sched_getaffinity(0)))
 
 
 @dataclass
