@@ -113,26 +113,22 @@ def mount(options: NodeOptions, foreground: bool = False, debug: bool = False,
 
 def _mount_rank(options: NodeOptions, factory: FrontendFactory, debug: bool,
                 notify: Callable[[str], None]) -> Outcome:
-    """A rank of a multi-rank job: in the foreground (the launcher owns it)."""
-    from fanstore.daemon.launcher import shim
+    """A rank of a multi-rank job: in the foreground (the launcher owns it). Every rank
+    the launcher started is a daemon (its node's lowest rank) or one of its node's worker
+    ranks (fanstore.workerrank): nothing is spawned (fanstore.daemon.layout)."""
+    from fanstore.daemon import launcher
 
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # hydra's "a peer died"; handled once serving
-    # With the kernel frontend the mount is served by worker ranks (fanstore.workerrank):
-    # launched with the node (--ranks-per-node K, srun --ntasks-per-node=K), or spawned
-    # here when every node was launched with one rank under hydra (mpiexec -n N).
-    spawn = options.mount.worker_count() if options.mount.frontend == "kernel" else 0
-    if not options.worker_ranks:
-        # --no-worker-ranks (comparisons): the older shape, forked FUSE workers whose
-        # remote reads the node's daemon relays over its control socket
-        spawn = 0
-    code = shim()  # under hydra: continue in a forked daemon (see launcher.py)
+    code = launcher.shim()  # under hydra: continue in a forked daemon (see launcher.py)
     if code is not None:
-        return Outcome(code, hard_exit=True)
-    world = World.from_mpi(options.ranks_per_node, spawn_workers=spawn,
-                           spawn_command=["-m", "fanstore.workerrank"]
-                           + (["--debug"] if debug else []))
+        why = launcher.shim_error
+        return Outcome(code, hard_exit=True, error=MountError(why) if why else None)
+    # from here on a launcher that dies ends this rank, whatever it is blocked in
+    lifeline = launcher.watch_launcher()
+    world = World.from_mpi(options.ranks_per_node, timeout=options.start_timeout,
+                           alive=launcher.launcher_alive)
     job = world.job
-    if not job.is_leader:  # a launched worker rank (K tasks per node)
+    if not job.is_leader:  # a worker rank of its node
         from fanstore import workerrank
 
         code, clean = workerrank.run_worker(world, debug)
@@ -141,6 +137,7 @@ def _mount_rank(options: NodeOptions, factory: FrontendFactory, debug: bool,
     process.setup_logging(debug, sys.stderr, fmt=(
         f"%(asctime)s fanstore[node {world.rank}/{world.size}] %(levelname)s: %(message)s"))
     node = Node(options, world, factory)
+    lifeline.on_gone = node.emergency_cleanup
     node.catch_signals()
     try:
         code = node.run(lambda: notify(f"node {world.rank}: mounted at {node.mountpoint}"))

@@ -39,7 +39,7 @@ import time
 from typing import Any
 
 from fanstore import safeio, settings
-from fanstore.errors import FanStoreError, UnsafePathError
+from fanstore.errors import FanStoreError, MountError, UnsafePathError
 
 #: Where the node's shared-memory files go when it is usable (tmpfs: its pages are never
 #: dropped the way page-cache pages of a disk file are, e.g. by drop_caches);
@@ -190,6 +190,11 @@ class MountRuntime:
             with open(fd, "wb", closefd=True) as f:
                 for part in data_parts:
                     f.write(part)
+        except OSError as exc:
+            _unlink(path)
+            need = sum(len(p) for p in data_parts)
+            raise MountError(f"cannot write the node's index copy ({need:,} bytes) to "
+                             f"{base}: {exc.strerror or exc}") from None
         except BaseException:
             _unlink(path)
             raise

@@ -1,8 +1,9 @@
 """A node's worker ranks: FUSE serving and remote service spread over MPI processes.
 
 With the kernel frontend in a multi-node job, the FUSE requests of a node's mount are
-served by its *worker ranks*, MPI processes of their own (launched with the leader, or
-spawned by it under hydra: :mod:`fanstore.daemon.world`). Each worker rank
+served by its *worker ranks*: the ranks of the node beside its leader, launched with it
+(``srun --ntasks-per-node=K``, ``mpiexec -ppn K``; :mod:`fanstore.daemon.layout`). Each
+worker rank
 
 - receives from its leader (:mod:`fanstore.daemon.nodegroup`) what to serve: the node's
   data directory and partitions, the placement table, the index copy (mapped, shared with
@@ -22,8 +23,8 @@ ask K different ranks of the holder. A worker rank ignores SIGTERM/SIGINT (its l
 coordinates the stop) and exits at once if its leader's process is gone.
 
 This is the composition of the daemon layer (MPI) and the FUSE layer (kernel protocol),
-so it lives beside :mod:`fanstore.launch`. ``python -m fanstore.workerrank`` is what a
-leader spawns.
+so it lives beside :mod:`fanstore.launch`, which runs it on every rank that is not its
+node's leader.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import sys
 import threading
 import time
 
-from fanstore.daemon.launcher import launcher_alive, shim
+from fanstore.daemon.launcher import launcher_alive
 from fanstore.daemon.nodegroup import WorkerSide
 from fanstore.daemon.rankspec import WorkerRankSpec
 from fanstore.daemon.world import World
@@ -160,26 +161,6 @@ def _watch_leader(side: WorkerSide) -> None:
             os._exit(1)
 
 
-def spawned_main() -> int:
-    """``python -m fanstore.workerrank``: a worker rank spawned by the leaders."""
-    code = shim()  # under hydra: continue in a forked process of its own process group
-    if code is not None:
-        sys.exit(code)
-    debug = "--debug" in sys.argv[1:]
-    try:
-        world = World.for_spawned_worker()
-    except FanStoreError as exc:
-        print(f"fanstore: error: {exc}", file=sys.stderr, flush=True)
-        os._exit(1)
-    code, clean = run_worker(world, debug)
-    finalized = finish(world, clean)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if finalized:
-        sys.exit(code)
-    os._exit(code)
-
-
 def finish(world: World, clean: bool) -> bool:
     """MPI_Finalize with the whole job (after its last barrier), or nothing when a peer
     died (finalizing with a dead peer hangs or aborts). Returns whether MPI was finalized:
@@ -193,7 +174,3 @@ def finish(world: World, clean: bool) -> bool:
                     "MPI_Finalize")
         return False
     return True
-
-
-if __name__ == "__main__":
-    spawned_main()

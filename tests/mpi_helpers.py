@@ -58,8 +58,9 @@ class MpiJob:
         self.wait_ready = wait
         self.env = env
         self.keep_local = keep_local  # leave the local dirs for the next job (restart tests)
-        #: launch ``ranks`` nodes of this many ranks each (``--ranks-per-node``); None: one
-        #: rank per node (the kernel frontend then spawns each node's worker ranks)
+        #: launch ``ranks`` nodes of this many ranks each (``--ranks-per-node``; one
+        #: machine simulates the nodes); None: one rank per node (the node's mount is then
+        #: served by forked FUSE workers)
         self.ranks_per_node = ranks_per_node
         self.proc: subprocess.Popen | None = None
         self.log = self.tmp / "mpiexec.log"
@@ -113,8 +114,7 @@ class MpiJob:
         n = self.ranks * (self.ranks_per_node or 1)
         cmd = [MPIEXEC, "-n", str(n), FANSTORE, "mount", str(self.store),
                str(self.tmp / "mnt{rank}")]
-        if self.ranks_per_node:
-            cmd += ["--ranks-per-node", str(self.ranks_per_node)]
+        cmd += ["--ranks-per-node", str(self.ranks_per_node or 1)]
         if self.local:
             cmd += ["--local-dir", str(self.tmp / "local{rank}")]
         cmd += self.extra

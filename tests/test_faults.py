@@ -847,7 +847,9 @@ def test_one_rank_out_of_local_space_fails_every_rank_with_its_message(data, tmp
             out = job.output()
             assert code not in (0, None), out
             assert f"rank 1 ({node_name()}): local storage {tmp_path}/local1 is too small" in out
-            assert "another rank failed to start" in out
+            # node 0 stops with node 1's reason (the start-up gate's verdict)
+            assert (f"rank 0 ({node_name()}): not starting: node 1 ({node_name()}): local "
+                    f"storage {tmp_path}/local1 is too small") in out, out
             assert "Traceback" not in out
             assert not any(is_mounted(job.mnt(r)) for r in range(2))
         finally:

@@ -15,6 +15,7 @@ from fanstore.cli.common import (
     positive_int,
     ranks_per_node,
     replicas,
+    say,
     size,
     storage_setup,
 )
@@ -32,6 +33,7 @@ def add_parsers(sub, common) -> None:
 
 
 def _add_mount(sub, common) -> None:
+    from fanstore.daemon.options import START_TIMEOUT
     from fanstore.settings import current
 
     env = current()
@@ -51,14 +53,19 @@ def _add_mount(sub, common) -> None:
                         "auto (kernel; pyfuse3 with --mode prefetch); default "
                         f"$FANSTORE_FRONTEND or {DEFAULT_FRONTEND}")
     s.add_argument("--workers", type=nonneg_int, default=0,
-                   help="FUSE worker processes of the kernel frontend (default: the cores); "
-                        "in an MPI job, the worker ranks each node spawns (mpiexec, one "
-                        "rank per node) to serve its mount and its remote reads")
+                   help="FUSE worker processes of the kernel frontend (default: the cores, at "
+                        "most 8); in an MPI job a node launched with several ranks is served "
+                        "by its worker ranks instead (--ranks-per-node)")
     s.add_argument("--ranks-per-node", type=ranks_per_node, default="auto",
-                   help="in an MPI job, how launched ranks form nodes: auto (the tasks of "
-                        "one Slurm node share it; elsewhere every rank is a node) or K "
-                        "consecutive ranks (mpiexec -n N*K on one machine); a node's ranks "
-                        "after its first serve its mount and its remote reads")
+                   help="in an MPI job, how launched ranks form nodes: auto (the ranks of "
+                        "one machine, under srun of one Slurm node) or K consecutive ranks "
+                        "(how one machine simulates many nodes); a node's ranks after its "
+                        "first serve its mount and its remote reads")
+    s.add_argument("--start-timeout", type=positive_float, default=START_TIMEOUT,
+                   metavar="SECONDS",
+                   help="in an MPI job, how long a node waits at each start-up step for the "
+                        "others (default %(default)g); then every node stops, naming the "
+                        "nodes that did not arrive")
     s.add_argument("--threads", type=nonneg_int, default=0,
                    help="decode threads (default: 2 per core, at least 4)")
     s.add_argument("--allow-other", action="store_true",
@@ -103,9 +110,6 @@ def _add_mount(sub, common) -> None:
                         "page cache (the mount as it was before the spill)")
     g.add_argument("--no-prefetch-lookup", dest="prefetch_lookup", action="store_false",
                    help="prefetch mode: do not look files up ahead of their push")
-    g.add_argument("--no-worker-ranks", dest="worker_ranks", action="store_false",
-                   help="in an MPI job, serve the mount with forked workers whose remote "
-                        "reads go through the node's daemon, not with worker ranks")
     s.set_defaults(func=cmd_mount)
 
 
@@ -182,15 +186,15 @@ def cmd_mount(args) -> int:
         local_dir=args.local_dir, replicas=args.replicas, local_capacity=args.local_capacity,
         remote_timeout=args.remote_timeout, keep_local=args.keep_local,
         stage_jobs=args.stage_jobs, ranks_per_node=args.ranks_per_node,
-        worker_ranks=args.worker_ranks, mpi_piece=current().mpi_piece)
+        start_timeout=args.start_timeout, mpi_piece=current().mpi_piece)
 
     def notify(text: str) -> None:
-        print(f"fanstore: {text}", file=sys.stderr, flush=True)
+        say(f"{text}")
 
     outcome = launch.mount(options, foreground=args.foreground, debug=args.debug,
                            log_file=args.log, notify=notify)
     if outcome.error is not None:
-        print(f"fanstore: error: {outcome.error}", file=sys.stderr, flush=True)
+        say(f"error: {outcome.error}")
     if outcome.hard_exit:  # an MPI rank that must not finalize, a hydra shim, a daemon
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,17 +1,14 @@
 """The job as its launcher's environment describes it, before and without MPI.
 
 Which launcher started this process (``srun`` or MPICH's hydra), how many tasks the Slurm
-step has, this node's name, which launched ranks form a node (:func:`group_nodes`), the
-MPICH netmod to force, and the ``{node}``/``{host}`` substitution in paths. Pure reads of
-the environment: no MPI here, so the CLI and a world of one use it too.
+step has, this node's name, the MPICH netmod to force, and the ``{node}``/``{host}``
+substitution in paths. Pure reads of the environment: no MPI here, so the CLI and a world
+of one use it too.
 """
 
 from __future__ import annotations
 
 import os
-import socket
-
-from fanstore.errors import UsageError
 
 HYDRA_MARKERS = ("HYDI_CONTROL_FD", "HYDRA_CONTROL_FD")
 
@@ -35,27 +32,11 @@ def choose_netmod(library_version: str, environ) -> str | None:
     return None
 
 
-def group_nodes(keys: list[str], ranks_per_node: int | None) -> list[int]:
-    """The node index of each launched rank. ``ranks_per_node``: blocks of that many
-    consecutive ranks form a node; None: ranks with the same ``keys`` entry (a host name)
-    form a node, nodes numbered in order of their first rank."""
-    if ranks_per_node is not None:
-        if ranks_per_node < 1 or len(keys) % ranks_per_node:
-            raise UsageError(f"--ranks-per-node {ranks_per_node} does not divide the "
-                             f"{len(keys)} ranks of this job")
-        return [r // ranks_per_node for r in range(len(keys))]
-    index: dict[str, int] = {}
-    return [index.setdefault(k, len(index)) for k in keys]
-
-
-def node_key(ranks_per_node: str | int) -> str:
-    """What this rank groups by under ``--ranks-per-node auto``: the Slurm node name under
-    ``srun`` (tasks of one node share a mount); elsewhere (hydra on one machine, the form
-    of the tests) the rank itself, so every launched rank is a node of its own."""
-    if ranks_per_node == "auto" and os.environ.get("SLURM_STEP_ID") is not None \
-            and not any(os.environ.get(m) for m in HYDRA_MARKERS):
-        return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    return ""  # filled with the rank by the caller
+def under_srun() -> bool:
+    """Launched by ``srun`` as a task of a Slurm step (not by an ``mpiexec`` inside an
+    allocation, whose proxies are the step's tasks)."""
+    return os.environ.get("SLURM_STEP_ID") is not None \
+        and not any(os.environ.get(m) for m in HYDRA_MARKERS)
 
 
 def under_hydra() -> bool:

@@ -27,6 +27,8 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, sign
 
 #: pid of the launcher process to watch (hydra's proxy), set in the daemon by ``shim()``.
 launcher_pid: int | None = None
+#: in the shim, once the daemon has exited: why it failed, when the daemon could not say
+shim_error: str | None = None
 
 
 def under_hydra() -> bool:
@@ -60,6 +62,11 @@ def shim() -> int | None:
             break
         except ChildProcessError:
             return 1
+    global shim_error
+    if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGALRM:
+        # the alarm around MPI_Init (fanstore.daemon.world._init_mpi) went off
+        shim_error = ("MPI_Init did not complete within --start-timeout: a rank of the job "
+                      "did not start, or the launcher is stuck")
     return (os.waitstatus_to_exitcode(status) if os.WIFEXITED(status)
             else 128 + os.WTERMSIG(status))
 
@@ -89,3 +96,51 @@ def _is_running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+#: seconds a rank whose launcher is gone has to end by itself before its lifeline ends it
+LIFELINE_GRACE = 15.0
+
+
+class Lifeline:
+    """A thread that ends this rank when the launcher is gone, whatever the rank is blocked
+    in (MPI_Init, a collective, a C call that never returns): the rank's own waits notice
+    first and stop it cleanly; if it is still here ``LIFELINE_GRACE`` seconds later, the
+    lifeline calls ``on_gone`` (the node's emergency clean-up: unmount, index copy, staged
+    data) and leaves with ``os._exit(1)``. Nothing to watch outside hydra (``srun``'s
+    step ends its tasks itself)."""
+
+    def __init__(self, alive, interval: float = 1.0, grace: float = LIFELINE_GRACE) -> None:
+        import threading
+
+        self.alive = alive
+        self.interval = interval
+        self.grace = grace
+        self.on_gone = None
+        self.thread = threading.Thread(target=self._run, name="fanstore-lifeline",
+                                       daemon=True)
+
+    def _run(self) -> None:
+        import logging
+        import time
+
+        while self.alive():
+            time.sleep(self.interval)
+        log = logging.getLogger("fanstore.launcher")
+        log.error("the MPI launcher is gone; ending within %g s", self.grace)
+        time.sleep(self.grace)
+        log.error("still running %g s after the launcher left: cleaning up and exiting",
+                  self.grace)
+        try:
+            if self.on_gone is not None:
+                self.on_gone()
+        finally:
+            os._exit(1)
+
+
+def watch_launcher() -> Lifeline:
+    """Start this rank's :class:`Lifeline` (a no-op thread outside hydra)."""
+    line = Lifeline(launcher_alive)
+    if launcher_pid is not None:
+        line.thread.start()
+    return line

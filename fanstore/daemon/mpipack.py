@@ -116,7 +116,7 @@ def pack_mpi(src: str, dest: str, policy_factory: Callable[[], Any], options: Pa
     """Pack with every rank of the job; returns the summary on rank 0, None elsewhere."""
     if world is not None:
         return _pack_ranks(src, dest, policy_factory, options, world)
-    world = World.from_mpi()
+    world = World.from_mpi(ranks_per_node=1)  # every rank packs: each a node of its own
     try:
         summary = _pack_ranks(src, dest, policy_factory, options, world)
     except FanStoreError:  # reported to every rank through the same collectives

@@ -34,6 +34,7 @@ from typing import Any
 
 from fanstore import mounttable, runtime
 from fanstore.control import ControlServer
+from fanstore.daemon import nodestats
 from fanstore.daemon import placement as pl
 from fanstore.daemon import protocol as P
 from fanstore.daemon.jobenv import node_name, substitute
@@ -49,9 +50,8 @@ from fanstore.daemon.service import OWNER_OPS
 from fanstore.daemon.world import World
 from fanstore.errors import FanStoreError, FormatError, MountError
 from fanstore.frontend import FrontendFactory, MountContext
-from fanstore.namespace import Namespace, metadata_bytes
+from fanstore.namespace import Namespace
 from fanstore.read import ChunkReader, LocalPartitions, ReadStats, RoutedSource
-from fanstore.read.stats import SUMMED
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +251,8 @@ class Node:
         except FanStoreError as exc:
             if self.runtime is not None:
                 self.runtime.write_state(phase="failed", error=str(exc))
-            clean = self.peers is None or not self.peers.dead
+            # a node that never arrived will not meet the others at the end either
+            clean = (self.peers is None or not self.peers.dead) and not self.world.incomplete
             self.group.failed(str(exc))
             self.group.exit(clean)
             self._cleanup()
@@ -266,16 +267,17 @@ class Node:
         return 0
 
     def _start(self, early: FanStoreError | None = None):
-        """Index, placement, staging: each rank's own work, then a gate for all of them
-        (``early``: an error before this point, reported through the gate)."""
+        """Index, placement, staging and the node's index copy: each node's own work,
+        then a gate for all of them (``early``: an error before this point, reported
+        through the first gate). A node that fails tells every node why; a node that
+        does not arrive within ``--start-timeout`` is named."""
         opts = self.options
         error: FanStoreError | None = None
         index = table = mine = None
+        self.world.interrupted = self._interrupted
         # every node learns of an early failure (an unsafe runtime directory) before the
         # collectives below, which a failed node would otherwise leave the others waiting in
-        if not self.world.all_ok(early is None):
-            raise early or MountError(f"{self.who}: another node failed to start (see its "
-                                      "messages)")
+        self._gate("start", early)
         try:
             index = self.load_index()
             # collective under --replicas auto: after load_index, before anything can fail
@@ -290,21 +292,33 @@ class Node:
             data_dir = self.stage(index, mine)
             self.parts = LocalPartitions(data_dir, index, mine)
             self.data_dir = data_dir
+            index = self._share_index(index)  # before the gate: /dev/shm may be full
             if self.terminated:
                 raise MountError(f"{self.who}: stopped by signal "
                                  f"{signal.Signals(self.terminated).name} while starting")
         except FanStoreError as exc:
             error = exc
-        if not self.world.all_ok(error is None):
-            if error is not None:
-                raise error
-            raise MountError(f"{self.who}: another rank failed to start (see its messages)")
+        self._gate("staging", error)
         return index, table, mine
+
+    def _gate(self, what: str, error: FanStoreError | None) -> None:
+        """A start-up gate (World.gate): raise this node's own error (its kind and exit
+        status kept), or one line naming the nodes that failed or did not arrive."""
+        verdict = self.world.gate(what, str(error) if error is not None else None)
+        if error is not None:
+            raise error
+        if verdict:
+            raise MountError(f"{self.who}: not starting: {verdict}")
+
+    def _interrupted(self) -> str | None:
+        """Why a start-up wait must end now: a terminating signal came."""
+        if self.terminated:
+            return f"stopped by signal {signal.Signals(self.terminated).name} while starting"
+        return None
 
     def _connect(self, index, table, mine) -> None:
         """The peer transport, the read core, the control socket and the frontend."""
         opts = self.options
-        index = self._share_index(index)
         ns = Namespace(index)
         if self.world.is_mpi or self.transport_factory is not None:
             if self.transport_factory is not None:
@@ -323,7 +337,7 @@ class Node:
             self.watch.attach(self.transport, self.peers)
         reader = ChunkReader(index, RoutedSource(self.parts, self.peers),
                              cache_bytes=opts.mount.cache_mb << 20, stats=self.stats)
-        self.stats.extra.update(self._static_stats(index, mine))
+        self.stats.extra.update(nodestats.static_stats(self, index, mine))
         replicated = [p for p in mine if any(r != self.rank for r in table[p])]
         index_copy = self.index_copy
         self.ctx = MountContext(
@@ -376,26 +390,22 @@ class Node:
             self.frontend.mount()
         except FanStoreError as exc:
             error = exc
-        ok = self.world.all_ok(error is None)
+        try:
+            verdict = self.world.gate("mount", str(error) if error is not None else None)
+        except MountError:
+            if error is None:
+                self.frontend.unmount()
+            raise
         if error is not None:
             raise error
-        if not ok:
+        if verdict:
             self.frontend.unmount()
-            raise MountError(f"{self.mountpoint}: another rank failed to mount; not serving")
+            raise MountError(f"{self.mountpoint}: not serving: {verdict}")
         if self.stopping is not None:  # a signal or a peer's SHUTDOWN came while starting
             self.frontend.stop(self.stopping)
 
     def stats_json(self) -> dict[str, Any]:
-        """This node's counters: the daemon's own reader, plus the frontend's readers (summed
-        counters add up; anything else the frontend reports is added as it is)."""
-        out = self.stats.to_json(self.ctx.reader.cache if self.ctx else None)
-        if self.frontend is not None:
-            for key, value in self.frontend.stats().items():
-                if key in SUMMED and isinstance(out.get(key), (int, float)):
-                    out[key] += value
-                else:
-                    out[key] = value
-        return out
+        return nodestats.stats_json(self)
 
     # ------------------------------------------------------------------ peers
     def _other_leaders(self) -> list[int]:
@@ -438,6 +448,26 @@ class Node:
             elif self.stage_report is not None:
                 remove_staged(self.local_dir, self.stage_report.partitions)
 
+    def emergency_cleanup(self) -> None:
+        """What must not outlive a daemon that is about to leave with ``os._exit`` (its
+        launcher is gone and it did not end by itself: fanstore.daemon.launcher.Lifeline):
+        the mount (lazily: a reader may hold it), the index copy, the staged data. Called
+        from another thread; each step is on its own."""
+        if self.frontend is not None:
+            self.frontend.stop("the MPI launcher is gone")
+        if self.mount_key in mounttable.fuse_mounts():
+            mounttable.fusermount_unmount(self.mountpoint, lazy=True)
+        runtime.remove_shared(self.index_copy)
+        if self.local_dir and not self.options.keep_local:
+            from fanstore.daemon.staging import remove_staged
+
+            if self.created_local:
+                shutil.rmtree(self.local_dir, ignore_errors=True)
+            elif self.stage_report is not None:
+                remove_staged(self.local_dir, self.stage_report.partitions)
+        if self.runtime is not None:
+            self.runtime.write_state(phase="stopped", error="the MPI launcher is gone")
+
     def _finish_mpi(self, clean: bool) -> None:
         """Finalize MPI when every peer is alive and done; otherwise leave it (finalizing
         with a dead peer hangs or aborts) and tell the caller to exit without it. Either
@@ -458,28 +488,3 @@ class Node:
             log.warning("%s: exiting without MPI_Finalize (a peer is gone or did not finish)",
                         self.who)
             self.skip_finalize = True
-
-    def _static_stats(self, index, mine) -> dict[str, Any]:
-        memory = metadata_bytes(index)
-        out: dict[str, Any] = {
-            "rank": self.rank,
-            "ranks": self.size,
-            "node": node_name(),
-            "replicas": getattr(self, "replicas", 1),
-            "local_partitions": mine,
-            "metadata_bytes": memory,
-            "metadata_bytes_per_entry": round(memory / max(1, index.n_entries), 1),
-            "index_broadcast_seconds": round(self.bcast_seconds, 4),
-            "frontend": self.options.mount.frontend,
-        }
-        if self.stage_report is not None:
-            out.update(self.stage_report.to_json())
-        t = self.transport
-        if t is not None:
-            out["served_requests"] = lambda: t.served_requests
-            out["served_bytes"] = lambda: t.served_bytes
-        if self.peers is not None:
-            peers = self.peers
-            out["dead_ranks"] = lambda: sorted(peers.dead)
-            out["dead_nodes"] = lambda: peers.dead_nodes()
-        return out

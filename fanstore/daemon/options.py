@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from fanstore.frontend import MountOptions
 from fanstore.settings import DEFAULT_MPI_PIECE
 
+#: seconds a start-up step of an MPI job waits for the other nodes (--start-timeout)
+START_TIMEOUT = 300.0
+
 
 @dataclass
 class NodeOptions:
@@ -25,12 +28,11 @@ class NodeOptions:
     remote_timeout: float = 30.0
     keep_local: bool = False
     stage_jobs: int = 4
-    #: how launched ranks form nodes: "auto" (Slurm tasks of one node; else one node per
-    #: rank) or K consecutive ranks (see fanstore.daemon.world)
+    #: how launched ranks form nodes: "auto" (the ranks of one machine; under srun, of
+    #: one Slurm node) or K consecutive ranks (see fanstore.daemon.layout)
     ranks_per_node: str | int = "auto"
-    #: in an MPI job with the kernel frontend, worker ranks serve the mount (False:
-    #: ``--no-worker-ranks``, forked workers whose remote reads go through the daemon)
-    worker_ranks: bool = True
+    #: seconds each start-up wait on the other nodes may take (--start-timeout)
+    start_timeout: float = START_TIMEOUT
     #: bytes per message of a remote read's reply ($FANSTORE_MPI_PIECE; 0: one message)
     mpi_piece: int = DEFAULT_MPI_PIECE
 

@@ -1,15 +1,14 @@
 """This process's place in the job: which node it serves, and the communicators it uses.
 
-``World.solo()`` is a single node without MPI. Under an MPI launcher the ranks are grouped
-into *nodes* (:func:`group_nodes`): the ranks of one node share its mount, its node-local
-partitions and its remote service. Each node has a *leader* (its lowest rank: the node
-daemon, :mod:`fanstore.daemon.node`) and *worker ranks* that answer other nodes' reads of
-this node's partitions directly over MPI and, with the kernel frontend, serve the mount's
-FUSE requests (:mod:`fanstore.workerrank`): no single process of a node is on the remote
-path. Worker ranks are either launched with the leader (``srun
---ntasks-per-node=K``, or ``mpiexec -n N*K ... --ranks-per-node K``) or, when each node
-was launched with one rank under MPICH's hydra (``mpiexec -n N``), spawned by the leaders
-at start (``MPI_Comm_spawn_multiple``, placed on the leader's host).
+``World.solo()`` is a single node without MPI. Under an MPI launcher every process is a
+rank the launcher started, grouped into *nodes* (:mod:`fanstore.daemon.layout`: by
+machine, or ``--ranks-per-node K`` consecutive ranks): the ranks of one node share its
+mount, its node-local partitions and its remote service. Each node has a *leader* (its
+lowest rank: the node daemon, :mod:`fanstore.daemon.node`) and *worker ranks* that answer
+other nodes' reads of this node's partitions directly over MPI and, with the kernel
+frontend, serve the mount's FUSE requests (:mod:`fanstore.workerrank`). A node launched
+with one rank serves its mount with worker processes of its own instead. Nothing is
+spawned: the same shape under ``srun``, ``mpiexec -ppn K`` and a site's ``mpirun``.
 
 Three communicators, all ``Dup``/``Split`` of the job's world, so nothing the user's code
 does on COMM_WORLD can match FanStore's messages:
@@ -20,21 +19,24 @@ does on COMM_WORLD can match FanStore's messages:
   and, at the end, when to exit.
 
 Collectives here never spin: every wait is a ``Test`` with back-off (MPICH's blocking calls
-busy-poll a core).
+busy-poll a core). Every wait of the start-up has a deadline (``--start-timeout``) and
+ends at once when the launcher is gone; the start-up gates (:meth:`World.gate`) are a
+roll call at node 0, so a node that fails names its reason to every node and a node that
+does not arrive is named.
 """
 
 from __future__ import annotations
 
 import os
-import socket
-import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from fanstore.daemon.jobenv import choose_netmod, group_nodes, node_key, slurm_tasks, under_hydra
+from fanstore.daemon.jobenv import choose_netmod, node_name, slurm_tasks
+from fanstore.daemon.layout import split_nodes
 from fanstore.daemon.pacing import Backoff, wait_request
 from fanstore.errors import MountError
 
@@ -45,7 +47,7 @@ class Job:
 
     Attributes: ``comm`` (all ranks), ``rank`` (this process in it), ``node_of`` (rank ->
     node index), ``leaders`` (node index -> its leader's rank), ``node_comm`` (this node's
-    ranks, the leader first), ``spawned`` (worker ranks were spawned by the leaders).
+    ranks, the leader first).
     """
 
     comm: Any
@@ -53,7 +55,6 @@ class Job:
     node_of: list[int]
     leaders: list[int]
     node_comm: Any
-    spawned: bool = False
     _ranks: dict[int, list[int]] = field(default_factory=dict)
 
     @property
@@ -94,27 +95,41 @@ class Job:
 class World:
     """The node-level world a node daemon sees: ``rank`` is this node's index, ``size`` the
     number of nodes, ``comm`` the leaders' communicator, and collective helpers over it
-    that never spin. ``job`` is the rank-level layout (None for a world of one)."""
+    that never spin. ``job`` is the rank-level layout (None for a world of one).
+
+    ``timeout``: seconds any one wait on the other nodes may take (None: no limit);
+    ``alive()``: whether the launcher is still there (a wait ends at once when it is
+    not); ``interrupted()``: a reason to give up now (a signal), or None."""
 
     def __init__(self, rank: int = 0, size: int = 1, comm=None, mpi=None,
-                 job: Job | None = None) -> None:
+                 job: Job | None = None, timeout: float | None = None,
+                 alive: Callable[[], bool] = lambda: True) -> None:
         self.rank = rank
         self.size = size
         self.comm = comm
         self.MPI = mpi
         self.job = job
+        self.timeout = timeout
+        self.alive = alive
+        self.interrupted: Callable[[], str | None] = lambda: None
+        self._gates = 0
+        #: a gate ended without every node (one did not arrive): the job cannot meet again,
+        #: so no rank waits for the others at the end (finish_job) and none finalizes
+        self.incomplete = False
+        #: bytes and messages this rank received in the start-up's collectives and gates
+        #: (the index broadcast apart): what grows with the job's size (benchmarks)
+        self.received = [0, 0]
 
     @classmethod
     def solo(cls) -> World:
         return cls()
 
     @classmethod
-    def from_mpi(cls, ranks_per_node: str | int = "auto", spawn_workers: int = 0,
-                 spawn_command: list[str] | None = None) -> World:
-        """Initialise MPI, group the launched ranks into nodes and, when every node was
-        launched with one rank under hydra and ``spawn_workers`` > 0, spawn that many
-        worker ranks per node running ``spawn_command`` (argv after the interpreter)."""
-        MPI = _init_mpi()
+    def from_mpi(cls, ranks_per_node: str | int = "auto", timeout: float | None = None,
+                 alive: Callable[[], bool] = lambda: True) -> World:
+        """Initialise MPI and group the launched ranks into nodes
+        (:func:`fanstore.daemon.layout.split_nodes`)."""
+        MPI = _init_mpi(timeout)
         world = MPI.COMM_WORLD
         expected = slurm_tasks()
         if expected is not None and world.Get_size() != expected:
@@ -122,73 +137,124 @@ class World:
                 f"MPI world size is {world.Get_size()} but Slurm started {expected} tasks: "
                 "launch with 'srun --mpi=pmi2' (without an MPI plugin every task is its own "
                 "1-rank world and would silently serve only its own partitions)")
-        launched = world.Dup()
-        rank, n = launched.Get_rank(), launched.Get_size()
-        key = node_key(ranks_per_node) or f"rank{rank}"
-        keys = _allgather_str(launched, key, MPI)
-        fixed = ranks_per_node if isinstance(ranks_per_node, int) else None
-        node_of = group_nodes(keys, fixed)
-        nodes = max(node_of) + 1
-        one_each = nodes == n
-        spawned = bool(spawn_workers and one_each and n > 1 and under_hydra())
-        link = None
-        if spawned:
-            comm, link = _spawn(launched, spawn_workers, spawn_command or [], MPI)
-            launched.Free()
-            node_of = node_of + [node for node in range(nodes) for _ in range(spawn_workers)]
-        else:
-            comm = launched
-        return cls._from_layout(comm, MPI, node_of, spawned, link)
-
-    @classmethod
-    def for_spawned_worker(cls) -> World:
-        """A worker rank started by :meth:`from_mpi`'s spawn: join the parents' job."""
-        MPI = _init_mpi()
-        parent = MPI.Comm.Get_parent()
-        if parent == MPI.COMM_NULL:
-            raise MountError("this worker rank was not spawned by a FanStore node")
-        merged = parent.Merge(high=True)
-        comm = merged.Dup()
-        merged.Free()
-        node_of = _allgather_int(comm, -1, MPI)  # the parents say; children send -1
-        return cls._from_layout(comm, MPI, _fill_spawned(node_of), True, parent)
-
-    @classmethod
-    def _from_layout(cls, comm, MPI, node_of: list[int], spawned: bool,
-                     link=None) -> World:
+        comm = world.Dup()
         rank = comm.Get_rank()
+        probe = cls(timeout=timeout, alive=alive, mpi=MPI)
+        node_comm, leaders_comm, node_of = split_nodes(comm, MPI, ranks_per_node,
+                                                       probe.wait, probe.received)
         leaders: list[int] = []
         for r, node in enumerate(node_of):
             if node == len(leaders):
                 leaders.append(r)
-        node = node_of[rank]
-        is_leader = leaders[node] == rank
-        leaders_comm = comm.Split(0 if is_leader else MPI.UNDEFINED, rank)
-        node_comm = comm.Split(node, 0 if is_leader else 1 + rank)
-        job = Job(comm, rank, node_of, leaders, node_comm, spawned)
-        if is_leader:
-            world = cls(leaders_comm.Get_rank(), leaders_comm.Get_size(), leaders_comm, MPI,
-                        job)
+        job = Job(comm, rank, node_of, leaders, node_comm)
+        if leaders_comm != MPI.COMM_NULL:
+            out = cls(leaders_comm.Get_rank(), leaders_comm.Get_size(), leaders_comm, MPI,
+                      job, timeout, alive)
         else:
-            world = cls(node, len(leaders), None, MPI, job)
-        world._link = link  # the spawn's intercommunicator (parents and children)
-        return world
+            out = cls(node_of[rank], len(leaders), None, MPI, job, timeout, alive)
+        out.received = probe.received
+        return out
 
     @property
     def is_mpi(self) -> bool:
         return self.comm is not None
 
-    def _wait(self, req) -> None:
-        wait_request(req, None, Backoff(50e-6, 5e-3))
+    def wait(self, req, what: str, timeout: float | None = None) -> None:
+        """Complete a nonblocking call, or raise MountError naming ``what`` when the
+        deadline passes (``timeout``, else the world's), the launcher is gone or the
+        start-up is interrupted. Never spins (a growing sleep between tests)."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        backoff = Backoff(50e-6, 20e-3)
+        checked = 0.0
+        while not req.Test():
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
+                self.incomplete = True
+                raise MountError(f"{what} did not complete within {timeout:g} s "
+                                 "(--start-timeout)")
+            if now - checked > 0.5:
+                checked = now
+                if not self.alive():
+                    self.incomplete = True
+                    raise MountError(f"the MPI launcher is gone (during {what})")
+                reason = self.interrupted()
+                if reason:
+                    self.incomplete = True
+                    raise MountError(f"{reason} (during {what})")
+            backoff.sleep()
 
-    def all_ok(self, ok: bool) -> bool:
-        """Collective: True if every rank passed ``ok=True``."""
+    def _wait(self, req) -> None:
+        self.wait(req, "a collective of the nodes")
+
+    def gate(self, what: str, error: str | None = None) -> str | None:
+        """A start-up gate: every node says whether its step ``what`` went well (``error``
+        None) and learns whether every node's did. Returns None when all did, else one
+        line naming the nodes that failed (with their reasons) or did not arrive within
+        the timeout. A roll call at node 0: it receives one message per node and sends
+        each one verdict, so a node receives O(1) bytes here whatever the job's size, and
+        a node that never arrives is named instead of leaving everyone waiting."""
         if not self.is_mpi:
-            return ok
-        mine = np.array([1 if ok else 0], dtype=np.int32)
-        out = np.zeros(1, dtype=np.int32)
-        self._wait(self.comm.Iallreduce(mine, out, op=self.MPI.MIN))
-        return bool(out[0])
+            return None
+        self._gates += 1
+        note = f"{node_name()}\0{error or ''}".encode("utf-8", "replace")[:_NOTE_MAX]
+        mine = bytes([0 if error else 1]) + note
+        if self.rank == 0:
+            return self._gate_root(what, mine)
+        self.wait(self.comm.Isend([mine, self.MPI.BYTE], dest=0, tag=_ROLL_TAG),
+                  f"the {what} gate (sending to node 0)")
+        buf = bytearray(_VERDICT_MAX)
+        try:
+            self.wait(self.comm.Irecv([buf, self.MPI.BYTE], source=0, tag=_VERDICT_TAG),
+                      f"the {what} gate", timeout=None if self.timeout is None
+                      else self.timeout + _VERDICT_SLACK)
+        except MountError as exc:
+            self.incomplete = True
+            if "did not complete" in str(exc):
+                raise MountError(f"the {what} gate: node 0 did not answer within "
+                                 f"{self.timeout:g} s (--start-timeout)") from None
+            raise
+        self.received[0] += 1
+        raw = bytes(buf).rstrip(b"\0")
+        self.received[1] += len(raw) + 1
+        if raw[:1] == b"M":
+            self.incomplete = True
+        verdict = raw[1:].decode("utf-8", "replace")
+        return verdict or None
+
+    def _gate_root(self, what: str, mine: bytes) -> str | None:
+        MPI = self.MPI
+        bufs = {src: bytearray(_NOTE_MAX + 1) for src in range(1, self.size)}
+        reqs = {src: self.comm.Irecv([buf, MPI.BYTE], source=src, tag=_ROLL_TAG)
+                for src, buf in bufs.items()}
+        notes = {0: mine}
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        backoff = Backoff(50e-6, 20e-3)
+        checked = 0.0
+        while reqs:
+            for src in [s for s, rq in reqs.items() if rq.Test()]:
+                notes[src] = bytes(bufs[src])
+                del reqs[src]
+                self.received[0] += 1
+                self.received[1] += len(notes[src].rstrip(b"\0"))
+            now = time.monotonic()
+            if not reqs or (deadline is not None and now > deadline):
+                break
+            if now - checked > 0.5:
+                checked = now
+                if not self.alive():
+                    self.incomplete = True
+                    raise MountError(f"the MPI launcher is gone (during the {what} gate)")
+            backoff.sleep()
+        verdict = _verdict(what, notes, sorted(reqs), self.timeout)
+        self.incomplete = bool(reqs)
+        out = ((b"M" if reqs else b"F") + (verdict or "").encode("utf-8", "replace")
+               )[:_VERDICT_MAX] if verdict else b""
+        self._sent = [self.comm.Isend([out, MPI.BYTE], dest=dst, tag=_VERDICT_TAG)
+                      for dst in range(1, self.size)]
+        # the sends complete as the nodes take them; one that never arrives never will
+        wait_request(_AllOf(self._sent), time.monotonic() + 5.0, Backoff(50e-6, 20e-3))
+        return verdict
 
     def all_min(self, value: int) -> int:
         """Collective: the smallest ``value`` any rank passed (an int64 all-reduce)."""
@@ -196,7 +262,10 @@ class World:
             return value
         mine = np.array([value], dtype=np.int64)
         out = np.zeros(1, dtype=np.int64)
-        self._wait(self.comm.Iallreduce(mine, out, op=self.MPI.MIN))
+        self.wait(self.comm.Iallreduce(mine, out, op=self.MPI.MIN), "the nodes' agreement "
+                  "on the number of copies (--replicas auto)")
+        self.received[0] += 1
+        self.received[1] += 8
         return int(out[0])
 
     def bcast_bytes(self, data: bytes | None) -> bytes | bytearray:
@@ -205,23 +274,20 @@ class World:
             assert data is not None
             return data
         n = np.array([len(data) if data is not None else 0], dtype=np.int64)
-        self._wait(self.comm.Ibcast(n, root=0))
+        self.wait(self.comm.Ibcast(n, root=0), "the index broadcast from node 0")
         size = int(n[0])
         buf = bytearray(data) if self.rank == 0 and data is not None else bytearray(size)
         view = memoryview(buf)
         for start in range(0, size, _PIECE):
-            self._wait(self.comm.Ibcast([view[start : start + _PIECE], self.MPI.BYTE], root=0))
+            self.wait(self.comm.Ibcast([view[start : start + _PIECE], self.MPI.BYTE], root=0),
+                      "the index broadcast from node 0")
         return buf  # no second copy: the index is parsed straight from this buffer
 
-
-    _link = None
-
     def release(self) -> None:
-        """Before MPI_Finalize: free every communicator and disconnect the spawn link.
-        MPICH's hydra ends the whole job (SIGKILL) when a process finalizes and exits while
-        it still holds communicators shared with processes that run on (measured with
-        MPICH 5.0.2: ranks exiting a second apart were killed unless they freed their
-        duplicates first, and spawned ranks unless both sides disconnected)."""
+        """Before MPI_Finalize: free every communicator. MPICH's hydra ends the whole job
+        (SIGKILL) when a process finalizes and exits while it still holds communicators
+        shared with processes that run on (measured with MPICH 5.0.2: ranks exiting a
+        second apart were killed unless they freed their duplicates first)."""
         comms = [self.comm]
         if self.job is not None:
             comms += [self.job.node_comm, self.job.comm]
@@ -232,24 +298,23 @@ class World:
                 except Exception:  # noqa: BLE001, S110 - freeing is a courtesy
                     pass
         self.comm = None
-        if self._link is not None:
-            try:
-                self._link.Disconnect()  # collective with the other side of the spawn
-            except Exception:  # noqa: BLE001, S110 - a courtesy too
-                pass
-            self._link = None
 
     def end_job(self, timeout: float = 30.0) -> bool:
         """Every rank of the job meets here before MPI_Finalize, once it has stopped its
         transport (no receive from ANY_SOURCE left posted): a process that finalizes and
         exits while another still waits on such a receive makes that receive fail in
-        MPICH, and spawned ranks share no MPI_COMM_WORLD barrier with their parents.
-        False when not every rank came within ``timeout`` (some left without finalizing:
+        MPICH. False when not every rank came within ``timeout`` (some left without finalizing:
         the caller must not finalize either)."""
         if self.job is None or self.MPI is None or self.MPI.Is_finalized():
             return True
-        return wait_request(self.job.comm.Ibarrier(), time.monotonic() + timeout,
-                            Backoff(100e-6, 20e-3))
+        req = self.job.comm.Ibarrier()
+        deadline = time.monotonic() + timeout
+        backoff = Backoff(100e-6, 20e-3)
+        while not req.Test():
+            if time.monotonic() > deadline or not self.alive():
+                return False  # a launcher that is gone will never see the others come
+            backoff.sleep()
+        return True
 
     def finish_job(self) -> bool:
         """The end of a rank that served: meet every rank (:meth:`end_job`), release the
@@ -306,10 +371,69 @@ class World:
 
 
 _GATHER_TAG = 21
+_ROLL_TAG = 22
+_VERDICT_TAG = 23
 _PIECE = 1 << 30
+#: a node's roll-call note (its host name and error) and the verdict, at most
+_NOTE_MAX = 1024
+_VERDICT_MAX = 4096
+#: a node waits for node 0's verdict this much longer than node 0 waits for the nodes
+_VERDICT_SLACK = 30.0
 
 
-def _init_mpi():
+class _AllOf:
+    """Several requests tested as one (for :func:`wait_request`)."""
+
+    def __init__(self, reqs) -> None:
+        self.reqs = list(reqs)
+
+    def Test(self) -> bool:  # noqa: N802 - the MPI request protocol
+        self.reqs = [r for r in self.reqs if not r.Test()]
+        return not self.reqs
+
+
+def _verdict(what: str, notes: dict[int, bytes], missing: list[int],
+             timeout: float | None) -> str | None:
+    """One line from node 0's roll call: the nodes that failed, with their reasons, and
+    those that did not arrive; None when every node arrived and succeeded."""
+    failed = []
+    for node in sorted(notes):
+        raw = notes[node].rstrip(b"\0")
+        if raw[:1] == b"\x01":
+            continue
+        host, _, error = raw[1:].decode("utf-8", "replace").partition("\0")
+        who = f"node {node} ({host}): "
+        error = error.removeprefix(f"rank {node} ({host}): ")  # the node's own prefix
+        failed.append(who + error)
+    parts = failed[:5]
+    if len(failed) > 5:
+        parts.append(f"and {len(failed) - 5} more nodes failed")
+    if missing:
+        shown = ", ".join(str(n) for n in missing[:20])
+        more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
+        parts.append(f"node{'s' if len(missing) > 1 else ''} {shown}{more} did not reach "
+                     f"the {what} gate within {timeout:g} s (--start-timeout)")
+    return "; ".join(parts) or None
+
+
+def _init_mpi(timeout: float | None = None):
+    """MPI_Init (thread-multiple), with ``timeout``: MPI_Init holds the interpreter until
+    every rank of the job has started, so no thread of ours can watch it; an alarm
+    (SIGALRM, default action: the process ends) bounds it instead, and the launcher reports
+    the rank killed by SIGALRM (under hydra the shim says why: launcher.shim)."""
+    import signal
+
+    if timeout is not None:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(max(1, int(timeout + 0.999)))
+    try:
+        return _init_mpi_now()
+    finally:
+        if timeout is not None:
+            signal.alarm(0)
+
+
+def _init_mpi_now():
     try:
         import mpi4py
     except ImportError:
@@ -335,67 +459,3 @@ def _init_mpi():
             "FanStore needs MPI_THREAD_MULTIPLE (its server thread and its readers call "
             "MPI at the same time): use an MPI built with thread support")
     return MPI
-
-
-def _wait(req) -> None:
-    wait_request(req, None, Backoff(50e-6, 5e-3))
-
-
-def _allgather_int(comm, value: int, MPI) -> list[int]:
-    mine = np.array([value], dtype=np.int64)
-    out = np.zeros(comm.Get_size(), dtype=np.int64)
-    _wait(comm.Iallgather(mine, out))
-    return [int(v) for v in out]
-
-
-def _allgather_str(comm, text: str, MPI, width: int = 256) -> list[str]:
-    raw = text.encode()[:width].ljust(width, b"\0")
-    mine = np.frombuffer(raw, dtype=np.uint8).copy()
-    out = np.zeros(comm.Get_size() * width, dtype=np.uint8)
-    _wait(comm.Iallgather(mine, out))
-    return [bytes(out[i * width:(i + 1) * width]).rstrip(b"\0").decode()
-            for i in range(comm.Get_size())]
-
-
-def _spawn(launched, per_node: int, command: list[str], MPI):
-    """Spawn ``per_node`` worker ranks for every launched rank (each a node), on the
-    launched rank's host; returns the merged communicator (launched ranks first, then
-    node 0's workers, node 1's, ...). Collective over ``launched``."""
-    hosts = _allgather_str(launched, socket.gethostname(), MPI)
-    n = launched.Get_size()
-    infos = []
-    for host in hosts:
-        info = MPI.Info.Create()
-        info.Set("host", host)
-        infos.append(info)
-    try:
-        inter = launched.Spawn_multiple([sys.executable] * n, [command] * n, [per_node] * n,
-                                        infos, root=0)
-    except MPI.Exception as exc:
-        raise MountError(f"could not start {per_node} worker ranks per node "
-                         f"(MPI_Comm_spawn_multiple: {exc.Get_error_string()}); launch "
-                         "with --ranks-per-node, or mount with --workers 0") from None
-    finally:
-        for info in infos:
-            info.Free()
-    merged = inter.Merge(high=False)
-    comm = merged.Dup()
-    merged.Free()
-    node_of = list(range(n))  # the parents: one node each, in rank order
-    _allgather_int(comm, node_of[comm.Get_rank()] if comm.Get_rank() < n else -1, MPI)
-    return comm, inter
-
-
-def _fill_spawned(node_of: list[int]) -> list[int]:
-    """The node of every rank after a spawn: parents said theirs, children sent -1 and
-    come in node order, ``per_node`` each."""
-    parents = [x for x in node_of if x >= 0]
-    children = len(node_of) - len(parents)
-    per_node = children // max(1, len(parents))
-    out = list(node_of)
-    k = 0
-    for i, x in enumerate(out):
-        if x < 0:
-            out[i] = k // per_node
-            k += 1
-    return out

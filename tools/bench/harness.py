@@ -494,13 +494,15 @@ def export_revision(rev: str, work: str) -> str:
 
 
 class Job:
-    """``mpiexec -n N fanstore mount STORE DIR/mnt{rank} --local-dir DIR/local{rank} ARGS``;
-    one rank: ``fanstore mount`` without a launcher. ``stop()`` tears down what this job
-    started, by pid and its own paths only."""
+    """``mpiexec -n N*K fanstore mount STORE DIR/mnt{rank} --local-dir DIR/local{rank}
+    --ranks-per-node K ARGS``: ``ranks`` nodes of K ranks each (one machine simulates the
+    nodes); one node of one rank: ``fanstore mount`` without a launcher. ``stop()`` tears
+    down what this job started, by pid and its own paths only."""
 
     def __init__(self, bench: "Bench", ranks: int, tag: str, extra: list[str] | None = None,
-                 env: dict | None = None) -> None:
+                 env: dict | None = None, per_node: int = 1) -> None:
         self.bench, self.ranks, self.extra = bench, ranks, list(extra or [])
+        self.per_node = per_node
         self.dir = os.path.join(bench.work, "jobs", tag)
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.proc: subprocess.Popen | None = None
@@ -514,12 +516,13 @@ class Job:
 
     def argv(self) -> list[str]:
         b = self.bench
-        if self.ranks == 1:
+        if self.ranks == 1 and self.per_node == 1:
             return [b.fanstore, "mount", b.store, self.mnt(0), "--local-dir",
                     os.path.join(self.dir, "local0")] + self.extra
-        return [b.mpiexec, "-n", str(self.ranks), b.fanstore, "mount", b.store,
-                os.path.join(self.dir, "mnt{rank}"), "--local-dir",
-                os.path.join(self.dir, "local{rank}")] + self.extra
+        return [b.mpiexec, "-n", str(self.ranks * self.per_node), b.fanstore, "mount",
+                b.store, os.path.join(self.dir, "mnt{rank}"), "--local-dir",
+                os.path.join(self.dir, "local{rank}"), "--ranks-per-node",
+                str(self.per_node)] + self.extra
 
     def shown(self) -> str:
         return shown(self.argv()).replace(self.dir, "JOB")
@@ -532,7 +535,7 @@ class Job:
         b.jobs.append(self)
         t0 = time.perf_counter()
         self._logf = open(self.log_path, "ab")
-        if self.ranks == 1:
+        if self.ranks == 1 and self.per_node == 1:
             p = subprocess.run(self.argv(), stdout=self._logf, stderr=subprocess.STDOUT,
                                env=self.env, timeout=timeout)
             if p.returncode != 0:

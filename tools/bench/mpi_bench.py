@@ -436,20 +436,20 @@ def main_bcast(argv: list[str]) -> int:
     from fanstore.daemon.world import World
     from fanstore.format.index import read_index_bytes
 
-    world = World.from_mpi()
+    world = World.from_mpi(ranks_per_node=1)
     data = None
     if world.rank == 0:
         with open(a.index, "rb") as f:
             data = f.read()
-    world.all_ok(True)  # a barrier that does not spin
+    world.gate("bench")  # a barrier that does not spin
     t0 = time.perf_counter()
     data = world.bcast_bytes(data)
     t_bcast = time.perf_counter() - t0
-    world.all_ok(True)
+    world.gate("bench")
     t1 = time.perf_counter()
     index = read_index_bytes(data, where=a.index)
     t_parse = time.perf_counter() - t1
-    world.all_ok(True)
+    world.gate("bench")
     t_all = time.perf_counter() - t0
     mine = json.dumps({"rank": world.rank, "bcast": t_bcast, "parse": t_parse,
                        "all": t_all, "entries": index.n_entries}).encode()

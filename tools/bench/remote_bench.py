@@ -3,7 +3,7 @@
 
 Real ``mpiexec -n N fanstore mount ... --frontend kernel`` jobs on this machine, in two
 shapes: ``ranks`` (a node's FUSE workers are MPI ranks of their own) and ``relay``
-(``--no-worker-ranks``: forked workers ask the node's daemon). Phases: lr (local vs remote
+(one rank per node: forked workers ask the node's daemon). Phases: lr (local vs remote
 through rank 0's mount), dist (spread over worker ranks), agg (every node at once), idle,
 auto (``--replicas auto``). What each measures: docs/benchmarks.md, "Remote reads".
 
@@ -31,9 +31,12 @@ PRESETS = {
 
 
 def job_(bench: "RemoteBench", nodes: int, tag: str, mode: str, extra: list[str] = ()) -> h.Job:
-    """A job of ``nodes`` nodes in the ``ranks`` or ``relay`` (--no-worker-ranks) shape."""
+    """A job of ``nodes`` nodes in the ``ranks`` shape (each node its daemon and
+    ``--workers`` worker ranks) or the ``relay`` shape (one rank per node: forked FUSE
+    workers whose remote reads go through the daemon)."""
     args = ["--frontend", "kernel", "--workers", str(bench.a.workers), *extra]
-    return h.Job(bench, nodes, tag, args + (["--no-worker-ranks"] if mode == "relay" else []))
+    per_node = bench.a.workers + 1 if mode == "ranks" else 1
+    return h.Job(bench, nodes, tag, args, per_node=per_node)
 
 
 def job_roles(job: h.Job) -> dict[int, str]:
