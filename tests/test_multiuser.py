@@ -358,10 +358,32 @@ def test_a_bad_index_copy_is_refused_before_it_is_parsed(damage, small_store, tm
 # ============================================================================ control socket
 
 
+@pytest.fixture
+def own_runtime_root(monkeypatch):
+    """A runtime root of this test's own (``FANSTORE_RUNTIME_DIR``), for a test that opens
+    its modes: the shared one (``/tmp/fanstore-0``) is every parallel test's, and another
+    test's mount would close it again under this one. Under /tmp (not pytest's 0700
+    tree) so that the second user can reach it once it is opened."""
+    import shutil
+    import tempfile
+
+    from fanstore import settings
+
+    root = tempfile.mkdtemp(prefix="fanstore-rt-test-", dir="/tmp")
+    monkeypatch.setenv("FANSTORE_RUNTIME_DIR", root)
+    settings.reset()
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        monkeypatch.undo()
+        settings.reset()
+
+
 @pytest.mark.skipif(not ROOT, reason="needs root to act as a second user")
 def test_control_socket_refuses_another_user_even_when_reachable(other_user, small_store,
-                                                                 small_tree, mounted,
-                                                                 tmp_path):
+                                                                 small_tree, own_runtime_root,
+                                                                 mounted, tmp_path):
     """The other user cannot reach the socket (a 0700 directory); and when the directory is
     opened up by mistake, the daemon itself refuses them (SO_PEERCRED): shutdown, info and a
     read of stored bytes get nothing, and the mount keeps serving."""
