@@ -1,7 +1,7 @@
 """How an MPI job starts and ends: one launch shape, deadlines, a launcher that dies.
 
 Real ``mpiexec`` jobs on this machine (tests/mpi_helpers.py). Nothing is spawned: the
-ranks the launcher starts are grouped into nodes by machine (``--ranks-per-node auto``)
+ranks the launcher starts are grouped into nodes by host name (``--ranks-per-node auto``)
 or in blocks (``--ranks-per-node K``, how one machine simulates several nodes). Every
 start-up wait has a deadline (``--start-timeout``), a node that fails tells every node why,
 and a launcher that dies at any stage ends every rank with nothing left behind.
@@ -99,9 +99,9 @@ def _stop_node_when_starting(job: MpiJob, node: int, timeout: float = 60) -> lis
     return pids
 
 
-def test_the_ranks_of_one_machine_form_one_node(dataset, tmp_path):
+def test_the_ranks_of_one_host_form_one_node(dataset, tmp_path):
     """``mpiexec -n 3`` with the default ``--ranks-per-node auto`` on one machine: one node
-    of three ranks (grouped by MPI_Comm_split_type, nothing spawned): one mount, served
+    of three ranks (grouped by host name, nothing spawned): one mount, served
     by the two worker ranks, every file byte-exact; umount ends the job with status 0."""
     src, store = dataset
     (tmp_path / "mnt").mkdir()

@@ -58,7 +58,7 @@ def _add_mount(sub, common) -> None:
                         "by its worker ranks instead (--ranks-per-node)")
     s.add_argument("--ranks-per-node", type=ranks_per_node, default="auto",
                    help="in an MPI job, how launched ranks form nodes: auto (the ranks of "
-                        "one machine, under srun of one Slurm node) or K consecutive ranks "
+                        "one host, under srun of one Slurm node) or K consecutive ranks "
                         "(how one machine simulates many nodes); a node's ranks after its "
                         "first serve its mount and its remote reads")
     s.add_argument("--start-timeout", type=positive_float, default=START_TIMEOUT,

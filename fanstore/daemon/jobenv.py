@@ -32,13 +32,6 @@ def choose_netmod(library_version: str, environ) -> str | None:
     return None
 
 
-def under_srun() -> bool:
-    """Launched by ``srun`` as a task of a Slurm step (not by an ``mpiexec`` inside an
-    allocation, whose proxies are the step's tasks)."""
-    return os.environ.get("SLURM_STEP_ID") is not None \
-        and not any(os.environ.get(m) for m in HYDRA_MARKERS)
-
-
 def under_hydra() -> bool:
     """Launched by hydra (``mpiexec``), as a launched rank."""
     return any(os.environ.get(m) for m in HYDRA_MARKERS)

@@ -4,10 +4,12 @@ Every process of a FanStore job is a rank the launcher started (``srun``, MPICH'
 ``mpiexec``, a site's ``mpirun``); the ranks of one node share its mount, its node-local
 partitions and its remote service. They are grouped
 
-- by machine (``--ranks-per-node auto``, the default): ``MPI_Comm_split_type
-  (COMM_TYPE_SHARED)``, and under ``srun`` further by Slurm node name (a test cluster may
-  run several ``slurmd`` on one machine). Nothing is exchanged with the other nodes for it
-  beyond the node comm's own split;
+- by node (``--ranks-per-node auto``, the default): the ranks with the same node name (the
+  Slurm node name under ``srun``, a test cluster may run several ``slurmd`` on one machine;
+  else the host name). ``MPI_Comm_split`` on a hash of the name, then the few ranks of one
+  colour compare the names themselves. (``MPI_Comm_split_type(COMM_TYPE_SHARED)`` was the
+  first choice; under this machine's local Slurm, PMI2 gave MPICH no locality and every
+  rank came out a node of its own.)
 - or in blocks of K consecutive ranks (``--ranks-per-node K``): how one machine simulates
   many nodes, and a site whose launcher places ranks in blocks.
 
@@ -19,9 +21,11 @@ computes ``node_of``. Otherwise every rank sends its node index (4 bytes) to all
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 
-from fanstore.daemon.jobenv import node_name, under_srun
+from fanstore.daemon.jobenv import node_name
 from fanstore.errors import UsageError
 
 
@@ -45,14 +49,14 @@ def split_nodes(comm, MPI, ranks_per_node: str | int, wait, received: list[int]
         node_of = regular_node_of(size, ranks_per_node)
         node_comm = comm.Split(node_of[rank], rank)
     else:
-        shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-        if under_srun():
-            node_comm = _split_by_name(shared, MPI, node_name(), wait)
-            received[0] += 1
-            received[1] += 256 * shared.Get_size()
-            shared.Free()
-        else:
-            node_comm = shared
+        # by the node's name, hashed to a split colour; the few ranks of one colour then
+        # compare the names themselves (two names with one hash become two nodes)
+        name = node_name()
+        same = comm.Split(zlib.crc32(name.encode()) & 0x7FFFFFFF, rank)
+        node_comm = _split_by_name(same, MPI, name, wait)
+        received[0] += 1
+        received[1] += 256 * same.Get_size()
+        same.Free()
         node_of = None
     local = node_comm.Get_rank()
     leaders = comm.Split(0 if local == 0 else MPI.UNDEFINED, rank)
@@ -73,7 +77,7 @@ def _split_by_name(shared, MPI, name: str, wait):
 
 
 def _node_of(comm, node_comm, leaders, MPI, wait, received: list[int]) -> list[int]:
-    """rank -> node index, for a layout found by machine: computed when it is regular,
+    """rank -> node index, for a layout found by name: computed when it is regular,
     else exchanged (4 bytes per rank)."""
     rank, size = comm.Get_rank(), comm.Get_size()
     here = np.zeros(1, dtype=np.int64)

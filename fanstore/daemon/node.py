@@ -93,6 +93,7 @@ class Node:
         #: (fanstore.daemon.peerwatch).
         self.job_stopping = False
         self.terminated = 0  # the last terminating signal received
+        self.peer_died = False  # hydra's SIGUSR1 before the node served
         self.drain_incomplete: list[int] = []
         self.skip_finalize = False
         #: the other nodes: probes while serving, the drain after (attached in _connect)
@@ -130,6 +131,9 @@ class Node:
                 return
             for signum in data:
                 if signum == signal.SIGUSR1:
+                    if not self._serving.is_set():  # the start-up waits give up (_interrupted)
+                        self.peer_died = True
+                        continue
                     log.warning("the MPI launcher reports a dead process; probing peers")
                     self.watch.alarm(everyone=True)
                     continue
@@ -311,9 +315,13 @@ class Node:
             raise MountError(f"{self.who}: not starting: {verdict}")
 
     def _interrupted(self) -> str | None:
-        """Why a start-up wait must end now: a terminating signal came."""
+        """Why a start-up wait must end now: a terminating signal came, or the launcher
+        reports a dead process of the job (hydra's SIGUSR1): a job that lost a rank while
+        starting cannot pass its gates."""
         if self.terminated:
             return f"stopped by signal {signal.Signals(self.terminated).name} while starting"
+        if self.peer_died:
+            return "the MPI launcher reports a dead process of the job while starting"
         return None
 
     def _connect(self, index, table, mine) -> None:

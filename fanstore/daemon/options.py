@@ -28,8 +28,8 @@ class NodeOptions:
     remote_timeout: float = 30.0
     keep_local: bool = False
     stage_jobs: int = 4
-    #: how launched ranks form nodes: "auto" (the ranks of one machine; under srun, of
-    #: one Slurm node) or K consecutive ranks (see fanstore.daemon.layout)
+    #: how launched ranks form nodes: "auto" (the ranks with the same node name: the
+    #: Slurm node name under srun, else the host name) or K consecutive ranks (see fanstore.daemon.layout)
     ranks_per_node: str | int = "auto"
     #: seconds each start-up wait on the other nodes may take (--start-timeout)
     start_timeout: float = START_TIMEOUT

@@ -2,7 +2,7 @@
 
 ``World.solo()`` is a single node without MPI. Under an MPI launcher every process is a
 rank the launcher started, grouped into *nodes* (:mod:`fanstore.daemon.layout`: by
-machine, or ``--ranks-per-node K`` consecutive ranks): the ranks of one node share its
+node name, or ``--ranks-per-node K`` consecutive ranks): the ranks of one node share its
 mount, its node-local partitions and its remote service. Each node has a *leader* (its
 lowest rank: the node daemon, :mod:`fanstore.daemon.node`) and *worker ranks* that answer
 other nodes' reads of this node's partitions directly over MPI and, with the kernel
@@ -245,6 +245,10 @@ class World:
                 if not self.alive():
                     self.incomplete = True
                     raise MountError(f"the MPI launcher is gone (during the {what} gate)")
+                reason = self.interrupted()
+                if reason:
+                    self.incomplete = True
+                    raise MountError(f"{reason} (during the {what} gate)")
             backoff.sleep()
         verdict = _verdict(what, notes, sorted(reqs), self.timeout)
         self.incomplete = bool(reqs)
