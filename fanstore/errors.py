@@ -70,6 +70,14 @@ class NotADirectoryError_(FanStoreError):
     errno = _errno.ENOTDIR
 
 
+class OutsideStoreError(NotFoundError):
+    """A path leads through a symlink whose target leaves the store (an absolute target,
+    or ``..`` above the root). Such links are stored as they are, as squashfs and tar do:
+    the mount shows them and the kernel resolves them on the host; FanStore's own readers
+    (the Python API, ``cat``) resolve symlinks only inside the store. From the store's
+    point of view the path names nothing, so it is a :class:`NotFoundError` (ENOENT)."""
+
+
 class SymlinkLoopError(FanStoreError):
     """A path crosses more symlinks than a lookup follows (a loop)."""
 

@@ -19,6 +19,7 @@ from fanstore.errors import (
     IsADirectoryError_,
     NotADirectoryError_,
     NotFoundError,
+    OutsideStoreError,
     SymlinkLoopError,
 )
 from fanstore.format.index import KIND_DIR, KIND_FILE, KIND_SYMLINK, Index
@@ -161,28 +162,29 @@ class Namespace:
         only with ``follow`` (reading data follows, like ``open``; stat, ls and readlink do
         not, like ``lstat``). Raises NotFoundError, NotADirectoryError_ or SymlinkLoopError.
 
-        This is FanStore's one symlink rule, used by the Python API, ``cat`` and ``ls``;
-        targets are relative and stay inside the store, through any chain of symlinks (the
-        index validation refuses others). ``..`` at the root stays at the root when the
-        path itself says it (as ``/..`` is ``/``); a symlink target that climbs above the
-        root (an index that was not validated) is a FormatError, never a way out.
+        This is FanStore's one symlink rule, used by the Python API, ``cat`` and ``ls``.
+        Symlinks are resolved only inside the store: a path that goes through a symlink
+        leading out (an absolute target, or ``..`` above the root, through any chain of
+        symlinks) raises :class:`OutsideStoreError` (a NotFoundError) naming it; on the
+        mount the kernel resolves such a link on the host. ``..`` at the root stays at the
+        root when the path itself says it (as ``/..`` is ``/``).
         """
         if isinstance(path, str):
             path = os.fsencode(path)
-        todo = [(p, False) for p in reversed(components(path))]
+        # (component, the symlink whose target it comes from, or -1 for the path's own)
+        todo = [(p, -1) for p in reversed(components(path))]
         entry = 0
         links = 0
         kind = self._kind
         while todo:
-            name, from_link = todo.pop()
+            name, via = todo.pop()
             if int(kind[entry]) != KIND_DIR:
                 raise NotADirectoryError_(f"{_show(path)}: not a directory")
             if name == b".":  # as the kernel: only a directory has one (``f/.``, ``f/``)
                 continue
             if name == b"..":
-                if entry == 0 and from_link:
-                    raise FormatError(f"{_show(path)}: a symlink on the way leads outside the "
-                                      "store (damaged or hostile index)")
+                if entry == 0 and via >= 0:
+                    raise self._outside(path, via)
                 entry = int(self._parent[entry])
                 continue
             child = self.index.lookup(entry, name)
@@ -193,13 +195,22 @@ class Namespace:
                 if links > MAX_SYMLINKS:
                     raise SymlinkLoopError(f"{_show(path)}: too many levels of symbolic links")
                 target = self.index.target(child)
-                if not target or target.startswith(b"/") or b"\0" in target:
-                    raise FormatError(f"{_show(path)}: a symlink on the way has an empty, "
-                                      "absolute or NUL target (damaged or hostile index)")
-                todo.extend((p, True) for p in reversed(components(target)))
+                if not target or b"\0" in target:
+                    raise FormatError(f"{_show(path)}: a symlink on the way has an empty "
+                                      "or NUL target (damaged or hostile index)")
+                if target.startswith(b"/"):
+                    raise self._outside(path, child)
+                todo.extend((p, child) for p in reversed(components(target)))
                 continue  # the target is relative to the link's directory: ``entry``
             entry = child
         return entry
+
+    def _outside(self, path: bytes, link: int) -> OutsideStoreError:
+        """The error for ``path``, which leads out of the store through symlink ``link``."""
+        return OutsideStoreError(
+            f"{_show(path)}: symlink {self.show(link)!r} -> "
+            f"{os.fsdecode(self.index.target(link))!r} leads outside the store (FanStore's "
+            "readers resolve symlinks only inside the store; read it through the mount)")
 
     def file_entry(self, path: str | bytes) -> int:
         """The regular file a path names, symlinks followed (what ``open`` would read)."""

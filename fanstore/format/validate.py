@@ -2,14 +2,13 @@
 
 Everything read from disk is validated before use (:func:`validate_index`, called by
 :mod:`fanstore.format.load`): a hostile or corrupt index is refused instead of making a
-reader touch bytes outside the store. Symlink targets are judged here lexically
-(:func:`target_stays_inside`, also used by the packers) and walked through the tree
-(:mod:`fanstore.format.symlinks`).
+reader touch bytes outside the store. Symlink targets are checked for what a reader needs
+(bounds, no NUL), not for where they lead: one may leave the store (see
+:func:`_check_symlinks`). :func:`target_stays_inside` is the packers' lexical test.
 """
 
 from __future__ import annotations
 
-import os
 import posixpath
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
@@ -28,7 +27,6 @@ from fanstore.format.layout import (
     NO_LOOKUP_FROM,
 )
 from fanstore.format.partition import PARTITION_HEADER_SIZE
-from fanstore.format.symlinks import ESCAPES, Resolver, components
 
 if TYPE_CHECKING:
     from fanstore.format.tables import Index
@@ -43,8 +41,8 @@ def validate_index(
     """Refuse an index whose structure could make a reader misbehave.
 
     Checks (vectorised, cheap even for millions of entries): the tree shape, names (no '/',
-    NUL, '.', '..' or empty components), symlink targets stay inside the store (lexically,
-    and walked through the tree: no chain of symlinks climbs above the root), chunk runs
+    NUL, '.', '..' or empty components), symlink targets are in bounds, not empty and
+    without NUL (they may lead outside the store, as in squashfs), chunk runs
     are in bounds, contiguous and inside their partitions, chunk sizes are bounded (no
     decompression bombs), every chunk belongs to a file; a file of several chunks owns them
     (no other file refers to any) and its size is their sum; a file of one chunk lies inside
@@ -169,23 +167,19 @@ def _check_lookup_table(index: Index, bad: _Refusal) -> None:
 
 
 def _check_symlinks(index: Index, bad: _Refusal) -> None:
-    """Symlink targets lie in the target table and stay inside the store: lexically, and
-    through the other symlinks they pass."""
+    """Symlink targets lie in the target table, are not empty or over-long and hold no NUL.
+    Where they lead is not judged: a target may leave the store (absolute, or ``..`` above
+    the root), as in squashfs and tar; the mount returns it as it is and the kernel resolves
+    it on the host, and FanStore's own readers resolve symlinks only inside the store
+    (``Namespace.resolve``: ``OutsideStoreError``). Stores written before that was allowed
+    never hold such a target, so they open as before (docs/format.md, "Versions")."""
     links = np.nonzero(index.entries["kind"] == KIND_SYMLINK)[0]
     if not len(links):
         return
     _check_target_bounds(index, links, bad)
-    upward = _check_targets_lexically(index, links, bad)
-    # Lexically inside is not enough: ``..`` after a symlink (``c -> a/b/..`` with
-    # ``a/b -> ..``) climbs from where that symlink leads, and on the mount the kernel
-    # would climb out of the mount point. Only targets with a ``..`` can climb; the
-    # symlinks they pass through are resolved on the way (fanstore.format.symlinks).
-    if upward:
-        resolver = Resolver(_IndexTree(index))
-        for entry in upward:
-            if resolver.resolve(entry).status == ESCAPES:
-                raise bad(f"symlink {os.fsdecode(index.path(entry))!r} resolves outside "
-                          "the store (through other symlinks)")
+    for entry in links.tolist():
+        if b"\0" in index.target(entry):
+            raise bad("a symlink target contains NUL")
 
 
 def _check_target_bounds(index: Index, links: np.ndarray, bad: _Refusal) -> None:
@@ -201,29 +195,6 @@ def _check_target_bounds(index: Index, links: np.ndarray, bad: _Refusal) -> None
         raise bad("a symlink target is over-long")
     if np.any(index.entries["size"][links] != count):
         raise bad("a symlink's size differs from its target length")
-
-
-def _check_targets_lexically(index: Index, links: np.ndarray, bad: _Refusal) -> list[int]:
-    """Refuse a target of the symlinks ``links`` with a NUL or one that climbs above the
-    root lexically; return the symlinks whose targets have a ``..`` (they may still climb
-    out through other symlinks)."""
-    # Depth of every directory (parents come first): a symlink's own path is needed
-    # only to name it (building it for each symlink cost O(depth): a hostile index
-    # of 4,000 nested directories and 4,000 symlinks took 11 s to validate).
-    parents = index.entries["parent"].tolist()
-    depth = [0] * index.n_entries
-    for entry in range(1, index.n_entries):
-        depth[entry] = depth[parents[entry]] + 1
-    upward = []
-    for entry in links.tolist():
-        target = index.target(entry)
-        if b"\0" in target:
-            raise bad("a symlink target contains NUL")
-        if not _stays_inside(depth[parents[entry]], target):
-            raise bad(f"symlink {os.fsdecode(index.path(entry))!r} points outside the store")
-        if b".." in components(target):
-            upward.append(entry)
-    return upward
 
 
 def _check_file_entries(index: Index, dirs: np.ndarray, bad: _Refusal) -> _FileRuns:
@@ -354,46 +325,6 @@ def _check_no_overlap_in_partitions(chunks: _ChunkColumns, bad: _Refusal) -> Non
     same = part[1:] == part[:-1]
     if np.any(offset[1:][same] < offset[:-1][same] + stored[:-1][same]):
         raise bad("chunks overlap inside a partition")
-
-
-class _IndexTree:
-    """The index as a tree for :class:`fanstore.format.symlinks.Resolver`."""
-
-    root = 0
-
-    def __init__(self, index: Index) -> None:
-        self.index = index
-        self._kind = index.entries["kind"]
-        self._parent = index.entries["parent"]
-
-    def parent(self, node: int) -> int:
-        return int(self._parent[node])
-
-    def child(self, node: int, name: bytes) -> int | None:
-        return self.index.lookup(node, name)
-
-    def is_dir(self, node: int) -> bool:
-        return int(self._kind[node]) == KIND_DIR
-
-    def link_target(self, node: int) -> bytes | None:
-        if int(self._kind[node]) != KIND_SYMLINK:
-            return None
-        return self.index.target(node)
-
-
-def _stays_inside(depth: int, target: bytes) -> bool:
-    """``target_stays_inside`` for a symlink whose directory is ``depth`` levels below the
-    root: lexically, ``..`` never climbs above the root."""
-    if target.startswith(b"/"):
-        return False
-    for part in target.split(b"/"):
-        if part == b"..":
-            depth -= 1
-            if depth < 0:
-                return False
-        elif part not in (b"", b"."):
-            depth += 1
-    return True
 
 
 def target_stays_inside(link_path: bytes, target: bytes) -> bool:
