@@ -279,6 +279,44 @@ def make_small_tree(root) -> dict[str, bytes]:
     return files
 
 
+#: The content of ``outside.txt`` next to the tree of :func:`make_outside_links_tree`.
+OUTSIDE_BYTES = b"outside the source\n"
+
+
+def make_outside_links_tree(top) -> dict:
+    """Issue 35's tree: ``TOP/src`` with symlinks that lead outside it, next to
+    ``TOP/outside.txt`` and two symlinks looping into each other (``TOP/loop_a``,
+    ``loop_b``). Returns {"root": TOP/src, "files": {rel: bytes}, "links": {rel: target},
+    "leaving": the links that lead outside, "dangling_out", "looping_out"}.
+
+    ``sub/rel`` climbs out by ``../..``: on a mount at ``TOP/mnt...`` it names
+    ``TOP/outside.txt`` too, the kernel resolving it on the host."""
+    top = Path(top)
+    root = top / "src"
+    (root / "sub").mkdir(parents=True)
+    (top / "outside.txt").write_bytes(OUTSIDE_BYTES)
+    os.chmod(top / "outside.txt", 0o640)
+    os.symlink("loop_b", top / "loop_a")
+    os.symlink("loop_a", top / "loop_b")
+    files = {"f": b"the f\n", "sub/g": b"the g\n"}
+    for rel, data in files.items():
+        (root / rel).write_bytes(data)
+    links = {
+        "abs": str(top / "outside.txt"),  # absolute, outside
+        "sub/rel": "../../outside.txt",  # relative, climbs above the root
+        "dangling": "../no-such-file",  # leads out, to nothing
+        "outloop": "../loop_a",  # leads out, into a loop
+        "inside": "sub/g",
+        "sub/up": "../f",
+        "inside_dangling": "no-such-file",  # to nothing, inside: kept in every mode
+    }
+    for rel, target in links.items():
+        os.symlink(target, root / rel)
+    return {"root": root, "files": files, "links": links,
+            "leaving": ["abs", "sub/rel", "dangling", "outloop"],
+            "dangling_out": "dangling", "looping_out": "outloop"}
+
+
 # --------------------------------------------------------------------------- comparisons
 
 

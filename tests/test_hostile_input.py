@@ -33,7 +33,7 @@ import pytest
 from helpers import FANSTORE, assert_cli_error, assert_no_traceback, run_cli
 
 import fanstore
-from fanstore.errors import FormatError
+from fanstore.errors import OutsideStoreError
 from fanstore.format.index import INDEX_NAME, KIND_SYMLINK, encode_index, read_index
 from fanstore.store import LocalStore
 
@@ -420,15 +420,17 @@ def test_out_of_range_directory_times_are_clamped(tmp_path):
 
 # --------------------------------------------------------------------------- chains
 
-#: (name, target, refused with) for one tree, packed as a directory and as a tar. The
-#: source directory is called "src", so "back" climbs out and comes back in by its name.
+#: (name, target, refused with or LEAVES) for one tree, packed as a directory and as a
+#: tar. The source directory is called "src", so "back" climbs out and comes back in by
+#: its name.
+LEAVES = "leads outside"
 CHAINS = [
     ("a/b", "..", None),  # the root: fine
     ("a/up", "../f", None),
-    ("c", "a/b/..", "symlink resolves outside the source"),  # lexically 'a'
-    ("back", "a/b/../src/f", "symlink resolves outside the source"),  # out and back in
+    ("c", "a/b/..", LEAVES),  # lexically 'a'
+    ("back", "a/b/../src/f", LEAVES),  # out and back in
     ("via", "a/b/f", None),
-    ("via2", "c/f", "symlink resolves outside the source"),  # through c
+    ("via2", "c/f", LEAVES),  # through c
     ("loop1", "loop2", "symlink loop"),
     ("loop2", "loop1", "symlink loop"),
     ("dangling", "a/missing", None),
@@ -446,15 +448,22 @@ def _chain_tree(src: Path) -> None:
         os.symlink(target, src / name)
 
 
+def _symlinks_of(store: Path) -> dict[str, str]:
+    index = read_index(str(store))
+    return {index.path(i).decode(): index.target(i).decode()
+            for i in range(index.n_entries) if int(index.entries["kind"][i]) == KIND_SYMLINK}
+
+
 def test_symlink_chains_are_judged_the_same_in_a_directory_and_an_archive(tmp_path):
     """One walk for both: a directory's chains were judged by realpath (accepting 'back',
     which leaves the source and comes back, and 41-link chains, refusing a dangling
-    'f/x'), an archive's by a walk of its own."""
+    'f/x'), an archive's by a walk of its own. Loops are refused; chains that climb out
+    are kept as they are (issue 35), or left out with --symlinks skip."""
     src = tmp_path / "src"
     _chain_tree(src)
     archive = tmp_path / "chains.tar"
     subprocess.run(["tar", "-C", src, "-cf", archive, "."], check=True)
-    refused = {name: why for name, _, why in CHAINS if why}
+    refused = {name: why for name, _, why in CHAINS if why and why != LEAVES}
     for source, prefix in ((src, f"{src}/"), (archive, f"{archive}: ")):
         store = tmp_path / f"store-{Path(source).name}"
         proc = run_cli("pack", source, store, *PACK_ARGS)
@@ -463,13 +472,18 @@ def test_symlink_chains_are_judged_the_same_in_a_directory_and_an_archive(tmp_pa
             assert f"cannot pack {prefix}{name}: {why}" in proc.stderr, (name, proc.stderr)
         proc = run_cli("pack", source, store, *PACK_ARGS, "--skip-unreadable")
         assert proc.returncode == 0, proc.stderr
-        index = read_index(str(store))
-        links = {index.path(i).decode(): index.target(i).decode()
-                 for i in range(index.n_entries) if int(index.entries["kind"][i]) == KIND_SYMLINK}
-        assert links == {n: t for n, t, why in CHAINS if not why}, source
+        assert _symlinks_of(store) == {n: t for n, t, why in CHAINS if why in (None, LEAVES)}
         with LocalStore(str(store)) as s:
             assert s.read_file("via") == s.read_file("long01") == b"the f\n"
             assert s.read_file("a/up") == b"the f\n"
+            with pytest.raises(OutsideStoreError, match="symlink 'c' -> 'a/b/..' leads "
+                                                        "outside the store"):
+                s.read_file("via2")
+        proc = run_cli("pack", source, store, *PACK_ARGS, "--skip-unreadable", "--force",
+                       "--symlinks", "skip")
+        assert proc.returncode == 0, proc.stderr
+        assert "(3 leading outside the source left out)" in proc.stdout
+        assert _symlinks_of(store) == {n: t for n, t, why in CHAINS if why is None}
 
 
 def _store_with_targets(tmp_path: Path, targets: dict[str, bytes]) -> Path:
@@ -501,17 +515,25 @@ def _store_with_targets(tmp_path: Path, targets: dict[str, bytes]) -> Path:
 
 
 @pytest.mark.parametrize("target", [b"a/b/..", b"a/b/../a/g", b"a/b/../../f"])
-def test_a_store_whose_chain_climbs_out_is_refused_by_every_reader(tmp_path, target):
+def test_a_store_whose_chain_climbs_out_is_read_only_inside(tmp_path, target):
     """c -> a/b/.. with a/b -> ..: lexically 'a', on the mount the parent of the mount
-    point (and a/b/../a/g comes back in only by the mount point's name). The readers
-    answered from inside (``..`` at the root stayed there): cat c/f printed f."""
+    point (and a/b/../a/g comes back in only by the mount point's name). The readers once
+    answered from inside (``..`` at the root stayed there: cat c/f printed f); then such
+    an index was refused. Now it is kept, as a symlink to '../x' is (issue 35), and the
+    readers stop at the store's edge: never a file the path does not name on the mount."""
     store = _store_with_targets(tmp_path, {"c": target})
-    for args in (("cat", store, "c/f"), ("cat", store, "f"), ("verify", store, "--no-progress"),
-                 ("ls", store)):
+    for args in (("cat", store, "c/f"), ("cat", store, "c")):
         proc = run_cli(*args)
-        assert_cli_error(proc, code=1, contains="symlink 'c' resolves outside the store")
-    with pytest.raises(FormatError, match="symlink 'c' resolves outside the store"):
-        fanstore.open_store(str(store))
+        assert_cli_error(proc, code=1, contains="symlink 'c' -> "
+                         f"'{target.decode()}' leads outside the store")
+        assert proc.stdout == ""
+    for args in (("cat", store, "f"), ("verify", store, "--no-progress"), ("ls", store)):
+        proc = run_cli(*args)
+        assert proc.returncode == 0, (args, proc.stderr)
+    with fanstore.open_store(str(store)) as s:
+        assert s.read("f") == b"the f\n"
+        with pytest.raises(OutsideStoreError):
+            s.read("c/f")
 
 
 def test_validating_deep_symlinks_takes_linear_time(tmp_path):

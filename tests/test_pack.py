@@ -25,9 +25,11 @@ from fanstore.pack.dest import OLD_MARK, TMP_MARK
 from fanstore.store import LocalStore
 from helpers import (
     FANSTORE,
+    OUTSIDE_BYTES,
     SPECIAL_PACK_ARGS,
     assert_cli_error,
     assert_no_traceback,
+    make_outside_links_tree,
     make_small_tree,
     run_cli,
     wait_until,
@@ -106,7 +108,8 @@ def test_scan_rewrites_absolute_symlinks_inside_the_source(tmp_path):
 
 
 def _make_problem_tree(root: Path) -> list[str]:
-    """A good file plus entries pack must refuse; returns the refused paths."""
+    """A good file, symlinks that lead out (kept: issue 35) plus entries pack must refuse;
+    returns the refused paths."""
     (root / "sub").mkdir(parents=True)
     (root / "good.txt").write_bytes(b"good\n")
     (root / "sub" / "fine.txt").write_bytes(b"fine\n")
@@ -120,8 +123,11 @@ def _make_problem_tree(root: Path) -> list[str]:
     sock = socket.socket(socket.AF_UNIX)
     sock.bind(str(root / "sock"))
     sock.close()
-    return [str(root / n) for n in
-            ("fifo", "escape_rel", "sub/escape_abs", "loop_a", "loop_b", "sub/chain", "sock")]
+    return [str(root / n) for n in ("fifo", "loop_a", "loop_b", "sock")]
+
+
+#: The symlinks of _make_problem_tree that lead outside, as the store keeps them.
+_LEAVING = {b"escape_rel": b"../outside.txt", b"sub/chain": b"../escape_rel"}
 
 
 def test_scan_reports_problem_entries_by_path(tmp_path):
@@ -132,9 +138,11 @@ def test_scan_reports_problem_entries_by_path(tmp_path):
     assert reported == sorted(bad)
     text = "\n".join(scan.problems)
     assert "FIFO cannot be packed" in text and "socket cannot be packed" in text
-    assert "symlink loop" in text and "points outside the source" in text
-    assert "resolves outside the source" in text
-    assert {e.rel for e in scan.entries} == {b"", b"good.txt", b"sub", b"sub/fine.txt"}
+    assert "symlink loop" in text and "outside" not in text
+    links = {e.rel: e.target for e in scan.entries if e.kind == KIND_SYMLINK}
+    assert links == {**_LEAVING, b"sub/escape_abs": os.fsencode(src.parent / "outside.txt")}
+    assert {e.rel for e in scan.entries} == {b"", b"good.txt", b"sub", b"sub/fine.txt",
+                                             *links}
 
 
 def test_pack_refuses_problem_entries_unless_skipped(tmp_path):
@@ -155,9 +163,97 @@ def test_pack_refuses_problem_entries_unless_skipped(tmp_path):
         assert proc.stderr.count(f"fanstore: skipping {path}: ") == 1, path
     assert f"skipped {len(bad)} entries (--skip-unreadable)" in proc.stdout
     with LocalStore(str(dest)) as s:
-        assert s.ns.n_entries == 4
+        assert s.ns.n_entries == 7  # the root, 2 files, sub, 3 symlinks that lead out
         assert s.read_file("good.txt") == b"good\n"
         assert s.read_file("sub/fine.txt") == b"fine\n"
+
+
+# --------------------------------------------------------------------------- --symlinks
+
+SYMLINK_PACK_ARGS = ("--partitions", "1", "--jobs", "1", "--codec", "zstd:3", "--no-progress")
+
+
+def _links_and_files(store) -> tuple[dict[str, str], dict[str, bytes]]:
+    """({symlink: target}, {file: bytes}) of a store."""
+    index = read_index(str(store))
+    kind = index.entries["kind"]
+    links = {index.path(i).decode(): index.target(i).decode()
+             for i in range(index.n_entries) if int(kind[i]) == KIND_SYMLINK}
+    with LocalStore(str(store)) as s:
+        files = {index.path(i).decode(): s.read_file(index.path(i))
+                 for i in range(index.n_entries) if int(kind[i]) == KIND_FILE}
+    return links, files
+
+
+def test_symlinks_that_leave_the_source_are_stored_as_they_are(tmp_path):
+    """The default (--symlinks store), as mksquashfs and tar: each target byte for byte
+    (absolute, '../', dangling, looping outside); the pack stopped at the first."""
+    tree = make_outside_links_tree(tmp_path)
+    proc = run_cli("pack", tree["root"], tmp_path / "store", *SYMLINK_PACK_ARGS)
+    assert proc.returncode == 0, proc.stderr
+    assert_no_traceback(proc)
+    assert "packed 2 files, 1 directories, 7 symlinks into 1 partitions" in proc.stdout
+    links, files = _links_and_files(tmp_path / "store")
+    assert links == tree["links"]
+    assert files == tree["files"]
+    # The same as asking for it
+    proc = run_cli("pack", tree["root"], tmp_path / "store2", *SYMLINK_PACK_ARGS,
+                   "--symlinks", "store")
+    assert proc.returncode == 0, proc.stderr
+    assert _links_and_files(tmp_path / "store2")[0] == tree["links"]
+
+
+def test_symlinks_skip_leaves_out_those_that_leave_and_counts_them(tmp_path):
+    tree = make_outside_links_tree(tmp_path)
+    os.symlink("abs", tree["root"] / "via_abs")  # inside, but leads out through abs
+    proc = run_cli("pack", tree["root"], tmp_path / "store", *SYMLINK_PACK_ARGS,
+                   "--symlinks", "skip")
+    assert proc.returncode == 0, proc.stderr
+    assert_no_traceback(proc)
+    assert ("packed 2 files, 1 directories, 3 symlinks (5 leading outside the source "
+            "left out) into 1 partitions") in proc.stdout, proc.stdout
+    links, files = _links_and_files(tmp_path / "store")
+    assert links == {rel: t for rel, t in tree["links"].items() if rel not in tree["leaving"]}
+    assert files == tree["files"]
+
+
+def test_symlinks_follow_stores_the_files_they_lead_to(tmp_path):
+    """A dangling or looping symlink that leads out is one line each and fails the pack
+    (no traceback, nothing written); --skip-unreadable leaves them out; the others become
+    the files they lead to (bytes and mode of the target); links inside stay links."""
+    tree = make_outside_links_tree(tmp_path)
+    root, dest = tree["root"], tmp_path / "store"
+    proc = run_cli("pack", root, dest, *SYMLINK_PACK_ARGS, "--symlinks", "follow")
+    assert_cli_error(proc, code=1, contains="2 entries cannot be packed")
+    assert (f"fanstore: cannot pack {root}/dangling: dangling symlink: its target "
+            "../no-such-file does not exist\n") in proc.stderr
+    assert (f"fanstore: cannot pack {root}/outloop: symlink loop (following ../loop_a)\n"
+            in proc.stderr)
+    assert not dest.exists()
+    proc = run_cli("pack", root, dest, *SYMLINK_PACK_ARGS, "--symlinks", "follow",
+                   "--skip-unreadable")
+    assert proc.returncode == 0, proc.stderr
+    assert "packed 4 files, 1 directories, 3 symlinks into 1 partitions" in proc.stdout
+    assert "skipped 2 entries (--skip-unreadable)" in proc.stdout
+    links, files = _links_and_files(dest)
+    assert files == {**tree["files"], "abs": OUTSIDE_BYTES, "sub/rel": OUTSIDE_BYTES}
+    assert links == {rel: t for rel, t in tree["links"].items() if rel not in tree["leaving"]}
+    with LocalStore(str(dest)) as s:
+        assert s.ns.mode(s.ns.resolve("abs")) == 0o640
+
+
+def test_symlinks_follow_refuses_a_directory_and_a_bad_mode(tmp_path):
+    tree = make_outside_links_tree(tmp_path)
+    (tmp_path / "outdir").mkdir()
+    os.symlink(str(tmp_path / "outdir"), tree["root"] / "todir")
+    proc = run_cli("pack", tree["root"], tmp_path / "store", *SYMLINK_PACK_ARGS,
+                   "--symlinks", "follow", "--skip-unreadable")
+    assert proc.returncode == 0, proc.stderr
+    assert (f"skipping {tree['root']}/todir: symlink to a directory outside the source "
+            f"({tmp_path}/outdir); --symlinks follow stores files only") in proc.stderr
+    proc = run_cli("pack", tree["root"], tmp_path / "other", *SYMLINK_PACK_ARGS,
+                   "--symlinks", "copy")
+    assert_cli_error(proc, code=2, contains="--symlinks: invalid choice: 'copy'")
 
 
 def _drop_dac_caps() -> list[str] | None:

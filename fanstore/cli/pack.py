@@ -48,6 +48,13 @@ def add_parsers(sub, common) -> None:
                    help="chunk size for large files in KiB (default 1024)")
     s.add_argument("--broadcast", action="append", metavar="RELDIR",
                    help="put the files under RELDIR on every node (repeatable)")
+    s.add_argument("--symlinks", choices=("store", "follow", "skip"), default="store",
+                   help="symlinks that lead outside SRC (absolute, or '..' above it): "
+                        "'store' keeps them as symlinks with their targets as they are (as "
+                        "mksquashfs and tar; the mount shows them, the kernel resolves them "
+                        "on the host), 'follow' stores the files they lead to instead (a "
+                        "directory SRC only), 'skip' leaves them out. Symlinks that stay "
+                        "inside SRC are kept in every mode. Default: store")
     s.add_argument("--skip-unreadable", action="store_true",
                    help="leave out entries that cannot be packed instead of failing")
     s.add_argument("--force", action="store_true", help="replace an existing store at DEST")
@@ -64,6 +71,7 @@ def add_parsers(sub, common) -> None:
 def cmd_pack(args) -> int:
     from fanstore import storage
     from fanstore.pack import PackOptions, pack, pack_any
+    from fanstore.pack.options import Symlinks
     from fanstore.pack.policy import PolicyRequest, plan_policy
     from fanstore.pack.sources import detect
 
@@ -71,9 +79,10 @@ def cmd_pack(args) -> int:
     extra: dict[str, Any] = {}
     scanned: dict[str, Any] = {}
     kind = detect(args.src)[0]
+    symlinks = Symlinks(args.symlinks)
     request = PolicyRequest(codec=args.codec, solid_kb=args.solid_kb,
                             chunk_size=args.chunk_kb * 1024,
-                            skip_unreadable=args.skip_unreadable,
+                            skip_unreadable=args.skip_unreadable, symlinks=symlinks,
                             selection=lambda: _selection_options(args), notify=say)
 
     def make_policy():
@@ -95,6 +104,7 @@ def cmd_pack(args) -> int:
         extra_meta=extra,
         notify=say,
         shared=args.shared,
+        symlinks=symlinks,
     )
     request.check()
     from fanstore.daemon.jobenv import launcher_world_size

@@ -1,18 +1,21 @@
-"""Where a symlink leads, judged by one walk for every tree FanStore builds or reads.
+"""Where a symlink leads, judged by one walk for every tree FanStore builds.
 
 A symlink target that stays inside the store *lexically* (``target_stays_inside``) can
 still lead out through another symlink: with ``a/b -> ..`` (the root, which is fine) the
 target of ``c -> a/b/..`` normalises to ``a`` but resolves, as the kernel resolves it on
-the mount, to the parent of the root: outside the store. So every symlink is also walked
+the mount, to the parent of the root: outside the store. So every symlink is walked
 component by component through the tree itself, symlinks met on the way followed, the way
-the kernel walks it; ``..`` above the root is an escape.
+the kernel walks it; ``..`` above the root, or an absolute target, leads out (ESCAPES).
 
-The same walk judges the index (``validate_index``: escapes are refused), a directory
-being scanned (``scan_tree``) and an archive's namespace (``VirtualTree``): escapes and
-loops are refused at pack time, so a chain in a tar is judged as the same chain in a
-directory. The tree is given as a :class:`Tree` (five small functions), the results are
-memoised per symlink and the walk is iterative, so the cost is linear in the total length
-of the targets whatever the chains (no recursion, no re-walking a shared chain).
+The same walk judges a directory being scanned (``scan_tree``) and an archive's namespace
+(``VirtualTree``), so a chain in a tar is judged as the same chain in a directory: loops
+are refused at pack time; a symlink that leads out is kept as it is, followed or left out
+as ``--symlinks`` says. (The index does not refuse symlinks that lead out: the mount hands
+their targets to the kernel as they are, and ``Namespace.resolve``, the readers' one rule,
+stops at the store's edge.) The tree is given as a :class:`Tree` (five small functions),
+the results are memoised per symlink and the walk is iterative, so the cost is linear in
+the total length of the targets whatever the chains (no recursion, no re-walking a shared
+chain).
 """
 
 from __future__ import annotations
@@ -156,8 +159,8 @@ class Resolver(Generic[N]):
     def _frame(self, link: N) -> _Frame:
         target = self.tree.link_target(link) or b""
         if target.startswith(b"/"):
-            # Absolute: outside the store (the index refuses it; a scan rewrites the ones
-            # inside the source as relative before they get here).
+            # Absolute: outside the tree (a scan rewrites the ones inside the source as
+            # relative before they get here).
             fr = _Frame(link, [b".."], self.tree.root)
         elif not target or b"\0" in target:
             fr = _Frame(link, [b"\0"], self.tree.parent(link))  # resolves to nothing
@@ -167,11 +170,11 @@ class Resolver(Generic[N]):
 
 
 def judge(resolved: Resolved) -> str | None:
-    """What a pack says about a symlink that resolved so (None: keep it). Escapes and loops
-    (more than MAX_HOPS symlinks to follow is a loop to the kernel) are refused; a symlink
-    to nothing inside the tree is kept, as it is."""
-    if resolved.status == ESCAPES:
-        return "symlink resolves outside the source"
+    """What a pack refuses in a symlink that resolved so, whatever ``--symlinks`` asks
+    (None: nothing). Loops (more than MAX_HOPS symlinks to follow is a loop to the kernel)
+    are refused; a symlink to nothing inside the tree is kept, as it is; one that leads out
+    (``status == ESCAPES``, ``culprit`` the symlink whose own target leaves) is the
+    caller's to keep, follow or leave out."""
     if resolved.status == LOOP or resolved.hops + 1 > MAX_HOPS:
         return "symlink loop"
     return None

@@ -5,6 +5,7 @@ both on the options and on the entries a source cannot give."""
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,6 +15,21 @@ from fanstore.errors import PackError, UsageError
 from fanstore.format.index import MAX_CHUNK_SIZE
 
 log = logging.getLogger(__name__)
+
+
+class Symlinks(enum.Enum):
+    """What a pack does with a symlink that leads outside the source (``--symlinks``): an
+    absolute target outside it, ``..`` above its root, or a chain of symlinks that climbs
+    out. A symlink that stays inside is kept as a symlink in every mode."""
+
+    #: kept as a symlink, its target as it is (as mksquashfs and tar do): the mount shows
+    #: it and the kernel resolves it on the host; FanStore's own readers do not follow it
+    STORE = "store"
+    #: the regular file it leads to is stored in its place (a directory source only; a
+    #: dangling or looping one, or one to a directory, cannot be packed)
+    FOLLOW = "follow"
+    #: left out; the summary says how many
+    SKIP = "skip"
 
 
 @dataclass
@@ -29,6 +45,8 @@ class PackOptions:
     #: the owner means to share the store: the umask decides its modes even when the
     #: source holds entries other users may not read (``--shared``; see pack.access)
     shared: bool = False
+    #: symlinks that lead outside the source (``--symlinks``)
+    symlinks: Symlinks = Symlinks.STORE
     #: shows one line to the user (the CLI prints it; the default logs a warning)
     notify: Callable[[str], None] = field(default=lambda text: log.warning("%s", text))
 
@@ -45,6 +63,8 @@ class PackSummary:
     partitions: int
     seconds: float
     skipped: list[str]
+    #: symlinks that lead outside the source, left out (``--symlinks skip``)
+    outside_skipped: int = 0
 
     @property
     def ratio(self) -> float:
@@ -59,9 +79,11 @@ class PackSummary:
 
     def lines(self) -> list[str]:
         mb_s = self.raw_bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
+        left_out = (f" ({self.outside_skipped:,} leading outside the source left out)"
+                    if self.outside_skipped else "")
         return [
             (f"packed {self.files:,} files, {self.dirs:,} directories, {self.symlinks:,} "
-             f"symlinks into {self.partitions} partitions at {self.dest}"),
+             f"symlinks{left_out} into {self.partitions} partitions at {self.dest}"),
             (f"raw {_mb(self.raw_bytes)}, stored {_mb(self.stored_bytes)} "
              f"(+ index {_mb(self.index_bytes)}), ratio {self.ratio:.2f}x "
              f"({self.ratio_with_index:.2f}x with the index)"),
@@ -71,6 +93,15 @@ class PackSummary:
 
 def _mb(n: int) -> str:
     return f"{n / 1e6:,.1f} MB"
+
+
+def check_symlinks(symlinks: Symlinks, source_kind: str) -> None:
+    """``--symlinks follow`` needs a directory source: a symlink in an archive or under an
+    S3 prefix that leads outside it leads to nothing a pack may read (never the host's
+    files: a hostile archive would pack them)."""
+    if symlinks is Symlinks.FOLLOW and source_kind != "directory":
+        raise UsageError(f"--symlinks follow needs a directory source; with a {source_kind} "
+                         "source give --symlinks store or skip")
 
 
 def check_options(options: PackOptions) -> None:

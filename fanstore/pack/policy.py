@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from compressors import CodecError, CodecSpec, ZstdCodec, parse_codec_spec, parse_spec
 from fanstore.errors import BudgetNotMetError, UsageError
+from fanstore.pack.options import Symlinks, check_symlinks
 from fanstore.pack.plan import CodecPolicy
 from fanstore.pack.scan import ScanResult, scan_tree
 
@@ -57,13 +58,15 @@ STREAM_DEFAULT = "zstd:3"
 class PolicyRequest:
     """What the user asked for. ``codec``: the ``--codec`` text (None: the default, a quick
     selection); ``solid_kb``: ``--solid-kb`` (None: not given, 0: no solid blocks);
-    ``selection``: makes the selector's options for ``--codec auto`` (called only then);
-    ``notify``: shows one line to the user (the CLI prints it)."""
+    ``symlinks``: ``--symlinks`` (the scan made here is the one pack uses, so it must be
+    made as pack would make it); ``selection``: makes the selector's options for ``--codec
+    auto`` (called only then); ``notify``: shows one line to the user (the CLI prints it)."""
 
     codec: str | None = None
     solid_kb: int | None = None
     chunk_size: int = 1 << 20
     skip_unreadable: bool = False
+    symlinks: Symlinks = Symlinks.STORE
     selection: Callable[[], SelectionOptions] | None = None
     notify: Callable[[str], None] = field(default=lambda text: log.warning("%s", text))
 
@@ -93,6 +96,7 @@ def plan_policy(src: str, request: PolicyRequest,
     ``request`` asks. Raises :class:`UsageError` for a spec that is not one or does not go
     with the source, :class:`BudgetNotMetError` when ``--codec auto`` finds no codec fast
     enough."""
+    check_symlinks(request.symlinks, source_kind)
     text = request.codec
     spec = None if text in (None, AUTO) else _parse(text)
     solid_kb = _solid_kb(text, spec, request)
@@ -111,7 +115,8 @@ def plan_policy(src: str, request: PolicyRequest,
     if text == AUTO:
         plan = _auto(src, request)
     elif spec is None or spec.dictionary:
-        scan = scan_tree(src) if os.path.isdir(src) else None  # else pack reports the source
+        # (else pack reports the source)
+        scan = scan_tree(src, symlinks=request.symlinks) if os.path.isdir(src) else None
         if scan is not None and scan.problems and not request.skip_unreadable:
             # pack lists the problems and stops before any codec is used
             return PolicyPlan(CodecPolicy(parse_spec(STREAM_DEFAULT)), scan=scan)

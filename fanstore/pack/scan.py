@@ -1,13 +1,19 @@
 """Walk a source tree into breadth-first entries, reporting what cannot be packed.
 
-Nothing is followed: symlinks are kept as symlinks when they stay inside the source (an
-absolute target inside the source is rewritten relative, so it still works on the mount).
-Problems (escaping or looping symlinks, special files, unreadable directories or files) are
-collected by path; the caller fails on them unless told to skip.
+Symlinks that stay inside the source are kept as symlinks (an absolute target inside the
+source is rewritten relative, so it still works on the mount). One that leads outside
+(absolute, ``..`` above the root, or through another symlink that does) is what
+``--symlinks`` says (:class:`~fanstore.pack.options.Symlinks`): kept with its target as it
+is (the default, as mksquashfs and tar), replaced by the file it leads to (``follow``: only
+a symlink whose own target leaves; one that leads out through it stays a link to it), or
+left out and counted (``skip``). Problems (looping symlinks, special files, unreadable
+directories or files; with ``follow``, dangling ones) are collected by path; the caller
+fails on them unless told to skip.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections import deque
@@ -18,9 +24,9 @@ from fanstore.format.index import (
     KIND_FILE,
     KIND_SYMLINK,
     clamp_mtime_ns,
-    target_stays_inside,
 )
-from fanstore.format.symlinks import Resolver, judge
+from fanstore.format.symlinks import ESCAPES, Resolver, judge
+from fanstore.pack.options import Symlinks
 
 
 @dataclass
@@ -40,6 +46,8 @@ class ScanResult:
     root: bytes
     entries: list[ScanEntry] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    #: symlinks leading outside the source that were left out (``--symlinks skip``)
+    outside_skipped: int = 0
 
     @property
     def files(self) -> list[int]:
@@ -67,12 +75,14 @@ def show(path: bytes) -> str:
     return repr(text)[1:-1] + more
 
 
-def scan_tree(root: str, skip_problems: bool = False, exclude: str | None = None) -> ScanResult:
+def scan_tree(root: str, skip_problems: bool = False, exclude: str | None = None,
+              symlinks: Symlinks = Symlinks.STORE) -> ScanResult:
     """Breadth-first scan of ``root``; children sorted by name bytes.
 
     ``exclude`` is an absolute path that must not be packed (e.g. a destination inside the
     tree is refused earlier; this is for temp dirs). With ``skip_problems`` the offending
-    entries are left out but still listed in ``problems``.
+    entries are left out but still listed in ``problems``. ``symlinks``: what becomes of a
+    symlink that leads outside the source (module docstring).
     """
     root_b = os.fsencode(os.path.abspath(root))
     real_root = os.path.realpath(root_b)
@@ -117,13 +127,13 @@ def scan_tree(root: str, skip_problems: bool = False, exclude: str | None = None
                     result.problems.append(f"{show(path)}: unreadable file (permission denied)")
                     continue
             elif stat.S_ISLNK(mode):
-                problem, target = _check_symlink(path, rel, real_root, links)
+                problem = _symlink_entry(entry, path, real_root, links, symlinks)
+                if problem is _LEFT_OUT:
+                    result.outside_skipped += 1
+                    continue
                 if problem:
                     result.problems.append(f"{show(path)}: {problem}")
                     continue
-                entry.kind = KIND_SYMLINK
-                entry.target = target
-                entry.size = len(target)
             else:
                 what = _special_kind(mode)
                 result.problems.append(f"{show(path)}: {what} cannot be packed (not a regular "
@@ -212,25 +222,76 @@ class _FsTree:
         return b"/" if stored is None else stored  # absolute: outside
 
 
+#: What :func:`_symlink_entry` returns for a symlink ``--symlinks skip`` leaves out.
+_LEFT_OUT = "left out"
+
+#: Where a symlink leads (:func:`_check_symlink`).
+_INSIDE, _OUT, _THROUGH = 0, 1, 2
+
+
+def _symlink_entry(entry: ScanEntry, path: bytes, real_root: bytes, links: Resolver,
+                   symlinks: Symlinks) -> str | None:
+    """Make ``entry`` what the symlink at ``path`` is packed as: a symlink, or (``follow``,
+    its own target outside the source) the regular file it leads to. Returns the problem
+    that keeps it out, ``_LEFT_OUT`` (``skip``, it leads outside), or None."""
+    problem, target, leads = _check_symlink(path, entry.rel, real_root, links)
+    if problem:
+        return problem
+    if leads != _INSIDE and symlinks is Symlinks.SKIP:
+        return _LEFT_OUT
+    if leads == _OUT and symlinks is Symlinks.FOLLOW:
+        return _follow(entry, path, target)
+    entry.kind = KIND_SYMLINK
+    entry.target = target
+    entry.size = len(target)
+    return None
+
+
+def _follow(entry: ScanEntry, path: bytes, target: bytes) -> str | None:
+    """``--symlinks follow``: ``entry`` becomes the regular file the symlink at ``path``
+    (to ``target``, outside the source) leads to; or the problem that keeps it out."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return f"symlink loop (following {show(target)})"
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return f"dangling symlink: its target {show(target)} does not exist"
+        return f"cannot follow symlink to {show(target)}: {exc.strerror}"
+    if stat.S_ISDIR(st.st_mode):
+        return (f"symlink to a directory outside the source ({show(target)}); --symlinks "
+                "follow stores files only (store or skip it)")
+    if not stat.S_ISREG(st.st_mode):
+        return (f"symlink to a {_special_kind(st.st_mode)} outside the source "
+                f"({show(target)}); --symlinks follow stores regular files only")
+    if not os.access(path, os.R_OK):
+        return f"unreadable file behind symlink to {show(target)} (permission denied)"
+    entry.kind = KIND_FILE
+    entry.size = st.st_size
+    entry.mode = stat.S_IMODE(st.st_mode)
+    entry.mtime_ns = clamp_mtime_ns(st.st_mtime_ns)
+    return None
+
+
 def _check_symlink(path: bytes, rel: bytes, real_root: bytes,
-                   links: Resolver) -> tuple[str | None, bytes]:
-    """Return (problem, target to store)."""
+                   links: Resolver) -> tuple[str | None, bytes, int]:
+    """(problem, target to store, where it leads: _INSIDE; _OUT, its own target leaves the
+    source; _THROUGH, another symlink on its way does)."""
     try:
         target = os.readlink(path)
     except OSError as exc:
-        return f"cannot read symlink: {exc.strerror}", b""
+        return f"cannot read symlink: {exc.strerror}", b"", _INSIDE
     stored = _stored_target(target, rel, real_root)
-    if stored is None:
-        return f"symlink points outside the source ({show(target)})", b""
-    target = stored
-    if not target_stays_inside(rel, target):
-        return f"symlink points outside the source ({show(target)})", b""
     # Walk it through the tree, other symlinks followed: loops, chains that climb out
     # (even when they would come back in: on the mount, out is the mount's parent).
     try:
-        problem = judge(links.resolve(rel))
+        resolved = links.resolve(rel)
     except _Unresolvable as exc:
-        return f"cannot resolve symlink: {exc}", b""
+        return f"cannot resolve symlink: {exc}", b"", _INSIDE
+    problem = judge(resolved)
     if problem:
-        return problem, b""
-    return None, target
+        return problem, b"", _INSIDE
+    if resolved.status != ESCAPES:
+        return None, target if stored is None else stored, _INSIDE
+    return None, target if stored is None else stored, \
+        _OUT if resolved.culprit == rel else _THROUGH

@@ -52,7 +52,13 @@ from fanstore.pack.access import PRIVATE_FILE_MODE, decide_stream
 from fanstore.pack.dest import open_destination
 from fanstore.pack.encoders import EncoderPool
 from fanstore.pack.indexing import build_index
-from fanstore.pack.options import PackOptions, PackSummary, check_options, report_problems
+from fanstore.pack.options import (
+    PackOptions,
+    PackSummary,
+    check_options,
+    check_symlinks,
+    report_problems,
+)
 from fanstore.pack.plan import CodecPolicy, CodecTable, in_dir
 from fanstore.pack.scan import show
 from fanstore.pack.sources.base import (
@@ -99,7 +105,7 @@ class StreamPacker:
         self.part_files: dict[int, list[int]] = {}
         self.writers: dict[int, PartitionWriter] = {}
         self.loads = [(0, p) for p in range(self.n_normal)]
-        self.tree = VirtualTree()
+        self.tree = VirtualTree(symlinks=options.symlinks)
         self.links: list[tuple[bytes, Node, bytes]] = []
         self.jobs = options.jobs or len(os.sched_getaffinity(0))
         self.ring_size = max(64 << 20, 4 * self.jobs * self.cs)
@@ -357,7 +363,7 @@ class StreamPacker:
             dest=self.dest.url, files=kinds.count(KIND_FILE), dirs=kinds.count(KIND_DIR) - 1,
             symlinks=kinds.count(KIND_SYMLINK), raw_bytes=scan.raw_bytes, stored_bytes=stored,
             index_bytes=len(data), partitions=len(results),
-            seconds=time.monotonic() - t0, skipped=skipped)
+            seconds=time.monotonic() - t0, skipped=skipped, outside_skipped=scan.outside_skipped)
 
 
 def _part_result(p: int, size: int, checksum: str, fids: list[int], files: list[_File],
@@ -406,5 +412,6 @@ def pack_stream(source: Source, dest: str, policy: CodecPolicy | None = None,
     """Pack a streaming source into a store at ``dest`` (a path or an s3:// URL)."""
     options = options or PackOptions()
     check_options(options)
+    check_symlinks(options.symlinks, source.what)
     return StreamPacker(source, dest, policy or CodecPolicy(parse_spec("zstd:3")),
                         options).run()

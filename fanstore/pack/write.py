@@ -96,7 +96,7 @@ def prepare(
     destination.prepare(src, options.force)
 
     if scan is None:
-        scan = scan_tree(src)
+        scan = scan_tree(src, symlinks=options.symlinks)
     skipped = report_problems(scan.problems, options)
     access = decide_tree(src, scan.entries, options.shared)
     if access.private:
@@ -180,6 +180,7 @@ def finish(plan: PackPlan, results: list[PartResult], options: PackOptions) -> P
         partitions=len(plan.tasks),
         seconds=time.monotonic() - plan.t0,
         skipped=plan.skipped,
+        outside_skipped=plan.scan.outside_skipped,
     )
 
 

@@ -5,7 +5,8 @@ A streaming source (a tar stream, a zip file, objects under an S3 prefix) yields
 :class:`VirtualTree` collects them into the namespace a directory scan would have given:
 names normalised and checked, duplicates resolved (the last one wins), directories that
 the source never listed created implicitly, symlinks checked against the same rules as
-``scan_tree`` (kept when they stay inside, refused when they escape or loop), and finally
+``scan_tree`` (refused when they loop; one that leads outside the archive is kept as it is
+or, with ``--symlinks skip``, left out; ``follow`` needs a directory source), and finally
 laid out breadth-first with children sorted by name bytes (a ``ScanResult``).
 """
 
@@ -21,9 +22,9 @@ from fanstore.format.index import (
     KIND_SYMLINK,
     MAX_NAME,
     MAX_TARGET,
-    target_stays_inside,
 )
-from fanstore.format.symlinks import Resolver, judge
+from fanstore.format.symlinks import ESCAPES, Resolver, judge
+from fanstore.pack.options import Symlinks
 from fanstore.pack.scan import ScanEntry, ScanResult, show
 
 # Member kinds besides the three the format stores.
@@ -160,6 +161,10 @@ class VirtualTree:
     seen: dict[bytes, int] = field(default_factory=dict)
     #: files whose content was superseded by a later member of the same name
     dropped: set[int] = field(default_factory=set)
+    #: what becomes of a symlink that leads outside the archive (STORE or SKIP)
+    symlinks: Symlinks = Symlinks.STORE
+    #: symlinks left out by ``symlinks`` (SKIP)
+    outside_skipped: int = 0
 
     def __post_init__(self) -> None:
         self.nodes[b""] = Node(KIND_DIR, IMPLICIT_DIR_MODE, 0, explicit=False)
@@ -191,13 +196,15 @@ class VirtualTree:
     def build(self, root: bytes) -> ScanResult:
         """Check the tree and lay it out breadth-first (children sorted by name bytes).
 
-        Problems (files used as directories, symlinks that escape or loop) are added to
-        ``problems``; the offending entries (and what lies below them) are left out.
+        Problems (files used as directories, symlinks that loop) are added to
+        ``problems``; the offending entries (and what lies below them) are left out, and
+        so are symlinks that lead outside with ``symlinks`` SKIP (counted).
         """
         where = os.fsdecode(root)
         children, bad = self._children(where)
         self._refuse_symlinks(where, bad)
         result, order = self._lay_out(root, children, bad)
+        result.outside_skipped = self.outside_skipped
         _date_implicit_dirs(result, order)
         return result
 
@@ -224,8 +231,9 @@ class VirtualTree:
         return children, bad
 
     def _refuse_symlinks(self, where: str, bad: set[bytes]) -> None:
-        """Add to ``bad`` (and report) the symlinks refused: each on its own (target,
-        lexically inside), then walked through the tree (loops, chains that climb out)."""
+        """Add to ``bad`` (and report) the symlinks refused: each on its own (its target),
+        then walked through the tree (loops); and those that lead out (an absolute target,
+        ``..`` above the root, through other symlinks too) when ``symlinks`` is SKIP."""
         nodes = self.nodes
         # As scan_tree walks a real tree: the walk sees every symlink, those refused on
         # their own too (a directory scan sees them on disk), so a chain is judged the
@@ -235,17 +243,24 @@ class VirtualTree:
         resolver = Resolver(_TreeView(nodes, set(bad)))
         walk = []
         for rel in links:
-            msg = nodes[rel].problem or self._check_target(rel, nodes[rel].target)
+            msg = nodes[rel].problem or target_problem(nodes[rel].target)
             if msg:
                 self.problem(where, rel, msg)
                 bad.add(rel)
             else:
                 walk.append(rel)
+        leaving = []
         for rel in walk:
-            msg = judge(resolver.resolve(rel))
+            resolved = resolver.resolve(rel)
+            msg = judge(resolved)
             if msg:
                 self.problem(where, rel, msg)
                 bad.add(rel)
+            elif resolved.status == ESCAPES:
+                leaving.append(rel)
+        if self.symlinks is Symlinks.SKIP:  # after the walk: as a scan sees them on disk
+            bad.update(leaving)
+            self.outside_skipped += len(leaving)
 
     def _lay_out(self, root: bytes, children: dict[bytes, list[bytes]], bad: set[bytes]
                  ) -> tuple[ScanResult, list[Node]]:
@@ -281,15 +296,6 @@ class VirtualTree:
             result.entries[dir_no].children = (first, len(result.entries) - first)
         result.file_ids = file_ids  # type: ignore[attr-defined] - entry order of files
         return result, order
-
-    @staticmethod
-    def _check_target(rel: bytes, target: bytes) -> str | None:
-        msg = target_problem(target)
-        if msg:
-            return msg
-        if target.startswith(b"/") or not target_stays_inside(rel, target):
-            return f"symlink points outside the source ({show(target)})"
-        return None
 
 
 def _date_implicit_dirs(result: ScanResult, order: list[Node]) -> None:
