@@ -29,7 +29,12 @@ returns wrong bytes.
 
 Paths follow FanStore's one symlink rule (:meth:`fanstore.namespace.Namespace.resolve`):
 symlinks inside the store are followed when reading a file, as ``open`` on the mount does;
-``stat``, ``listdir`` and ``walk`` do not follow the last component, like ``lstat``.
+``stat``, ``listdir`` and ``walk`` do not follow the last component, like ``lstat``. The API
+resolves symlinks **only inside the store**: a store may hold symlinks that lead outside
+it (an absolute target, or ``..`` above the root; ``fanstore pack --symlinks store``, the
+default, keeps them as squashfs and tar do), which the mount shows and the kernel resolves
+on the host; here a path through one raises ``OutsideStoreError`` (a ``NotFoundError``,
+``errno`` ENOENT) naming the link and its target, and never reads a file outside the store.
 
 Both are safe to use from several threads and after ``fork`` (each process and thread gets
 its own daemon connection; file descriptors are only used with ``pread``).

@@ -20,13 +20,20 @@ from pathlib import Path
 import pytest
 
 import fanstore
-from fanstore.errors import CorruptDataError, IsADirectoryError_, NotFoundError, UsageError
+from fanstore.errors import (
+    CorruptDataError,
+    IsADirectoryError_,
+    NotFoundError,
+    OutsideStoreError,
+    UsageError,
+)
 from helpers import (
     assert_cli_error,
     assert_no_traceback,
     damage_file,
     fuse_available,
     is_mounted,
+    make_outside_links_tree,
     run_cli,
 )
 from mpi_helpers import MpiJob, mpi_available
@@ -103,6 +110,39 @@ def test_store_errors_are_fanstore_errors(tree, tmp_path):
         fanstore.open_store(str(tmp_path / "nothing"))
     with pytest.raises(UsageError):
         fanstore.open_store(str(tmp_path))  # an empty directory: neither store nor mount
+
+
+def test_symlinks_that_leave_the_store_are_a_clear_error(tmp_path):
+    """Issue 35: such links are stored as they are; the API resolves symlinks only inside
+    the store, so a path through one is OutsideStoreError (a NotFoundError, ENOENT) naming
+    the link and its target, never the host's file; stat/exists look at the link itself."""
+    tree = make_outside_links_tree(tmp_path)
+    store = tmp_path / "store"
+    run_cli("pack", tree["root"], store, "--codec", "zstd:3", "--no-progress", check=True)
+    with fanstore.open_store(str(store)) as s:
+        for rel in tree["leaving"]:
+            target = tree["links"][rel]
+            for call in (s.read, s.open, s.entry_of, s.listdir,
+                         lambda p: s.read_range(p, 0, 4)):
+                with pytest.raises(OutsideStoreError) as info:
+                    call(rel)
+                assert str(info.value) == (
+                    f"{rel}: symlink {rel!r} -> {target!r} leads outside the store (FanStore's "
+                    "readers resolve symlinks only inside the store; read it through the "
+                    "mount)"), rel
+                assert isinstance(info.value, NotFoundError)
+                assert info.value.errno == errno.ENOENT
+            assert s.stat(rel).st_mode & 0o170000 == 0o120000  # the link itself, like lstat
+            assert s.exists(rel) and not s.exists(f"{rel}/x")
+        assert s.read("inside") == tree["files"]["sub/g"]
+        assert s.read("sub/up") == tree["files"]["f"]
+        with pytest.raises(NotFoundError) as info:
+            s.read("inside_dangling")
+        assert not isinstance(info.value, OutsideStoreError)
+    proc = run_cli("cat", store, "sub/rel")
+    line = assert_cli_error(proc, code=1, contains="symlink 'sub/rel' -> '../../outside.txt' "
+                                                   "leads outside the store")
+    assert proc.stdout == "" and proc.stderr.strip() == line
 
 
 def test_corrupt_data_raises_and_never_returns_wrong_bytes(tree, tmp_path):
