@@ -21,10 +21,12 @@ import textwrap
 
 import pytest
 
+import fanstore
 from fanstore import FORMAT_VERSION
 from fanstore.format.index import INDEX_NAME, read_index
 from fanstore.format.partition import partition_name
 from helpers import (
+    OUTSIDE_BYTES,
     process_tree,
     BIG_DIR_ENTRIES,
     BIG_SIZE,
@@ -37,6 +39,7 @@ from helpers import (
     damage_file,
     flip_bytes,
     is_mounted,
+    make_outside_links_tree,
     os_error,
     pid_alive,
     run_cli,
@@ -225,6 +228,37 @@ def test_symlinks_are_followed_inside_the_mount(mnt, special_tree):
     assert os_error(os.stat, os.path.join(mnt, "links/dangling")) == errno.ENOENT
     assert os.path.realpath(os.path.join(mnt, "links/to_file")) == os.path.join(
         os.path.realpath(mnt), "text/hello.txt")
+
+
+def test_symlinks_that_leave_the_store_are_shown_as_they_are(tmp_path, mounted):
+    """Issue 35: packed with the default --symlinks store, each link that leads outside
+    keeps its target byte for byte; the mount's readlink returns it and the kernel resolves
+    it on the host, as on a squashfs mount (sub/rel's ../.. from the mount point's sub/
+    names tmp_path/outside.txt, next to the mount point). The API on the mount stops at
+    the store's edge."""
+    from fanstore.errors import OutsideStoreError
+
+    tree = make_outside_links_tree(tmp_path)
+    store = tmp_path / "store"
+    run_cli("pack", tree["root"], store, "--codec", "zstd:3", "--no-progress", check=True)
+    mnt = mounted(store)
+    assert mnt.parent == tmp_path
+    for rel, target in tree["links"].items():
+        assert os.readlink(mnt / rel) == target, rel
+        st = os.lstat(mnt / rel)
+        assert stat.S_ISLNK(st.st_mode) and st.st_size == len(os.fsencode(target)), rel
+    assert _read(mnt / "abs") == OUTSIDE_BYTES  # the host's file, through the link
+    assert _read(mnt / "sub" / "rel") == OUTSIDE_BYTES
+    assert _read(mnt / "inside") == tree["files"]["sub/g"]
+    assert _read(mnt / "sub" / "up") == tree["files"]["f"]
+    assert os_error(os.stat, mnt / "dangling") == errno.ENOENT
+    assert os_error(os.stat, mnt / "outloop") == errno.ELOOP
+    assert os_error(os.stat, mnt / "inside_dangling") == errno.ENOENT
+    with fanstore.open_store(str(mnt)) as s:
+        assert type(s).__name__ == "MountReader"
+        assert s.read("inside") == tree["files"]["sub/g"]
+        with pytest.raises(OutsideStoreError, match="symlink 'abs' -> .* leads outside"):
+            s.read("abs")
 
 
 # --------------------------------------------------------------------------- errors
