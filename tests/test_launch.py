@@ -220,3 +220,36 @@ def test_start_timeout_is_checked_at_the_command_line(tmp_path):
     assert res.returncode == 2
     assert "--start-timeout" in res.stderr
     assert_no_traceback(res)
+
+
+def test_a_daemon_killed_mid_start_ends_the_job(dataset, tmp_path):
+    """SIGKILL of node 1's daemon while the nodes wait for node 2 in a start-up gate (the
+    start timeout is long): the other nodes give up at once (hydra reports the dead
+    process, or its launcher ends) instead of waiting out the timeout; every process ends
+    and no mount or index copy is left (node 1's staged files are its to clean: the
+    template's clean-up step removes them)."""
+    _, store = dataset
+    before = _copies()
+    job = MpiJob(store, tmp_path, ranks=3, wait=False, extra=["--start-timeout", "600"])
+    job.start()
+    stopped = []
+    try:
+        stopped = _stop_node_when_starting(job, 2)
+        assert wait_until(lambda: job.pid(0) and job.pid(1), 60), job.output()[-2000:]
+        time.sleep(1.0)  # nodes 0 and 1 wait in a gate for node 2
+        os.kill(job.pid(1), signal.SIGKILL)
+        t0 = time.monotonic()
+        for p in stopped:
+            os.kill(p, signal.SIGCONT)
+        assert wait_until(lambda: not _fanstore_pids(tmp_path), 40), \
+            (_fanstore_pids(tmp_path), job.output()[-3000:])
+        assert time.monotonic() - t0 < 40
+        assert job.wait_exit(10) not in (0, None)
+        left = _leftovers(job, 3, before)
+        assert not left["mounts"] and not left["copies"], left
+        assert "Traceback" not in job.output()
+    finally:
+        for p in stopped:
+            if pid_alive(p):
+                os.kill(p, signal.SIGCONT)
+        job.stop()

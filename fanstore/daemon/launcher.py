@@ -29,6 +29,14 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, sign
 launcher_pid: int | None = None
 #: in the shim, once the daemon has exited: why it failed, when the daemon could not say
 shim_error: str | None = None
+#: in the daemon: the shim's pid (hydra kills the shims of every rank when one rank dies)
+shim_pid: int | None = None
+
+
+def shim_gone() -> bool:
+    """The shim this rank was forked from has ended: hydra killed it because a process of
+    the job died (a starting node gives up: its gates cannot pass)."""
+    return shim_pid is not None and os.getppid() != shim_pid
 
 
 def under_hydra() -> bool:
@@ -48,11 +56,14 @@ def shim() -> int | None:
     global launcher_pid
     if not under_hydra():
         return None
+    global shim_pid
     proxy = os.getppid()
+    me = os.getpid()
     child = os.fork()
     if child == 0:
         os.setpgid(0, 0)
         launcher_pid = proxy
+        shim_pid = me
         return None
     for s in FORWARDED:
         signal.signal(s, lambda signum, _frame: _forward(child, signum))

@@ -38,7 +38,7 @@ from fanstore.daemon import nodestats
 from fanstore.daemon import placement as pl
 from fanstore.daemon import protocol as P
 from fanstore.daemon.jobenv import node_name, substitute
-from fanstore.daemon.launcher import launcher_alive
+from fanstore.daemon.launcher import launcher_alive, shim_gone
 from fanstore.daemon.nodegroup import LeaderSide
 from fanstore.daemon.options import NodeOptions
 from fanstore.daemon.peerwatch import PeerWatch
@@ -320,7 +320,7 @@ class Node:
         starting cannot pass its gates."""
         if self.terminated:
             return f"stopped by signal {signal.Signals(self.terminated).name} while starting"
-        if self.peer_died:
+        if self.peer_died or shim_gone():
             return "the MPI launcher reports a dead process of the job while starting"
         return None
 
@@ -446,6 +446,7 @@ class Node:
             self.server.close()
             self.server = None
         runtime.remove_shared(self.index_copy)
+        runtime.sweep_shared()  # and what killed daemons of this user left (a dead peer's)
         if self.transport is not None and self.transport.running:
             self.transport.stop()
         if self.parts is not None:
