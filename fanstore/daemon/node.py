@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import threading
 import time
@@ -39,6 +38,7 @@ from fanstore.daemon import placement as pl
 from fanstore.daemon import protocol as P
 from fanstore.daemon.jobenv import node_name, substitute
 from fanstore.daemon.launcher import launcher_alive, shim_gone
+from fanstore.daemon.nodeend import NodeEnd
 from fanstore.daemon.nodegroup import LeaderSide
 from fanstore.daemon.options import NodeOptions
 from fanstore.daemon.peerwatch import PeerWatch
@@ -56,7 +56,7 @@ from fanstore.read import ChunkReader, LocalPartitions, ReadStats, RoutedSource
 log = logging.getLogger(__name__)
 
 
-class Node:
+class Node(NodeEnd):
     def __init__(self, options: NodeOptions, world: World, frontend_factory: FrontendFactory,
                  transport_factory: Callable[..., Any] | None = None,
                  runtime_: runtime.MountRuntime | None = None) -> None:
@@ -94,6 +94,7 @@ class Node:
         self.job_stopping = False
         self.terminated = 0  # the last terminating signal received
         self.peer_died = False  # hydra's SIGUSR1 before the node served
+        self._relayed = False  # node 0 has told every node to stop
         self.drain_incomplete: list[int] = []
         self.skip_finalize = False
         #: the other nodes: probes while serving, the drain after (attached in _connect)
@@ -144,14 +145,19 @@ class Node:
 
     # ------------------------------------------------------------------ stopping
     def request_stop(self, reason: str, everywhere: bool = False) -> None:
-        """Stop serving (thread-safe). ``everywhere`` asks every peer to stop too."""
+        """Stop serving (thread-safe). ``everywhere`` asks every peer to stop too: through
+        node 0, which tells every node once (_relay_shutdown), so that a job whose every
+        node got the launcher's SIGTERM sends 2N messages, not N²; node 0 itself, or a
+        node that found node 0 dead, tells every node directly."""
         if everywhere:
             self.job_stopping = True
             if self.transport is not None and self.stopping is None:
-                # In a thread: the caller may be a frontend that must not wait on MPI.
-                threading.Thread(target=self.transport.send_control,
-                                 args=(P.Control.SHUTDOWN, self.watch.others, reason),
-                                 daemon=True).start()
+                leader0 = self.watch.others[0] if self.watch.others else None
+                direct = self.rank == 0 or (self.peers is not None and self.peers.node_dead(0))
+                targets = self.watch.others if direct or leader0 is None else [leader0]
+                if self.rank == 0:
+                    self._relayed = True
+                self._send_shutdown(targets, reason)
         if self.stopping is not None:
             return
         self.stopping = reason
@@ -166,9 +172,19 @@ class Node:
         if msg.kind == P.Control.SHUTDOWN:
             log.info("node %d asks every node to stop: %s", node, msg.reason)
             self.job_stopping = True
+            if self.rank == 0 and not self._relayed:  # node 0 tells every node, once
+                self._relayed = True
+                self._send_shutdown([r for r in self.watch.others if r != msg.rank],
+                                    f"node {node}: {msg.reason}")
             self.request_stop(f"node {node}: {msg.reason}")
         elif msg.kind == P.Control.DONE and self.peers is not None:
             self.peers.done.add(node)
+
+    def _send_shutdown(self, ranks: list[int], reason: str) -> None:
+        # In a thread: the caller may be a frontend or the transport's own thread, which
+        # must not wait on MPI.
+        threading.Thread(target=self.transport.send_control,
+                         args=(P.Control.SHUTDOWN, ranks, reason), daemon=True).start()
 
     # ------------------------------------------------------------------ phases
     def load_index(self):
@@ -223,8 +239,8 @@ class Node:
     def _run(self, on_ready: Callable[[], None] | None) -> int:
         opts = self.options
         early: FanStoreError | None = None
-        self.group.hello(os.getpid())
         try:
+            self.group.hello(os.getpid())
             if self.runtime is None:
                 self.runtime = runtime.MountRuntime.create(self.mountpoint)
             self.runtime.write_state(pid=os.getpid(), rank=self.rank, ranks=self.size,
@@ -258,13 +274,14 @@ class Node:
             # a node that never arrived will not meet the others at the end either
             clean = (self.peers is None or not self.peers.dead) and not self.world.incomplete
             self.group.failed(str(exc))
-            self.group.exit(clean)
+            clean = self.group.exit(clean) and clean
             self._cleanup()
             self._finish_mpi(clean)
             raise
         self._drain()
         clean = not (self.peers and self.peers.dead) and not self.drain_incomplete
-        self.group.exit(clean)  # the worker ranks stop serving peers and finalize with us
+        # the worker ranks stop serving peers and finalize with us (not if one is gone)
+        clean = self.group.exit(clean) and clean
         self._cleanup()
         self._finish_mpi(clean)
         self.runtime.write_state(phase="stopped")
@@ -437,63 +454,3 @@ class Node:
         if self.terminated:
             log.info("%s: stopped serving peers (signal %s)", self.who,
                      signal.Signals(self.terminated).name)
-
-    # ------------------------------------------------------------------ exit
-    def _cleanup(self) -> None:
-        from fanstore.daemon.staging import remove_staged
-
-        if self.server is not None:
-            self.server.close()
-            self.server = None
-        runtime.remove_shared(self.index_copy)
-        runtime.sweep_shared()  # and what killed daemons of this user left (a dead peer's)
-        if self.transport is not None and self.transport.running:
-            self.transport.stop()
-        if self.parts is not None:
-            self.parts.close()
-        if self.local_dir and not self.options.keep_local:
-            if self.created_local:
-                shutil.rmtree(self.local_dir, ignore_errors=True)
-            elif self.stage_report is not None:
-                remove_staged(self.local_dir, self.stage_report.partitions)
-
-    def emergency_cleanup(self) -> None:
-        """What must not outlive a daemon that is about to leave with ``os._exit`` (its
-        launcher is gone and it did not end by itself: fanstore.daemon.launcher.Lifeline):
-        the mount (lazily: a reader may hold it), the index copy, the staged data. Called
-        from another thread; each step is on its own."""
-        if self.frontend is not None:
-            self.frontend.stop("the MPI launcher is gone")
-        if self.mount_key in mounttable.fuse_mounts():
-            mounttable.fusermount_unmount(self.mountpoint, lazy=True)
-        runtime.remove_shared(self.index_copy)
-        if self.local_dir and not self.options.keep_local:
-            from fanstore.daemon.staging import remove_staged
-
-            if self.created_local:
-                shutil.rmtree(self.local_dir, ignore_errors=True)
-            elif self.stage_report is not None:
-                remove_staged(self.local_dir, self.stage_report.partitions)
-        if self.runtime is not None:
-            self.runtime.write_state(phase="stopped", error="the MPI launcher is gone")
-
-    def _finish_mpi(self, clean: bool) -> None:
-        """Finalize MPI when every peer is alive and done; otherwise leave it (finalizing
-        with a dead peer hangs or aborts) and tell the caller to exit without it. Either
-        way this node's worker ranks end first (see LeaderSide.wait_workers_gone)."""
-        if not self.world.is_mpi:
-            return
-        MPI = self.world.MPI
-        if clean and not MPI.Is_finalized():
-            if self.transport is not None and self.transport.running:
-                self.transport.stop()
-            if not self.world.finish_job():
-                log.warning("%s: not every rank reached the end of the job; exiting without "
-                            "MPI_Finalize", self.who)
-                self.skip_finalize = True
-            self.group.wait_workers_gone()
-        elif not clean:
-            self.group.wait_workers_gone()
-            log.warning("%s: exiting without MPI_Finalize (a peer is gone or did not finish)",
-                        self.who)
-            self.skip_finalize = True

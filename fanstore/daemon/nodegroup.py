@@ -42,15 +42,22 @@ def _wait(req, alive: Callable[[], bool] | None = None, backoff: Backoff | None 
     return True
 
 
-def _bcast_bytes(comm, data: bytes | None, alive=None) -> bytes | None:
-    """Leader (data given) or worker (None): one message; None if the leader died."""
+def _bcast_bytes(comm, data: bytes | None, alive=None,
+                 deadline: float | None = None) -> bytes | None:
+    """Leader (data given) or worker (None): one message; None if the other side died
+    (``alive()`` turned false) or ``deadline`` passed."""
     n = np.array([len(data) if data is not None else 0], dtype=np.int64)
-    if not _wait(comm.Ibcast(n, root=0), alive):
+    if not _wait(comm.Ibcast(n, root=0), alive, deadline=deadline):
         return None
     buf = bytearray(data) if data is not None else bytearray(int(n[0]))
-    if len(buf) and not _wait(comm.Ibcast([buf, len(buf), _byte(comm)], root=0), alive):
+    if len(buf) and not _wait(comm.Ibcast([buf, len(buf), _byte(comm)], root=0), alive,
+                              deadline=deadline):
         return None
     return bytes(buf)
+
+
+#: seconds a leader waits for its worker ranks to take a message (they are polling for it)
+TELL_TIMEOUT = 30.0
 
 
 def _byte(comm):
@@ -72,9 +79,19 @@ class LeaderSide:
     def hello(self, pid: int) -> None:
         """Tell the workers our pid; learn theirs (to wait for them at the end)."""
         if self.active:
-            _bcast_bytes(self.job.node_comm, json.dumps({"pid": pid}).encode())
+            from fanstore.daemon.launcher import launcher_alive
+
+            deadline = time.monotonic() + TELL_TIMEOUT
+            if _bcast_bytes(self.job.node_comm, json.dumps({"pid": pid}).encode(),
+                            launcher_alive, deadline) is None:
+                raise MountError("this node's worker ranks did not start (no answer within "
+                                 f"{TELL_TIMEOUT:g} s)")
             pids = np.zeros(self.job.node_comm.Get_size(), dtype=np.int64)
-            _wait(self.job.node_comm.Igather(np.array([pid], dtype=np.int64), pids, root=0))
+            if not _wait(self.job.node_comm.Igather(np.array([pid], dtype=np.int64), pids,
+                                                    root=0), launcher_alive,
+                         deadline=deadline):
+                raise MountError("this node's worker ranks did not answer within "
+                                 f"{TELL_TIMEOUT:g} s")
             self.worker_pids = [int(p) for p in pids[1:]]
 
     def wait_workers_gone(self, timeout: float = 15.0) -> bool:
@@ -100,23 +117,36 @@ class LeaderSide:
             backoff.sleep()
         return True
 
+    def workers_alive(self) -> bool:
+        """Every worker rank of the node is still there: a message to them is a
+        collective of the node, which never completes once one has gone."""
+        return all(pid_alive(p) for p in self.worker_pids)
+
+    def _tell(self, message: dict) -> bool:
+        """Send ``message`` to the worker ranks; False when one is gone or it took
+        longer than ``TELL_TIMEOUT`` (a worker that stopped listening)."""
+        deadline = time.monotonic() + TELL_TIMEOUT
+        return _bcast_bytes(self.job.node_comm, json.dumps(message).encode(),
+                            self.workers_alive, deadline) is not None
+
     def spec(self, spec: WorkerRankSpec) -> None:
         if self.active and not self.spec_sent:
             self.spec_sent = True
-            _bcast_bytes(self.job.node_comm,
-                         json.dumps(dict(json.loads(spec.to_json()), ok=True)).encode())
+            self._tell(dict(json.loads(spec.to_json()), ok=True))
 
     def failed(self, error: str) -> None:
         """The node did not start: workers exit (if the spec was not sent yet)."""
         if self.active and not self.spec_sent:
             self.spec_sent = True
-            _bcast_bytes(self.job.node_comm, json.dumps({"ok": False,
-                                                         "error": error}).encode())
+            self._tell({"ok": False, "error": error})
 
-    def exit(self, clean: bool) -> None:
+    def exit(self, clean: bool) -> bool:
+        """Tell the workers to end (``clean``: with MPI_Finalize). False when they could
+        not all be told (one is gone): the job then ends without MPI_Finalize."""
         if self.active and not self.exit_sent:
             self.exit_sent = True
-            _bcast_bytes(self.job.node_comm, json.dumps({"clean": clean}).encode())
+            return self._tell({"clean": clean})
+        return True
 
 
 class WorkerSide:
