@@ -15,7 +15,7 @@ from typing import Any, Callable, Protocol
 
 
 #: the kernel frontend's FUSE workers when ``--workers`` is not given: the cores, at most this
-DEFAULT_MAX_WORKERS = 8
+DEFAULT_MAX_WORKERS = 16
 
 
 @dataclass

@@ -54,7 +54,7 @@ def _add_mount(sub, common) -> None:
                         f"$FANSTORE_FRONTEND or {DEFAULT_FRONTEND}")
     s.add_argument("--workers", type=nonneg_int, default=0,
                    help="FUSE worker processes of the kernel frontend (default: the cores, at "
-                        "most 8); in an MPI job a node launched with several ranks is served "
+                        "most 16); in an MPI job a node launched with several ranks is served "
                         "by its worker ranks instead (--ranks-per-node)")
     s.add_argument("--ranks-per-node", type=ranks_per_node, default="auto",
                    help="in an MPI job, how launched ranks form nodes: auto (the ranks of "

@@ -37,8 +37,8 @@ def static_stats(node, index, mine) -> dict[str, Any]:
         "index_broadcast_seconds": round(node.bcast_seconds, 4),
         # what this daemon received in the start-up's layout, gates and agreements (the
         # index broadcast apart): constant in the number of nodes (benchmarks)
-        "startup_received_messages": node.world.received[0],
-        "startup_received_bytes": node.world.received[1],
+        "startup_received_messages": lambda: node.world.received[0],
+        "startup_received_bytes": lambda: node.world.received[1],
         "frontend": node.options.mount.frontend,
     }
     if node.stage_report is not None:

@@ -213,7 +213,12 @@ class NodesBench(h.Bench):
             stats = job.stats(r) or {}
             received.append(stats.get("startup_received_bytes", 0))
             messages.append(stats.get("startup_received_messages", 0))
+        others = sorted(received[1:]) or [0]
+        out["received_messages_other"] = (sorted(messages[1:]) or [0])[len(messages) // 2 - 1
+                                                                        if len(messages) > 1
+                                                                        else 0]
         out.update(received_bytes_max=max(received), received_bytes_node0=received[0],
+                   received_bytes_other_median=others[len(others) // 2],
                    received_messages_max=max(messages), received_messages_node0=messages[0],
                    index_bytes=self.info.get("index_bytes"))
         return out
@@ -292,11 +297,20 @@ class NodesBench(h.Bench):
         return None, self.leftovers(job, nodes, before)
 
     def stop(self, job: h.Job, nodes: int, before: set[str]) -> dict:
+        """One SIGTERM to mpiexec: seconds until nothing is left, and the machine's busy
+        core-seconds meanwhile per node (what a node's stop costs: on 2 cores N nodes'
+        stops queue behind each other)."""
+        cpu0 = h.machine_cpu()
         t0 = time.perf_counter()
         os.kill(job.proc.pid, signal.SIGTERM)
         seconds, left = self.until_clean(job, nodes, before, t0, self.a.stop_limit)
+        cpu1 = h.machine_cpu()
+        busy = None
+        if cpu0 and cpu1:
+            busy = ((cpu1[0] - cpu0[0]) - (cpu1[1] - cpu0[1])) / os.sysconf("SC_CLK_TCK")
         job.proc.wait(30)
-        out = {"stop_s": seconds, "left": left, "mpiexec_rc": job.proc.returncode}
+        out = {"stop_s": seconds, "left": left, "mpiexec_rc": job.proc.returncode,
+               "stop_cpu_s_per_node": round(busy / nodes, 3) if busy is not None else None}
         job.stop()
         return out
 
@@ -320,10 +334,16 @@ class NodesBench(h.Bench):
         phases = [(runtime.read_state(job.mnt(r)) or {}).get("phase") for r in range(nodes)]
         if victim == "launcher":
             os.kill(job.proc.pid, signal.SIGKILL)
-        else:
-            pid = (runtime.read_state(job.mnt(1)) or {}).get("pid")
-            if pid:
-                os.kill(pid, signal.SIGKILL)
+        else:  # node 1's daemon, once it has said it is starting (a live pid)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                pid = (runtime.read_state(job.mnt(1)) or {}).get("pid")
+                if pid and h.pid_alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+                    break
+                time.sleep(0.05)
+            phases = [(runtime.read_state(job.mnt(r)) or {}).get("phase")
+                      for r in range(nodes)]
         t0 = time.perf_counter()
         seconds, left = self.until_clean(job, nodes, before, t0, self.a.stop_limit)
         row = {"kind": "kill", "victim": victim, "nodes": nodes, "per_node": per_node,
@@ -367,17 +387,19 @@ def render(bench: NodesBench, label: str, argv: list[str]) -> str:
            f"N nodes of K ranks on this 2-core machine (`--ranks-per-node K`)."]
     out.append(h.table(
         ["N x K", "ranks", "ready s", "start CPU s / daemon", "/ worker rank",
-         "received B / daemon (node 0)", "msgs", "PSS MB / daemon", "/ worker rank",
+         "received B: node 0 (other daemons)", "msgs: node 0 (others)", "PSS MB / daemon", "/ worker rank",
          "/ frontend", "/ shim", "/dev/shm MB (whole)", "node MB", "idle % core / rank",
-         "storm files (wrong, errors)", "SIGTERM: clean s", "left", "error"],
+         "storm files (wrong, errors)", "SIGTERM: clean s", "stop CPU s / node", "left",
+         "error"],
         [(f"{r['nodes']}x{r['per_node']}", r["ranks"], r.get("ready_s"),
           r.get("start_cpu_s_daemon"), r.get("start_cpu_s_worker", "-"),
-          f"{r.get('received_bytes_max', '-')} ({r.get('received_bytes_node0', '-')})",
-          f"{r.get('received_messages_max', '-')} ({r.get('received_messages_node0', '-')})",
+          f"{r.get('received_bytes_node0', '-')} ({r.get('received_bytes_other_median', '-')})",
+          f"{r.get('received_messages_node0', '-')} ({r.get('received_messages_other', '-')})",
           r.get("pss_mb_daemon"), r.get("pss_mb_worker", "-"), r.get("pss_mb_frontend", "-"),
           r.get("pss_mb_shim", "-"), r.get("shm_mb"), r.get("node_mb"), r.get("idle_pct_per_rank"),
           f"{r.get('storm_files')} ({r.get('storm_mismatches')}, {r.get('storm_errors')})",
-          r.get("stop_s"), json.dumps(r.get("left")), r.get("error", "")[:80])
+          r.get("stop_s"), r.get("stop_cpu_s_per_node", "-"), json.dumps(r.get("left")),
+          r.get("error", "")[:80])
          for r in rows]))
     kills = bench.pick(kind="kill")
     if kills:

@@ -30,12 +30,14 @@ PRESETS = {
 }
 
 
-def job_(bench: "RemoteBench", nodes: int, tag: str, mode: str, extra: list[str] = ()) -> h.Job:
+def job_(bench: "RemoteBench", nodes: int, tag: str, mode: str, extra: list[str] = (),
+         workers: int | None = None) -> h.Job:
     """A job of ``nodes`` nodes in the ``ranks`` shape (each node its daemon and
-    ``--workers`` worker ranks) or the ``relay`` shape (one rank per node: forked FUSE
-    workers whose remote reads go through the daemon)."""
-    args = ["--frontend", "kernel", "--workers", str(bench.a.workers), *extra]
-    per_node = bench.a.workers + 1 if mode == "ranks" else 1
+    ``workers`` worker ranks, default ``--workers``) or the ``relay`` shape (one rank per
+    node: that many forked FUSE workers whose remote reads go through the daemon)."""
+    workers = workers or bench.a.workers
+    args = ["--frontend", "kernel", "--workers", str(workers), *extra]
+    per_node = workers + 1 if mode == "ranks" else 1
     return h.Job(bench, nodes, tag, args, per_node=per_node)
 
 
@@ -145,7 +147,7 @@ class RemoteBench(h.Bench):
         for rep in range(1, a.reps + 1):
             for k in (1, 2):
                 h.drop_caches()
-                job = job_(self, 2, f"dist-{k}-{rep}", "ranks", ["--workers", str(k)])
+                job = job_(self, 2, f"dist-{k}-{rep}", "ranks", workers=k)
                 try:
                     job.start()
                     h.drop_caches()

@@ -15,12 +15,8 @@ Passes (``--passes``, in this order):
           it can read (``--old-store``): today's figures next to the new ones, one run.
   noplus  the same as ``mount`` (last --workers value only) with plain READDIR (``--fuse-flags=-DO_READDIRPLUS``): a
           listing creates no inodes in the kernel, every later open costs a LOOKUP.
-  ranks   ``mpiexec -n --ranks`` one-rank nodes on this machine (``--workers 1``) mounting
-          ``--rank-store`` (packed from ``--rank-data``, a smaller gen_tree tree): time until
-          every rank is ready, ``--rank-sample`` files read through every rank's mount and
-          compared with the source, the idle CPU of all the job's processes over 30 s, then
-          one SIGTERM to rank 0: time until the job has ended, and what is left (mounts,
-          processes, index copies in /dev/shm).
+
+Many nodes (N one-rank nodes, N x K ranks) are ``tools/bench/nodes_bench.py``'s.
 
     .venv/bin/python tools/gen_tree.py /work/data/tree10m --files 10000000
     .venv/bin/python tools/bench/scale_bench.py --data /work/data/tree10m --work /work/scale
@@ -33,7 +29,6 @@ import json
 import os
 import random
 import resource
-import signal
 import subprocess
 import sys
 import time
@@ -60,7 +55,7 @@ class ScaleBench(h.Bench):
 
     def __init__(self, a: argparse.Namespace) -> None:
         super().__init__(a)
-        with open(os.path.join(a.data or a.rank_data, ".gen_tree.json")) as f:
+        with open(os.path.join(a.data, ".gen_tree.json")) as f:
             self.tree = json.load(f)
         self.files = int(self.tree["files"])
         self.img = os.path.join(self.work, "tree.sqfs")
@@ -174,61 +169,6 @@ class ScaleBench(h.Bench):
         subprocess.run(["fusermount3", "-u", "--", mnt], capture_output=True)
         proc.wait(60)
 
-    def ranks_pass(self) -> None:
-        n, data = self.a.ranks, os.path.abspath(self.a.rank_data)
-        store = os.path.join(self.work, "rank-store")
-        if not os.path.exists(os.path.join(store, "fanstore.idx")):
-            subprocess.run([self.fanstore, "pack", data, store, "--partitions", str(n),
-                            "--no-progress", "--force"], check=True, capture_output=True)
-        self.store, before = store, set(os.listdir("/dev/shm"))
-        job = h.Job(self, n, "ranks", ["--workers", "1"])
-        self.cmd(job.argv())
-        row = {"kind": "ranks", "ranks": n}
-        try:
-            job.start(timeout=900)
-        except RuntimeError as exc:
-            row["error"] = str(exc)[-300:]
-            self.emit(row)
-            raise
-        row["ready_s"] = round(job.ready_seconds, 1)
-        pids = h.fanstore_processes(None)
-        row["processes"] = len(pids)
-        row["pss_mb"] = round(h.memory(pids)[1] / 1e6)
-        with open(os.path.join(data, ".gen_tree.json")) as f:
-            tree = json.load(f)
-        rng, per, bad, read = random.Random(128), int(tree["per_dir"]), 0, 0
-        for r in range(n):
-            for i in rng.sample(range(int(tree["files"])), self.a.rank_sample):
-                rel = f"train/n{i // per:08d}/n{i // per:08d}_{i % per:06d}.txt"
-                with open(os.path.join(job.mnt(r), rel), "rb") as f, \
-                        open(os.path.join(data, rel), "rb") as g:
-                    bad += f.read() != g.read()
-                read += 1
-        row.update(sample_files=read, sample_mismatches=bad)
-        cpu0, t0 = h.cpu_seconds(pids), time.perf_counter()
-        time.sleep(30)
-        idle = (h.cpu_seconds(pids) - cpu0) / (time.perf_counter() - t0)
-        row["idle_core_pct_per_rank"] = round(100 * idle / n, 3)
-        rank0 = h.state_pid(job.mnt(0))
-        start = time.perf_counter()
-        os.kill(rank0, signal.SIGTERM)  # one signal: rank 0 sends SHUTDOWN to every peer
-        try:
-            job.proc.wait(timeout=300)
-            row["stop_s"] = round(time.perf_counter() - start, 1)
-            row["mpiexec_rc"] = job.proc.returncode
-        except subprocess.TimeoutExpired:
-            row["stop_s"] = None
-        time.sleep(1)
-        row["left_mounts"] = sum(h.is_mounted(job.mnt(r)) for r in range(n))
-        row["left_processes"] = len(h.fanstore_processes(None))
-        row["left_shm"] = len([x for x in set(os.listdir("/dev/shm")) - before
-                               if x.startswith("fanstore-")])
-        self.emit(row)
-        log(f"  {n} ranks: ready {row['ready_s']} s, idle {row['idle_core_pct_per_rank']}% "
-            f"of a core per rank, stopped in {row['stop_s']} s, left {row['left_mounts']} "
-            f"mounts / {row['left_processes']} processes / {row['left_shm']} copies")
-        job.stop()
-
     def run(self) -> None:
         passes = self.a.passes.split(",")
         if self.a.pack_rows:  # an earlier run's pack rows (their own run id), shown here
@@ -239,9 +179,6 @@ class ScaleBench(h.Bench):
                         self.rows.append(row)
                         with open(self.jsonl_tmp, "a") as out:
                             out.write(json.dumps(row) + "\n")
-        if passes == ["ranks"]:
-            self.ranks_pass()
-            return
         self.list = self.sample()
         if "pack" in passes:
             self.pack()
@@ -257,8 +194,6 @@ class ScaleBench(h.Bench):
             if "noplus" in passes and w == h.ints(self.a.workers)[-1]:  # one is enough
                 self.fanstore_pass("fanstore-noplus", self.fanstore, self.store, w,
                                    ("--fuse-flags=-DO_READDIRPLUS",))
-        if "ranks" in passes:
-            self.ranks_pass()
 
     def cleanup(self) -> None:
         super().cleanup()
@@ -272,17 +207,6 @@ class ScaleBench(h.Bench):
 def render(bench: ScaleBench, label: str, argv: list[str]) -> str:
     n = bench.files
     rows = bench.rows
-    ranks = h.pick_rows(rows, kind="ranks")
-    if ranks and len(ranks) == len(rows):
-        return h.section(bench, label, argv, [h.table(
-            ["ranks (one-rank nodes, --workers 1)", "mounted s", "processes", "PSS MB",
-             "files read and compared", "mismatches", "idle % of a core per rank",
-             "stopped s (one SIGTERM)", "mpiexec exit", "left: mounts / processes / copies"],
-            [(r["ranks"], r.get("ready_s"), r.get("processes"), r.get("pss_mb"),
-              f"{r.get('sample_files', 0):,}", r.get("sample_mismatches"),
-              r.get("idle_core_pct_per_rank"), r.get("stop_s"), r.get("mpiexec_rc"),
-              f"{r.get('left_mounts')} / {r.get('left_processes')} / {r.get('left_shm')}")
-             for r in ranks])])
     out = [f"{n:,} files of `tools/gen_tree.py` ({bench.tree['per_dir']:,} per directory); "
            f"reads: {bench.a.reads:,} files, shuffled, 4 readers, after the find."]
     packs = h.pick_rows(rows, kind="pack")
@@ -337,17 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--old-store", help="a store that build reads (pass old)")
     p.add_argument("--pack-rows", help="JSONL of an earlier run whose pack rows this run's "
                    "tables show (they keep their run id)")
-    p.add_argument("--ranks", type=int, default=128, help="pass ranks: one-rank nodes")
-    p.add_argument("--rank-data", help="pass ranks: the gen_tree tree of its store")
-    p.add_argument("--rank-sample", type=int, default=20, help="files read per rank")
     p.add_argument("--section", default="", help="docs section (default scale_bench-N)")
     a = p.parse_args(raw)
-    if not (a.data or a.rank_data):
-        p.error("--data (or, for the ranks pass alone, --rank-data) is required")
-    a.data = os.path.abspath(a.data or a.rank_data)
+    if not a.data:
+        p.error("--data is required")
+    a.data = os.path.abspath(a.data)
     bench = ScaleBench(a)
-    section = a.section or ("scale_bench-ranks" if a.passes == "ranks"
-                            else f"scale_bench-{bench.files // 1000}k")
+    section = a.section or f"scale_bench-{bench.files // 1000}k"
     bench.name = section  # the docs section and its raw rows, one file per section
     if "--results" not in " ".join(raw):
         a.results = os.path.join(h.RESULTS_DIR, f"{section}.jsonl")
