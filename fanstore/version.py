@@ -3,5 +3,6 @@
 __version__ = "0.1.0"
 
 #: Newest on-disk format this release reads and writes (docs/format.md). A store is written
-#: in the oldest version that can hold it: v1 unless some file lives in a solid block (v2).
-FORMAT_VERSION = 3
+#: in the oldest version that can hold it: v3, or v4 when identical files of several chunks
+#: share one run (pack's dedup).
+FORMAT_VERSION = 4

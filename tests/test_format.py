@@ -898,3 +898,117 @@ def test_a_mapped_index_costs_a_process_only_the_pages_it_reads(request):
     assert ns.stat(parent).nlink >= 2
     # a bisection and a stat touch a few places in a dozen columns
     assert start < _mapping_rss(path) <= start + 24 * around < size / 4
+
+
+# --------------------------------------------------------------------------- format v4
+
+
+def _tiny_v4_parts() -> dict:
+    """A v4 index: identical files stored once (chunk size 4096).
+
+        /            dir   (entry 0)
+        a/           dir   (1)
+        f            file  (2)  5000 bytes: chunks 0, 1 in partition 0
+        a/g          file  (3)  5000 bytes: the same run as f (a duplicate of f)
+        a/h          file  (4)  10 bytes: chunk 2 in partition 1
+    """
+    b = IndexBuilder(5, 3)
+    e = b.entries
+    rows = [(0, KIND_DIR, 0o755, 0), (0, KIND_DIR, 0o755, 0), (0, KIND_FILE, 0o644, 5000),
+            (1, KIND_FILE, 0o644, 5000), (1, KIND_FILE, 0o644, 10)]
+    for i, (parent, kind, mode, size) in enumerate(rows):
+        e["parent"][i], e["kind"][i], e["mode"][i], e["size"][i] = parent, kind, mode, size
+    for i, name in ((1, b"a"), (2, b"f"), (3, b"g"), (4, b"h")):
+        b.set_name(i, name)
+    e["first"][0], e["count"][0] = 1, 2
+    e["first"][1], e["count"][1] = 3, 2
+    e["first"][2], e["count"][2], e["checksum"][2] = 0, 2, 111
+    e["first"][3], e["count"][3], e["checksum"][3] = 0, 2, 111
+    e["first"][4], e["count"][4], e["checksum"][4] = 2, 1, 222
+    parts = _parts_of(b, [(0, 64, 100, 4096, 1), (0, 164, 50, 904, 1), (1, 64, 10, 10, 0)],
+                      [{"size": 214, "checksum": "00", "files": 1, "raw_bytes": 5000},
+                       {"size": 74, "checksum": "11", "files": 1, "raw_bytes": 10}],
+                      {"files": 3, "dirs": 1, "symlinks": 0, "raw_bytes": 10010})
+    parts["lookup"] = None
+    return parts
+
+
+def test_v4_is_written_only_when_a_run_of_several_chunks_is_shared():
+    parts = _tiny_v4_parts()
+    data = _encode(parts)
+    assert struct.unpack_from("<H", data, 8)[0] == 4 == FORMAT_VERSION
+    index = read_index_bytes(data)
+    assert index.version == 4 == index.meta["format_version"]
+    ns = Namespace(index)
+    assert ns.chunks(2) == ns.chunks(3) == (0, 2)
+    # A one-chunk file sharing a chunk (solid blocks, or a duplicate of it) is v3 as before.
+    parts["e"]["first"][3], parts["e"]["count"][3], parts["e"]["size"][3] = 2, 1, 10
+    assert read_index_bytes(_encode(parts)).version == 3
+
+
+def test_a_shared_run_of_several_chunks_is_refused_before_v4():
+    """What an older reader (v3) says about a v4 store's shared run: what this one says
+    about a v3 index holding one (an older FanStore refuses v4 itself as too new)."""
+    data = bytearray(_encode(_tiny_v4_parts()))
+    body = bytearray(_body(bytes(data)))
+    (meta_len,) = struct.unpack_from("<I", body)
+    meta = json.loads(body[4 : 4 + meta_len])
+    meta["format_version"] = 3
+    new = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
+    body[4 : 4 + meta_len] = new.ljust(meta_len)
+    relabelled = bytearray(_reencode_body(bytes(data), bytes(body)))
+    struct.pack_into("<H", relabelled, 8, 3)
+    with pytest.raises(FormatError, match="file chunk runs overlap"):
+        read_index_bytes(bytes(relabelled))
+
+
+def test_a_v4_index_with_names_that_need_a_lookup_table_is_not_written():
+    parts = _tiny_v4_parts()
+    parts["lookup"] = IndexBuilder(0, 0).build_lookup()
+    with pytest.raises(FormatError, match="only the v4 layout holds"):
+        _encode(parts)
+
+
+def _bad_v4_sharing(mutate):
+    """``_tiny_v4_parts`` with a third chunk of 4096 bytes in f's run (f and g then hold
+    chunks 0-2, h chunk 3), mutated by ``mutate``."""
+    def make():
+        b = IndexBuilder(5, 4)
+        parts = _tiny_v4_parts()
+        for name in parts["c"]:
+            b.chunks[name][[0, 1, 3]] = parts["c"][name]
+        b.chunks["part"][2], b.chunks["offset"][2] = 0, 214
+        b.chunks["stored"][2], b.chunks["raw"][2], b.chunks["codec"][2] = 60, 4096, 1
+        b.chunks["raw"][1] = 4096
+        parts["c"] = b.chunks
+        parts["e"]["count"][2:4] = 3
+        parts["e"]["size"][2:4] = 3 * 4096
+        parts["e"]["first"][4] = 3
+        parts["meta"]["partitions"][0]["size"] = 274
+        mutate(parts)
+        return parts
+    return make
+
+
+HOSTILE_V4 = {
+    "runs overlapping, not the same": (_set("e.first", 3, 1), "overlap"),
+    "a run inside another": (lambda p: (_set("e.count", 3, 2)(p), _set("e.size", 3, 8192)(p)),
+                             "overlap"),
+    "the same run, another size": (_set("e.size", 3, 3 * 4096 - 1), "differs from the sum"),
+    "the same first, a longer run": (lambda p: (_set("e.count", 3, 4)(p),
+                                                _set("e.size", 3, 3 * 4096 + 10)(p)),
+                                     "overlap"),
+    "a one-chunk file on a shared run": (
+        lambda p: (_set("e.first", 3, 1)(p), _set("e.count", 3, 1)(p), _set("e.size", 3, 10)(p)),
+        "overlap"),
+    "a shared run with an offset": (_set("e.offset", 3, 5), "several chunks has a data offset"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_V4))
+def test_hostile_v4_sharing_is_refused(case):
+    mutate, match = HOSTILE_V4[case]
+    good = _bad_v4_sharing(lambda p: None)()
+    assert read_index_bytes(_encode(good)).version == 4  # the unmutated index reads
+    with pytest.raises(FormatError, match=match):
+        read_index_bytes(_encode(_bad_v4_sharing(mutate)()))

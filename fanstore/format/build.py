@@ -29,6 +29,7 @@ from fanstore.format.layout import (
     INDEX_MAGIC,
     KIND_FILE,
     NO_LOOKUP_FROM,
+    SHARED_RUNS_FROM,
     entry_dtype,
     name_hash,
 )
@@ -97,21 +98,15 @@ def encode_index(
 ) -> bytes:
     """Serialise an index (header + zstd body) to bytes.
 
-    Without ``lookup`` the index is v3 (no lookup table, 32/8-bit name columns); a names
+    Without ``lookup`` the index is v3 (no lookup table, 32/8-bit name columns), or v4 when
+    files of several chunks share a run (:func:`shares_runs`: identical files stored once;
+    earlier readers refuse it as too new); a names
     table of 4 GiB or more (or a name over 255 bytes) does not fit v3: it gets a lookup
     table built here and the older layout. With ``lookup`` it is written in the oldest of v1/v2 that can hold it: v1
     unless some file lives in a solid chunk (:func:`needs_v2`), byte for byte what earlier
     releases wrote.
     """
-    name_len = e["name_len"]
-    too_wide = len(names) >= 1 << 32 or (len(name_len) and int(name_len.max()) > 255)
-    if lookup is None and too_wide:
-        lookup = lookup_table(e, names)
-    if lookup is None:
-        version = NO_LOOKUP_FROM
-    else:
-        offsets = e.get("offset")
-        version = 2 if offsets is not None and needs_v2(e, c) else 1
+    version, lookup = _version_of(e, c, lookup, names)
     columns: list[tuple[str, bytes]] = []
     for name, dt in ENTRY_COLUMNS:
         if ABSENT_BEFORE.get(name, 0) > version:
@@ -166,6 +161,24 @@ def encode_index(
     return header + stored
 
 
+def _version_of(e: dict[str, np.ndarray], c: dict[str, np.ndarray],
+                lookup: tuple[np.ndarray, np.ndarray] | None, names: bytes
+                ) -> tuple[int, tuple[np.ndarray, np.ndarray] | None]:
+    """The version an index is written in (see :func:`encode_index`), and its lookup table
+    (built here for names too wide for v3)."""
+    name_len = e["name_len"]
+    too_wide = len(names) >= 1 << 32 or (len(name_len) and int(name_len.max()) > 255)
+    if lookup is None and too_wide:
+        lookup = lookup_table(e, names)
+    if lookup is None:
+        return (SHARED_RUNS_FROM if shares_runs(e) else NO_LOOKUP_FROM), None
+    if shares_runs(e):
+        raise FormatError("files of several chunks share their chunks, which only the v4 "
+                          "layout holds, but the names do not fit it (pack with --no-dedup)")
+    offsets = e.get("offset")
+    return (2 if offsets is not None and needs_v2(e, c) else 1), lookup
+
+
 def needs_v2(e: dict[str, np.ndarray], c: dict[str, np.ndarray]) -> bool:
     """True if some file lives in a solid chunk (format v2): at a non-zero offset, in a
     chunk another file refers to too, or in a single chunk larger than itself."""
@@ -183,6 +196,14 @@ def needs_v2(e: dict[str, np.ndarray], c: dict[str, np.ndarray]) -> bool:
         return False
     at = np.minimum(f_first[single], np.uint64(n_chunks - 1)).astype(np.int64)
     return bool(np.any(e["size"][files][single] != c["raw"][at]))
+
+
+def shares_runs(e: dict[str, np.ndarray]) -> bool:
+    """True if two files of several chunks share their run (format v4: identical files
+    stored once; one-chunk files could always share a chunk)."""
+    multi = (e["kind"] == KIND_FILE) & (e["count"] > 1)
+    firsts = e["first"][multi]
+    return len(np.unique(firsts)) < len(firsts)
 
 
 def write_index(path: str, data: bytes) -> None:

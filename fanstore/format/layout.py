@@ -4,7 +4,7 @@ Layout of ``fanstore.idx``::
 
     header (64 bytes, little-endian)
         magic        8s   b"FANSTIDX"
-        version      u16  format version (3; 1 and 2 are still read: see below)
+        version      u16  format version (3 or 4; 1 and 2 are still read: see below)
         flags        u16  0
         header_size  u32  64
         body_raw     u64  size of the body after decompression
@@ -22,13 +22,16 @@ found by binary search in its directory's run of children, which are sorted by n
 and narrower name columns (``name_off`` u32, ``name_len`` u8: its names table is under
 4 GiB). v1 and v2 bodies have the lookup table (``lk_hash``, ``lk_entry``: XXH3-64 of
 (parent u32 LE + name), sorted) and 64/16-bit name columns; readers ignore their lookup
-table. v2 added ``e_offset`` (solid chunks); v1 has none (it reads as zeros). Every version
-is mapped and read the same way otherwise (docs/format.md "Versions").
+table. v2 added ``e_offset`` (solid chunks); v1 has none (it reads as zeros). v4 is v3's
+layout in which files of several chunks may share one run (identical files stored once);
+a pack writes it only for a store that does. Every version is mapped and read the same way
+otherwise (docs/format.md "Versions").
 
 Entries are numbered 0..N-1 (entry 0 is the root directory; inode = entry + 1). They are in
 breadth-first order: the children of a directory are contiguous, sorted by name, and every
 child comes after its parent. A file either owns a contiguous run of the chunk table whose
-chunks are contiguous in one partition (so one read fetches a whole file), or (format v2)
+chunks are contiguous in one partition (so one read fetches a whole file; from v4, identical
+files may all point at the same run), or (format v2)
 lives in a *solid* chunk shared with other small files, at byte ``offset`` of its decoded
 bytes. In both cases a file's content is ``concat(decoded chunks first..first+count-1)
 [offset : offset + size]`` (``offset`` is 0 for files that own their chunks and in v1).
@@ -105,6 +108,9 @@ ABSENT_BEFORE = {"offset": 2}
 NARROW_FROM_V3: dict[str, str] = {"name_off": "<u4", "name_len": "u1"}
 #: The first version without the name lookup table.
 NO_LOOKUP_FROM = 3
+#: The first version in which files of several chunks may share their run: identical
+#: files stored once (``pack`` dedup). Its layout is v3's; only this rule is new.
+SHARED_RUNS_FROM = 4
 
 
 def entry_dtype(name: str, dtype: str, version: int) -> str:

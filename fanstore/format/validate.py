@@ -25,6 +25,7 @@ from fanstore.format.layout import (
     MAX_NAME,
     MAX_TARGET,
     NO_LOOKUP_FROM,
+    SHARED_RUNS_FROM,
 )
 from fanstore.format.partition import PARTITION_HEADER_SIZE
 
@@ -45,8 +46,10 @@ def validate_index(
     without NUL (they may lead outside the store, as in squashfs), chunk runs
     are in bounds, contiguous and inside their partitions, chunk sizes are bounded (no
     decompression bombs), every chunk belongs to a file; a file of several chunks owns them
-    (no other file refers to any) and its size is their sum; a file of one chunk lies inside
-    it (``offset + size <= raw``), and only in v2 may it share the chunk with other files.
+    (no other file refers to any; from v4, files with exactly the same run, identical files
+    stored once, may all refer to it) and its size is their sum; a file of one chunk lies
+    inside it (``offset + size <= raw``), and from v2 on it may share the chunk with other
+    files.
     """
 
     def bad(msg: str) -> FormatError:
@@ -261,9 +264,10 @@ def _check_chunk_table(
 def _check_chunk_owners(
     index: Index, runs: _FileRuns, chunks: _ChunkColumns, bad: _Refusal
 ) -> None:
-    """Every chunk belongs to a file. Files of one chunk may share it (solid chunks, v2
-    only): their bytes lie inside it. Files of several chunks own them (no other file
-    refers to any)."""
+    """Every chunk belongs to a file. Files of one chunk may share it (solid chunks, from
+    v2): their bytes lie inside it. Files of several chunks own them: no other file refers
+    to any, but from v4 other files with the very same run (first and count, so the same
+    size too: identical files stored once)."""
     refs = _references_per_chunk(runs, index.n_chunks)
     if np.any(refs == 0):
         raise bad("a chunk belongs to no file")
@@ -277,6 +281,8 @@ def _check_chunk_owners(
         raise bad("a file's size differs from the sum of its chunks")
     multi = ~single
     if np.any(multi):
+        if index.version >= SHARED_RUNS_FROM:  # count each distinct run once
+            refs = _references_per_chunk(_distinct_runs(runs), index.n_chunks)
         _check_multi_chunk_files(index.chunk_size, runs.where(multi), refs, chunks, bad)
 
 
@@ -286,6 +292,14 @@ def _references_per_chunk(runs: _FileRuns, n_chunks: int) -> np.ndarray:
     np.add.at(diff, runs.first, 1)
     np.add.at(diff, runs.first + runs.count, -1)
     return np.cumsum(diff[:n_chunks])
+
+
+def _distinct_runs(runs: _FileRuns) -> _FileRuns:
+    """One row per distinct (first, count) of ``runs``: the files that share a run exactly
+    count as one owner (a run that overlaps another without being it still counts twice)."""
+    pairs = np.unique(np.stack((runs.first, runs.count), axis=1), axis=0)
+    zeros = np.zeros(len(pairs), dtype=np.int64)
+    return _FileRuns(pairs[:, 0], pairs[:, 1], zeros, zeros)
 
 
 def _check_multi_chunk_files(
