@@ -55,6 +55,10 @@ def add_parsers(sub, common) -> None:
                         "on the host), 'follow' stores the files they lead to instead (a "
                         "directory SRC only), 'skip' leaves them out. Symlinks that stay "
                         "inside SRC are kept in every mode. Default: store")
+    s.add_argument("--no-dedup", action="store_true",
+                   help="store every file's bytes, even a file identical to an earlier one "
+                        "(default: such files are stored once and keep every name; a "
+                        "directory SRC only)")
     s.add_argument("--skip-unreadable", action="store_true",
                    help="leave out entries that cannot be packed instead of failing")
     s.add_argument("--force", action="store_true", help="replace an existing store at DEST")
@@ -105,6 +109,7 @@ def cmd_pack(args) -> int:
         notify=say,
         shared=args.shared,
         symlinks=symlinks,
+        dedup=not args.no_dedup,
     )
     request.check()
     from fanstore.daemon.jobenv import launcher_world_size

@@ -28,10 +28,13 @@ from fanstore.version import __version__
 
 
 def build_index(scan: ScanResult, results: list[PartResult], configs, options: PackOptions,
-                n_normal: int, src: str, access: str | None = None) -> tuple[bytes, int]:
+                n_normal: int, src: str, access: str | None = None,
+                duplicates: dict[int, int] | None = None) -> tuple[bytes, int]:
     """The index bytes of a store made of ``results`` (one per partition, in number order)
     for the tree ``scan``; and the stored bytes of all partitions. ``access``: "private"
-    or "shared", recorded in the metadata (``pack.access``)."""
+    or "shared", recorded in the metadata (``pack.access``). ``duplicates``: file entries
+    stored once (in no result), each mapped to the entry of its first copy, whose chunk run
+    it gets (``fanstore.pack.dedup``)."""
     entries = scan.entries
     n_chunks = sum(len(r.chunks["part"]) for r in results)
     b = IndexBuilder(len(entries), n_chunks)
@@ -57,6 +60,11 @@ def build_index(scan: ScanResult, results: list[PartResult], configs, options: P
             number=r.number, size=r.size, checksum=r.checksum, files=len(r.entries),
             raw_bytes=r.raw_bytes, broadcast=r.number >= n_normal,
         ))
+    if duplicates:
+        dup = np.fromiter(duplicates.keys(), dtype=np.int64, count=len(duplicates))
+        first = np.fromiter(duplicates.values(), dtype=np.int64, count=len(duplicates))
+        for name in ("first", "count", "offset", "checksum"):
+            b.entries[name][dup] = b.entries[name][first]
     # Empty files own no chunks; point them at 0 so the runs of the others stay contiguous.
     stored = int(sum(p.size for p in partitions))
     meta = {

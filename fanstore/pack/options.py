@@ -47,6 +47,9 @@ class PackOptions:
     shared: bool = False
     #: symlinks that lead outside the source (``--symlinks``)
     symlinks: Symlinks = Symlinks.STORE
+    #: files whose bytes equal an earlier file's are stored once (``--no-dedup``: each
+    #: gets its own chunks; a directory source only: fanstore.pack.dedup)
+    dedup: bool = True
     #: shows one line to the user (the CLI prints it; the default logs a warning)
     notify: Callable[[str], None] = field(default=lambda text: log.warning("%s", text))
 
@@ -65,6 +68,9 @@ class PackSummary:
     skipped: list[str]
     #: symlinks that lead outside the source, left out (``--symlinks skip``)
     outside_skipped: int = 0
+    #: files stored once as a copy of an earlier identical file, and their bytes
+    duplicates: int = 0
+    saved_bytes: int = 0
 
     @property
     def ratio(self) -> float:
@@ -88,7 +94,16 @@ class PackSummary:
              f"(+ index {_mb(self.index_bytes)}), ratio {self.ratio:.2f}x "
              f"({self.ratio_with_index:.2f}x with the index)"),
             f"time {self.seconds:.1f} s, {mb_s:.0f} MB/s",
-        ] + ([f"skipped {len(self.skipped)} entries (--skip-unreadable)"] if self.skipped else [])
+        ] + self._dedup_lines() + ([f"skipped {len(self.skipped)} entries (--skip-unreadable)"] if self.skipped else [])
+
+
+    def _dedup_lines(self) -> list[str]:
+        if not self.duplicates:
+            return []
+        n = self.duplicates
+        what = "1 file identical to an earlier one" if n == 1 else \
+            f"{n:,} files identical to earlier ones"
+        return [f"{what} stored once: {_mb(self.saved_bytes)} of raw data not stored again"]
 
 
 def _mb(n: int) -> str:

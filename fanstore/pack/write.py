@@ -29,6 +29,7 @@ from fanstore.format.index import KIND_DIR, KIND_FILE, KIND_SYMLINK
 from fanstore.format.partition import partition_name
 from fanstore.kinds import file_kind
 from fanstore.pack.access import Access, decide_tree
+from fanstore.pack.dedup import Duplicates, find_duplicates
 from fanstore.pack.dest import check_destination, open_destination
 from fanstore.pack.indexing import build_index
 from fanstore.pack.options import PackOptions, PackSummary, check_options, report_problems
@@ -75,6 +76,8 @@ class PackPlan:
     t0: float
     target: Any = None  # a pack.dest destination (local directory or S3 prefix)
     access: Access = field(default_factory=lambda: Access(False))
+    #: files stored once: duplicates are in no task, their entries get the first copy's run
+    duplicates: Duplicates = field(default_factory=Duplicates)
 
 
 def prepare(
@@ -110,8 +113,11 @@ def prepare(
         if e is None or e.kind != KIND_DIR:
             raise UsageError(f"--broadcast {os.fsdecode(b)}: no such directory in the source")
     is_bcast = [any(in_dir(entries[i].rel, b) for b in bcast_dirs) for i in files]
-    normal = [i for i, bc in zip(files, is_bcast) if not bc]
-    bcast = [i for i, bc in zip(files, is_bcast) if bc]
+    # A broadcast file's first copy stays in a broadcast partition (class 1), and so on.
+    dups = find_duplicates(scan.root, entries, files, is_bcast) if options.dedup \
+        else Duplicates()
+    normal = [i for i, bc in zip(files, is_bcast) if not bc and i not in dups.of]
+    bcast = [i for i, bc in zip(files, is_bcast) if bc and i not in dups.of]
 
     n_normal = options.partitions
     assign_normal = plan_partitions([entries[i].size for i in normal], n_normal)
@@ -149,7 +155,7 @@ def prepare(
     for t in tasks:
         t.files.sort(key=lambda f: f[0])  # scan (breadth-first) order: neighbours together
     return PackPlan(os.path.abspath(src), destination.url, scan, tasks, configs, n_normal,
-                    destination.tmp, skipped, t0, destination, access)
+                    destination.tmp, skipped, t0, destination, access, dups)
 
 
 def finish(plan: PackPlan, results: list[PartResult], options: PackOptions) -> PackSummary:
@@ -164,7 +170,8 @@ def finish(plan: PackPlan, results: list[PartResult], options: PackOptions) -> P
     if [r.number for r in results] != list(range(len(plan.tasks))):
         raise PackError("internal error: partitions missing from the workers' results")
     data, stored = build_index(plan.scan, results, plan.configs, options, plan.n_normal,
-                               plan.src, access=plan.access.value)
+                               plan.src, access=plan.access.value,
+                               duplicates=plan.duplicates.of)
     plan.target.write_index(data)
     plan.target.install(shared=not plan.access.private)
     index_bytes = len(data)
@@ -181,6 +188,8 @@ def finish(plan: PackPlan, results: list[PartResult], options: PackOptions) -> P
         seconds=time.monotonic() - plan.t0,
         skipped=plan.skipped,
         outside_skipped=plan.scan.outside_skipped,
+        duplicates=len(plan.duplicates),
+        saved_bytes=plan.duplicates.saved_bytes,
     )
 
 

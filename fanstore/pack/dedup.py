@@ -1,0 +1,143 @@
+"""Identical files stored once (as mksquashfs does with duplicate files).
+
+Before the partitions are planned, :func:`find_duplicates` finds the files of a scanned
+tree whose bytes equal an earlier file's. Only such a *duplicate* is left out of the
+partition tasks; its index entry gets the first copy's chunk run (first, count, offset and
+whole-file checksum), so every name is kept and the bytes are stored once. That works the
+same for a file in chunks of its own and for one in a solid block; a run of several chunks
+shared by files makes the index format v4 (docs/format.md).
+
+How a duplicate is found, reading as little as it can:
+
+1. files are grouped by (class, size): only files of the same size, and of the same
+   class (the caller's: broadcast or not, so a copy stays where its placement says), can
+   be equal; an empty file has nothing to store;
+2. within a group, by the XXH3-128 of their first 64 KiB, then (for larger files whose
+   heads agree) of their whole content;
+3. within a group of equal digests, each file's bytes are compared with the first copy's:
+   a hash of 128 bits is not a proof (XXH3 is not built against crafted collisions, and a
+   dataset may come from anyone), the bytes are. A file that turns out different starts a
+   copy of its own.
+
+The first copy is the file earliest in scan order (the smallest entry number): the choice
+does not depend on ``--jobs``, timing or which worker packs what, so a pack stays
+reproducible. A file that cannot be read here is simply not deduplicated (the worker that
+packs it reports the error).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import xxhash
+
+from fanstore.pack.scan import ScanEntry
+
+#: Bytes of a file hashed first: files whose heads differ are never read further.
+HEAD = 64 << 10
+_BLOCK = 1 << 20
+
+
+@dataclass
+class Duplicates:
+    """Files whose bytes equal an earlier file's: ``of`` maps each duplicate's entry to the
+    entry of its first copy; ``saved_bytes`` is their total size (not stored again)."""
+
+    of: dict[int, int] = field(default_factory=dict)
+    saved_bytes: int = 0
+
+    def __len__(self) -> int:
+        return len(self.of)
+
+
+def find_duplicates(root: bytes, entries: Sequence[ScanEntry], files: Iterable[int],
+                    classes: Iterable[int]) -> Duplicates:
+    """The duplicates among ``files`` (entry numbers; ``classes``: one key per file, only
+    files of one class are compared) of the tree scanned at ``root``."""
+    by_size: dict[tuple[int, int], list[int]] = {}
+    for entry, cls in zip(files, classes):
+        size = entries[entry].size
+        if size > 0:
+            by_size.setdefault((cls, size), []).append(entry)
+    found = Duplicates()
+    for (_, size), group in sorted(by_size.items()):
+        if len(group) < 2:
+            continue
+        paths = {e: os.path.join(root, entries[e].rel) for e in sorted(group)}
+        for candidates in _same_digest(paths, size):
+            for dup, first in _equal_in(candidates, paths).items():
+                found.of[dup] = first
+                found.saved_bytes += size
+    return found
+
+
+def _same_digest(paths: dict[int, bytes], size: int) -> list[list[int]]:
+    """The files of ``paths`` (all ``size`` bytes) in groups of two or more with the same
+    digest of their head, then of their whole content; in entry order."""
+    groups = _grouped(paths, lambda p: _digest(p, HEAD))
+    if size <= HEAD:
+        return groups
+    out = []
+    for group in groups:
+        out += _grouped({e: paths[e] for e in group}, lambda p: _digest(p, None))
+    return out
+
+
+def _grouped(paths: dict[int, bytes], digest) -> list[list[int]]:
+    """``paths``' entries grouped by ``digest(path)`` (groups of one and unreadable files
+    left out), each group in entry order."""
+    groups: dict[bytes, list[int]] = {}
+    for entry, path in paths.items():
+        d = digest(path)
+        if d is not None:
+            groups.setdefault(d, []).append(entry)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def _digest(path: bytes, limit: int | None) -> bytes | None:
+    """XXH3-128 of the first ``limit`` bytes of ``path`` (all of it if None); None if it
+    cannot be read."""
+    h = xxhash.xxh3_128()
+    left = limit
+    try:
+        with open(path, "rb", buffering=0) as f:
+            while left is None or left > 0:
+                data = f.read(_BLOCK if left is None else min(_BLOCK, left))
+                if not data:
+                    break
+                h.update(data)
+                if left is not None:
+                    left -= len(data)
+    except OSError:
+        return None
+    return h.digest()
+
+
+def _equal_in(group: list[int], paths: dict[int, bytes]) -> dict[int, int]:
+    """Within ``group`` (entry order, equal digests), each file whose bytes equal an earlier
+    one's, mapped to the first such file."""
+    firsts: list[int] = []
+    out = {}
+    for entry in group:
+        same = next((f for f in firsts if _same_bytes(paths[f], paths[entry])), None)
+        if same is None:
+            firsts.append(entry)
+        else:
+            out[entry] = same
+    return out
+
+
+def _same_bytes(a: bytes, b: bytes) -> bool:
+    """True if the files ``a`` and ``b`` hold the same bytes (False if either cannot be read)."""
+    try:
+        with open(a, "rb") as fa, open(b, "rb") as fb:  # buffered: reads are never short
+            while True:
+                da, db = fa.read(_BLOCK), fb.read(_BLOCK)
+                if da != db:
+                    return False
+                if not da:
+                    return True
+    except OSError:
+        return False
