@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import xxhash
 
 from fanstore.errors import FanStoreError, FormatError
@@ -68,6 +69,7 @@ def verify_store(path: str, jobs: int = 0, progress: bool | None = None,
     reader = ChunkReader(index, parts,
                          cache_bytes=min(64 << 20, 16 * index.chunk_size) if shared else 0)
     todo = _files_to_check(index, ns, reader, parts, broken, report)
+    todo, copies = _stored_once(index, todo)
     if shared:
         todo.sort(key=index.entries["first"].__getitem__)
     bar = _progress_bar(index, todo, progress)
@@ -76,10 +78,11 @@ def verify_store(path: str, jobs: int = 0, progress: bool | None = None,
     try:
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             for entry, size, reason in pool.map(check, todo, chunksize=64):
-                report.checked += 1
-                report.bytes_checked += size
-                if reason:
-                    report.damaged.append((os.fsdecode(ns.path(entry)), reason))
+                for same in (entry, *copies.get(entry, ())):
+                    report.checked += 1
+                    report.bytes_checked += size
+                    if reason:
+                        report.damaged.append((os.fsdecode(ns.path(same)), reason))
                 if bar is not None:
                     bar.update(size)
     finally:
@@ -120,6 +123,25 @@ def _files_to_check(index: Index, ns: Namespace, reader: ChunkReader, parts: Loc
         elif part == -1 or parts.has(part):
             todo.append(entry)
     return todo
+
+
+def _stored_once(index: Index, todo: list[int]) -> tuple[list[int], dict[int, list[int]]]:
+    """The files of ``todo`` to read, and for each the files stored once as a copy of it
+    (pack's dedup: the same chunk run, offset, size and checksum), whose check is its own:
+    a run shared by identical files is read and checked once."""
+    if not todo:
+        return todo, {}
+    e = index.entries
+    files = np.asarray(todo, dtype=np.int64)
+    keys = np.stack([e[c][files].astype(np.int64)
+                     for c in ("first", "count", "offset", "size", "checksum")], axis=1)
+    _, firsts, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    owner = files[firsts][inverse.ravel()]
+    is_copy = (owner != files) & (keys[:, 1] > 0)  # empty files share nothing
+    copies: dict[int, list[int]] = {}
+    for entry, first in zip(files[is_copy].tolist(), owner[is_copy].tolist()):
+        copies.setdefault(first, []).append(entry)
+    return files[~is_copy].tolist(), copies
 
 
 def _progress_bar(index: Index, todo: list[int], progress: bool | None):

@@ -17,6 +17,8 @@ from fanstore.namespace import Namespace
 from fanstore.pack import CodecPolicy, PackOptions, pack
 from fanstore.pack import dedup as dedup_mod
 from fanstore.store import LocalStore
+from fanstore.verify import verify_store
+from helpers import damage_file
 
 CHUNK = 4096
 
@@ -156,3 +158,14 @@ def test_a_broadcast_file_is_merged_only_with_broadcast_files(dup_tree, tmp_path
         first = ns.chunks(ns.resolve(rel))[0]
         assert index.partitions[int(index.chunks["part"][first])].broadcast, rel
     _assert_reads(tmp_path / "st", files)
+
+
+def test_verify_checks_a_shared_run_once_and_names_every_file_on_it(dup_tree, tmp_path):
+    src, files = dup_tree
+    _pack(src, tmp_path / "st")
+    report = verify_store(str(tmp_path / "st"), jobs=1, progress=False)
+    assert not report.damaged and report.checked == len(files)
+    assert report.bytes_checked == sum(map(len, files.values()))
+    damage_file(tmp_path / "st", "big.bin", chunk=2)
+    report = verify_store(str(tmp_path / "st"), jobs=1, progress=False)
+    assert sorted(p for p, _ in report.damaged) == ["a/b/big_copy.bin", "a/big.bin", "big.bin"]
