@@ -4,6 +4,7 @@ every name read back byte for byte, in-process and through a real mount."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from pathlib import Path
@@ -18,7 +19,7 @@ from fanstore.pack import CodecPolicy, PackOptions, pack
 from fanstore.pack import dedup as dedup_mod
 from fanstore.store import LocalStore
 from fanstore.verify import verify_store
-from helpers import damage_file
+from helpers import damage_file, run_cli
 
 CHUNK = 4096
 
@@ -169,3 +170,20 @@ def test_verify_checks_a_shared_run_once_and_names_every_file_on_it(dup_tree, tm
     damage_file(tmp_path / "st", "big.bin", chunk=2)
     report = verify_store(str(tmp_path / "st"), jobs=1, progress=False)
     assert sorted(p for p, _ in report.damaged) == ["a/b/big_copy.bin", "a/big.bin", "big.bin"]
+
+
+def test_the_cli_says_what_was_stored_once(dup_tree, tmp_path):
+    src, files = dup_tree
+    args = ("--partitions", "2", "--chunk-kb", "4", "--codec", "zstd:3", "--no-progress")
+    out = run_cli("pack", src, tmp_path / "st", *args, check=True).stdout
+    assert "5 files identical to earlier ones stored once" in out
+    plain = run_cli("pack", src, tmp_path / "plain", *args, "--no-dedup", check=True).stdout
+    assert "identical" not in plain
+    info = run_cli("info", tmp_path / "st", "--json", check=True).stdout
+    doc, ref = json.loads(info), json.loads(run_cli("info", tmp_path / "plain", "--json",
+                                                    check=True).stdout)
+    assert doc["format_version"] == 4 and ref["format_version"] == 3
+    assert (doc["duplicate_files"], doc["duplicate_bytes"]) == (SAVED_FILES, _saved_bytes(files))
+    assert doc["counts"]["stored_bytes"] < ref["counts"]["stored_bytes"]
+    text = run_cli("info", tmp_path / "st", check=True).stdout
+    assert "stored once    5 files identical to others" in text

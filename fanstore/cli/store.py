@@ -87,6 +87,9 @@ def cmd_info(args) -> int:
     if info["solid_chunks"]:
         print(f"solid blocks   {info['solid_chunks']:,} chunks holding "
               f"{info['files_in_solid_chunks']:,} files")
+    if info["duplicate_files"]:
+        print(f"stored once    {info['duplicate_files']:,} files identical to others "
+              f"({info['duplicate_bytes']:,} raw bytes not stored again)")
     if info.get("selection"):
         print(f"selection      {info['selection'].get('chosen')} "
               f"(mode {info['selection'].get('mode')})")
@@ -152,15 +155,10 @@ def _store_info(index) -> dict[str, Any]:
             except Exception:  # noqa: BLE001 - a codec this install lacks
                 spec = cfg.get("id", "?")
             codec_chunks[spec] = codec_chunks.get(spec, 0) + int(per_codec[slot])
-    from fanstore.format.index import KIND_FILE
     from fanstore.namespace import metadata_bytes
 
     memory = metadata_bytes(index)
-    # Solid blocks (format v2): chunks that more than one file lives in.
-    single = (index.entries["kind"] == KIND_FILE) & (index.entries["count"] == 1)
-    refs = np.bincount(index.entries["first"][single].astype(np.int64), minlength=index.n_chunks)
-    solid_chunks = int(np.count_nonzero(refs > 1))
-    solid_files = int(refs[refs > 1].sum())
+    solid_chunks, solid_files, dup_files, dup_bytes = _sharing(index)
     n = max(1, index.n_entries)
     return {
         "format_version": index.meta.get("format_version"),
@@ -176,10 +174,31 @@ def _store_info(index) -> dict[str, Any]:
         "codec_chunks": codec_chunks,
         "solid_chunks": solid_chunks,
         "files_in_solid_chunks": solid_files,
+        "duplicate_files": dup_files,
+        "duplicate_bytes": dup_bytes,
         "pack": index.meta.get("pack", {}),
         "selection": index.meta.get("selection"),
         "access": index.meta.get("access"),
     }
+
+
+def _sharing(index) -> tuple[int, int, int, int]:
+    """Solid blocks (format v2: chunks that more than one file lives in) and the files
+    they hold; files stored once as a copy of an earlier identical file (pack's dedup: the
+    same run and offset as another file) and their bytes, which no partition holds."""
+    import numpy as np
+
+    from fanstore.format.index import KIND_FILE
+
+    e = index.entries
+    files = np.flatnonzero((e["kind"] == KIND_FILE) & (e["count"] > 0))
+    keys = np.stack([e[c][files].astype(np.int64) for c in ("first", "count", "offset")], 1)
+    _, firsts = np.unique(keys, axis=0, return_index=True)
+    copies = np.setdiff1d(np.arange(len(files)), firsts)
+    dup_bytes = int(e["size"][files[copies]].astype(np.int64).sum())
+    single = keys[firsts][keys[firsts][:, 1] == 1]
+    refs = np.bincount(single[:, 0], minlength=index.n_chunks)
+    return int(np.count_nonzero(refs > 1)), int(refs[refs > 1].sum()), len(copies), dup_bytes
 
 
 def cmd_ls(args) -> int:
