@@ -187,3 +187,35 @@ def test_the_cli_says_what_was_stored_once(dup_tree, tmp_path):
     assert doc["counts"]["stored_bytes"] < ref["counts"]["stored_bytes"]
     text = run_cli("info", tmp_path / "st", check=True).stdout
     assert "stored once    5 files identical to others" in text
+
+
+@pytest.mark.fuse
+@pytest.mark.usefixtures("frontend")
+def test_every_name_reads_through_a_mount(dup_tree, tmp_path, mounted):
+    """Duplicate small files, duplicate multi-chunk files and duplicates across directories,
+    mounted: each name byte for byte (whole, and a read across chunks of the shared run,
+    alternating names so the chunk cache serves them), its own inode; fewer stored bytes
+    than the same tree packed without dedup."""
+    src, files = dup_tree
+    _pack(src, tmp_path / "st")
+    _pack(src, tmp_path / "plain", dedup=False)
+    mnt = mounted(tmp_path / "st")
+    for rel, data in files.items():
+        assert (mnt / rel).read_bytes() == data, rel
+    names = ["big.bin", "a/big.bin", "a/b/big_copy.bin"]
+    big = files["big.bin"]
+    fds = [os.open(mnt / rel, os.O_RDONLY) for rel in names]
+    try:
+        for k in range(12):
+            at = (k * 1777) % (len(big) - 3000)
+            assert os.pread(fds[k % 3], 3000, at) == big[at : at + 3000], (names[k % 3], at)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    inodes = {os.stat(mnt / rel).st_ino for rel in files}
+    assert len(inodes) == len(files)
+    sizes = [os.stat(mnt / rel).st_size for rel in names]
+    assert sizes == [len(big)] * 3
+    stored = [read_index(str(tmp_path / s)).meta["counts"]["stored_bytes"] for s in ("st", "plain")]
+    info = run_cli("info", tmp_path / "st", check=True).stdout
+    assert f"stored bytes   {stored[0]:,}" in info and stored[0] < stored[1]
