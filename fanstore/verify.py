@@ -62,9 +62,9 @@ def verify_store(path: str, jobs: int = 0, progress: bool | None = None,
     report = VerifyReport()
     wanted = _wanted_partitions(index, data_dir, only_present, report)
     parts, broken = LocalPartitions.available(data_dir, index, wanted)
-    # Files that share a solid chunk (format v2 only) are checked one after the other (todo
-    # is sorted by first chunk below) and a one-chunk file keeps its chunk in a small LRU:
-    # a shared chunk is decoded about once, not once per file in it.
+    # Files that share a solid chunk (format v2 and later) are checked one after the other
+    # (todo is sorted by first chunk below) and a one-chunk file keeps its chunk in a small
+    # LRU: a shared chunk is decoded about once, not once per file in it.
     shared = index.version >= 2
     reader = ChunkReader(index, parts,
                          cache_bytes=min(64 << 20, 16 * index.chunk_size) if shared else 0)

@@ -557,13 +557,14 @@ def _regen_module():
     return mod
 
 
-@pytest.mark.parametrize("version", ["v1", "v2", "v3"])
+@pytest.mark.parametrize("version", ["v1", "v2", "v3", "v4"])
 def test_golden_store_reads(version):
-    """The committed stores still read, byte for byte (compatibility with old stores)."""
+    """The committed stores still read, byte for byte (compatibility with old stores: v3 is
+    what a FanStore before v4 wrote, and still writes for a tree without duplicates)."""
     store = GOLDEN / version
     if not (store / INDEX_NAME).exists():
         pytest.fail(f"missing golden store {store}; regenerate with: {REGENERATE}")
-    manifest = json.loads((GOLDEN / "manifest.json").read_text())
+    manifest = json.loads(_regen_module().manifest_path(version).read_text())
     with LocalStore(str(store)) as s:
         ns = s.ns
         assert ns.n_entries == len(manifest) + 1
@@ -583,7 +584,11 @@ def test_golden_store_reads(version):
         assert set(s.index.chunks["codec"].tolist()) == {0, 1}
         assert ns.chunks(ns.resolve("two_chunks.bin"))[1] == 2
         assert s.index.version == int(version[1:])
-        if version in ("v2", "v3"):  # two files share a solid chunk, one at an offset
+        if version == "v4":  # duplicates stored once: a two-chunk run, a solid chunk
+            for rel in ("two_chunks.bin", "text.txt"):
+                a, b = ns.resolve(rel), ns.resolve(f"dir/{rel.replace('.', '_copy.', 1)}")
+                assert (ns.chunks(a), ns.data_offset(a)) == (ns.chunks(b), ns.data_offset(b))
+        if version != "v1":  # two files share a solid chunk, one at an offset
             a, b = ns.resolve("text.txt"), ns.resolve("dir/ünï.txt")
             assert ns.chunks(a) == (ns.chunks(b)[0], 1) and ns.chunks(b)[1] == 1
             assert (ns.data_offset(a), ns.data_offset(b)) == (0, manifest["text.txt"]["size"])
@@ -591,7 +596,7 @@ def test_golden_store_reads(version):
             assert "e_offset" not in s.index.meta["columns"]
 
 
-@pytest.mark.parametrize("version", ["v1", "v2", "v3"])
+@pytest.mark.parametrize("version", ["v1", "v2", "v3", "v4"])
 def test_golden_store_is_reproduced_by_the_packer(tmp_path, version):
     """Packing the golden tree again gives identical partitions and the same index (up to
     the recorded source path and tool version, and its layout: the packer writes v3, the
@@ -599,8 +604,8 @@ def test_golden_store_is_reproduced_by_the_packer(tmp_path, version):
     change, regenerate the fixture; test_golden_store_reads must keep passing."""
     regen = _regen_module()
     src, dest = tmp_path / "src", tmp_path / "store"
-    regen.build_tree(src)
-    assert regen.manifest_of(src) == json.loads((GOLDEN / "manifest.json").read_text())
+    regen.build_tree(src, duplicates=version in regen.WITH_DUPLICATES)
+    assert regen.manifest_of(src) == json.loads(regen.manifest_path(version).read_text())
     regen.pack_tree(src, dest, regen.STORES[version])
     golden = GOLDEN / version
     names = sorted(os.listdir(golden))
@@ -613,7 +618,7 @@ def test_golden_store_is_reproduced_by_the_packer(tmp_path, version):
     # The optional "access" key (docs/format.md) is newer than the goldens, which stay as
     # stores of an older FanStore: test_golden_store_reads shows they still read. The
     # golden tree is public, so the packer records it shared.
-    if version != "v3":
+    if version not in ("v3", "v4"):
         assert "access" not in a.meta
         b.meta.pop("access")
     assert b.meta.get("access", "shared") == "shared"
@@ -628,7 +633,8 @@ def test_golden_store_is_reproduced_by_the_packer(tmp_path, version):
         m.pop("format_version", None)
         return m
 
-    assert a.version == int(version[1:]) and b.version == 3 and len(b.lk_hash) == 0
+    assert a.version == int(version[1:]) and len(b.lk_hash) == 0
+    assert b.version == (4 if version == "v4" else 3)
     assert meta(a) == meta(b)
     for name, _ in ENTRY_COLUMNS:
         assert np.array_equal(a.entries[name], b.entries[name]), name
