@@ -94,7 +94,8 @@ class PackSummary:
              f"(+ index {_mb(self.index_bytes)}), ratio {self.ratio:.2f}x "
              f"({self.ratio_with_index:.2f}x with the index)"),
             f"time {self.seconds:.1f} s, {mb_s:.0f} MB/s",
-        ] + self._dedup_lines() + ([f"skipped {len(self.skipped)} entries (--skip-unreadable)"] if self.skipped else [])
+        ] + self._dedup_lines() + (
+            [f"skipped {len(self.skipped)} entries (--skip-unreadable)"] if self.skipped else [])
 
 
     def _dedup_lines(self) -> list[str]:
