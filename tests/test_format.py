@@ -1018,3 +1018,15 @@ def test_hostile_v4_sharing_is_refused(case):
     assert read_index_bytes(_encode(good)).version == 4  # the unmutated index reads
     with pytest.raises(FormatError, match=match):
         read_index_bytes(_encode(_bad_v4_sharing(mutate)()))
+
+
+def test_the_format_package_names_the_current_version():
+    """fanstore/format's docstring says which version pack writes: it must be
+    FORMAT_VERSION (it said v2 while the format was v3)."""
+    import re
+
+    import fanstore.format as fmt
+    from fanstore.version import FORMAT_VERSION
+
+    said = re.search(r"\(v(\d+)", fmt.__doc__ or "")
+    assert said is not None and int(said.group(1)) == FORMAT_VERSION, fmt.__doc__
