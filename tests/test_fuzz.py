@@ -736,7 +736,7 @@ def _protocol(base, name):
                     msg = P.decode_control(raw)
                 except P.ProtocolError:
                     return
-                assert msg.kind in (P.Control.SHUTDOWN, P.Control.DONE)
+                assert msg.kind in set(P.Control)
                 assert len(raw) == P.CTRL.size + n and isinstance(msg.reason, str)
             else:
                 for decode in (P.decode_request, P.decode_response_header, P.decode_control):

@@ -363,6 +363,57 @@ def test_probes_stop_at_the_drain_deadline_and_a_cut_ping_is_no_death():
     assert watch.peers.dead == set()
 
 
+def test_the_end_of_a_job_is_relayed_by_node_0_in_2n_messages():
+    """Each node tells node 0 it is done (DONE); node 0, done too, tells every node at once
+    (ALL_DONE): 2(N-1) control messages for the job's end, not N(N-1); every drain ends."""
+    import threading
+
+    from fanstore.daemon import protocol as P
+    from fanstore.daemon.peerwatch import PeerWatch
+
+    n = 4
+    hub = LocalHub()
+    sent = []
+    watches, transports = [], []
+    for r in range(n):
+        box = {}
+        t = LocalTransport(hub, r, n, None, on_control=lambda msg, box=box: box["on"](msg))
+        real = t.send_control
+        t.send_control = (lambda kind, ranks, reason="", timeout=2.0, real=real:
+                          sent.append((kind, list(ranks))) or real(kind, ranks, reason))
+        w = PeerWatch(r, n, [x for x in range(n) if x != r], timeout=30.0, who=f"rank {r}")
+        w.attach(t, PeerSource(t, [[x] for x in range(n)], node=r, nodes=n, timeout=30.0,
+                               stats=None))
+
+        def on(msg, w=w, r=r):
+            if msg.kind == P.Control.DONE:
+                w.peers.done.add(msg.rank)
+            elif msg.kind == P.Control.ALL_DONE:
+                w.peers.done.update(x for x in range(n) if x != r)
+
+        box["on"] = on
+        t.start()
+        watches.append(w)
+        transports.append(t)
+    results = {}
+    threads = []
+    for w in watches:
+        w.say_done()
+        th = threading.Thread(target=lambda w=w: results.__setitem__(
+            w.node, w.drain(stopped=lambda: False, job_stopping=lambda: False)))
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join(20)
+    assert results == {r: [] for r in range(n)}
+    done = [ranks for kind, ranks in sent if kind == P.Control.DONE]
+    assert done == [[0]] * (n - 1)  # each to node 0 alone
+    assert [ranks for kind, ranks in sent if kind == P.Control.ALL_DONE] == [[1, 2, 3]]
+    assert sum(len(ranks) for _, ranks in sent) == 2 * (n - 1)
+    for t in transports:
+        t.stop()
+
+
 # --------------------------------------------------------------------------- shared chunks
 
 

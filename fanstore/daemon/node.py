@@ -41,7 +41,7 @@ from fanstore.daemon.launcher import launcher_alive, shim_gone
 from fanstore.daemon.nodeend import NodeEnd
 from fanstore.daemon.nodegroup import LeaderSide
 from fanstore.daemon.options import NodeOptions
-from fanstore.daemon.peerwatch import PeerWatch
+from fanstore.daemon.peerwatch import PeerWatch, dead_in
 from fanstore.daemon.rankspec import WorkerRankSpec
 from fanstore.daemon.replicas import decide as decide_replicas
 from fanstore.process import release_free_memory
@@ -179,6 +179,12 @@ class Node(NodeEnd):
             self.request_stop(f"node {node}: {msg.reason}")
         elif msg.kind == P.Control.DONE and self.peers is not None:
             self.peers.done.add(node)
+        elif msg.kind == P.Control.ALL_DONE and self.peers is not None:
+            for dead in dead_in(msg.reason):  # dead, not done: no MPI_Finalize with them
+                if 0 <= dead < self.size and dead != self.rank:
+                    for r in self.peers.ranks_of(dead):
+                        self.peers.mark_dead(r, "node 0 found its node dead")
+            self.peers.done.update(n for n in range(self.size) if n != self.rank)
 
     def _send_shutdown(self, ranks: list[int], reason: str) -> None:
         # In a thread: the caller may be a frontend or the transport's own thread, which

@@ -4,8 +4,8 @@ While the node serves, :meth:`PeerWatch.watch` re-probes the ranks marked dead e
 ``PROBE_INTERVAL`` seconds, probes every peer when the launcher reports a dead process
 (SIGUSR1 under hydra: :meth:`PeerWatch.alarm`), and stops the node when the launcher is
 gone. Once the node has unmounted, :meth:`PeerWatch.drain` keeps it serving the other nodes
-until each is done (it said DONE) or dead; when the whole job stops it waits at most
-``DRAIN_GRACE`` for them (under scancel Slurm sends SIGKILL KillWait seconds after SIGTERM,
+until each is done (node 0 collects every node's DONE and then sends ALL_DONE) or dead;
+when the whole job stops it waits at most ``DRAIN_GRACE`` for them (under scancel Slurm sends SIGKILL KillWait seconds after SIGTERM,
 often 5 s or less). Everything goes through a
 :class:`~fanstore.daemon.transport.Transport` and a
 :class:`~fanstore.daemon.routing.PeerSource`, so it is testable without mpiexec.
@@ -49,6 +49,8 @@ class PeerWatch:
         self.peers = None
         #: set to probe at once (a signal); ``everyone``: probe every peer, not only the dead
         self.now = threading.Event()
+        #: DONE was sent to every node directly (node 0 is dead: nobody relays)
+        self.direct = False
         self.everyone = False
 
     def attach(self, transport, peers) -> None:
@@ -105,8 +107,17 @@ class PeerWatch:
                     self.peers.mark_dead(r, f"no answer to a ping within {timeout:g} s")
 
     def say_done(self) -> None:
-        """Tell the other nodes' daemons that this node has unmounted (DONE)."""
-        self.transport.send_control(P.Control.DONE, self.others, "unmounted")
+        """Tell node 0 that this node has unmounted (DONE); node 0 tells every node once
+        all are (ALL_DONE, :meth:`drain`): 2N messages for the job's end, not N² (at
+        4,096 nodes, 16.8 million). Node 0 itself has nobody to tell yet."""
+        if self.node != 0 and self.others:
+            self.transport.send_control(P.Control.DONE, self.others[:1], "unmounted")
+
+    def _done_directly(self) -> None:
+        """Node 0 is dead: nobody relays, so tell every node ourselves (once)."""
+        if not self.direct:
+            self.direct = True
+            self.transport.send_control(P.Control.DONE, self.others, "unmounted")
 
     def drain(self, stopped: Callable[[], bool], job_stopping: Callable[[], bool]) -> list[int]:
         """After unmounting (and :meth:`say_done`): wait, serving the peers, until every
@@ -122,7 +133,12 @@ class PeerWatch:
             waiting = {n for n in others if n not in self.peers.done
                        and not self.peers.node_dead(n)}
             if not waiting:
+                if self.node == 0:  # everyone is done: let them all go, naming the dead
+                    self.transport.send_control(P.Control.ALL_DONE, self.others,
+                                                all_done_reason(self.peers.dead_nodes()))
                 break
+            if self.node != 0 and self.peers.node_dead(0):
+                self._done_directly()
             if job_stopping() and time.monotonic() > grace_end:
                 incomplete = sorted(waiting)
                 log.info("%s: the job is stopping; not waiting longer for nodes %s",
@@ -141,3 +157,16 @@ class PeerWatch:
                 last_probe = time.monotonic()
             time.sleep(0.05)
         return []
+
+
+def all_done_reason(dead: list[int]) -> str:
+    """ALL_DONE's text: the nodes node 0 found dead (a node that is told "done" about a
+    dead peer must still know it is dead: MPI_Finalize with a dead peer hangs)."""
+    return "dead " + " ".join(str(n) for n in dead) if dead else "all done"
+
+
+def dead_in(reason: str) -> list[int]:
+    """The dead nodes an ALL_DONE names (:func:`all_done_reason`)."""
+    if not reason.startswith("dead "):
+        return []
+    return [int(x) for x in reason[5:].split() if x.isdigit()]

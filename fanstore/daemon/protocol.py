@@ -62,6 +62,7 @@ class Status(IntEnum):
 class Control(IntEnum):
     SHUTDOWN = 1  # stop and unmount everywhere (e.g. SIGTERM at the time limit)
     DONE = 2  # the sender has unmounted; it keeps serving until everyone is done
+    ALL_DONE = 3  # from node 0: every node has unmounted (or is dead); drains may end
 
 
 class ProtocolError(FanStoreError):
@@ -166,7 +167,7 @@ def decode_control(buf) -> ControlMsg:
     magic, version, kind, rank, n = CTRL.unpack_from(buf)
     if magic != CTRL_MAGIC or version != VERSION:
         raise ProtocolError("control message with a bad magic or version")
-    if kind not in (Control.SHUTDOWN, Control.DONE):
+    if kind not in (Control.SHUTDOWN, Control.DONE, Control.ALL_DONE):
         raise ProtocolError(f"control message of unknown kind {kind}")
     if CTRL.size + n != len(buf):
         raise ProtocolError("control message length mismatch")
