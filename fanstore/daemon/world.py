@@ -175,14 +175,17 @@ class World:
                                  "(--start-timeout)")
             if now - checked > 0.5:
                 checked = now
-                if not self.alive():
-                    self.incomplete = True
-                    raise MountError(f"the MPI launcher is gone (during {what})")
-                reason = self.interrupted()
-                if reason:
-                    self.incomplete = True
-                    raise MountError(f"{reason} (during {what})")
+                self._go_on(what)
             backoff.sleep()
+
+    def _go_on(self, what: str) -> None:
+        """Raise MountError when a start-up wait must end now: the launcher is gone, or
+        the start-up is interrupted (a signal, a dead process of the job)."""
+        reason = None if self.alive() else "the MPI launcher is gone"
+        reason = reason or self.interrupted()
+        if reason:
+            self.incomplete = True
+            raise MountError(f"{reason} (during {what})")
 
     def _wait(self, req) -> None:
         self.wait(req, "a collective of the nodes")
@@ -242,13 +245,7 @@ class World:
                 break
             if now - checked > 0.5:
                 checked = now
-                if not self.alive():
-                    self.incomplete = True
-                    raise MountError(f"the MPI launcher is gone (during the {what} gate)")
-                reason = self.interrupted()
-                if reason:
-                    self.incomplete = True
-                    raise MountError(f"{reason} (during the {what} gate)")
+                self._go_on(f"the {what} gate")
             backoff.sleep()
         verdict = _verdict(what, notes, sorted(reqs), self.timeout)
         self.incomplete = bool(reqs)
