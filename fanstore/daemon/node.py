@@ -146,9 +146,9 @@ class Node(NodeEnd):
     # ------------------------------------------------------------------ stopping
     def request_stop(self, reason: str, everywhere: bool = False) -> None:
         """Stop serving (thread-safe). ``everywhere`` asks every peer to stop too: through
-        node 0, which tells every node once (_relay_shutdown), so that a job whose every
-        node got the launcher's SIGTERM sends 2N messages, not N²; node 0 itself, or a
-        node that found node 0 dead, tells every node directly."""
+        node 0, which tells every node once (on_control), so that a job whose every node
+        got the launcher's SIGTERM sends 2N messages, not N²; node 0 itself, or a node
+        that found node 0 dead, tells every node directly."""
         if everywhere:
             self.job_stopping = True
             if self.transport is not None and self.stopping is None:

@@ -16,8 +16,6 @@ class NodeEnd:
     node's)."""
 
     def _cleanup(self) -> None:
-        from fanstore.daemon.staging import remove_staged
-
         if self.server is not None:
             self.server.close()
             self.server = None
@@ -27,6 +25,13 @@ class NodeEnd:
             self.transport.stop()
         if self.parts is not None:
             self.parts.close()
+        self._remove_local()
+
+    def _remove_local(self) -> None:
+        """The data this node staged (unless --keep-local): the whole local directory when
+        staging made it, else only the partitions it copied (never another user's dir)."""
+        from fanstore.daemon.staging import remove_staged
+
         if self.local_dir and not self.options.keep_local:
             if self.created_local:
                 shutil.rmtree(self.local_dir, ignore_errors=True)
@@ -43,13 +48,7 @@ class NodeEnd:
         if self.mount_key in mounttable.fuse_mounts():
             mounttable.fusermount_unmount(self.mountpoint, lazy=True)
         runtime.remove_shared(self.index_copy)
-        if self.local_dir and not self.options.keep_local:
-            from fanstore.daemon.staging import remove_staged
-
-            if self.created_local:
-                shutil.rmtree(self.local_dir, ignore_errors=True)
-            elif self.stage_report is not None:
-                remove_staged(self.local_dir, self.stage_report.partitions)
+        self._remove_local()
         if self.runtime is not None:
             self.runtime.write_state(phase="stopped", error="the MPI launcher is gone")
 
