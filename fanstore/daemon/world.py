@@ -37,6 +37,7 @@ import numpy as np
 
 from fanstore.daemon.jobenv import choose_netmod, node_name, slurm_tasks
 from fanstore.daemon.layout import split_nodes
+from fanstore.daemon.mpirequests import AllOf
 from fanstore.daemon.pacing import Backoff, wait_request
 from fanstore.errors import MountError
 
@@ -112,7 +113,6 @@ class World:
         self.timeout = timeout
         self.alive = alive
         self.interrupted: Callable[[], str | None] = lambda: None
-        self._gates = 0
         #: a gate ended without every node (one did not arrive): the job cannot meet again,
         #: so no rank waits for the others at the end (finish_job) and none finalizes
         self.incomplete = False
@@ -159,10 +159,12 @@ class World:
     def is_mpi(self) -> bool:
         return self.comm is not None
 
-    def wait(self, req, what: str, timeout: float | None = None) -> None:
+    def wait(self, req, what: str, timeout: float | None = None,
+             late: str | None = None) -> None:
         """Complete a nonblocking call, or raise MountError naming ``what`` when the
-        deadline passes (``timeout``, else the world's), the launcher is gone or the
-        start-up is interrupted. Never spins (a growing sleep between tests)."""
+        deadline passes (``timeout``, else the world's; the message is ``late`` when
+        given), the launcher is gone or the start-up is interrupted. Never spins (a
+        growing sleep between tests)."""
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         backoff = _start_backoff()
@@ -171,7 +173,7 @@ class World:
             now = time.monotonic()
             if deadline is not None and now > deadline:
                 self.incomplete = True
-                raise MountError(f"{what} did not complete within {timeout:g} s "
+                raise MountError(late or f"{what} did not complete within {timeout:g} s "
                                  "(--start-timeout)")
             if now - checked > 0.5:
                 checked = now
@@ -199,7 +201,6 @@ class World:
         a node that never arrives is named instead of leaving everyone waiting."""
         if not self.is_mpi:
             return None
-        self._gates += 1
         note = f"{node_name()}\0{error or ''}".encode("utf-8", "replace")[:_NOTE_MAX]
         mine = bytes([0 if error else 1]) + note
         if self.rank == 0:
@@ -207,16 +208,13 @@ class World:
         self.wait(self.comm.Isend([mine, self.MPI.BYTE], dest=0, tag=_ROLL_TAG),
                   f"the {what} gate (sending to node 0)")
         buf = bytearray(_VERDICT_MAX)
-        try:
-            self.wait(self.comm.Irecv([buf, self.MPI.BYTE], source=0, tag=_VERDICT_TAG),
-                      f"the {what} gate", timeout=None if self.timeout is None
-                      else self.timeout + _VERDICT_SLACK)
-        except MountError as exc:
-            self.incomplete = True
-            if "did not complete" in str(exc):
-                raise MountError(f"the {what} gate: node 0 did not answer within "
-                                 f"{self.timeout:g} s (--start-timeout)") from None
-            raise
+        timeout = late = None
+        if self.timeout is not None:
+            timeout = self.timeout + _VERDICT_SLACK
+            late = (f"the {what} gate: node 0 did not answer within {self.timeout:g} s "
+                    "(--start-timeout)")
+        self.wait(self.comm.Irecv([buf, self.MPI.BYTE], source=0, tag=_VERDICT_TAG),
+                  f"the {what} gate", timeout=timeout, late=late)
         self.received[0] += 1
         raw = bytes(buf).rstrip(b"\0")
         self.received[1] += len(raw) + 1
@@ -254,7 +252,7 @@ class World:
         self._sent = [self.comm.Isend([out, MPI.BYTE], dest=dst, tag=_VERDICT_TAG)
                       for dst in range(1, self.size)]
         # the sends complete as the nodes take them; one that never arrives never will
-        wait_request(_AllOf(self._sent), time.monotonic() + 5.0, Backoff(50e-6, 20e-3))
+        wait_request(AllOf(self._sent), time.monotonic() + 5.0, Backoff(50e-6, 20e-3))
         return verdict
 
     def all_min(self, value: int) -> int:
@@ -389,17 +387,6 @@ def _start_backoff() -> Backoff:
     measured on 256 oversubscribed one-rank nodes the waits' wake-ups were a third of a
     daemon's start-up CPU)."""
     return Backoff(50e-6, 20e-3, coldest=0.1, cold_after=1.0)
-
-
-class _AllOf:
-    """Several requests tested as one (for :func:`wait_request`)."""
-
-    def __init__(self, reqs) -> None:
-        self.reqs = list(reqs)
-
-    def Test(self) -> bool:  # noqa: N802 - the MPI request protocol
-        self.reqs = [r for r in self.reqs if not r.Test()]
-        return not self.reqs
 
 
 def _verdict(what: str, notes: dict[int, bytes], missing: list[int],
