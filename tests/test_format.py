@@ -646,6 +646,22 @@ def test_golden_store_is_reproduced_by_the_packer(tmp_path, version):
 # --------------------------------------------------------------------------- format v2
 
 
+def _tiny_tree(f: int, g: int, h: int) -> IndexBuilder:
+    """The five entries the tiny v2 and v4 indexes share: / , a/, f, a/g, a/h of the given
+    sizes, the directories' runs set; the files' chunk runs are the caller's."""
+    b = IndexBuilder(5, 3)
+    e = b.entries
+    rows = [(0, KIND_DIR, 0o755, 0), (0, KIND_DIR, 0o755, 0), (0, KIND_FILE, 0o644, f),
+            (1, KIND_FILE, 0o644, g), (1, KIND_FILE, 0o644, h)]
+    for i, (parent, kind, mode, size) in enumerate(rows):
+        e["parent"][i], e["kind"][i], e["mode"][i], e["size"][i] = parent, kind, mode, size
+    for i, name in ((1, b"a"), (2, b"f"), (3, b"g"), (4, b"h")):
+        b.set_name(i, name)
+    e["first"][0], e["count"][0] = 1, 2
+    e["first"][1], e["count"][1] = 3, 2
+    return b
+
+
 def _tiny_v2_parts() -> dict:
     """A v2 index: two files share one solid chunk.
 
@@ -655,16 +671,8 @@ def _tiny_v2_parts() -> dict:
         a/g          file  (3)  10 bytes at offset 0 of chunk 2 (partition 1)
         a/h          file  (4)  20 bytes at offset 10 of chunk 2
     """
-    b = IndexBuilder(5, 3)
+    b = _tiny_tree(5000, 10, 20)
     e = b.entries
-    rows = [(0, KIND_DIR, 0o755, 0), (0, KIND_DIR, 0o755, 0), (0, KIND_FILE, 0o644, 5000),
-            (1, KIND_FILE, 0o644, 10), (1, KIND_FILE, 0o644, 20)]
-    for i, (parent, kind, mode, size) in enumerate(rows):
-        e["parent"][i], e["kind"][i], e["mode"][i], e["size"][i] = parent, kind, mode, size
-    for i, name in ((1, b"a"), (2, b"f"), (3, b"g"), (4, b"h")):
-        b.set_name(i, name)
-    e["first"][0], e["count"][0] = 1, 2
-    e["first"][1], e["count"][1] = 3, 2
     e["first"][2], e["count"][2], e["checksum"][2] = 0, 2, 111
     e["first"][3], e["count"][3], e["checksum"][3] = 2, 1, 222
     e["first"][4], e["count"][4], e["checksum"][4] = 2, 1, 333
@@ -918,16 +926,8 @@ def _tiny_v4_parts() -> dict:
         a/g          file  (3)  5000 bytes: the same run as f (a duplicate of f)
         a/h          file  (4)  10 bytes: chunk 2 in partition 1
     """
-    b = IndexBuilder(5, 3)
+    b = _tiny_tree(5000, 5000, 10)
     e = b.entries
-    rows = [(0, KIND_DIR, 0o755, 0), (0, KIND_DIR, 0o755, 0), (0, KIND_FILE, 0o644, 5000),
-            (1, KIND_FILE, 0o644, 5000), (1, KIND_FILE, 0o644, 10)]
-    for i, (parent, kind, mode, size) in enumerate(rows):
-        e["parent"][i], e["kind"][i], e["mode"][i], e["size"][i] = parent, kind, mode, size
-    for i, name in ((1, b"a"), (2, b"f"), (3, b"g"), (4, b"h")):
-        b.set_name(i, name)
-    e["first"][0], e["count"][0] = 1, 2
-    e["first"][1], e["count"][1] = 3, 2
     e["first"][2], e["count"][2], e["checksum"][2] = 0, 2, 111
     e["first"][3], e["count"][3], e["checksum"][3] = 0, 2, 111
     e["first"][4], e["count"][4], e["checksum"][4] = 2, 1, 222

@@ -66,7 +66,8 @@ def split_nodes(comm, MPI, ranks_per_node: str | int, wait, received: list[int]
 
 
 def _split_by_name(shared, MPI, name: str, wait):
-    """Split a machine's ranks by node name (only this machine's ranks exchange names)."""
+    """Split the ranks of one hash colour by node name (only they exchange names: a node's
+    ranks, and another node's only when two names share a hash)."""
     width = 256
     raw = name.encode()[:width].ljust(width, b"\0")
     out = np.zeros(shared.Get_size() * width, dtype=np.uint8)
