@@ -188,11 +188,8 @@ def cmd_mount(args) -> int:
         stage_jobs=args.stage_jobs, ranks_per_node=args.ranks_per_node,
         start_timeout=args.start_timeout, mpi_piece=current().mpi_piece)
 
-    def notify(text: str) -> None:
-        say(f"{text}")
-
     outcome = launch.mount(options, foreground=args.foreground, debug=args.debug,
-                           log_file=args.log, notify=notify)
+                           log_file=args.log, notify=say)
     if outcome.error is not None:
         say(f"error: {outcome.error}")
     if outcome.hard_exit:  # an MPI rank that must not finalize, a hydra shim, a daemon
