@@ -21,8 +21,10 @@ from .errors import (
     CodecError,
     CodecUnavailableError,
     CorruptDataError,
+    DeclinedError,
     UnknownCodecError,
 )
+from .jpegxl import JpegXlCodec
 from .lz4 import Lz4Codec, Lz4HCCodec
 from .null import NullCodec
 from .registry import CODECS, available, get_codec, parse_spec, register_codec
@@ -45,6 +47,7 @@ __all__ = [
     "UnknownCodecError",
     "CodecUnavailableError",
     "CorruptDataError",
+    "DeclinedError",
     "BadConfigError",
     "NullCodec",
     "ZstdCodec",
@@ -53,4 +56,5 @@ __all__ = [
     "SnappyCodec",
     "Blosc2Codec",
     "ZlibCodec",
+    "JpegXlCodec",
 ]

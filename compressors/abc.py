@@ -33,12 +33,20 @@ class Codec(ABC):
     codec_id: ClassVar[str]
     #: ``(module, pip package)`` pairs of the optional libraries this codec imports.
     requires: ClassVar[tuple[tuple[str, str], ...]] = ()
+    #: True for a codec that applies to some inputs only (``jpegxl``: a whole JPEG): its
+    #: :meth:`encode` raises :class:`~compressors.errors.DeclinedError` for the others, which
+    #: a store keeps as they are. Such a codec takes whole files, never solid blocks.
+    declines: ClassVar[bool] = False
 
     _key: str | None = None
 
     @abstractmethod
     def encode(self, buf: BytesLike) -> bytes:
-        """Compress any bytes-like object (bytes, bytearray, memoryview, ndarray...)."""
+        """Compress any bytes-like object (bytes, bytearray, memoryview, ndarray...).
+
+        A codec with :attr:`declines` raises :class:`~compressors.errors.DeclinedError` for
+        an input it does not apply to; every other codec encodes any input.
+        """
 
     @abstractmethod
     def decode(self, buf: BytesLike, raw_size: int) -> bytes:

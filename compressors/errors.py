@@ -14,6 +14,7 @@ __all__ = [
     "CodecUnavailableError",
     "CorruptDataError",
     "BadConfigError",
+    "DeclinedError",
 ]
 
 
@@ -35,3 +36,9 @@ class CorruptDataError(CodecError):
 
 class BadConfigError(CodecError, ValueError):
     """A codec parameter (level, filter, typesize, ...) is invalid."""
+
+
+class DeclinedError(CodecError):
+    """The codec does not apply to this input (``jpegxl`` given bytes that are not a whole
+    JPEG it transcodes byte-exactly). Nothing is wrong with the data: a store keeps such an
+    input as it is (codec ``none``), as it keeps any input a codec does not shrink."""

@@ -19,6 +19,7 @@ from typing import Any, Mapping, TypeVar
 from .abc import Codec
 from .blosc2 import Blosc2Codec
 from .errors import BadConfigError, CodecError, CodecUnavailableError, UnknownCodecError
+from .jpegxl import JpegXlCodec
 from .lz4 import Lz4Codec, Lz4HCCodec
 from .null import NullCodec
 from .snappy import SnappyCodec
@@ -54,7 +55,8 @@ def register_codec(cls: T) -> T:
     return cls
 
 
-for _cls in (NullCodec, ZstdCodec, Lz4Codec, Lz4HCCodec, SnappyCodec, Blosc2Codec, ZlibCodec):
+for _cls in (NullCodec, ZstdCodec, Lz4Codec, Lz4HCCodec, SnappyCodec, Blosc2Codec, ZlibCodec,
+             JpegXlCodec):
     register_codec(_cls)
 
 

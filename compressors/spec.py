@@ -9,7 +9,7 @@
 * ``+dict``: with a zstd dictionary trained per file kind of many small files (the packer
   trains them; only ``zstd:L`` takes one);
 * ``+solidNk``: files of at most N KiB (N >= 1) are packed back to back into solid blocks of
-  N KiB, each compressed as one chunk.
+  N KiB, each compressed as one chunk (not for a codec of whole files: ``jpegxl``).
 
 The suffixes come in this order, each at most once. This is the one place the grammar is
 parsed (:func:`parse_codec_spec`) and written (:attr:`CodecSpec.label`): every name the codec
@@ -50,6 +50,9 @@ class CodecSpec:
         if not isinstance(self.solid_kb, int) or self.solid_kb < 0:
             raise BadConfigError(f"solid block size must be a whole number of KiB >= 0, got "
                                  f"{self.solid_kb!r}")
+        if self.solid_kb and self.codec.declines:
+            raise BadConfigError(f"invalid codec spec {self.codec.spec}+solid{self.solid_kb}k: "
+                                 f"{self.codec.codec_id} takes whole files, not solid blocks")
 
     @property
     def label(self) -> str:
