@@ -11,9 +11,31 @@ import os
 
 import xxhash
 
-from compressors import CodecError, get_codec
+from compressors import CODECS, CodecError, CodecUnavailableError, get_codec
 from fanstore.errors import CorruptDataError, FormatError
 from fanstore.format.index import Index
+
+
+#: The extra of FanStore that installs a codec's optional library (``pip install
+#: 'fanstore[EXTRA]'``); the core dependencies install the others.
+CODEC_EXTRAS = {"jpegxl": "jpeg"}
+
+
+def _codec(config: dict):
+    """The codec of a codec table entry, or :class:`FormatError` in one line naming the codec
+    and what to install."""
+    try:
+        return get_codec(config)
+    except CodecUnavailableError as exc:
+        codec_id = config.get("id")
+        extra = CODEC_EXTRAS.get(codec_id)
+        if extra is None or codec_id not in CODECS:
+            raise FormatError(f"store needs codec {codec_id}: {exc}") from exc
+        libs = ", ".join(module for module, _ in CODECS[codec_id].requires)
+        raise FormatError(f"store needs codec {codec_id}: install {libs} "
+                          f"(pip install 'fanstore[{extra}]')") from exc
+    except CodecError as exc:
+        raise FormatError(f"the store needs a codec this installation lacks: {exc}") from exc
 
 
 class Decoder:
@@ -27,10 +49,7 @@ class Decoder:
         self._sum = index.chunks["checksum"]
         self._part = index.chunks["part"]
         self._offset = index.chunks["offset"]
-        try:
-            self.codecs = [get_codec(cfg) for cfg in index.codecs]
-        except CodecError as exc:
-            raise FormatError(f"the store needs a codec this installation lacks: {exc}") from exc
+        self.codecs = [_codec(cfg) for cfg in index.codecs]
 
     def checksum(self, chunk: int) -> int:
         """The XXH3-64 of ``chunk``'s decoded bytes (from the index)."""
