@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 import xxhash
 
-from compressors import CodecError, get_codec
+from compressors import CodecError, DeclinedError, get_codec
 from fanstore.errors import PackError
 
 # packer -> worker: kind, slot, n, pos
@@ -93,6 +93,8 @@ def _worker_main(ring: mmap.mmap, cmd_fd: int, res_fd: int, close_fds: list[int]
                 csum = hash64(region)
                 try:
                     stored = codecs[slot].encode(region) if slot else region
+                except DeclinedError:  # kept raw, as a chunk that does not shrink
+                    stored = region
                 except CodecError as exc:
                     _send_error(res_fd, out, str(exc))
                     return

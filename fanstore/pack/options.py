@@ -71,6 +71,8 @@ class PackSummary:
     #: files stored once as a copy of an earlier identical file, and their bytes
     duplicates: int = 0
     saved_bytes: int = 0
+    #: files a codec of some inputs only (jpegxl) declined: stored raw (pack.fallback)
+    fallbacks: Any = None
 
     @property
     def ratio(self) -> float:
@@ -94,7 +96,7 @@ class PackSummary:
              f"(+ index {_mb(self.index_bytes)}), ratio {self.ratio:.2f}x "
              f"({self.ratio_with_index:.2f}x with the index)"),
             f"time {self.seconds:.1f} s, {mb_s:.0f} MB/s",
-        ] + self._dedup_lines() + (
+        ] + self._dedup_lines() + (self.fallbacks.lines() if self.fallbacks else []) + (
             [f"skipped {len(self.skipped)} entries (--skip-unreadable)"] if self.skipped else [])
 
 

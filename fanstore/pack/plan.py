@@ -32,11 +32,16 @@ class CodecPolicy:
             kind = file_kind(rel, size)
             codec = self.by_kind.get(kind)
             if codec is not None:
-                return codec, self.solid_by_kind.get(kind, 0)
-        return self.default, self.solid
+                return codec, 0 if _declines(codec) else self.solid_by_kind.get(kind, 0)
+        # A codec of whole inputs (jpegxl) never gets a solid block: it would decline it.
+        return self.default, 0 if _declines(self.default) else self.solid
 
     def codec_for(self, rel: str, size: int):
         return self.choice_for(rel, size)[0]
+
+
+def _declines(codec) -> bool:
+    return bool(getattr(codec, "declines", False))
 
 
 def plan_partitions(sizes: list[int], n: int) -> list[int]:

@@ -100,6 +100,8 @@ def plan_policy(src: str, request: PolicyRequest,
     text = request.codec
     spec = None if text in (None, AUTO) else _parse(text)
     solid_kb = _solid_kb(text, spec, request)
+    if solid_kb and spec is not None and spec.codec.declines:
+        raise UsageError(f"--solid-kb: {spec.codec.spec} takes whole files, not solid blocks")
     if source_kind != "directory":
         # The selectors and solid blocks sample and plan a tree; a streamed source is packed
         # as it is read, with one codec.

@@ -48,6 +48,7 @@ from compressors import parse_spec
 from fanstore.errors import PackError, UsageError
 from fanstore.format.index import KIND_DIR, KIND_FILE, KIND_SYMLINK
 from fanstore.format.partition import PartitionWriter, partition_name
+from fanstore.pack import fallback
 from fanstore.pack.access import PRIVATE_FILE_MODE, decide_stream
 from fanstore.pack.dest import open_destination
 from fanstore.pack.encoders import EncoderPool
@@ -81,6 +82,7 @@ class _File:
     part: int
     size: int
     checksum: int = 0
+    slot: int = 0  # the codec slot planned (a chunk's row has the one used)
     rows: list[tuple[int, int, int, int, int]] = field(default_factory=list)
     # (offset, stored, raw, codec slot, checksum) per chunk
 
@@ -139,7 +141,7 @@ class StreamPacker:
         p = self._choose(rel, size)
         self._writer(p)
         slot = self.codecs.slot(self.policy.codec_for(os.fsdecode(rel), size))
-        f = _File(p, size, _EMPTY_SUM)
+        f = _File(p, size, _EMPTY_SUM, slot)
         fid = len(self.files)
         self.files.append(f)
         self.part_files[p].append(fid)
@@ -363,7 +365,9 @@ class StreamPacker:
             dest=self.dest.url, files=kinds.count(KIND_FILE), dirs=kinds.count(KIND_DIR) - 1,
             symlinks=kinds.count(KIND_SYMLINK), raw_bytes=scan.raw_bytes, stored_bytes=stored,
             index_bytes=len(data), partitions=len(results),
-            seconds=time.monotonic() - t0, skipped=skipped, outside_skipped=scan.outside_skipped)
+            seconds=time.monotonic() - t0, skipped=skipped, outside_skipped=scan.outside_skipped,
+            fallbacks=fallback.count(self.configs,
+                                     ((f.slot, [r[3] for r in f.rows]) for f in self.files)))
 
 
 def _part_result(p: int, size: int, checksum: str, fids: list[int], files: list[_File],

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from compressors import CodecError, get_codec
+from compressors import CodecError, DeclinedError, get_codec
 from fanstore.errors import FanStoreError, PackError
 from fanstore.format.partition import PartitionWriter
 from fanstore.pack.access import PRIVATE_FILE_MODE
@@ -94,7 +94,10 @@ class _Rows:
     def add(self, raw, slot: int, codec) -> int:
         """Compress (or keep raw) and append one chunk; returns its row."""
         raw_len = len(raw)
-        stored = codec.encode(raw) if slot else raw
+        try:
+            stored = codec.encode(raw) if slot else raw
+        except DeclinedError:  # not an input this codec takes (jpegxl: not a whole JPEG)
+            stored = raw
         use = slot
         if len(stored) >= raw_len:
             stored, use = raw, 0

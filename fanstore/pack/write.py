@@ -31,6 +31,7 @@ from fanstore.kinds import file_kind
 from fanstore.pack.access import Access, decide_tree
 from fanstore.pack.dedup import Duplicates, find_duplicates
 from fanstore.pack.dest import check_destination, open_destination
+from fanstore.pack.fallback import count_tasks
 from fanstore.pack.indexing import build_index
 from fanstore.pack.options import PackOptions, PackSummary, check_options, report_problems
 from fanstore.pack.plan import CodecPolicy, CodecTable, in_dir, plan_partitions
@@ -169,6 +170,7 @@ def finish(plan: PackPlan, results: list[PartResult], options: PackOptions) -> P
     results = sorted(results, key=lambda r: r.number)
     if [r.number for r in results] != list(range(len(plan.tasks))):
         raise PackError("internal error: partitions missing from the workers' results")
+    fallbacks = count_tasks(plan.configs, plan.tasks, results)
     data, stored = build_index(plan.scan, results, plan.configs, options, plan.n_normal,
                                plan.src, access=plan.access.value,
                                duplicates=plan.duplicates.of)
@@ -190,6 +192,7 @@ def finish(plan: PackPlan, results: list[PartResult], options: PackOptions) -> P
         outside_skipped=plan.scan.outside_skipped,
         duplicates=len(plan.duplicates),
         saved_bytes=plan.duplicates.saved_bytes,
+        fallbacks=fallbacks,
     )
 
 
