@@ -170,3 +170,49 @@ def test_a_missing_library_is_one_line(jpeg_tree, jpeg_store, without_imagecodec
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=dict(os.environ, **env), timeout=60)
     assert out.stdout.strip() == f"FormatError {MISSING_LINE}", out.stderr
+
+
+# --------------------------------------------------------------------------- the selector
+
+_FIXED_STORAGE = ("--storage-mb-per-sec", "1000", "--storage-latency-us", "100")
+
+
+def _select(src, *args) -> dict:
+    import json
+
+    proc = run_cli("select", src, "--json", "--cores", "2", *_FIXED_STORAGE, *args,
+                   timeout=600)
+    assert proc.returncode in (0, 3), proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_the_selector_offers_jpegxl_for_jpegs_only(jpeg_tree, tmp_path) -> None:
+    root, files, declined = jpeg_tree
+    report = _select(root, "--trials", "0", "--per-kind", "--files-per-sec", "100")
+    cand = {c["codec"]: c for c in report["candidates"]}["jpegxl"]
+    assert cand["ratio"] > 1.05
+    # cores = decode CPU per file x the budget's files/s
+    assert cand["decode_cores_for_budget"] == pytest.approx(
+        cand["decode_cpu_us_per_file"] * 1e-6 * report["budget"]["required_files_per_s"],
+        rel=0.02)
+    assert cand["decode_cpu_us_per_file"] > 0
+    assert 0 < cand["declined_units"] <= len(declined - {rel for rel in declined
+                                                         if len(files[rel]) > 1 << 20})
+    assert {k: v for k, v in report["per_kind"].items() if v == "jpegxl"}, report["per_kind"]
+    assert all(k.startswith("jpg/") for k, v in report["per_kind"].items() if v == "jpegxl")
+    for k in range(20):
+        (tmp_path / f"notes{k}.txt").write_bytes(files["odd/notes.txt"] * (k + 1))
+    report = _select(tmp_path, "--trials", "0")
+    assert "jpegxl" not in {c["codec"] for c in report["candidates"]}
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("mode", ["sync", "prefetch"])
+def test_a_measured_jpegxl_finalist(jpeg_tree, mode) -> None:
+    """Under a budget it meets, jpegxl (the best ratio) is measured through a real mount in
+    the job's mode and chosen, and the pack command names it."""
+    report = _select(jpeg_tree[0] / "train", "--trials", "2", "--mode", mode,
+                     "--files-per-sec", "20", "--reader", "mount")
+    cand = {c["codec"]: c for c in report["candidates"]}["jpegxl"]
+    assert cand["measured"] is not None and cand["rate_from"] == "measured", cand
+    assert report["chosen"] == "jpegxl" and "--codec jpegxl" in report["pack_command"]

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from compressors import Codec, NullCodec
+from compressors import Codec, DeclinedError, NullCodec
 from fanstore.errors import FanStoreError
 
 MIN_PASSES = 3
@@ -61,6 +61,9 @@ class KindMeasure:
     #: solid blocks: (raw bytes, files) of each measured block (a unit larger than a block
     #: is a block of one); empty otherwise
     blocks: list[tuple[int, int]] = field(default_factory=list)
+    #: units the codec declined (``Codec.declines``: jpegxl given a non-JPEG, a JPEG it
+    #: cannot transcode, a piece of a file), kept raw as pack keeps them; among ``raw_units``
+    declined: int = 0
 
     @property
     def amplification(self) -> float:
@@ -116,9 +119,13 @@ def measure(codec: Codec, units: list[bytes], encode_budget: float) -> KindMeasu
     raw_bytes = stored_bytes = raw_units = raw_unit_bytes = 0
     encode = codec.encode
     t0 = _clock()
-    done = 0
+    done = declined = 0
     for unit in units:
-        blob = encode(unit)
+        try:
+            blob = encode(unit)
+        except DeclinedError:  # pack keeps such a unit raw (fanstore.pack.fallback)
+            blob = unit
+            declined += 1
         n = len(unit)
         if len(blob) >= n:
             raw_units += 1
@@ -144,7 +151,7 @@ def measure(codec: Codec, units: list[bytes], encode_budget: float) -> KindMeasu
 
     decode_s = median_pass(decode_all) if stored else 0.0
     return KindMeasure(raw_bytes, stored_bytes, done, raw_units, raw_unit_bytes, encode_s,
-                       decode_s)
+                       decode_s, declined=declined)
 
 
 def solid_blocks(units: list[bytes], block: int) -> tuple[list[bytes], list[int]]:

@@ -5,7 +5,9 @@ filters (shuffle, bitshuffle) need the element size, which comes from the data
 (:attr:`KindSample.typesize`: ``.npy`` headers, else extensions that name a type, else 1).
 A single codec for the whole set uses the element size that covers the most bytes; with
 ``--per-kind`` each kind also gets blosc2 filters at its own element size and, for kinds of
-many small files, a zstd dictionary trained on that kind alone.
+many small files, a zstd dictionary trained on that kind alone. When the sample holds JPEG
+files, ``jpegxl`` (lossless JPEG recompression) is a candidate too: whole files only, the
+others declined and kept raw, as ``pack --codec jpegxl`` keeps them.
 
 The order of the list is "simplest first": exact ties in ratio and speed go to the earlier.
 """
@@ -36,6 +38,9 @@ DICT_MAX = 112640  # zstd's default dictionary size
 #: random order decodes its whole block unless the reader's caches still hold it:
 #: ``readorder``).
 SOLID = ((16, "zstd:3", False), (64, "zstd:3", False), (64, "zstd:19", True))
+#: Extensions of JPEG files: the sources of which ``jpegxl`` (lossless JPEG recompression,
+#: whole files only) is a candidate; other files it keeps raw, as pack does.
+JPEG_EXTENSIONS = frozenset({"jpg", "jpeg", "jpe", "jfif"})
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,12 @@ def dominant_typesize(sample: Sample) -> int:
     return max(sorted(weights), key=lambda t: weights[t]) if weights else 1
 
 
+def jpeg_kinds(sample: Sample) -> list[str]:
+    """The sampled kinds of JPEG files (``jpg/medium``: the kind's extension)."""
+    return [kind for kind, ks in sorted(sample.kinds.items())
+            if ks.units and kind.partition("/")[0] in JPEG_EXTENSIONS]
+
+
 def _build(specs: list[str]) -> list[Codec]:
     out = []
     for spec in specs:
@@ -104,6 +115,8 @@ def train_kind_dictionary(samples: list[bytes]) -> bytes | None:
 def whole_set_candidates(sample: Sample) -> list[Candidate]:
     """Candidates applied to every kind (the single-codec choice)."""
     specs = list(BASE_SPECS) + blosc_specs(dominant_typesize(sample))
+    if jpeg_kinds(sample):
+        specs.append("jpegxl")
     out = [Candidate(c.spec, c) for c in _build(specs)]
     # One dictionary per kind of many small files, as pack's --codec zstd:L+dict trains them;
     # every dictionary is charged to the stored size.

@@ -15,6 +15,7 @@ from fanstore.errors import BudgetNotMetError
 from fanstore.kinds import access_pattern
 from fanstore.select.options import TRIALS
 from fanstore.select.policy import Cost
+from fanstore.select import wholefiles
 from fanstore.select.result import CandidateResult, SelectionResult
 
 MB = 1e6
@@ -64,6 +65,7 @@ def _cand_json(res: SelectionResult, c: CandidateResult) -> dict[str, Any]:
     if c.solid:
         out["solid_kb"] = c.solid >> 10
         out["read_amplification"] = _num(c.cost.read / c.cost.stored, 2)
+    out.update(wholefiles.to_json(res, c))
     if c.kinds is None:
         # The rate the choice used: measured for a finalist, else the model's.
         out.update(mb_per_s=_num(c.rate / MB), files_per_s=_num(res.files_rate(c.rate)),
@@ -399,6 +401,7 @@ def table(res: SelectionResult, capacity: int | None = None) -> str:
         lines.append(f"{c.label:<30} {c.cost.ratio:>7.3f} {_fmt(c.encode_mb_per_s):>9} "
                      f"{_fmt(dec / MB):>9} {_fmt(res.files_rate(c.node_rate)):>10} {got}"
                      f"  {mark}")
+    lines += wholefiles.lines(res)
     lines.append("")
     if res.per_kind is not None:
         lines.append(f"{'kind':<16} {'files':>8} {'MB':>9} {'typesize':>14}  "

@@ -42,6 +42,8 @@ class CandidateResult:
     by_kind: dict[str, Codec] = field(default_factory=dict)  # kinds with their own codec
     measured: Measured | None = None
     measure_error: str | None = None  # why a finalist's measurement failed
+    units: int = 0  # sample units encoded (files, or chunks of large files)
+    declined: int = 0  # of them, declined by a codec of whole files (stored raw)
 
     @property
     def rate(self) -> float:

@@ -207,7 +207,8 @@ def _candidate_result(cand: Candidate, kind_results: dict[str, KindResult],
         if measured else 0.0,
         rate, cand.kinds is None and policy.meets(cost, budget),
         kinds=None if cand.kinds is None else sorted(cand.kinds), solid=cand.solid,
-        by_kind=dict(cand.by_kind))
+        by_kind=dict(cand.by_kind), units=sum(m.units for m in kind_measures),
+        declined=sum(m.declined for m in kind_measures))
 
 
 def _mark_chosen(result: SelectionResult) -> None:
