@@ -31,7 +31,8 @@ def add_parsers(sub, common) -> None:
                    help="number of partitions (default 8; at least the node count)")
     s.add_argument("--codec", default=None, metavar="SPEC",
                    help="NAME[:ARG...][+dict][+solidNk] pins one codec (zstd:3, lz4, "
-                        "lz4hc:9, snappy, blosc2:zstd:5:shuffle:4, zlib:6, none; any name "
+                        "lz4hc:9, snappy, blosc2:zstd:5:shuffle:4, zlib:6, none, jpegxl: "
+                        "whole JPEGs recompressed losslessly, other files raw; any name "
                         "'fanstore select' reports); +dict: zstd:L with a dictionary "
                         "trained per kind of small files; +solidNk: as --solid-kb N; "
                         "'auto': the full selector. Default: a quick selection per file "
