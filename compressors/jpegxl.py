@@ -15,6 +15,13 @@ declined input as it is (codec ``none``). The transcoder runs at libjxl's defaul
 
 Both directions run on one thread (``numthreads=1``): the callers' own pools (pack workers,
 the mount's readers) are the parallelism.
+
+Bounds: decode writes into one buffer of exactly ``raw_size`` bytes and never grows it (a
+stream that rebuilds a longer file is refused). libjxl's own working memory while it
+rebuilds follows the image size the stream declares (the DCT coefficients of the image,
+a few bytes per pixel), which this codec does not check against ``raw_size``: a hostile
+store could make a reader allocate that much. Not done yet: parsing the codestream's size
+header and refusing images larger than any JPEG of ``raw_size`` bytes at encode's quality.
 """
 
 from __future__ import annotations
