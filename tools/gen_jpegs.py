@@ -81,7 +81,7 @@ def load_sources(paths: list[str]) -> list[np.ndarray]:
 
 def make_jpeg(index: int, seed: int, sources: list[np.ndarray], cmyk: float) -> bytes:
     """File ``index`` of the set: a function of (seed, index) and the sources only."""
-    from PIL import Image, ImageFilter
+    from PIL import Image, ImageFile, ImageFilter
 
     rng = np.random.default_rng([seed & 0xFFFFFFFF, index])
     src = sources[int(rng.integers(len(sources)))]
@@ -120,6 +120,10 @@ def make_jpeg(index: int, seed: int, sources: list[np.ndarray], cmyk: float) -> 
         "progressive": bool(rng.random() < 0.08),
         "optimize": bool(rng.random() < 0.3),
     }
+    # libjpeg writes a progressive or optimised file in one piece ("Suspension not allowed
+    # here" otherwise): Pillow's buffer must hold the whole file, which a noisy 500 px
+    # image at quality 95 can make larger than the width x height Pillow allows.
+    ImageFile.MAXBLOCK = max(ImageFile.MAXBLOCK, 8 << 20)
     buf = io.BytesIO()
     img.save(buf, "JPEG", **options)
     return buf.getvalue()
