@@ -4,6 +4,7 @@ scikit-image and matplotlib ship, cropped, scaled and re-encoded by Pillow)."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,9 +16,12 @@ def gen_jpegs_module():
     """``tools/gen_jpegs.py`` as a module, or a skip when Pillow or every photograph is
     missing (the ``bench`` extra)."""
     pytest.importorskip("PIL", reason="Pillow (the bench extra) makes the test JPEGs")
-    spec = importlib.util.spec_from_file_location("gen_jpegs", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = sys.modules.get("gen_jpegs")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("gen_jpegs", TOOL)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["gen_jpegs"] = module  # its pool's workers find their function by name
+        spec.loader.exec_module(module)
     if not module.photo_paths():
         pytest.skip("no photographs: scikit-image or matplotlib (the bench extra) ships them")
     return module

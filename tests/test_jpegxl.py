@@ -166,3 +166,20 @@ def test_missing_library_names_it(monkeypatch) -> None:
         JpegXlCodec()
     with pytest.raises(CodecUnavailableError, match="imagecodecs"):
         parse_codec_spec("jpegxl")
+
+
+def test_the_generator_is_deterministic(tmp_path) -> None:
+    """tools/gen_jpegs.py: the same (seed, file) gives the same bytes with any --jobs."""
+    from jpeg_helpers import gen_jpegs_module
+
+    gen = gen_jpegs_module()
+    for name, seed, jobs in (("a", 3, 1), ("b", 3, 2), ("c", 4, 1)):
+        gen.generate(str(tmp_path / name), 6, seed=seed, classes=2, jobs=jobs)
+
+    def tree(name: str) -> dict[str, bytes]:
+        return {p.relative_to(tmp_path / name).as_posix(): p.read_bytes()
+                for p in sorted((tmp_path / name).rglob("*.jpg"))}
+
+    a, b, c = tree("a"), tree("b"), tree("c")
+    assert len(a) == 6 and a == b and a.keys() == c.keys() and a != c
+    assert all(data[:3] == b"\xff\xd8\xff" for data in a.values())
