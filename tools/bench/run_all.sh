@@ -2,7 +2,7 @@
 # run_all.sh - every FanStore benchmark, in order; what `make bench` runs (as root, ~3 h on
 # a quiet machine). Steps (ONLY="step ..." runs only those): mount_bench, peers
 # (peers_run.sh), mpi_bench, prefetch_bench, fuse_bench (five runs), select_accuracy,
-# sources_bench, stage_bench. Each rewrites its own section of docs/benchmarks.md and its
+# sources_bench, stage_bench, jpeg_bench. Each rewrites its own section of docs/benchmarks.md and its
 # rows in tools/bench/results/ (docs/benchmarks.md, "How to rerun", says what each is).
 #
 # Environment: MOUNT_BENCH_ARGS ["--preset full"], MOUNT_BENCH_WORK [/tmp/fanstore-bench],
@@ -16,7 +16,7 @@ set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 PY=$REPO/.venv/bin/python
-ONLY=${ONLY:-mount_bench peers mpi_bench prefetch_bench fuse_bench select_accuracy sources_bench stage_bench}
+ONLY=${ONLY:-mount_bench peers mpi_bench prefetch_bench fuse_bench select_accuracy sources_bench stage_bench jpeg_bench}
 FUSE_WORK=${FUSE_BENCH_WORK:-/tmp/fuse-bench}
 SEL_WORK=${SELECT_ACCURACY_WORK:-/tmp/select-accuracy}
 
@@ -77,6 +77,10 @@ for step in $ONLY; do
     sources_bench)
         echo "[$(date +%T)] run_all: sources_bench" >&2
         "$PY" "$HERE/sources_bench.py" || status=$?
+        ;;
+    jpeg_bench)
+        echo "[$(date +%T)] run_all: jpeg_bench" >&2
+        "$PY" "$HERE/jpeg_bench.py" || status=$?
         ;;
     stage_bench)
         echo "[$(date +%T)] run_all: stage_bench" >&2
