@@ -99,9 +99,9 @@ def _solid_groups(store) -> dict[int, list[str]]:
 # --------------------------------------------------------------------------- the store
 
 
-def test_solid_store_is_format_v3_and_shares_chunks(solid_store, text_tree):
+def test_solid_store_is_format_v5_and_shares_chunks(solid_store, text_tree):
     index = read_index(str(solid_store))
-    assert index.version == 3 == index.meta["format_version"]
+    assert index.version == 5 == index.meta["format_version"]
     groups = _solid_groups(solid_store)
     ns = Namespace(index)
     in_blocks = sum(len(v) for v in groups.values())
@@ -122,7 +122,7 @@ def test_solid_store_is_format_v3_and_shares_chunks(solid_store, text_tree):
     proc = run_cli("info", solid_store, check=True)
     assert re.search(rf"^solid blocks   {len(groups):,} chunks holding {in_blocks:,} files$",
                      proc.stdout, re.M), proc.stdout
-    assert "format         v3 (fanstore " in proc.stdout
+    assert "format         v5 (fanstore " in proc.stdout
 
 
 def test_solid_store_is_smaller_than_per_file(solid_store, text_tree, tmp_path):
@@ -132,7 +132,7 @@ def test_solid_store_is_smaller_than_per_file(solid_store, text_tree, tmp_path):
     a = read_index(str(plain)).meta["counts"]["stored_bytes"]
     b = read_index(str(solid_store)).meta["counts"]["stored_bytes"]
     assert b < 0.9 * a, (a, b)
-    assert read_index(str(plain)).version == 3
+    assert read_index(str(plain)).version == 5
 
 
 def test_solid_store_reads_through_the_api(solid_store, text_tree):
@@ -318,7 +318,7 @@ def test_solid_with_the_default_selection_and_dictionaries(text_tree, tmp_path):
     run_cli("pack", src, dest, "--solid-kb", "32", "--chunk-kb", "128", "--no-progress",
             check=True)
     index = read_index(str(dest))
-    assert index.version == 3 and _solid_groups(dest)
+    assert index.version == 5 and _solid_groups(dest)
     with fanstore.open_store(str(dest), cache_mb=0) as store:
         for rel, data in files.items():
             assert store.read(rel) == data, rel
