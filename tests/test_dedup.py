@@ -126,9 +126,11 @@ def test_only_small_duplicates_share_one_chunk_runs(tmp_path):
     assert index.version == 5 and not shares_runs(index.entries)
 
 
-def test_the_pack_is_the_same_whatever_the_jobs(dup_tree, tmp_path):
+def test_the_pack_is_the_same_whatever_the_jobs(dup_tree, tmp_path, monkeypatch):
+    """Two processes hash the candidates (the pool is used from one file on here)."""
     src, _ = dup_tree
     _pack(src, tmp_path / "one", jobs=1)
+    monkeypatch.setattr(dedup_mod, "POOL_FROM", 1)
     _pack(src, tmp_path / "two", jobs=2)
     names = sorted(os.listdir(tmp_path / "one"))
     assert names == sorted(os.listdir(tmp_path / "two"))
