@@ -2,7 +2,6 @@
 
 __version__ = "0.1.0"
 
-#: Newest on-disk format this release reads and writes (docs/format.md). A store is written
-#: in the oldest version that can hold it: v3, or v4 when identical files of several chunks
-#: share one run (pack's dedup).
-FORMAT_VERSION = 4
+#: Newest on-disk format this release reads and writes (docs/format.md): ``fanstore pack``
+#: writes v5 (a compact index); v1 to v4 are still read.
+FORMAT_VERSION = 5

@@ -99,9 +99,9 @@ def _solid_groups(store) -> dict[int, list[str]]:
 # --------------------------------------------------------------------------- the store
 
 
-def test_solid_store_is_format_v3_and_shares_chunks(solid_store, text_tree):
+def test_solid_store_is_format_v5_and_shares_chunks(solid_store, text_tree):
     index = read_index(str(solid_store))
-    assert index.version == 3 == index.meta["format_version"]
+    assert index.version == 5 == index.meta["format_version"]
     groups = _solid_groups(solid_store)
     ns = Namespace(index)
     in_blocks = sum(len(v) for v in groups.values())
@@ -122,7 +122,7 @@ def test_solid_store_is_format_v3_and_shares_chunks(solid_store, text_tree):
     proc = run_cli("info", solid_store, check=True)
     assert re.search(rf"^solid blocks   {len(groups):,} chunks holding {in_blocks:,} files$",
                      proc.stdout, re.M), proc.stdout
-    assert "format         v3 (fanstore " in proc.stdout
+    assert "format         v5 (fanstore " in proc.stdout
 
 
 def test_solid_store_is_smaller_than_per_file(solid_store, text_tree, tmp_path):
@@ -132,7 +132,7 @@ def test_solid_store_is_smaller_than_per_file(solid_store, text_tree, tmp_path):
     a = read_index(str(plain)).meta["counts"]["stored_bytes"]
     b = read_index(str(solid_store)).meta["counts"]["stored_bytes"]
     assert b < 0.9 * a, (a, b)
-    assert read_index(str(plain)).version == 3
+    assert read_index(str(plain)).version == 5
 
 
 def test_solid_store_reads_through_the_api(solid_store, text_tree):
@@ -278,6 +278,34 @@ def test_default_pack_runs_a_quick_selection(text_tree, tmp_path):
     assert "quick" in run_cli("info", dest, check=True).stdout
 
 
+def test_default_pack_puts_small_files_in_solid_blocks(text_tree, tmp_path):
+    """Kinds of small files go into solid blocks of 32 KiB at the level the quick selection
+    measured (recorded per kind); large files keep chunks of their own; --solid-kb 0 packs
+    every file on its own; both read back byte for byte."""
+    src, files = text_tree
+    dest, single = tmp_path / "default", tmp_path / "single"
+    run_cli("pack", src, dest, "--chunk-kb", "128", "--no-progress", check=True)
+    run_cli("pack", src, single, "--chunk-kb", "128", "--solid-kb", "0", "--no-progress",
+            check=True)
+    index = read_index(str(dest))
+    sel = index.meta["selection"]
+    small = {k for k in sel["per_kind"] if k.endswith("/tiny")}
+    assert sel["solid_kb"] == {k: 32 for k in small}
+    assert all(sel["per_kind"][k].endswith("+solid32k") for k in small)
+    groups = _solid_groups(dest)
+    assert sum(len(v) for v in groups.values()) >= 550
+    assert all(int(index.chunks["raw"][k]) <= 32 << 10 for k in groups)
+    big = Namespace(index).resolve("big/large.bin")
+    assert int(index.entries["count"][big]) > 1 and int(index.entries["offset"][big]) == 0
+    plain = read_index(str(single))
+    assert not _solid_groups(single) and plain.meta["selection"]["solid_kb"] == {}
+    assert index.meta["counts"]["stored_bytes"] < plain.meta["counts"]["stored_bytes"]
+    for store in (dest, single):
+        with fanstore.open_store(str(store), cache_mb=0) as reader:
+            for rel, data in files.items():
+                assert reader.read(rel) == data, rel
+
+
 def test_pinned_codec_runs_no_selection(text_tree, tmp_path):
     proc = run_cli("pack", text_tree[0], tmp_path / "s", "--codec", "lz4", "--no-progress",
                    check=True)
@@ -318,7 +346,7 @@ def test_solid_with_the_default_selection_and_dictionaries(text_tree, tmp_path):
     run_cli("pack", src, dest, "--solid-kb", "32", "--chunk-kb", "128", "--no-progress",
             check=True)
     index = read_index(str(dest))
-    assert index.version == 3 and _solid_groups(dest)
+    assert index.version == 5 and _solid_groups(dest)
     with fanstore.open_store(str(dest), cache_mb=0) as store:
         for rel, data in files.items():
             assert store.read(rel) == data, rel

@@ -29,7 +29,7 @@ from helpers import (
 def test_info_json(special_tree, special_store):
     proc = run_cli("info", special_store, "--json", check=True)
     info = json.loads(proc.stdout)
-    assert info["format_version"] == 3  # what pack writes (v1/v2 stores still read)
+    assert info["format_version"] == 5  # what pack writes (v1 to v4 stores still read)
     assert info["created_by"].startswith("fanstore ")
     c = info["counts"]
     assert (c["files"], c["dirs"], c["symlinks"], c["raw_bytes"]) == (
@@ -51,7 +51,7 @@ def test_info_human(special_tree, special_store):
     proc = run_cli("info", special_store, check=True)
     out = proc.stdout
     assert f"store          {special_store}\n" in out
-    assert "format         v3 (fanstore " in out
+    assert "format         v5 (fanstore " in out
     assert "solid blocks" not in out
     assert (f"entries        {special_tree['files']:,} files, {special_tree['dirs']:,} dirs, "
             f"{special_tree['symlinks_count']:,} symlinks") in out

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from compressors import parse_spec
+from fanstore.format.build import shares_runs
 from fanstore.format.index import read_index
 from fanstore.namespace import Namespace
 from fanstore.pack import CodecPolicy, PackOptions, pack
@@ -106,25 +107,30 @@ def test_identical_files_are_stored_once_and_every_name_reads(dup_tree, tmp_path
         assert ns.data_offset(e) == ns.data_offset(ns.resolve("text.txt"))
     tiny, other = ns.resolve("c/tiny"), ns.resolve("c/tiny_same_size")
     assert (ns.chunks(tiny), ns.data_offset(tiny)) != (ns.chunks(other), ns.data_offset(other))
-    assert index.version == 4 and read_index(str(tmp_path / "plain")).version == 3
+    assert index.version == 5 == read_index(str(tmp_path / "plain")).version
     assert index.meta["counts"]["raw_bytes"] == sum(map(len, files.values()))
     assert index.meta["counts"]["stored_bytes"] == sum(p.size for p in index.partitions)
     assert sum(p.files for p in index.partitions) == len(files) - SAVED_FILES  # empty ones too
 
 
-def test_only_small_duplicates_keep_the_store_v3(tmp_path):
-    """A store whose only duplicates are one-chunk files is readable by a v3 FanStore."""
+def test_only_small_duplicates_share_one_chunk_runs(tmp_path):
+    """Duplicates that are one-chunk files share their chunk (no run of several is
+    shared)."""
     src = tmp_path / "src"
     make_dup_tree(src)
     for rel in ("a/big.bin", "a/b/big_copy.bin"):
         os.unlink(src / rel)
     summary = _pack(src, tmp_path / "st")
-    assert summary.duplicates == 3 and read_index(str(tmp_path / "st")).version == 3
+    assert summary.duplicates == 3
+    index = read_index(str(tmp_path / "st"))
+    assert index.version == 5 and not shares_runs(index.entries)
 
 
-def test_the_pack_is_the_same_whatever_the_jobs(dup_tree, tmp_path):
+def test_the_pack_is_the_same_whatever_the_jobs(dup_tree, tmp_path, monkeypatch):
+    """Two processes hash the candidates (the pool is used from one file on here)."""
     src, _ = dup_tree
     _pack(src, tmp_path / "one", jobs=1)
+    monkeypatch.setattr(dedup_mod, "POOL_FROM", 1)
     _pack(src, tmp_path / "two", jobs=2)
     names = sorted(os.listdir(tmp_path / "one"))
     assert names == sorted(os.listdir(tmp_path / "two"))
@@ -182,7 +188,7 @@ def test_the_cli_says_what_was_stored_once(dup_tree, tmp_path):
     info = run_cli("info", tmp_path / "st", "--json", check=True).stdout
     doc, ref = json.loads(info), json.loads(run_cli("info", tmp_path / "plain", "--json",
                                                     check=True).stdout)
-    assert doc["format_version"] == 4 and ref["format_version"] == 3
+    assert doc["format_version"] == 5 == ref["format_version"]
     assert (doc["duplicate_files"], doc["duplicate_bytes"]) == (SAVED_FILES, _saved_bytes(files))
     assert doc["counts"]["stored_bytes"] < ref["counts"]["stored_bytes"]
     text = run_cli("info", tmp_path / "st", check=True).stdout

@@ -42,6 +42,7 @@ from fanstore.format.index import (
     KIND_SYMLINK,
     IndexBuilder,
     encode_index,
+    parse_body,
     read_index,
     read_index_bytes,
     target_stays_inside,
@@ -557,10 +558,10 @@ def _regen_module():
     return mod
 
 
-@pytest.mark.parametrize("version", ["v1", "v2", "v3", "v4"])
+@pytest.mark.parametrize("version", ["v1", "v2", "v3", "v4", "v5"])
 def test_golden_store_reads(version):
-    """The committed stores still read, byte for byte (compatibility with old stores: v3 is
-    what a FanStore before v4 wrote, and still writes for a tree without duplicates)."""
+    """The committed stores still read, byte for byte (compatibility with old stores: v1 to
+    v4 are what earlier FanStores wrote; v5 what this one writes)."""
     store = GOLDEN / version
     if not (store / INDEX_NAME).exists():
         pytest.fail(f"missing golden store {store}; regenerate with: {REGENERATE}")
@@ -584,7 +585,7 @@ def test_golden_store_reads(version):
         assert set(s.index.chunks["codec"].tolist()) == {0, 1}
         assert ns.chunks(ns.resolve("two_chunks.bin"))[1] == 2
         assert s.index.version == int(version[1:])
-        if version == "v4":  # duplicates stored once: a two-chunk run, a solid chunk
+        if version in ("v4", "v5"):  # duplicates stored once: a two-chunk run, a solid chunk
             for rel in ("two_chunks.bin", "text.txt"):
                 a, b = ns.resolve(rel), ns.resolve(f"dir/{rel.replace('.', '_copy.', 1)}")
                 assert (ns.chunks(a), ns.data_offset(a)) == (ns.chunks(b), ns.data_offset(b))
@@ -596,12 +597,14 @@ def test_golden_store_reads(version):
             assert "e_offset" not in s.index.meta["columns"]
 
 
-@pytest.mark.parametrize("version", ["v1", "v2", "v3", "v4"])
+@pytest.mark.parametrize("version", ["v1", "v2", "v3", "v4", "v5"])
 def test_golden_store_is_reproduced_by_the_packer(tmp_path, version):
     """Packing the golden tree again gives identical partitions and the same index (up to
-    the recorded source path and tool version, and its layout: the packer writes v3, the
-    goldens stay v1/v2 stores, the same entries, chunks and names). If this fails after an intended writer
-    change, regenerate the fixture; test_golden_store_reads must keep passing."""
+    the recorded source path and tool version, and its layout: the packer writes v5, the
+    older goldens stay as earlier releases wrote them, with the same entries, chunks and
+    names; v5 keeps no whole-file checksum for a file of one chunk). If this fails after an
+    intended writer change, regenerate the fixture; test_golden_store_reads must keep
+    passing."""
     regen = _regen_module()
     src, dest = tmp_path / "src", tmp_path / "store"
     regen.build_tree(src, duplicates=version in regen.WITH_DUPLICATES)
@@ -618,7 +621,7 @@ def test_golden_store_is_reproduced_by_the_packer(tmp_path, version):
     # The optional "access" key (docs/format.md) is newer than the goldens, which stay as
     # stores of an older FanStore: test_golden_store_reads shows they still read. The
     # golden tree is public, so the packer records it shared.
-    if version not in ("v3", "v4"):
+    if version not in ("v3", "v4", "v5"):
         assert "access" not in a.meta
         b.meta.pop("access")
     assert b.meta.get("access", "shared") == "shared"
@@ -631,12 +634,18 @@ def test_golden_store_is_reproduced_by_the_packer(tmp_path, version):
         m["pack"].pop("tool", None)
         m.pop("columns", None)
         m.pop("format_version", None)
+        m.pop("filters", None)
         return m
 
     assert a.version == int(version[1:]) and len(b.lk_hash) == 0
-    assert b.version == (4 if version == "v4" else 3)
+    assert b.version == 5 == FORMAT_VERSION
     assert meta(a) == meta(b)
     for name, _ in ENTRY_COLUMNS:
+        if name == "checksum":  # v5: 0 for a file of one chunk (the chunk's covers it)
+            one = (b.entries["kind"] == KIND_FILE) & (b.entries["count"] == 1)
+            assert np.array_equal(a.entries[name][~one], b.entries[name][~one])
+            assert one.any() and not b.entries[name][one].any()
+            continue
         assert np.array_equal(a.entries[name], b.entries[name]), name
     for name, _ in CHUNK_COLUMNS:
         assert np.array_equal(a.chunks[name], b.chunks[name]), name
@@ -942,7 +951,7 @@ def _tiny_v4_parts() -> dict:
 def test_v4_is_written_only_when_a_run_of_several_chunks_is_shared():
     parts = _tiny_v4_parts()
     data = _encode(parts)
-    assert struct.unpack_from("<H", data, 8)[0] == 4 == FORMAT_VERSION
+    assert struct.unpack_from("<H", data, 8)[0] == 4 < FORMAT_VERSION
     index = read_index_bytes(data)
     assert index.version == 4 == index.meta["format_version"]
     ns = Namespace(index)
@@ -1030,3 +1039,88 @@ def test_the_format_package_names_the_current_version():
 
     said = re.search(r"\(v(\d+)", fmt.__doc__ or "")
     assert said is not None and int(said.group(1)) == FORMAT_VERSION, fmt.__doc__
+
+
+# --------------------------------------------------------------------------- format v5
+
+
+def _compact(parts: dict) -> bytes:
+    return encode_index(parts["meta"], parts["e"], parts["c"], None, parts["names"],
+                        parts["targets"], compact=True)
+
+
+def _many_files_parts(n: int = 600) -> dict:
+    """A flat v5-able tree of ``n`` one-chunk files (enough rows for the column filters),
+    each in a chunk of its own in partition 0, sizes and times growing."""
+    b = IndexBuilder(n + 1, n)
+    e, c = b.entries, b.chunks
+    e["kind"][0], e["mode"][0], e["first"][0], e["count"][0] = KIND_DIR, 0o755, 1, n
+    names = [b"f%05d" % i for i in range(n)]
+    for i, name in enumerate(names, start=1):
+        e["kind"][i], e["mode"][i], e["size"][i] = KIND_FILE, 0o644, 100 + i
+        e["mtime_ns"][i] = 1_700_000_000_000_000_000 + 7919 * i
+        e["first"][i], e["count"][i], e["checksum"][i] = i - 1, 1, 5000 + i
+        b.set_name(i, name)
+        k = i - 1
+        c["part"][k], c["offset"][k] = 0, 64 + sum(range(101, 100 + i))
+        c["stored"][k] = c["raw"][k] = 100 + i
+        c["checksum"][k] = 5000 + i
+    total = int(c["stored"].sum())
+    meta = {"chunk_size": 4096, "codecs": [{"id": "none"}],
+            "partitions": [{"size": 64 + total, "checksum": "00", "files": n,
+                            "raw_bytes": total}],
+            "counts": {"files": n, "dirs": 0, "symlinks": 0, "raw_bytes": total}}
+    return {"meta": meta, "e": e, "c": c, "names": bytes(b.names), "targets": b""}
+
+
+def test_a_compact_index_is_v5_filtered_and_reads_as_its_columns():
+    parts = _many_files_parts()
+    data = _compact(parts)
+    assert struct.unpack_from("<H", data, 8)[0] == 5 == FORMAT_VERSION
+    body = _body(data)
+    (meta_len,) = struct.unpack_from("<I", body)
+    filters = json.loads(body[4 : 4 + meta_len])["filters"]
+    # growing columns are stored as deltas; the stored bytes are not the plain column
+    assert filters["c_offset"] == filters["e_name_off"] == "delta+shuffle"
+    off, length = json.loads(body[4 : 4 + meta_len])["columns"]["c_offset"]
+    assert body[off : off + length] != parts["c"]["offset"].tobytes()
+    index = read_index_bytes(data)
+    assert index.version == 5 == index.meta["format_version"]
+    for name, _ in ENTRY_COLUMNS:
+        want = parts["e"][name] if name != "checksum" else np.zeros(len(parts["e"]["kind"]))
+        assert np.array_equal(index.entries[name], want), name
+    for name, _ in CHUNK_COLUMNS:
+        assert np.array_equal(index.chunks[name], parts["c"][name]), name
+    # the plain body is what a node maps: parsed again, it gives the same columns
+    again = parse_body(index.body, "copy", 5)
+    assert np.array_equal(again.chunks["offset"], parts["c"]["offset"])
+    # smaller than the same index written without filters (v3)
+    assert len(data) < len(encode_index(parts["meta"], parts["e"], parts["c"], None,
+                                         parts["names"], b""))
+
+
+def test_a_v5_file_of_several_chunks_keeps_its_checksum():
+    index = read_index_bytes(encode_index(**{
+        k: v for k, v in _tiny_v4_parts().items() if k != "lookup"}, lookup=None,
+        compact=True))
+    assert index.version == 5
+    assert index.entries["checksum"].tolist() == [0, 0, 111, 111, 0]
+
+
+@pytest.mark.parametrize("filters, message", [
+    ({"c_offset": "rot13"}, "unknown index column filter"),
+    ({"e_nope": "shuffle"}, "unknown column"),
+    ({"names": "shuffle"}, "unknown column"),
+    (["c_offset"], "filters are malformed"),
+])
+def test_a_v5_index_with_bad_filters_is_refused(filters, message):
+    data = _compact(_many_files_parts())
+    body = bytearray(_body(data))
+    (meta_len,) = struct.unpack_from("<I", body)
+    meta = json.loads(body[4 : 4 + meta_len])
+    meta["filters"] = filters
+    new = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
+    assert len(new) <= meta_len
+    body[4 : 4 + meta_len] = new.ljust(meta_len)
+    with pytest.raises(FormatError, match=message):
+        read_index_bytes(_reencode_body(data, bytes(body)))

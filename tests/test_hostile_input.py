@@ -509,7 +509,7 @@ def _store_with_targets(tmp_path: Path, targets: dict[str, bytes]) -> Path:
     meta = {k: v for k, v in index.meta.items()
             if k not in ("columns", "n_entries", "n_chunks", "format_version")}
     data = encode_index(meta, e, {k: np.array(v) for k, v in index.chunks.items()},
-                        None, bytes(index.names), bytes(blob))
+                        None, bytes(index.names), bytes(blob), compact=True)
     (store / INDEX_NAME).write_bytes(data)
     return store
 

@@ -785,7 +785,7 @@ def test_solid_suffix_is_solid_kb(tmp_path):
         stores.append(([p.checksum for p in index.partitions], index.codecs,
                        index.meta["counts"]))
     assert stores[0] == stores[1] == stores[2]
-    assert read_index(str(tmp_path / "s0")).version == 3
+    assert read_index(str(tmp_path / "s0")).version == 5
 
 
 def test_access_pattern_by_kind():

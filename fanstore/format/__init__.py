@@ -1,4 +1,4 @@
-"""The on-disk format (v4; v1-v3 still read): pure, synchronous, no MPI/FUSE/trio.
+"""The on-disk format (v5; v1-v4 still read): pure, synchronous, no MPI/FUSE/trio.
 
 The index: :mod:`.layout` (bytes), :mod:`.build` (written by a pack), :mod:`.load` and
 :mod:`.validate` (read and checked), :mod:`.tables` (the loaded :class:`Index`); the data:

@@ -2,8 +2,10 @@
 
 :class:`IndexBuilder` collects the namespace and chunk rows during a pack,
 :func:`encode_index` lays them out (:mod:`fanstore.format.layout`): v3 (no lookup table),
-or with a lookup table the oldest of v1/v2 that can hold them (what earlier releases
-wrote; tests make such stores); :func:`write_index` installs the bytes atomically.
+v4 when files of several chunks share a run, v5 when the packer asks for a compact index
+(filtered columns, no checksum per one-chunk file), or with a lookup table the oldest of
+v1/v2 that can hold them (what earlier releases wrote; tests make such stores);
+:func:`write_index` installs the bytes atomically.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ import xxhash
 import zstandard
 
 from fanstore.errors import FormatError
+from fanstore.format import filters
 from fanstore.format.layout import (
     ABSENT_BEFORE,
+    COMPACT_FROM,
+    COMPACT_LEVEL,
     CHUNK_COLUMNS,
     CHUNK_PREFIX,
     ENTRY_COLUMNS,
@@ -95,8 +100,14 @@ def encode_index(
     names: bytes,
     targets: bytes,
     level: int = 3,
+    compact: bool = False,
 ) -> bytes:
     """Serialise an index (header + zstd body) to bytes.
+
+    With ``compact`` (what ``fanstore pack`` asks for) the index is v5 when its names fit
+    the v3 layout: its integer columns stored through the filter that compresses each best
+    (:mod:`fanstore.format.filters`), and no whole-file checksum for a file of one chunk
+    (that chunk's checksum covers its bytes), compressed at ``max(level, COMPACT_LEVEL)``.
 
     Without ``lookup`` the index is v3 (no lookup table, 32/8-bit name columns), or v4 when
     files of several chunks share a run (:func:`shares_runs`: identical files stored once;
@@ -107,26 +118,17 @@ def encode_index(
     releases wrote.
     """
     version, lookup = _version_of(e, c, lookup, names)
-    columns: list[tuple[str, bytes]] = []
-    for name, dt in ENTRY_COLUMNS:
-        if ABSENT_BEFORE.get(name, 0) > version:
-            continue
-        dt = entry_dtype(name, dt, version)
-        columns.append((ENTRY_PREFIX + name, np.ascontiguousarray(e[name], dtype=dt).tobytes()))
-    for name, dt in CHUNK_COLUMNS:
-        columns.append((CHUNK_PREFIX + name, np.ascontiguousarray(c[name], dtype=dt).tobytes()))
-    if lookup is not None:
-        lk_hash, lk_entry = lookup
-        columns.append(("lk_hash", np.ascontiguousarray(lk_hash, dtype="<u8").tobytes()))
-        columns.append(("lk_entry", np.ascontiguousarray(lk_entry, dtype="<u4").tobytes()))
-    columns.append(("names", bytes(names)))
-    columns.append(("targets", bytes(targets)))
-
-    meta = dict(meta)
+    if compact and lookup is None:
+        version, level = COMPACT_FROM, max(level, COMPACT_LEVEL)
+        e = dict(e, checksum=one_chunk_sums_dropped(e))
+    columns, chosen = _columns(e, c, lookup, names, targets, version)
+    meta = {k: v for k, v in meta.items() if k != "filters"}  # this call chooses them
     meta["format_version"] = version
     meta.setdefault("created_by", f"fanstore {__version__}")
     meta["n_entries"] = int(e["kind"].shape[0])
     meta["n_chunks"] = int(c["part"].shape[0])
+    if chosen:
+        meta["filters"] = chosen
 
     # Column offsets depend on the JSON length, which depends on the offsets: lay out the
     # columns after a JSON area padded to a fixed size computed from a first estimate.
@@ -161,6 +163,37 @@ def encode_index(
     return header + stored
 
 
+def _columns(e: dict[str, np.ndarray], c: dict[str, np.ndarray],
+             lookup: tuple[np.ndarray, np.ndarray] | None, names: bytes, targets: bytes,
+             version: int) -> tuple[list[tuple[str, bytes]], dict[str, str]]:
+    """The body's columns as (name, bytes) in body order, and the filter each integer
+    column is stored through (v5: :func:`fanstore.format.filters.choose`)."""
+    chosen: dict[str, str] = {}
+
+    def column(name: str, values: np.ndarray, dt: str) -> tuple[str, bytes]:
+        arr = np.ascontiguousarray(values, dtype=dt)
+        how = filters.choose(arr) if version >= COMPACT_FROM else None
+        if how is None:
+            return name, arr.tobytes()
+        chosen[name] = how
+        return name, filters.apply(arr, how)
+
+    columns: list[tuple[str, bytes]] = []
+    for name, dt in ENTRY_COLUMNS:
+        if ABSENT_BEFORE.get(name, 0) > version:
+            continue
+        columns.append(column(ENTRY_PREFIX + name, e[name], entry_dtype(name, dt, version)))
+    for name, dt in CHUNK_COLUMNS:
+        columns.append(column(CHUNK_PREFIX + name, c[name], dt))
+    if lookup is not None:
+        lk_hash, lk_entry = lookup
+        columns.append(("lk_hash", np.ascontiguousarray(lk_hash, dtype="<u8").tobytes()))
+        columns.append(("lk_entry", np.ascontiguousarray(lk_entry, dtype="<u4").tobytes()))
+    columns.append(("names", bytes(names)))
+    columns.append(("targets", bytes(targets)))
+    return columns, chosen
+
+
 def _version_of(e: dict[str, np.ndarray], c: dict[str, np.ndarray],
                 lookup: tuple[np.ndarray, np.ndarray] | None, names: bytes
                 ) -> tuple[int, tuple[np.ndarray, np.ndarray] | None]:
@@ -177,6 +210,14 @@ def _version_of(e: dict[str, np.ndarray], c: dict[str, np.ndarray],
                           "layout holds, but the names do not fit it (pack with --no-dedup)")
     offsets = e.get("offset")
     return (2 if offsets is not None and needs_v2(e, c) else 1), lookup
+
+
+def one_chunk_sums_dropped(e: dict[str, np.ndarray]) -> np.ndarray:
+    """The whole-file checksums as v5 keeps them: 0 for a file of one chunk (its own, or a
+    solid block it shares), whose bytes that chunk's checksum covers."""
+    sums = np.array(e["checksum"], dtype="<u8")
+    sums[(e["kind"] == KIND_FILE) & (e["count"] == 1)] = 0
+    return sums
 
 
 def needs_v2(e: dict[str, np.ndarray], c: dict[str, np.ndarray]) -> bool:

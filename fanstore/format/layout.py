@@ -4,7 +4,7 @@ Layout of ``fanstore.idx``::
 
     header (64 bytes, little-endian)
         magic        8s   b"FANSTIDX"
-        version      u16  format version (3 or 4; 1 and 2 are still read: see below)
+        version      u16  format version (5, or 3 and 4; 1 and 2 are still read: see below)
         flags        u16  0
         header_size  u32  64
         body_raw     u64  size of the body after decompression
@@ -24,8 +24,10 @@ and narrower name columns (``name_off`` u32, ``name_len`` u8: its names table is
 (parent u32 LE + name), sorted) and 64/16-bit name columns; readers ignore their lookup
 table. v2 added ``e_offset`` (solid chunks); v1 has none (it reads as zeros). v4 is v3's
 layout in which files of several chunks may share one run (identical files stored once);
-a pack writes it only for a store that does. Every version is mapped and read the same way
-otherwise (docs/format.md "Versions").
+a pack writes it only for a store that does. v5 (what ``fanstore pack`` writes) is v4's
+layout with a compact body: integer columns stored through filters undone on load, and
+no whole-file checksum for a file of one chunk. Every version is mapped and read the same
+way otherwise (docs/format.md "Versions").
 
 Entries are numbered 0..N-1 (entry 0 is the root directory; inode = entry + 1). They are in
 breadth-first order: the children of a directory are contiguous, sorted by name, and every
@@ -111,6 +113,13 @@ NO_LOOKUP_FROM = 3
 #: The first version in which files of several chunks may share their run: identical
 #: files stored once (``pack`` dedup). Its layout is v3's; only this rule is new.
 SHARED_RUNS_FROM = 4
+#: The first version with a compact index: integer columns stored through filters
+#: (``"filters"`` in the metadata: :mod:`fanstore.format.filters`), undone when the body is
+#: decompressed, and whole-file checksums left 0 for files of one chunk (the chunk's
+#: checksum covers them). Shared runs (v4) are allowed.
+COMPACT_FROM = 5
+#: zstd level of a compact index body (names compress 1.3-2.4x better than at level 3).
+COMPACT_LEVEL = 9
 
 
 def entry_dtype(name: str, dtype: str, version: int) -> str:

@@ -20,8 +20,10 @@ import xxhash
 import zstandard
 
 from fanstore.errors import FormatError, NotAStoreError
+from fanstore.format import filters
 from fanstore.format.layout import (
     ABSENT_BEFORE,
+    COMPACT_FROM,
     CHUNK_COLUMNS,
     CHUNK_PREFIX,
     ENTRY_COLUMNS,
@@ -114,6 +116,8 @@ def read_index_bytes(data: bytes, where: str = "index", validate: bool = True) -
         raise FormatError(f"{where}: cannot decompress index: {exc}") from exc
     if len(body) != body_raw:
         raise FormatError(f"{where}: index body has the wrong size")
+    if version >= COMPACT_FROM:
+        body = _unfiltered(body, where, version)
     index = parse_body(body, where, version)
     index.raw_body_size = body_raw
     index.stored_size = len(data)
@@ -121,6 +125,19 @@ def read_index_bytes(data: bytes, where: str = "index", validate: bool = True) -
     if validate:
         validate_index(index, where=where)
     return index
+
+
+def _unfiltered(body: bytes, where: str, version: int) -> bytes | bytearray:
+    """A v5 body as decompressed, with its column filters undone (the plain body that
+    :func:`parse_body` reads and a node maps)."""
+    meta, _ = _parse_meta(body, where)
+    if "filters" not in meta:
+        return body
+    out = bytearray(body)
+    dtypes = {ENTRY_PREFIX + n: entry_dtype(n, dt, version) for n, dt in ENTRY_COLUMNS}
+    dtypes.update((CHUNK_PREFIX + n, dt) for n, dt in CHUNK_COLUMNS)
+    filters.undo_all(out, meta["columns"], meta["filters"], dtypes, where)
+    return out
 
 
 def parse_body(body: bytes, where: str, version: int = FORMAT_VERSION) -> Index:

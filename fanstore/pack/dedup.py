@@ -19,6 +19,11 @@ How a duplicate is found, reading as little as it can:
    dataset may come from anyone), the bytes are. A file that turns out different starts a
    copy of its own.
 
+The digests of step 2 are computed by ``jobs`` processes, each reading its share of the
+files: on a tree of small files nearly every file has a namesake in size, so this pass
+reads the whole tree once (the pack's own reads then find it in the page cache); one
+process reading 60,000 cold files one after the other took 10 of a 22-second pack.
+
 The first copy is the file earliest in scan order (the smallest entry number): the choice
 does not depend on ``--jobs``, timing or which worker packs what, so a pack stays
 reproducible. A file that cannot be read here is simply not deduplicated (the worker that
@@ -27,6 +32,7 @@ packs it reports the error).
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +44,8 @@ from fanstore.pack.scan import ScanEntry
 #: Bytes of a file hashed first: files whose heads differ are never read further.
 HEAD = 64 << 10
 _BLOCK = 1 << 20
+#: Fewer candidate files than this are hashed in this process (a pool costs more).
+POOL_FROM = 2000
 
 
 @dataclass
@@ -53,47 +61,60 @@ class Duplicates:
 
 
 def find_duplicates(root: bytes, entries: Sequence[ScanEntry], files: Iterable[int],
-                    classes: Iterable[int]) -> Duplicates:
+                    classes: Iterable[int], jobs: int = 1) -> Duplicates:
     """The duplicates among ``files`` (entry numbers; ``classes``: one key per file, only
-    files of one class are compared) of the tree scanned at ``root``."""
+    files of one class are compared) of the tree scanned at ``root``, hashed by ``jobs``
+    processes."""
     by_size: dict[tuple[int, int], list[int]] = {}
     for entry, cls in zip(files, classes):
         size = entries[entry].size
         if size > 0:
             by_size.setdefault((cls, size), []).append(entry)
+    groups = [(key, sorted(g)) for key, g in sorted(by_size.items()) if len(g) > 1]
+    paths = {e: os.path.join(root, entries[e].rel) for _, g in groups for e in g}
+    heads = _digests(paths, [e for _, g in groups for e in g], HEAD, jobs)
+    same = [(size, g) for (_, size), group in groups for g in _grouped(group, heads)]
+    # Files larger than the head whose heads agree: their whole content decides.
+    rest = [e for size, g in same if size > HEAD for e in g]
+    wholes = _digests(paths, rest, None, jobs)
     found = Duplicates()
-    for (_, size), group in sorted(by_size.items()):
-        if len(group) < 2:
-            continue
-        paths = {e: os.path.join(root, entries[e].rel) for e in sorted(group)}
-        for candidates in _same_digest(paths, size):
+    for size, group in same:
+        for candidates in (_grouped(group, wholes) if size > HEAD else [group]):
             for dup, first in _equal_in(candidates, paths).items():
                 found.of[dup] = first
                 found.saved_bytes += size
     return found
 
 
-def _same_digest(paths: dict[int, bytes], size: int) -> list[list[int]]:
-    """The files of ``paths`` (all ``size`` bytes) in groups of two or more with the same
-    digest of their head, then of their whole content; in entry order."""
-    groups = _grouped(paths, lambda p: _digest(p, HEAD))
-    if size <= HEAD:
-        return groups
-    out = []
-    for group in groups:
-        out += _grouped({e: paths[e] for e in group}, lambda p: _digest(p, None))
-    return out
-
-
-def _grouped(paths: dict[int, bytes], digest) -> list[list[int]]:
-    """``paths``' entries grouped by ``digest(path)`` (groups of one and unreadable files
-    left out), each group in entry order."""
-    groups: dict[bytes, list[int]] = {}
-    for entry, path in paths.items():
-        d = digest(path)
+def _grouped(group: list[int], digests: dict[int, bytes | None]) -> list[list[int]]:
+    """``group``'s entries (in entry order) grouped by their digest (groups of one and
+    unreadable files left out), each group in entry order."""
+    out: dict[bytes, list[int]] = {}
+    for entry in group:
+        d = digests.get(entry)
         if d is not None:
-            groups.setdefault(d, []).append(entry)
-    return [g for g in groups.values() if len(g) > 1]
+            out.setdefault(d, []).append(entry)
+    return [g for g in out.values() if len(g) > 1]
+
+
+def _digests(paths: dict[int, bytes], todo: list[int], limit: int | None,
+             jobs: int) -> dict[int, bytes | None]:
+    """The digest (:func:`_digest`) of each entry of ``todo``, by ``jobs`` processes reading
+    contiguous shares of it."""
+    if not todo:
+        return {}
+    names = [paths[e] for e in todo]
+    if jobs <= 1 or len(todo) < POOL_FROM:
+        return dict(zip(todo, _digest_all(names, limit)))
+    step = -(-len(names) // (4 * jobs))  # a few shares per process: they finish together
+    shares = [(names[i:i + step], limit) for i in range(0, len(names), step)]
+    with mp.get_context("fork").Pool(jobs) as pool:
+        out = [d for part in pool.starmap(_digest_all, shares) for d in part]
+    return dict(zip(todo, out))
+
+
+def _digest_all(names: list[bytes], limit: int | None) -> list[bytes | None]:
+    return [_digest(p, limit) for p in names]
 
 
 def _digest(path: bytes, limit: int | None) -> bytes | None:

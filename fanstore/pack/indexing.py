@@ -89,7 +89,8 @@ def build_index(scan: ScanResult, results: list[PartResult], configs, options: P
     if access is not None:
         meta["access"] = access
     meta.update(options.extra_meta)
-    data = encode_index(meta, b.entries, b.chunks, None, bytes(b.names), bytes(b.targets))
+    data = encode_index(meta, b.entries, b.chunks, None, bytes(b.names), bytes(b.targets),
+                        compact=True)
     return data, stored
 
 

@@ -4,7 +4,8 @@ blocks, from what the user asked for (``--codec``, ``--solid-kb``).
 ==========================  =============================================================
 ``--codec``                 policy
 ==========================  =============================================================
-(none)                      the quick selection, a codec per file kind
+(none)                      the quick selection, a codec per file kind, and solid blocks
+                            of 32 KiB for kinds of small files where they store best
                             (``fanstore.select.quick``); a streamed source (tar, zip, S3):
                             zstd:3, since nothing can be sampled before it is read
 ``auto``                    the full selector (``fanstore.select``): its codec, or with
@@ -169,17 +170,21 @@ def _quick(src: str, files: list[SourceFile], request: PolicyRequest) -> PolicyP
     """The default: a quick selection per kind, said in one line."""
     from fanstore.select import quick
 
-    choice = quick.quick_select(files, request.chunk_size, root=src)
+    solid_kb = quick.SOLID_BLOCK >> 10 if request.solid_kb is None else request.solid_kb
+    choice = quick.quick_select(files, request.chunk_size, root=src, solid_kb=solid_kb)
     request.notify(choice.line())
     return PolicyPlan(quick_policy(choice), {"selection": choice.to_json()})
 
 
 def quick_policy(choice: QuickSelection) -> CodecPolicy:
-    """The policy of a quick selection: its codec per kind over the fallback, zstd:3."""
+    """The policy of a quick selection: its codec (and solid blocks) per kind over the
+    fallback, zstd:3."""
     from fanstore.select.quick import FALLBACK
 
     default = parse_spec(FALLBACK)
-    return CodecPolicy(default, {k: c for k, c in choice.codecs().items() if c != default})
+    solid = choice.solid()
+    return CodecPolicy(default, {k: c for k, c in choice.codecs().items()
+                                 if c != default or k in solid}, 0, solid)
 
 
 def _dict_policy(src: str, files: list[SourceFile], spec: CodecSpec,

@@ -115,8 +115,9 @@ def prepare(
             raise UsageError(f"--broadcast {os.fsdecode(b)}: no such directory in the source")
     is_bcast = [any(in_dir(entries[i].rel, b) for b in bcast_dirs) for i in files]
     # A broadcast file's first copy stays in a broadcast partition (class 1), and so on.
-    dups = find_duplicates(scan.root, entries, files, is_bcast) if options.dedup \
-        else Duplicates()
+    dups = (find_duplicates(scan.root, entries, files, is_bcast,
+                           options.jobs or len(os.sched_getaffinity(0)))
+            if options.dedup else Duplicates())
     normal = [i for i, bc in zip(files, is_bcast) if not bc and i not in dups.of]
     bcast = [i for i, bc in zip(files, is_bcast) if bc and i not in dups.of]
 

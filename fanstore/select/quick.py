@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from compressors import Codec, CodecError, ZstdCodec, parse_spec
+from fanstore.select.bench import solid_blocks
 from fanstore.select.candidates import train_kind_dictionary
 from fanstore.select.sample import SourceFile, draw_sample
 
@@ -49,15 +50,23 @@ TRAIN_BYTES = 2 << 20
 #: Kinds chosen for, the largest by bytes (ties by name); the others keep FALLBACK.
 MAX_KINDS = 64
 RATIO_TIE = 0.01
+#: The size bands whose files go into solid blocks (fanstore.kinds: below 64 KiB).
+SOLID_BANDS = ("tiny", "small")
 FALLBACK = "zstd:3"
 _BASE = ("none", "lz4", "zstd:3", "zstd:9")
 _DICT_LEVELS = (3, 9)
+#: Kinds of small files are also measured in solid blocks of this size at this level, with
+#: the kind's dictionary when it has one (see "Solid blocks" above).
+SOLID_BLOCK = 32 << 10
+SOLID_LEVEL = 15
 _BLOSC = ("blosc2:zstd:5:shuffle:{t}", "blosc2:lz4:5:shuffle:{t}")
 #: Ties go to the earlier: the order of read CPU per byte found by the capacity study
 #: (none a copy; lz4 and blosc2 lz4 a fraction of zstd; a dictionary decodes small files
 #: faster than plain zstd; level 9 no faster than level 3).
 READ_COST_ORDER = ("none", "blosc2:lz4:5:shuffle", "lz4", "blosc2:zstd:5:shuffle",
-                   "zstd:3+dict", "zstd:3", "zstd:9+dict", "zstd:9")
+                   "zstd:3+dict", "zstd:3", "zstd:9+dict", "zstd:9",
+                   f"zstd:{SOLID_LEVEL}+dict+solid{SOLID_BLOCK >> 10}k",
+                   f"zstd:{SOLID_LEVEL}+solid{SOLID_BLOCK >> 10}k")
 
 
 @dataclass
@@ -69,6 +78,7 @@ class KindChoice:
     codec: Codec
     ratio: float  # on the sample, dictionary charged
     measured: dict[str, float] = field(default_factory=dict)  # label: ratio
+    solid: int = 0  # solid block size (bytes), 0: each file in chunks of its own
 
 
 @dataclass
@@ -93,6 +103,10 @@ class QuickSelection:
         """Each kind's codec (kinds not chosen for: :data:`FALLBACK`)."""
         return {k: c.codec for k, c in self.choices.items()}
 
+    def solid(self) -> dict[str, int]:
+        """The kinds packed in solid blocks, and their block size."""
+        return {k: c.solid for k, c in self.choices.items() if c.solid}
+
     def line(self) -> str:
         """One line for stderr: what was chosen for how much of the data."""
         share: dict[str, int] = {}
@@ -116,6 +130,7 @@ class QuickSelection:
             "chosen": "per kind (quick)",
             "mode": "quick",
             "rule": "per kind, the best ratio; ties within 1% to the cheaper read",
+            "solid_kb": {k: n >> 10 for k, n in sorted(self.solid().items())},
             "per_kind": {k: c.label for k, c in sorted(self.choices.items())},
             "predicted": {"ratio": round(self.ratio, 4)},
             "kinds": {k: {"files": c.files, "mb": round(c.raw_bytes / MB, 3),
@@ -126,13 +141,16 @@ class QuickSelection:
 
 
 def quick_select(files: list[SourceFile], chunk_size: int = 1 << 20, seed: int = 0,
-                 root: str = "", sample_mb: float = SAMPLE_MB) -> QuickSelection:
-    """Choose a codec per kind of ``files`` (see the module docstring)."""
+                 root: str = "", sample_mb: float = SAMPLE_MB,
+                 solid_kb: int = SOLID_BLOCK >> 10) -> QuickSelection:
+    """Choose a codec per kind of ``files`` (see the module docstring); ``solid_kb``: the
+    solid block size offered to kinds of small files (0: none; at most the chunk size)."""
     t0 = time.monotonic()
     if not any(f.size for f in files):  # nothing to compress: the default codec, no sample
         return QuickSelection({}, len(files), 0, 0, time.monotonic() - t0)
     sample = draw_sample(files, int(sample_mb * MB), chunk_size, seed, root=root,
                          progress=False, train_bytes=TRAIN_BYTES)
+    block = min(solid_kb << 10, chunk_size) if solid_kb else 0
     choices: dict[str, KindChoice] = {}
     fallback = parse_spec(FALLBACK)
     kinds = sorted(sample.kinds.values(), key=lambda ks: (-ks.raw_bytes, ks.kind))
@@ -141,59 +159,73 @@ def quick_select(files: list[SourceFile], chunk_size: int = 1 << 20, seed: int =
             choices[ks.kind] = KindChoice(ks.kind, ks.files, ks.raw_bytes, FALLBACK,
                                           fallback, 1.0)
             continue
-        choices[ks.kind] = _choose_kind(ks)
+        choices[ks.kind] = _choose_kind(ks, block)
     return QuickSelection(choices, sample.files, sample.raw_bytes, sample.sample_bytes,
                           time.monotonic() - t0, max(0, len(kinds) - MAX_KINDS))
 
 
-def _candidates(ks) -> list[tuple[str, Codec, int]]:
-    """(label, codec, bytes stored once per store) to measure on one kind."""
+def _candidates(ks, block: int) -> list[tuple[str, Codec, int, int]]:
+    """(label, codec, bytes stored once per store, solid block size or 0) to measure on one
+    kind; solid blocks of ``block`` bytes for a kind of small files (0: none)."""
     out = []
     for spec in _BASE + tuple(s.format(t=ks.typesize) for s in _BLOSC if ks.typesize > 1):
         try:
-            out.append((spec, parse_spec(spec), 0))
+            out.append((spec, parse_spec(spec), 0, 0))
         except CodecError as exc:  # an optional library missing
             log.info("quick selection: %s not available: %s", spec, exc)
-    if ks.train:
-        data = train_kind_dictionary(ks.train)
-        if data is not None:
-            for level in _DICT_LEVELS:
-                codec = ZstdCodec(level, dict_data=data)  # its spec is zstd:L+dict
-                out.append((codec.spec, codec, len(data)))
+    data = train_kind_dictionary(ks.train) if ks.train else None
+    if data is not None:
+        for level in _DICT_LEVELS:
+            codec = ZstdCodec(level, dict_data=data)  # its spec is zstd:L+dict
+            out.append((codec.spec, codec, len(data), 0))
+    if block and size_band_of(ks.kind) in SOLID_BANDS:
+        codec = ZstdCodec(SOLID_LEVEL, dict_data=data)
+        out.append((f"{codec.spec}+solid{block >> 10}k", codec, len(data or b""), block))
     return out
 
 
+def size_band_of(kind: str) -> str:
+    return kind.rpartition("/")[2]
+
+
 def _rank(label: str) -> int:
-    """A label's place in :data:`READ_COST_ORDER` (blosc2's element size left out)."""
+    """A label's place in :data:`READ_COST_ORDER` (blosc2's element size left out; every
+    solid block size ranks as the default's)."""
     key = label.rsplit(":", 1)[0] if label.startswith("blosc2:") else label
+    head, plus, _ = key.rpartition("+solid")
+    if plus:
+        key = f"{head}+solid{SOLID_BLOCK >> 10}k"
     return READ_COST_ORDER.index(key) if key in READ_COST_ORDER else len(READ_COST_ORDER)
 
 
-def stored_bytes(codec: Codec, units: list[bytes]) -> int:
+def stored_bytes(codec: Codec, units: list[bytes], block: int = 0) -> int:
     """What pack stores for ``units`` with ``codec``: each unit compressed, or kept raw
     when compression does not shrink it."""
     encode = codec.encode
+    if block:
+        units = solid_blocks(units, block)[0]
     return sum(min(len(encode(u)), len(u)) for u in units)
 
 
-def _choose_kind(ks) -> KindChoice:
+def _choose_kind(ks, block: int) -> KindChoice:
     raw = sum(len(u) for u in ks.units)
     ratios: dict[str, float] = {}
-    codecs: dict[str, Codec] = {}
-    for label, codec, overhead in _candidates(ks):
+    codecs: dict[str, tuple[Codec, int]] = {}
+    for label, codec, overhead, solid in _candidates(ks, block):
         try:
-            stored = stored_bytes(codec, ks.units)
+            stored = stored_bytes(codec, ks.units, solid)
         except CodecError as exc:
             log.info("quick selection: %s left out on %s: %s", label, ks.kind, exc)
             continue
         share = overhead * raw / max(1, ks.raw_bytes)  # the dictionary, charged pro rata
         ratios[label] = raw / max(1.0, stored + share)
-        codecs[label] = codec
+        codecs[label] = (codec, solid)
     best = max(ratios.values())
     ties = [lb for lb, r in ratios.items() if r >= best / (1 + RATIO_TIE)]
     label = min(ties, key=lambda lb: (_rank(lb), -ratios[lb], lb))
-    return KindChoice(ks.kind, ks.files, ks.raw_bytes, label, codecs[label], ratios[label],
-                      ratios)
+    codec, solid = codecs[label]
+    return KindChoice(ks.kind, ks.files, ks.raw_bytes, label, codec, ratios[label], ratios,
+                      solid)
 
 
 def train_dictionaries(files: list[SourceFile], chunk_size: int = 1 << 20, seed: int = 0,
