@@ -89,8 +89,8 @@ def mount(options: NodeOptions, foreground: bool = False, debug: bool = False,
         notify(notice)
     # The one place a single node's runtime directory is made and checked (an MPI rank's
     # node makes its own, behind the start-up gate): an unsafe one stops us here.
+    runtime.sweep_dead()  # what daemons of this user that are gone left (before ours is made)
     rt = runtime.MountRuntime.create(options.mountpoint)
-    runtime.sweep_shared()  # what killed daemons of this user left in /dev/shm
     if foreground:
         process.setup_logging(debug, sys.stderr)
         node = Node(options, World.solo(), factory, runtime_=rt)
@@ -133,7 +133,7 @@ def _mount_rank(options: NodeOptions, factory: FrontendFactory, debug: bool,
 
         code, clean = workerrank.run_worker(world, debug)
         return Outcome(code, hard_exit=not workerrank.finish(world, clean))
-    runtime.sweep_shared()  # every node's leader: what killed daemons left on its host
+    runtime.sweep_dead()  # every node's leader: what gone daemons left on its host
     process.setup_logging(debug, sys.stderr, fmt=(
         f"%(asctime)s fanstore[node {world.rank}/{world.size}] %(levelname)s: %(message)s"))
     node = Node(options, world, factory)

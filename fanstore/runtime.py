@@ -142,16 +142,7 @@ class MountRuntime:
         safeio.atomic_write(self.state_path, json.dumps(current).encode())
 
     def read_state(self) -> dict[str, Any] | None:
-        try:
-            fd = safeio.open_nofollow(self.state_path, owner=os.geteuid(), what="state file")
-        except (OSError, FanStoreError):
-            return None
-        try:
-            with open(fd, "rb", closefd=True) as f:
-                state = json.loads(f.read(1 << 20))
-        except (OSError, ValueError):
-            return None
-        return state if isinstance(state, dict) else None
+        return _read_state_file(self.state_path)
 
     def open_log(self, path: str | None = None) -> int:
         """An fd to append the daemon's log to (this runtime's daemon.log, or ``path``):
@@ -168,6 +159,15 @@ class MountRuntime:
         the frontend creates it exclusively)."""
         _unlink(self.counters_path)
         return self.counters_path
+
+    def remove(self) -> bool:
+        """Remove this mount's directory and what is in it, at the end of a daemon that
+        ended cleanly. Not when its state is another live process's (a new daemon of the
+        same mount point took it over). Returns whether it is gone."""
+        state = self.read_state()
+        if state is not None and state.get("pid") not in (None, os.getpid()):
+            return False
+        return _remove_mount_dir(self.path)
 
     # ------------------------------------------------------------------ shared memory
     def create_shared(self, data_parts: list[bytes], suffix: str = "idx") -> str:
@@ -199,6 +199,20 @@ class MountRuntime:
             _unlink(path)
             raise
         return path
+
+
+def _read_state_file(path: str) -> dict[str, Any] | None:
+    """A state.json of this uid (never through a symlink), or None."""
+    try:
+        fd = safeio.open_nofollow(path, owner=os.geteuid(), what="state file")
+    except (OSError, FanStoreError):
+        return None
+    try:
+        with open(fd, "rb", closefd=True) as f:
+            state = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
 
 
 def _shm_dir() -> str | None:
@@ -249,6 +263,70 @@ def sweep_shared(keep: set[str] | None = None) -> list[str]:
             _unlink(path)
             removed.append(path)
     return removed
+
+
+_MOUNT_DIR_NAME = re.compile(r"[0-9a-f]{16}\Z")
+
+#: A mount directory without a state file younger than this may be a daemon starting.
+_STATELESS_GRACE = 600.0
+
+
+def sweep_dead() -> list[str]:
+    """What daemons of this uid that are gone left behind: their shared-memory files
+    (:func:`sweep_shared`) and their mount directories under each runtime root (a daemon
+    that failed keeps its state and log for ``fanstore wait`` and the user; a killed one
+    could not remove them). Called by every mount and umount. Returns the paths removed."""
+    removed = sweep_shared()
+    for root in candidate_roots():
+        removed += _sweep_mount_dirs(root)
+    return removed
+
+
+def _sweep_mount_dirs(root: str) -> list[str]:
+    from fanstore.process import pid_alive
+
+    try:
+        safeio.private_dir(root, create=False)
+        names = os.listdir(root)
+    except (OSError, FanStoreError):
+        return []  # none, or not ours to touch
+    removed = []
+    for name in names:
+        if not _MOUNT_DIR_NAME.match(name):
+            continue
+        path = os.path.join(root, name)
+        state = _read_state_file(os.path.join(path, "state.json"))
+        if state is None:
+            try:
+                young = time.time() - os.lstat(path).st_mtime < _STATELESS_GRACE
+            except OSError:
+                continue
+            if young:
+                continue
+        elif pid_alive(state.get("pid")):
+            continue
+        if _remove_mount_dir(path):
+            removed.append(path)
+    return removed
+
+
+def _remove_mount_dir(path: str) -> bool:
+    """Remove a mount directory of this uid and the files in it (never through a symlink:
+    only a real directory we own; names in it are unlinked, not followed)."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            return False
+        for name in os.listdir(path):
+            full = os.path.join(path, name)
+            if not stat.S_ISDIR(os.lstat(full).st_mode):
+                _unlink(full)
+        os.rmdir(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return True
 
 
 def remove_shared(path: str | None) -> None:

@@ -551,3 +551,68 @@ def test_a_mount_point_named_like_an_option_unmounts(small_store, tmp_path, moun
     assert proc.returncode == 0, proc.stderr
     assert not is_mounted(mnt)
     assert shutil.which("fusermount3")
+
+
+# ============================================================================ runtime directories
+
+
+def _dead_pid() -> int:
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    return int(proc.stdout)
+
+
+def test_a_sweep_removes_only_gone_daemons_runtime_directories(tmp_path, monkeypatch):
+    """What a later mount or umount sweeps (fanstore.runtime.sweep_dead): the directory of
+    a daemon that is gone (killed, or failed and kept for ``fanstore wait``), and one with
+    no state that is older than a start-up; never a live daemon's, a young one, a name
+    that is not a mount's, or anything through a symlink."""
+    from fanstore import runtime
+
+    root = tmp_path / "rt"
+    root.mkdir(mode=0o700)
+    monkeypatch.setenv("FANSTORE_RUNTIME_DIR", str(root))
+    monkeypatch.setenv("FANSTORE_SHM_DIR", str(tmp_path / "no-shm"))
+    dead = _dead_pid()
+
+    def mount_dir(name, state=None, age=0.0):
+        d = root / name
+        d.mkdir(mode=0o700)
+        (d / "daemon.log").write_text("log\n")
+        if state is not None:
+            (d / "state.json").write_text(json.dumps(state))
+        if age:
+            t = time.time() - age
+            os.utime(d, (t, t))
+        return d
+
+    killed = mount_dir("0" * 16, {"pid": dead, "phase": "ready"})
+    failed = mount_dir("1" * 16, {"pid": dead, "phase": "failed", "error": "x"})
+    old = mount_dir("2" * 16, age=3600)
+    live = mount_dir("3" * 16, {"pid": os.getpid(), "phase": "ready"})
+    young = mount_dir("4" * 16)
+    other = mount_dir("not-a-mount", {"pid": dead})
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "state.json").write_text(json.dumps({"pid": dead}))
+    (root / ("5" * 16)).symlink_to(target)
+
+    removed = runtime.sweep_dead()
+    assert sorted(removed) == sorted(str(d) for d in (killed, failed, old))
+    assert not any(d.exists() for d in (killed, failed, old))
+    assert all(d.is_dir() for d in (live, young, other))
+    assert (target / "state.json").exists() and (root / ("5" * 16)).is_symlink()
+
+
+def test_a_sweep_leaves_a_runtime_root_that_is_not_private(tmp_path, monkeypatch):
+    from fanstore import runtime
+
+    root = tmp_path / "rt"
+    root.mkdir(mode=0o700)
+    d = root / ("0" * 16)
+    d.mkdir(mode=0o700)
+    (d / "state.json").write_text(json.dumps({"pid": _dead_pid()}))
+    root.chmod(0o777)
+    monkeypatch.setenv("FANSTORE_RUNTIME_DIR", str(root))
+    monkeypatch.setenv("FANSTORE_SHM_DIR", str(tmp_path / "no-shm"))
+    assert runtime.sweep_dead() == [] and d.is_dir()

@@ -200,7 +200,7 @@ def test_unmount_while_readers_are_active(load_data, mounted, how):
     assert wait_until(lambda: not pid_alive(pid), 20), "the daemon did not exit"
     assert not is_mounted(m)
     assert mounttable.mount_status(str(m)) == "none"
-    assert (runtime.read_state(str(m)) or {}).get("phase") == "stopped"
+    assert runtime.read_state(str(m)) is None  # a clean end leaves no runtime directory
     m2 = mounted(store, mnt=m)
     rel = sorted(sizes)[0]
     assert (m2 / rel).read_bytes() == (src / rel).read_bytes()

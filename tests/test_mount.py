@@ -590,10 +590,15 @@ def test_umount_of_a_busy_mount_refuses_without_lazy(mounted, small_store, small
     assert not is_mounted(m)
 
 
-def test_sigterm_unmounts_cleanly(mounted, small_store):
+def test_sigterm_unmounts_cleanly(mounted, small_store, tmp_path):
+    """SIGTERM ends the mount like an umount: every process gone, nothing left in the
+    runtime root; what happened is in the log the user asked for (``--log``)."""
     from fanstore import mounttable, runtime
 
-    m = mounted(small_store)
+    log = tmp_path / "daemon.log"
+    m = mounted(small_store, "--log", str(log))
+    rt = runtime.MountRuntime.find(str(m))
+    assert rt is not None and os.path.isdir(rt.path)
     pid = daemon_pid(m)
     serving = process_tree(pid)
     os.kill(pid, signal.SIGTERM)
@@ -602,8 +607,8 @@ def test_sigterm_unmounts_cleanly(mounted, small_store):
         "a frontend process or worker outlived the mount"
     assert not is_mounted(m)
     assert mounttable.mount_status(str(m)) == "none"
-    assert (runtime.read_state(str(m)) or {}).get("phase") == "stopped"
-    assert "signal SIGTERM" in open(runtime.MountRuntime.find(str(m)).log_path).read()
+    assert runtime.MountRuntime.find(str(m)) is None and not os.path.exists(rt.path)
+    assert "signal SIGTERM" in log.read_text()
 
 
 def _crash(m) -> None:
@@ -624,13 +629,14 @@ def _crash(m) -> None:
                                                              errno.ECONNABORTED)
 
 
-def test_a_killed_worker_is_replaced_and_reads_go_on(mounted, small_store, small_tree,
+def test_a_killed_worker_is_replaced_and_reads_go_on(mounted, small_store, small_tree, tmp_path,
                                                      frontend):
     """Kernel frontend: SIGKILL of a worker process; the frontend process starts another
     one in its place, every file still reads right, and umount ends every process."""
     if frontend != "kernel":
         pytest.skip("the pyfuse3 frontend has no worker processes")
-    m = mounted(small_store, "--workers", "2")
+    log = tmp_path / "daemon.log"
+    m = mounted(small_store, "--workers", "2", "--log", str(log))
     pid = daemon_pid(m)
     frontend_proc, *workers = process_tree(pid)[1:]
     assert len(workers) == 2
@@ -643,15 +649,35 @@ def test_a_killed_worker_is_replaced_and_reads_go_on(mounted, small_store, small
     serving = process_tree(pid)
     assert run_cli("umount", m).returncode == 0
     assert wait_until(lambda: not any(pid_alive(p) for p in serving), 15)
-    assert "replac" in daemon_log(m, limit=1 << 20).lower()
+    assert "replac" in log.read_text().lower()
 
 
 def test_crashed_daemon_leaves_a_stale_mount_that_umount_cleans(mounted, small_store):
+    """umount cleans the stale mount and sweeps the runtime directory the killed daemon
+    could not remove."""
+    from fanstore import runtime
+
     m = mounted(small_store)
+    rt = runtime.MountRuntime.find(str(m))
     _crash(m)
+    assert os.path.isdir(rt.path)
     proc = run_cli("umount", m)
     assert proc.returncode == 0, proc.stderr
     assert not is_mounted(m) and os.listdir(m) == []
+    assert not os.path.exists(rt.path)
+
+
+def test_umount_leaves_no_runtime_directory(mounted, small_store):
+    from fanstore import runtime
+
+    m = mounted(small_store)
+    rt = runtime.MountRuntime.find(str(m))
+    assert "state.json" in os.listdir(rt.path)
+    pid = daemon_pid(m)
+    assert run_cli("umount", m).returncode == 0
+    assert wait_until(lambda: not pid_alive(pid), 15), "the daemon did not exit"
+    assert not os.path.exists(rt.path), os.listdir(rt.path)
+    assert os.path.isdir(rt.root)  # the root stays: other mounts of this user use it
 
 
 def test_next_mount_cleans_a_stale_mount(mounted, small_store, small_tree):

@@ -50,7 +50,7 @@ def _add_mount(sub, common) -> None:
                    default=env.frontend or DEFAULT_FRONTEND,
                    help="how FUSE is served: kernel (the kernel's FUSE protocol spoken "
                         "directly by --workers processes), pyfuse3 (one process, libfuse), or "
-                        "auto (kernel; pyfuse3 with --mode prefetch); default "
+                        "auto (kernel); --mode prefetch needs kernel; default "
                         f"$FANSTORE_FRONTEND or {DEFAULT_FRONTEND}")
     s.add_argument("--workers", type=nonneg_int, default=0,
                    help="FUSE worker processes of the kernel frontend (default: the cores, at "
@@ -207,7 +207,7 @@ def cmd_umount(args) -> int:
     status = mounttable.mount_status(mnt)
     state = runtime.read_state(mnt) or {}
     pid = state.get("pid")
-    runtime.sweep_shared()  # shared-memory files of daemons that were killed
+    runtime.sweep_dead()  # what daemons that are gone left (shm files, runtime dirs)
     if status == "none":
         if pid_alive(pid) and state.get("phase") not in ("stopped", "failed"):
             control.control(mnt, {"op": "shutdown", "reason": "fanstore umount"})

@@ -236,11 +236,16 @@ class Node(NodeEnd):
     def run(self, on_ready: Callable[[], None] | None = None) -> int:
         """Start, serve until stopped, drain, clean up. Raises FanStoreError on failure."""
         try:
-            return self._run(on_ready)
+            code = self._run(on_ready)
         finally:
             # whatever ended the run (not only our errors): the node's index copy in
             # /dev/shm must not outlive a daemon that can still remove it
             runtime.remove_shared(self.index_copy)
+        # A clean end leaves nothing; a failed one keeps its state (the error, for
+        # `fanstore wait`) and log until a later mount or umount sweeps it.
+        if self.runtime is not None:
+            self.runtime.remove()
+        return code
 
     def _run(self, on_ready: Callable[[], None] | None) -> int:
         opts = self.options
