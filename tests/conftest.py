@@ -123,6 +123,49 @@ def _settings_follow_the_environment(monkeypatch):
     settings.reset()
 
 
+# --------------------------------------------------------------------------- isolation
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_state(request, tmp_path_factory):
+    """Each test module has its own runtime root and index-copy directory (see
+    ``isolation.py``): modules run in parallel, and a test that opens, damages or fills
+    them must not reach another's. A module that tests /dev/shm itself sets
+    ``OWN_SHM = False``. At the module's end nothing of it may be left."""
+    from isolation import ModuleState, Snapshot, leftovers
+
+    from fanstore import settings
+
+    base = str(tmp_path_factory.getbasetemp().resolve())
+    state = ModuleState.enter(tmp_path_factory.mktemp("rt"),
+                              own_shm=getattr(request.module, "OWN_SHM", True))
+    settings.reset()
+    empty = Snapshot(set(), set(), set(), set())
+    empty.mounts = Snapshot.take(state, base).mounts  # other modules' (this process's)
+    try:
+        yield state
+        left = leftovers(empty, state, base)
+        if left:
+            pytest.fail("the module left behind:\n  " + "\n  ".join(left), pytrace=False)
+    finally:
+        state.leave()
+        settings.reset()
+
+
+@pytest.fixture(autouse=True)
+def _leaves_nothing(_module_state, tmp_path_factory):
+    """Fail the test that leaves a FUSE mount, a FanStore process, a runtime directory or
+    an index copy behind (each is cleaned up and named)."""
+    from isolation import Snapshot, leftovers
+
+    base = str(tmp_path_factory.getbasetemp().resolve())
+    before = Snapshot.take(_module_state, base)
+    yield
+    left = leftovers(before, _module_state, base)
+    if left:
+        pytest.fail("the test left behind:\n  " + "\n  ".join(left), pytrace=False)
+
+
 # --------------------------------------------------------------------------- trees and stores
 
 

@@ -74,7 +74,7 @@ def _fanstore_pids(tmp) -> list[int]:
 
 def _leftovers(job: MpiJob, nodes: int, copies_before: set[str]) -> dict:
     """What a job left behind: processes, mounts, staged data, index copies."""
-    shm = {n for n in os.listdir("/dev/shm") if n.startswith(f"fanstore-{os.geteuid()}-")}
+    shm = _copies()
     return {
         "processes": _fanstore_pids(job.tmp),
         "mounts": [r for r in range(nodes) if is_mounted(job.mnt(r))],
@@ -85,7 +85,9 @@ def _leftovers(job: MpiJob, nodes: int, copies_before: set[str]) -> dict:
 
 
 def _copies() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith(f"fanstore-{os.geteuid()}-")}
+    """The index copies of this user in the module's index-copy directory (conftest)."""
+    shm = os.environ.get("FANSTORE_SHM_DIR", "/dev/shm")
+    return {n for n in os.listdir(shm) if n.startswith(f"fanstore-{os.geteuid()}-")}
 
 
 def _stop_node_when_starting(job: MpiJob, node: int, timeout: float = 60) -> list[int]:

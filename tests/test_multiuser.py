@@ -41,6 +41,10 @@ from second_user import fuse_device_for_all, reachable_for_others, shared_test_d
 
 pytestmark = pytest.mark.fuse
 
+#: the index copies stay in the machine's /dev/shm: these tests are about that directory
+#: (another user's files there), not a directory of the suite's own (conftest)
+OWN_SHM = False
+
 ROOT = os.geteuid() == 0
 
 # A client of the control socket in the system Python (stdlib only), run as the other

@@ -1,0 +1,174 @@
+"""Each test module's own runtime state, and the check that a test leaves nothing behind.
+
+``make test`` runs modules in parallel processes. Whatever FanStore keeps per user on the
+machine (the runtime root, the directory of the nodes' index copies) is shared by them unless
+each module has its own: :class:`ModuleState` makes them and points ``FANSTORE_RUNTIME_DIR``
+and ``FANSTORE_SHM_DIR`` at them for the module's tests and every process they start.
+
+:class:`Snapshot` records, before a test, what of that state exists: FUSE mounts under the
+session's temporary root, FanStore processes started under this module's state (they inherit
+its ``FANSTORE_RUNTIME_DIR``), runtime directories and index copies. After the test,
+:func:`leftovers` names what is new and still there: a mount, a process still alive after a
+deadline, a runtime directory a later mount would not sweep, or an index copy.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: names of the processes a FanStore mount runs (the daemon, its frontend and workers carry
+#: the ``fanstore`` command line they were forked from; MPI jobs add hydra's)
+_PROGRAMS = (b"fanstore", b"mpiexec", b"hydra_pmi_proxy")
+
+#: how long a process a test started may take to exit after the test
+EXIT_DEADLINE = 15.0
+
+ENV_KEYS = ("FANSTORE_RUNTIME_DIR", "FANSTORE_SHM_DIR")
+
+
+@dataclass
+class ModuleState:
+    """A module's runtime root and index-copy directory (``shm`` is None when the module
+    keeps the machine's /dev/shm: its tests are about that directory itself)."""
+
+    root: Path
+    shm: Path | None
+    saved: dict[str, str | None] = field(default_factory=dict)
+
+    @classmethod
+    def enter(cls, tmp: Path, own_shm: bool) -> ModuleState:
+        shm = None
+        if own_shm and os.path.isdir("/dev/shm"):
+            shm = Path(tempfile.mkdtemp(prefix="fanstore-test-", dir="/dev/shm"))
+        self = cls(tmp, shm)
+        self.saved = {k: os.environ.get(k) for k in ENV_KEYS}
+        os.environ["FANSTORE_RUNTIME_DIR"] = str(tmp)
+        if shm is not None:
+            os.environ["FANSTORE_SHM_DIR"] = str(shm)
+        return self
+
+    def leave(self) -> None:
+        for key, value in self.saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if self.shm is not None:
+            shutil.rmtree(self.shm, ignore_errors=True)
+
+    @property
+    def shm_dir(self) -> str:
+        return str(self.shm) if self.shm is not None else "/dev/shm"
+
+
+def _processes(root: Path) -> set[int]:
+    """Live FanStore processes (or MPI launchers) whose environment names ``root``."""
+    needle = b"FANSTORE_RUNTIME_DIR=" + os.fsencode(root) + b"\0"
+    me = {os.getpid(), os.getppid()}
+    found = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in me:
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv = f.read()
+            if not any(p in argv for p in _PROGRAMS):
+                continue
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if needle not in f.read():
+                    continue
+            with open(f"/proc/{name}/stat", "rb") as f:
+                if f.read().rpartition(b")")[2].split()[0] == b"Z":
+                    continue  # a zombie: gone, only not yet reaped by its parent
+        except OSError:
+            continue
+        found.add(int(name))
+    return found
+
+
+def _mounts(base: str) -> set[str]:
+    from fanstore import mounttable
+
+    return {m for m in mounttable.fuse_mounts() if m.startswith(base + "/")}
+
+
+def _entries(path: str, prefix: str = "") -> set[str]:
+    try:
+        return {n for n in os.listdir(path) if n.startswith(prefix)}
+    except OSError:
+        return set()
+
+
+@dataclass
+class Snapshot:
+    mounts: set[str]
+    processes: set[int]
+    runtime_dirs: set[str]
+    copies: set[str]
+
+    @classmethod
+    def take(cls, state: ModuleState, base: str) -> Snapshot:
+        return cls(_mounts(base), _processes(state.root), _entries(str(state.root)),
+                   _entries(state.shm_dir, f"fanstore-{os.geteuid()}-"))
+
+
+def leftovers(before: Snapshot, state: ModuleState, base: str) -> list[str]:
+    """What a test left that was not there before it, cleaned up, one line each. Processes
+    get ``EXIT_DEADLINE`` to exit; dead daemons' runtime directories are swept first, as
+    the next mount or umount would (a failed mount keeps its state until then)."""
+    from fanstore import runtime, settings
+
+    found = []
+    deadline = time.monotonic() + EXIT_DEADLINE
+    alive = _processes(state.root) - before.processes
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = _processes(state.root) - before.processes
+    for pid in sorted(alive):
+        found.append(f"process {pid} ({_cmdline(pid)}) still alive {EXIT_DEADLINE:g} s "
+                     "after the test")
+        _kill(pid)
+    for mnt in sorted(_mounts(base) - before.mounts):
+        found.append(f"FUSE mount {mnt}")
+        _lazy_unmount(mnt)
+    settings.reset()
+    runtime.sweep_dead()
+    for name in sorted(_entries(str(state.root)) - before.runtime_dirs):
+        found.append(f"runtime directory {state.root / name} "
+                     f"({', '.join(sorted(_entries(str(state.root / name))))})")
+        shutil.rmtree(state.root / name, ignore_errors=True)
+    for name in sorted(_entries(state.shm_dir, f"fanstore-{os.geteuid()}-") - before.copies):
+        found.append(f"index copy {state.shm_dir}/{name}")
+        try:
+            os.unlink(os.path.join(state.shm_dir, name))
+        except OSError:
+            pass
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+    except OSError:
+        return "?"
+
+
+def _kill(pid: int) -> None:
+    import signal
+
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _lazy_unmount(mnt: str) -> None:
+    import subprocess
+
+    subprocess.run(["fusermount3", "-u", "-z", mnt], capture_output=True, timeout=30)
