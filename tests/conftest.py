@@ -20,6 +20,7 @@ temporary directories and kills any FanStore daemon the tests started.
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from helpers import (  # noqa: E402
     DAEMON_PIDS,
+    SESSION_MARK,
     SPECIAL_PACK_ARGS,
     cleanup_mount,
     fuse_available,
@@ -43,6 +45,11 @@ from helpers import (  # noqa: E402
 )
 
 _FUSE_OK, _FUSE_WHY = fuse_available()
+
+# Every process this session starts carries its mark (helpers.pid_ours): a pid remembered
+# from earlier is signalled only while it is still one of ours. Set by the first process
+# (the xdist controller); its workers inherit it.
+os.environ.setdefault(SESSION_MARK, secrets.token_hex(8))
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by the marks added here

@@ -525,9 +525,30 @@ def daemon_log(mnt, limit: int = 4000) -> str:
         return "(no daemon log)"
 
 
+#: set once per test session (conftest) and inherited by every process the tests start
+SESSION_MARK = "FANSTORE_TEST_SESSION"
+
+
+def pid_ours(pid: int | None) -> bool:
+    """True if ``pid`` is a live process this test session started (its environment has
+    this session's ``FANSTORE_TEST_SESSION``). A pid remembered from earlier may name
+    another program by now: this machine's pid_max is 32768 and a suite starts tens of
+    thousands of processes, so a killed daemon's pid comes back as anyone's (it once was a
+    local slurmd's, which then vanished without a line in its log)."""
+    mark = os.environ.get(SESSION_MARK)
+    if not mark or not pid_alive(pid):
+        return False
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"{SESSION_MARK}={mark}\0".encode() in f.read()
+    except OSError:
+        return False
+
+
 def kill_pid(pid: int | None, timeout: float = 5.0) -> None:
-    """SIGTERM, then SIGKILL after ``timeout`` s, a process that is still alive."""
-    if not pid_alive(pid):
+    """SIGTERM, then SIGKILL after ``timeout`` s, a process that is still alive and still
+    one of this session's (:func:`pid_ours`)."""
+    if not pid_ours(pid):
         return
     for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
         try:
@@ -536,6 +557,17 @@ def kill_pid(pid: int | None, timeout: float = 5.0) -> None:
             return
         if wait_until(lambda: not pid_alive(pid), wait):
             return
+
+
+def signal_ours(pid: int | None, sig: int) -> bool:
+    """Send ``sig`` to ``pid`` if it is still one of this session's processes."""
+    if not pid_ours(pid):
+        return False
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def lazy_unmount(mnt) -> None:
@@ -589,6 +621,7 @@ __all__ = [
     "BIG_DIR_ENTRIES",
     "BIG_SIZE",
     "DAEMON_PIDS",
+    "SESSION_MARK",
     "DEEP_LEVELS",
     "FANSTORE",
     "MiB",
@@ -611,8 +644,10 @@ __all__ = [
     "mount_store",
     "os_error",
     "pid_alive",
+    "pid_ours",
     "run_cli",
     "set_index_version",
+    "signal_ours",
     "stored_extent",
     "wait_until",
 ]

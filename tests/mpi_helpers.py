@@ -29,6 +29,7 @@ from helpers import (
     lazy_unmount,
     pid_alive,
     run_cli,
+    signal_ours,
     wait_until,
 )
 
@@ -92,10 +93,7 @@ class MpiJob:
         returns their pids."""
         pids = self.node_pids(rank)
         for p in pids:
-            try:
-                os.kill(p, sig)
-            except ProcessLookupError:
-                pass
+            signal_ours(p, sig)
         return pids
 
     def output(self) -> str:
@@ -142,12 +140,8 @@ class MpiJob:
             return
         for r in range(self.ranks):
             self.pid(r)
-        live = [p for p in self._pids.values() if pid_alive(p)]
-        for p in live:
-            try:
-                os.kill(p, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        for p in self._pids.values():
+            signal_ours(p, signal.SIGTERM)
         if self.wait_exit(30) is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -155,11 +149,7 @@ class MpiJob:
                 pass
             self.wait_exit(10)
         for p in self._pids.values():
-            if pid_alive(p):
-                try:
-                    os.kill(p, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            signal_ours(p, signal.SIGKILL)  # a pid read long ago may be anyone's by now
         wait_until(lambda: not any(pid_alive(p) for p in self._pids.values()), 10)
         for r in range(self.ranks):
             if is_mounted(self.mnt(r)):
