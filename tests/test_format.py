@@ -1,5 +1,6 @@
-"""Format v1: index and partition round trips, byte layout, version checks, truncation,
-hostile indexes, and the golden store in ``tests/fixtures/format``."""
+"""The on-disk format (every version a store may have, v1 to the current one): index and
+partition round trips, byte layout, version checks, truncation, hostile indexes, and the
+golden stores in ``tests/fixtures/format``."""
 
 from __future__ import annotations
 
@@ -1124,3 +1125,14 @@ def test_a_v5_index_with_bad_filters_is_refused(filters, message):
     body[4 : 4 + meta_len] = new.ljust(meta_len)
     with pytest.raises(FormatError, match=message):
         read_index_bytes(_reencode_body(data, bytes(body)))
+
+
+def test_the_format_packages_docstring_names_the_current_version():
+    """``fanstore.format``'s docstring is where a reader learns the version: it must say
+    the one the code writes (and that the older ones still read)."""
+    import fanstore.format
+    from fanstore.format.layout import FORMAT_VERSION
+
+    first = fanstore.format.__doc__.splitlines()[0]
+    want = f"(v{FORMAT_VERSION}; v1-v{FORMAT_VERSION - 1} still read)"
+    assert want in first, f"{first!r} does not say {want!r}"
