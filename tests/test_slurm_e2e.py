@@ -13,6 +13,7 @@ import random
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,16 +38,85 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def slurm():
+RUN_DIR = Path(os.environ.get("FANSTORE_SLURM_RUN_DIR", "/run/fanstore-slurm-local"))
+LOG_DIR = Path(os.environ.get("FANSTORE_SLURM_LOG_DIR", "/var/log/fanstore-slurm-local"))
+#: the local cluster's daemons: pid file name -> the process name it must run as
+DAEMONS = {"slurmctld": "slurmctld", "slurmd-n1": "slurmd", "slurmd-n2": "slurmd"}
+
+
+def dead_daemons() -> list[str]:
+    """The local cluster's daemons that are not running (by their pid files, the name
+    checked so that a recycled pid does not count)."""
+    dead = []
+    for name, comm in DAEMONS.items():
+        try:
+            pid = int((RUN_DIR / f"{name}.pid").read_text().strip())
+            alive = Path(f"/proc/{pid}/comm").read_text().strip() == comm
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except (OSError, ValueError, IndexError):
+            alive, state = False, "?"
+        if not alive or state in ("Z", "X"):
+            dead.append(name)
+    return dead
+
+
+def daemon_logs(names, lines: int = 15) -> str:
+    out = []
+    for name in names:
+        path = LOG_DIR / f"{name}.log"
+        try:
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError as exc:
+            tail = [f"(cannot read: {exc.strerror})"]
+        out.append(f"----- last lines of {path} -----\n" + "\n".join(tail))
+    return "\n".join(out)
+
+
+def start_slurm() -> None:
     res = subprocess.run(["bash", str(SLURM_LOCAL), "start"], capture_output=True, text=True,
                          timeout=600)
+    assert res.returncode == 0, f"local Slurm did not start:\n{res.stdout}\n{res.stderr}"
+
+
+class Cluster:
+    """The module's local Slurm. A daemon found dead before a test is named with its log;
+    the cluster is restarted once for the tests that follow; if that fails, every later
+    test fails at once with the same message (no 300-600 s job timeouts)."""
+
+    def __init__(self) -> None:
+        self.broken: str | None = None
+
+    def check(self) -> None:
+        if self.broken:
+            pytest.fail(self.broken, pytrace=False)
+        dead = dead_daemons()
+        if not dead:
+            return
+        why = (f"the local Slurm's {', '.join(dead)} died before this test (see "
+               f"docs/slurm.md, local cluster):\n{daemon_logs(dead)}")
+        subprocess.run(["scancel", "--full", "--user", "root"], capture_output=True, timeout=30)
+        try:
+            start_slurm()
+        except AssertionError as exc:
+            self.broken = f"{why}\nand it could not be restarted: {exc}"
+            pytest.fail(self.broken, pytrace=False)
+        pytest.fail(f"{why}\n(restarted for the next tests)", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    start_slurm()
     try:
-        assert res.returncode == 0, f"local Slurm did not start:\n{res.stdout}\n{res.stderr}"
-        yield
+        yield Cluster()
     finally:
         subprocess.run(["scancel", "--full", "--user", "root"], capture_output=True, timeout=30)
         subprocess.run(["bash", str(SLURM_LOCAL), "stop"], capture_output=True, timeout=120)
+
+
+@pytest.fixture(autouse=True)
+def _slurm_alive(slurm):
+    """Before each test: the local cluster is whole (``Cluster.check``)."""
+    slurm.check()
 
 
 def job_env(tmp: Path) -> dict[str, str]:
@@ -62,9 +132,32 @@ def job_env(tmp: Path) -> dict[str, str]:
 
 
 def sbatch(tmp: Path, *args, wait: bool = True, timeout: float = 300):
+    """``sbatch --parsable [--wait] ARGS`` in ``tmp``. While it waits, the cluster's
+    daemons are watched: one that dies ends the wait at once (the job cancelled) with its
+    log, rather than at ``timeout``."""
     cmd = ["sbatch", "--parsable"] + (["--wait"] if wait else []) + [str(a) for a in args]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=job_env(tmp),
-                          timeout=timeout)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp, env=job_env(tmp))
+    deadline = time.monotonic() + timeout
+    try:
+        while proc.poll() is None:
+            dead = dead_daemons()
+            if dead:
+                subprocess.run(["scancel", "--full", "--user", "root"], capture_output=True,
+                               timeout=30)
+                pytest.fail(f"the local Slurm's {', '.join(dead)} died during the job:\n"
+                            f"{daemon_logs(dead)}\n--- job output\n{job_output(tmp)[-3000:]}",
+                            pytrace=False)
+            if time.monotonic() > deadline:
+                pytest.fail(f"sbatch {' '.join(cmd[2:])} did not end within {timeout:g} s:\n"
+                            f"{job_output(tmp)[-3000:]}", pytrace=False)
+            time.sleep(1)
+        out, err = proc.communicate()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def job_output(tmp: Path) -> str:
