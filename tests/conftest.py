@@ -241,15 +241,28 @@ def s3_server(tmp_path_factory):
 
 # --------------------------------------------------------------------------- mounts
 
-#: Both FUSE frontends serve every mount test (``fanstore mount --frontend``).
+#: The FUSE frontends (``fanstore mount --frontend``) a test that uses ``frontend`` runs on,
+#: unless its module (``FUSE_FRONTENDS = (...)``) or the test (``@pytest.mark.frontends(...)``)
+#: names fewer: a test of the daemon, MPI or staging runs on the default frontend alone,
+#: a test of what a mount answers on both (docs/reliability.md, "How it is tested").
 FRONTENDS = ("pyfuse3", "kernel")
 
 
-@pytest.fixture(scope="module", params=FRONTENDS)
+def pytest_generate_tests(metafunc):
+    """Parametrize ``frontend`` (module scope) with the test's frontends."""
+    if "frontend" not in metafunc.fixturenames:
+        return
+    marker = metafunc.definition.get_closest_marker("frontends")
+    names = (marker.args if marker else getattr(metafunc.module, "FUSE_FRONTENDS", FRONTENDS))
+    metafunc.parametrize("frontend", list(names), indirect=True, scope="module")
+
+
+@pytest.fixture(scope="module")
 def frontend(request):
-    """Run the module's tests once per FUSE frontend: sets ``FANSTORE_FRONTEND`` (the default
-    of ``fanstore mount --frontend``) for every command the tests start, MPI ranks and Slurm
-    jobs included. Module-scoped fixtures that mount must depend on this one."""
+    """Run the module's tests once per FUSE frontend (see ``pytest_generate_tests``): sets
+    ``FANSTORE_FRONTEND`` (the default of ``fanstore mount --frontend``) for every command the
+    tests start, MPI ranks and Slurm jobs included. Module-scoped fixtures that mount must
+    depend on this one."""
     old = os.environ.get("FANSTORE_FRONTEND")
     os.environ["FANSTORE_FRONTEND"] = request.param
     try:

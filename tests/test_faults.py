@@ -77,8 +77,11 @@ from helpers import (
 from mpi_helpers import MpiJob, mpi_available, read_tree_bytes, wait_gone
 
 #: The tests that read through a mount run once per FUSE frontend (conftest.frontend);
-#: packing, staging and refusals happen before any frontend starts and run once.
+#: packing, staging and refusals happen before any frontend starts and run once. The
+#: failures of MPI ranks are the daemons' to handle: those run on the default frontend
+#: (the remote reads of both frontends are in test_mpi's TestFourRanks).
 per_frontend = pytest.mark.usefixtures("frontend")
+mpi_faults = pytest.mark.frontends("kernel")
 
 _fuse_ok, _fuse_why = fuse_available()
 _mpi_ok, _mpi_why = mpi_available()
@@ -509,6 +512,7 @@ def _kill_mid_read(data, tmp_path, replicas: bool, timeout: float = 2.0) -> dict
 
 @per_frontend
 @needs_cluster
+@mpi_faults
 def test_sigkill_mid_read_with_replicas_readers_fail_over(data, tmp_path):
     src, store, _ = data
     total = _kill_mid_read(data, tmp_path / "job1", replicas=True)
@@ -525,6 +529,7 @@ def test_sigkill_mid_read_with_replicas_readers_fail_over(data, tmp_path):
 
 @per_frontend
 @needs_cluster
+@mpi_faults
 def test_sigkill_mid_read_without_replicas_eio_within_the_timeout(data, tmp_path, mounted):
     src, store, _ = data
     total = _kill_mid_read(data, tmp_path / "job", replicas=False)
@@ -913,6 +918,7 @@ def test_bit_rot_in_a_staged_copy_gives_eio_for_those_files_only(data, tmp_path,
 
 @per_frontend
 @needs_cluster
+@mpi_faults
 def test_bit_rot_with_replicas_is_refetched_from_a_peer(data, tmp_path):
     src, store, _ = data
     with MpiJob(store, tmp_path, ranks=2,

@@ -161,6 +161,7 @@ def _four_ranks(load_data, tmp_path, seconds: float, env: dict | None) -> dict:
 
 @pytest.mark.mpi
 @pytest.mark.skipif(not (_fuse_ok and _mpi_ok), reason=_fuse_why or _mpi_why)
+@pytest.mark.frontends("kernel")  # MPI ranks' load: the daemons', not the frontend's
 def test_8_readers_per_rank_on_4_ranks(load_data, tmp_path):
     _four_ranks(load_data, tmp_path, SECONDS, None)
 

@@ -629,12 +629,11 @@ def _crash(m) -> None:
                                                              errno.ECONNABORTED)
 
 
+@pytest.mark.frontends("kernel")  # the pyfuse3 frontend has no worker processes
 def test_a_killed_worker_is_replaced_and_reads_go_on(mounted, small_store, small_tree, tmp_path,
                                                      frontend):
     """Kernel frontend: SIGKILL of a worker process; the frontend process starts another
     one in its place, every file still reads right, and umount ends every process."""
-    if frontend != "kernel":
-        pytest.skip("the pyfuse3 frontend has no worker processes")
     log = tmp_path / "daemon.log"
     m = mounted(small_store, "--workers", "2", "--log", str(log))
     pid = daemon_pid(m)

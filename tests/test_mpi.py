@@ -27,8 +27,12 @@ from mpi_helpers import (
     wait_gone,
 )
 
-#: Every test here runs once per FUSE frontend (conftest.frontend).
+#: The tests here are about ranks, staging and node failures: they run on the default FUSE
+#: frontend. The remote reads themselves and a dead rank's EIO run on both (conftest.frontend):
+#: the kernel frontend's workers fetch through the daemon, pyfuse3 reads in it.
 pytestmark = pytest.mark.usefixtures("frontend")
+FUSE_FRONTENDS = ("kernel",)
+both_frontends = pytest.mark.frontends("kernel", "pyfuse3")
 
 _fuse_ok, _fuse_why = fuse_available()
 _mpi_ok, _mpi_why = mpi_available()
@@ -155,6 +159,7 @@ def job4(frontend, dataset, tmp_path_factory):
         yield job
 
 
+@both_frontends
 class TestFourRanks:
     pytestmark = needs_cluster
 
@@ -274,6 +279,7 @@ def test_replicas_survive_a_killed_daemon(dataset, tmp_path):
 @pytest.mark.fuse
 @pytest.mark.mpi
 @pytest.mark.skipif(not (_fuse_ok and _mpi_ok), reason=_fuse_why or _mpi_why)
+@both_frontends
 def test_without_replicas_a_dead_ranks_files_give_eio_within_the_timeout(dataset, tmp_path):
     src, store = dataset
     timeout = 2.0

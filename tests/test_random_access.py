@@ -194,11 +194,10 @@ def test_a_random_page_pass_decodes_each_chunk_about_once(tree, store, mounted, 
     assert after["decoded_per_returned"] is not None
 
 
+@pytest.mark.frontends("kernel")  # the spill is the kernel frontend's
 def test_spill_can_be_turned_off_for_comparisons(tree, store, mounted, frontend):
     """--no-chunk-spill (benchmarks compare with and without): the same bytes, no spill,
     and a page pass decodes a chunk per READ that misses the 1 MiB cache."""
-    if frontend != "kernel":
-        pytest.skip("the spill is the kernel frontend's")
     mnt = mounted(store, "--cache-mb", "0", "--no-chunk-spill")
     data = (tree["root"] / "pages.bin").read_bytes()
     offsets = [random.Random(5).randrange(len(data) // PAGE) * PAGE for _ in range(200)]
@@ -210,6 +209,7 @@ def test_spill_can_be_turned_off_for_comparisons(tree, store, mounted, frontend)
 
 
 @pytest.mark.mpi
+@pytest.mark.frontends("kernel")  # worker ranks' spill is the kernel frontend's
 def test_worker_ranks_share_and_spill_chunks(tree, store, tmp_path, frontend):
     """Two nodes of three MPI ranks (``--ranks-per-node 3``: on the kernel frontend two
     worker ranks serve a node's mount; they receive the shared chunk table with their

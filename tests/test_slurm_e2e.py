@@ -36,6 +36,9 @@ pytestmark = [
                        reason="no Debian packages for Slurm here"),
     pytest.mark.skipif(not _fuse_ok, reason=_fuse_why),
 ]
+#: Slurm starts, stages, cleans up and cancels the same whatever serves the mount: the
+#: default frontend; the training job's reads run on both.
+FUSE_FRONTENDS = ("kernel",)
 
 
 RUN_DIR = Path(os.environ.get("FANSTORE_SLURM_RUN_DIR", "/run/fanstore-slurm-local"))
@@ -210,6 +213,7 @@ def packed(slurm, tmp_path_factory):
     return src, store
 
 
+@pytest.mark.frontends("kernel", "pyfuse3")
 def test_train_on_two_nodes_reads_everything_and_cleans_up(packed, tmp_path, frontend):
     src, store = packed
     out = tmp_path / "out"
@@ -327,8 +331,6 @@ def test_mpi_start_up_under_srun_is_reliable(slurm, tmp_path, frontend):
     3 ranks per emulated node, 10-17% of launches hung in MPI_Init until the local cluster
     told MPICH that no two ranks share memory (tools/slurm-local/task-prolog.sh: the two
     emulated nodes are one host). MPI start-up involves no FUSE frontend: one run."""
-    if frontend != "kernel":
-        pytest.skip("MPI start-up involves no FUSE frontend: run once, with the default")
     script = tmp_path / "launches.sh"
     script.write_text(
         "#!/bin/bash\nfail=0\nfor i in $(seq 30); do\n"
