@@ -423,6 +423,37 @@ def test_sample_is_seeded_stratified_and_chunks_large_files(tmp_path):
     assert whole.sample_bytes == whole.raw_bytes
 
 
+def test_a_dictionary_is_a_function_of_the_source_the_kind_and_the_seed(tmp_path):
+    """What select measures and what `pack --codec zstd:L+dict` trains are the same bytes,
+    whatever the sample size; the measured units of the kind are not its training files
+    when enough others are left; another seed trains on other files."""
+    from fanstore.select.candidates import whole_set_candidates
+    from fanstore.select.dictionaries import train_dictionaries, training_files
+
+    rng = np.random.default_rng(8)
+    files = {f"j/{i:04d}.json": json_records(rng, int(rng.integers(15, 30)))
+             for i in range(900)}  # json/tiny, about 2 MB: more than its training share
+    files.update({f"t/{i:03d}.txt": b"a few words " * int(rng.integers(20, 200))
+                  for i in range(60)})  # txt/tiny, a smaller kind
+    src = write_files(tmp_path, files)
+    listing = list_source(src)
+    budget = 1 << 20  # training bytes in all (DICT_TRAIN_BYTES by default)
+    packed = train_dictionaries(listing, 1 << 20, seed=3, train_bytes=budget)
+    assert set(packed) == {"json/tiny", "txt/tiny"}
+    for sample_mb in (0.2, 100.0):
+        sample = draw_sample(listing, int(sample_mb * MB), 1 << 20, 3, train_bytes=budget)
+        cand = next(c for c in whole_set_candidates(sample) if c.label == "zstd:19+dict")
+        assert {k: codec.dict_data for k, codec in cand.by_kind} == packed
+    trained = {os.path.basename(f.rel) for f in training_files(listing, 1 << 20, 3,
+                                                                 budget)["json/tiny"]}
+    assert 0 < len(trained) < 900
+    sample = draw_sample(listing, 100 * MB, 1 << 20, 3, train_bytes=budget)
+    units = set(sample.kinds["json/tiny"].units)
+    assert units and not units & {files[f"j/{name}"] for name in trained}
+    assert len(units) == 900 - len(trained)  # the rest, all of it (a large sample)
+    assert train_dictionaries(listing, 1 << 20, seed=4, train_bytes=budget) != packed
+
+
 def test_measure_models_raw_chunks():
     rng = np.random.default_rng(6)
     units = [rng.bytes(10_000) for _ in range(5)] + [bytes(10_000)] * 5

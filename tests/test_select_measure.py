@@ -394,3 +394,58 @@ def test_a_finalist_whose_trial_fails_is_left_out_and_said(tmp_path, monkeypatch
     line = next(x for x in table(res).splitlines() if x.startswith(failed[0] + " "))
     assert " failed " in line
     assert [p for p in os.listdir(tmp_path) if p.startswith("fanstore-select-")] == []
+
+
+# --------------------------------------------------------------------------- the measured store
+
+
+def _json_tree(root, n: int, seed: int = 12) -> str:
+    """``n`` small JSON files of one kind (json/tiny, about 2.6 kB each)."""
+    rng = np.random.default_rng(seed)
+    words = [f"w{i}" for i in range(300)]
+    for i in range(n):
+        rows = [{"id": int(rng.integers(1 << 30)), "label": str(rng.choice(words)),
+                 "box": [round(float(x), 2) for x in rng.random(4) * 640],
+                 "caption": " ".join(rng.choice(words, 6))} for _ in range(22)]
+        p = os.path.join(root, f"c{i % 20:02d}", f"{i:05d}.json")
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "w") as f:
+            json.dump(rows, f)
+    return str(root)
+
+
+@pytest.mark.long
+def test_the_report_pack_command_packs_the_store_it_measured(tmp_path):
+    """A selection on small files chooses a codec with dictionaries; its report's pack
+    command (seed included) packs a store whose dictionaries are byte for byte the ones the
+    selection measured, at the ratio its trial store had. The source holds more small files
+    than the dictionaries train on, so the training files are a choice that must agree."""
+    import shlex
+
+    from compressors import get_codec
+    from fanstore.format.index import read_index
+    from fanstore.select import SelectionOptions, run_selection
+    from fanstore.select.dictionaries import DICT_TRAIN_BYTES
+    from fanstore.select.report import pack_command
+
+    src = _json_tree(tmp_path / "src", 4000)
+    raw = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(src) for f in fs)
+    assert raw > DICT_TRAIN_BYTES * 1.05
+    res = run_selection(src, SelectionOptions(
+        mode="sync", mb_per_sec=1.0, cores=2, sample_mb=1.0, seed=7, reader="api", trials=3,
+        storage_mb_per_sec=1000.0, progress=False, storage_dir=str(tmp_path)))
+    chosen = res.candidate(res.chosen)
+    assert "+dict" in res.chosen and chosen.measured is not None, res.chosen
+    measured = {kind: codec.dict_data for kind, codec in chosen.by_kind.items()}
+    assert measured and all(measured.values())
+    dest = tmp_path / "packed"
+    words = shlex.split(pack_command(res, dest=str(dest)))
+    assert words[:2] == ["fanstore", "pack"] and words[words.index("--seed") + 1] == "7"
+    run_cli(*words[1:], "--no-progress", check=True, timeout=300)
+    index = read_index(str(dest))
+    stored = [get_codec(cfg).dict_data for cfg in index.codecs if "dict" in cfg]
+    assert sorted(stored) == sorted(measured.values())
+    counts = index.meta["counts"]
+    ratio = counts["raw_bytes"] / counts["stored_bytes"]
+    assert ratio == pytest.approx(chosen.measured.ratio, rel=0.02)
+

@@ -90,7 +90,7 @@ def cmd_pack(args) -> int:
     request = PolicyRequest(codec=args.codec, solid_kb=args.solid_kb,
                             chunk_size=args.chunk_kb * 1024,
                             skip_unreadable=args.skip_unreadable, symlinks=symlinks,
-                            selection=lambda: _selection_options(args), notify=say)
+                            seed=args.seed, selection=lambda: _selection_options(args), notify=say)
 
     def make_policy():
         plan = plan_policy(args.src, request, kind)

@@ -60,14 +60,17 @@ class PolicyRequest:
     """What the user asked for. ``codec``: the ``--codec`` text (None: the default, a quick
     selection); ``solid_kb``: ``--solid-kb`` (None: not given, 0: no solid blocks);
     ``symlinks``: ``--symlinks`` (the scan made here is the one pack uses, so it must be
-    made as pack would make it); ``selection``: makes the selector's options for ``--codec
-    auto`` (called only then); ``notify``: shows one line to the user (the CLI prints it)."""
+    made as pack would make it); ``seed``: ``--seed``, which also chooses the files that
+    train ``+dict`` dictionaries (as ``fanstore select --seed`` does); ``selection``: makes
+    the selector's options for ``--codec auto`` (called only then); ``notify``: shows one
+    line to the user (the CLI prints it)."""
 
     codec: str | None = None
     solid_kb: int | None = None
     chunk_size: int = 1 << 20
     skip_unreadable: bool = False
     symlinks: Symlinks = Symlinks.STORE
+    seed: int = 0
     selection: Callable[[], SelectionOptions] | None = None
     notify: Callable[[str], None] = field(default=lambda text: log.warning("%s", text))
 
@@ -190,12 +193,13 @@ def quick_policy(choice: QuickSelection) -> CodecPolicy:
 def _dict_policy(src: str, files: list[SourceFile], spec: CodecSpec,
                  request: PolicyRequest) -> CodecPolicy:
     """``zstd:L+dict``: zstd at level L, with a dictionary per kind of many small files
-    (kinds without one keep plain zstd:L)."""
-    from fanstore.select.quick import train_dictionaries
+    (kinds without one keep plain zstd:L), trained as ``fanstore select`` trains the ones
+    it measures (the same bytes for the same source and seed)."""
+    from fanstore.select.dictionaries import train_dictionaries
 
     codec = spec.codec
     assert isinstance(codec, ZstdCodec)  # the grammar allows +dict on zstd:L only
-    dicts = train_dictionaries(files, request.chunk_size, root=src)
+    dicts = train_dictionaries(files, request.chunk_size, request.seed)
     return CodecPolicy(codec, {kind: ZstdCodec(codec.level, dict_data=data)
                                for kind, data in dicts.items()})
 

@@ -38,7 +38,7 @@ from typing import Any
 
 from compressors import Codec, CodecError, ZstdCodec, parse_spec
 from fanstore.select.bench import solid_blocks
-from fanstore.select.candidates import train_kind_dictionary
+from fanstore.select.dictionaries import train_kind_dictionary
 from fanstore.select.sample import SourceFile, draw_sample
 
 log = logging.getLogger(__name__)
@@ -228,22 +228,6 @@ def _choose_kind(ks, block: int) -> KindChoice:
                       solid)
 
 
-def train_dictionaries(files: list[SourceFile], chunk_size: int = 1 << 20, seed: int = 0,
-                       root: str = "") -> dict[str, bytes]:
-    """A zstd dictionary per kind of many small files of ``files`` (trained as the quick
-    selection trains them: :data:`TRAIN_BYTES` of files in all), for ``--codec zstd:L+dict``;
-    kinds without one are left out."""
-    out: dict[str, bytes] = {}
-    if any(f.size for f in files):
-        sample = draw_sample(files, 0, chunk_size, seed, root=root, progress=False,
-                             train_bytes=TRAIN_BYTES)
-        for kind, ks in sorted(sample.kinds.items()):
-            data = train_kind_dictionary(ks.train) if ks.train else None
-            if data is not None:
-                out[kind] = data
-    return out
-
-
 __all__ = [
     "FALLBACK",
     "READ_COST_ORDER",
@@ -251,5 +235,4 @@ __all__ = [
     "KindChoice",
     "QuickSelection",
     "quick_select",
-    "train_dictionaries",
 ]

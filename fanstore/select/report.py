@@ -238,6 +238,8 @@ def pack_command(res: SelectionResult, dest: str = "DEST", per_kind: bool | None
     if per_kind is None:
         per_kind = _packs_per_kind(res)
     if not per_kind:
+        if "+dict" in res.chosen and opts.seed:  # the seed chooses the training files
+            words += ["--seed", _word(opts.seed)]
         return " ".join(words + ["--codec", shlex.quote(res.chosen)])
     words += ["--codec", "auto", "--per-kind"]
     for flag, value, default in (
