@@ -258,6 +258,7 @@ def test_check_reads_a_store_as_its_report_predicted(tmp_path):
     out = json.loads(run_cli("select", "--check", store, "--report", report, "--json",
                              timeout=300).stdout)
     assert out["files"] == 40 and out["met"] is True and out["kind"] == "store"
+    assert out["cold"] is True and out["resident_after_drop"] <= 0.05  # on a disk
     assert out["measured_over_predicted"] == pytest.approx(
         out["measured"]["files_per_s"] / out["predicted"]["files_per_s"], rel=1e-2)
     # The same store against a budget its measurement cannot meet: status 3, one line.
@@ -449,3 +450,53 @@ def test_the_report_pack_command_packs_the_store_it_measured(tmp_path):
     ratio = counts["raw_bytes"] / counts["stored_bytes"]
     assert ratio == pytest.approx(chosen.measured.ratio, rel=0.02)
 
+def test_a_drop_is_checked_with_mincore(tmp_path):
+    """On a disk the dropped pages are gone (cold); on a tmpfs they are the storage and
+    stay (not cold); a read brings them back. Our own files: no privilege needed."""
+    import tempfile
+
+    from fanstore.select.epoch import drop_page_cache, resident_pages
+
+    shm = tempfile.mkdtemp(prefix="fanstore-test-", dir="/dev/shm")
+    try:
+        for where, cold in ((tmp_path, True), (shm, False)):
+            path = os.path.join(where, "part")
+            with open(path, "wb") as f:
+                f.write(np.random.default_rng(1).bytes(3 << 20))
+            left = drop_page_cache([str(where)])
+            assert left.pages == (3 << 20) // os.sysconf("SC_PAGESIZE")
+            assert left.cold is cold and left.fraction == (0.0 if cold else 1.0), where
+            with open(path, "rb") as f:
+                f.read()
+            assert resident_pages([path]).fraction == 1.0
+    finally:
+        import shutil
+
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@needs_fuse
+def test_trials_on_a_tmpfs_are_reported_not_cold(tmp_path):
+    """A selection whose trial stores live on a tmpfs (/dev/shm), where dropping the page
+    cache does nothing: the JSON says not cold, the table says so in a line of its own."""
+    import shutil
+    import tempfile
+
+    src = _json_tree(tmp_path / "src", 600)
+    shm = tempfile.mkdtemp(prefix="fanstore-test-", dir="/dev/shm")
+    args = [src, "--mb-per-sec", "0.1", "--cores", "1", "--sample-mb", "1", "--trials", "1",
+            "--storage-mb-per-sec", "1000"]
+    try:
+        env = {"TMPDIR": shm}
+        doc = json.loads(run_cli("select", *args, "--json", env=env, timeout=300).stdout)
+        text = run_cli("select", *args, env=env, timeout=300)
+        assert os.listdir(shm) == []  # the trials cleaned up
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    m = doc["measurement"]
+    assert m["cold"] is False and m["resident_after_drop"] > 0.9
+    assert "NOT cold" in m["how"]
+    assert text.returncode == 0, text.stderr
+    line = next(x for x in text.stdout.splitlines() if x.startswith("cold "))
+    assert line.startswith("cold      NO: ") and "tmpfs" in line
+    assert "was not cold" in text.stderr

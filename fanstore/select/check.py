@@ -8,8 +8,9 @@ prediction was made. The read is one epoch (:mod:`.epoch`): every file of the st
 in a shuffled order (prefetch mode: the order handed to the mount first), by ``--cores``
 readers (at most the cores here; more are scaled as the selection scales them). A store is
 mounted afresh in a temporary directory after its partitions are dropped from the page
-cache, so the epoch is cold as the selection's trials are; a live mount is read as it is
-(its page cache as the job left it) and in its own mode.
+cache, so the epoch is cold as the selection's trials are (checked with ``mincore``: a
+store on a tmpfs is said not to be);
+a live mount is read as it is (its page cache as the job left it) and in its own mode.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fanstore.errors import FanStoreError, UsageError
-from fanstore.select.epoch import PassResult, Target, drop_page_cache, run_pass
+from fanstore.select.epoch import COLD_RESIDENT, PassResult, Target, drop_page_cache, run_pass
 from fanstore.select.measuring import local_cores
 from fanstore.select.trial import API_CACHE_MB, cli, unmount
 
@@ -178,24 +179,41 @@ def _spec(cfg: dict[str, Any]) -> str:
 
 def _fresh_pass(store: str, order: list[str], readers: int, reader: str,
                 mode: str) -> PassResult:
-    """A cold epoch of ``store``: its files dropped from the page cache, a fresh temporary
-    mount (or the API on the store, in sync mode)."""
-    drop_page_cache([store])
+    """A cold epoch of ``store``: its files dropped from the page cache (``resident``:
+    what stayed), a fresh temporary mount (or the API on the store, in sync mode)."""
+    resident = drop_page_cache([store]).fraction
     if reader == "api" and mode == "sync":
-        return run_pass(Target("api", store, cache_mb=API_CACHE_MB), order, readers)
+        passed = run_pass(Target("api", store, cache_mb=API_CACHE_MB), order, readers)
+        passed.resident = resident
+        return passed
     tmp = tempfile.mkdtemp(prefix="fanstore-check-")
     mnt = os.path.join(tmp, "mnt")
     os.mkdir(mnt)
     try:
         cli("mount", "--mode", mode, "--", store, mnt)
         try:
-            return run_pass(Target(reader, mnt, order_to=mnt if mode == "prefetch" else None),
-                            order, readers, watch=mnt)
+            passed = run_pass(Target(reader, mnt, order_to=mnt if mode == "prefetch"
+                                     else None), order, readers, watch=mnt)
         finally:
             unmount(mnt)
     finally:
         if not os.path.ismount(mnt):
             shutil.rmtree(tmp, ignore_errors=True)
+    passed.resident = resident
+    return passed
+
+
+def _start(res: CheckResult) -> str:
+    """How the read started: cold (checked), not cold, or a live mount as it was."""
+    if res.kind == "mount":
+        return "as the mount is (its page cache as the job left it)"
+    resident = res.passed.resident
+    if resident is None:
+        return "page cache dropped (not checked: no mincore), a fresh mount"
+    if resident <= COLD_RESIDENT:
+        return "cold (page cache dropped, a fresh mount)"
+    return (f"NOT cold: {resident:.0%} of the store stayed in the page cache after the drop "
+            "(a tmpfs?), a fresh mount")
 
 
 def report_lines(res: CheckResult) -> list[str]:
@@ -205,8 +223,7 @@ def report_lines(res: CheckResult) -> list[str]:
            "with the Python API") if res.kind == "store" else \
         ("through the live mount" if res.reader == "mount" else
          "with the Python API on the live mount")
-    cold = "cold (page cache dropped, a fresh mount)" if res.kind == "store" else \
-        "as the mount is (its page cache as the job left it)"
+    cold = _start(res)
     order = "the order handed to the mount first" if res.mode == "prefetch" else \
         "a shuffled order"
     ratio = f", ratio {res.ratio:.2f}x" if res.ratio else ""
@@ -257,6 +274,9 @@ def to_json(res: CheckResult) -> dict[str, Any]:
             "readers": res.readers, "cores": res.cores, "files": res.files,
             "mb": round(res.bytes / MB, 3), "codecs": res.codecs, "ratio": res.ratio,
             "seconds": round(res.passed.seconds, 3),
+            "cold": (None if res.kind == "mount" or res.passed.resident is None
+                     else res.passed.resident <= COLD_RESIDENT),
+            "resident_after_drop": res.passed.resident,
             "measured": {"files_per_s": round(res.files_per_s, 1),
                          "mb_per_s": round(res.bytes_per_s / MB, 1),
                          "scaled_to_cores": res.cores if res.scaled else None,

@@ -21,6 +21,7 @@ import numpy as np
 from compressors import parse_spec
 from fanstore.select import trial
 from fanstore.select.calibrate import CalibrationError, ReaderCost, fuse_problem, reader_cost
+from fanstore.select.epoch import COLD_RESIDENT
 from fanstore.select.options import SelectionOptions
 from fanstore.select.trial import HowToRead, Measured, TrialError
 
@@ -57,6 +58,21 @@ def copy_checksum_cost() -> float:
     return base.copy + base.checksum
 
 
+def cold_line(resident: float | None) -> str:
+    """The report's line on whether the trials read cold, from the most of a trial store
+    ``mincore`` found in the page cache right after a drop (None: not known)."""
+    if resident is None:
+        return ("cold      unknown: the page cache was dropped before each round, but the "
+                "kernel could not be asked what stayed (mincore)")
+    if resident <= COLD_RESIDENT:
+        return (f"cold      yes: after each drop at most {resident:.0%} of the trial store "
+                "was in the page cache (mincore)")
+    return (f"cold      NO: after a drop {resident:.0%} of the trial store was still in the "
+            "page cache (mincore): the rounds read from memory, not from storage ($TMPDIR "
+            "on a tmpfs, or a drop not permitted), so the measured rates are warm ones, "
+            "faster than a cold epoch")
+
+
 class Measuring:
     """Trials of one selection (see the module docstring)."""
 
@@ -69,6 +85,9 @@ class Measuring:
         self.tmp = tempfile.mkdtemp(prefix="fanstore-select-", dir=options.storage_dir)
         self.count = 0
         self.seconds = 0.0
+        #: the most of a trial store any round found resident after its drop (None: a
+        #: round could not tell; 0.0 before any trial)
+        self.resident: float | None = 0.0
         t0 = time.monotonic()
         try:
             self.trial = trial.make_trial_set(files, os.path.join(self.tmp, "set"),
@@ -97,6 +116,12 @@ class Measuring:
             self.seconds += time.monotonic() - t0
         log.info("measured %s: %.0f files/s (%.0f MB/s) for the source, rounds %s", label,
                  m.files_per_s, m.bytes_per_s / 1e6, [round(r) for r in m.rounds])
+        if m.cold is False and self.resident is not None and self.resident <= COLD_RESIDENT:
+            log.warning("the trial of %s was not cold: %.0f%% of its store stayed in the page "
+                        "cache after the drop (a tmpfs?); its rates are warm ones", label,
+                        100 * (m.resident or 0))
+        self.resident = (None if self.resident is None or m.resident is None
+                         else max(self.resident, m.resident))
         return m
 
     def calibrate(self, storage: float, latency: float) -> tuple[Measured, ReaderCost]:
@@ -123,5 +148,5 @@ class Measuring:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-__all__ = ["Measuring", "copy_checksum_cost", "local_cores",
+__all__ = ["Measuring", "cold_line", "copy_checksum_cost", "local_cores",
            "why_not_measured"]

@@ -13,6 +13,7 @@ from typing import Any
 
 from fanstore.errors import BudgetNotMetError
 from fanstore.kinds import access_pattern
+from fanstore.select.measuring import cold_line
 from fanstore.select.options import TRIALS
 from fanstore.select.policy import Cost
 from fanstore.select import wholefiles
@@ -88,7 +89,8 @@ def _measurement_json(res: SelectionResult) -> dict[str, Any] | None:
     return {"measured": info.measured, "how": info.how or None, "readers": info.readers,
             "cores": info.cores, "trials": info.trials, "seconds": _num(info.seconds, 2),
             "model_correction": _num(info.correction, 3), "model_chosen": info.model_chosen,
-            "note": info.note}
+            "note": info.note, "cold": info.cold,
+            "resident_after_drop": _num(info.resident, 4) if info.measured else None}
 
 
 def to_json(res: SelectionResult, capacity: int | None = None) -> dict[str, Any]:
@@ -382,6 +384,8 @@ def table(res: SelectionResult, capacity: int | None = None) -> str:
     lines.append(f"checksum  xxh3-64 at {res.checksum_mb_per_s:,.0f} MB/s on one core, "
                  "charged to every candidate")
     lines.append(measure_line(res))
+    if res.measured and res.measurement is not None:
+        lines.append(cold_line(res.measurement.resident))
     lines.append("")
     head = (f"{'codec':<30} {'ratio':>7} {'enc MB/s':>9} {'dec MB/s':>9} {'model':>10} "
             f"{'measured':>10} {'measured':>9}  budget")

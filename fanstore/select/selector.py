@@ -88,6 +88,8 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
             else 0, options.n_cores, note=note)
         if measuring is not None and none_trial is not None:
             _decide(result, measuring, none_trial, options)
+            result.measurement.resident = measuring.resident
+            result.measurement.how = measuring.how.describe(result.measurement.cold)
     finally:
         if measuring is not None:
             measuring.close()

@@ -19,10 +19,11 @@ A finalist (:func:`measure`) packs a prefix of that set (its own encode speed de
 much: :data:`PACK_SECONDS` of encoding on this node's cores, never fewer than
 :data:`MIN_FILES` whole files), and reads it :data:`ROUNDS` times (up to :data:`MAX_ROUNDS`
 while the rounds disagree by more than :data:`SPREAD`): each round drops the
-store from the page cache, mounts it afresh (``fanstore mount`` with the user's mode;
-``--cache-mb`` scaled to the trial's share of the source, so solid blocks see the cache
-pressure of the whole store) or opens it with the Python API, and runs one epoch
-(:mod:`.epoch`). A round is scaled to the source by what it cost per whole file and per
+store from the page cache (and checks with ``mincore`` that it is gone: a round whose
+store stayed resident, on a tmpfs say, is said not to be cold), mounts it afresh
+(``fanstore mount`` with the user's mode; ``--cache-mb`` scaled to the trial's share of the
+source, so solid blocks see the cache pressure of the whole store) or opens it with the
+Python API, and runs one epoch (:mod:`.epoch`). A round is scaled to the source by what it cost per whole file and per
 byte of the pieces::
 
     T = (sum of whole-file latencies / whole files read) x whole files of the source
@@ -50,7 +51,7 @@ import numpy as np
 
 from fanstore.errors import FanStoreError
 from fanstore.kinds import file_kind
-from fanstore.select.epoch import PassResult, Target, drop_page_cache, run_pass
+from fanstore.select.epoch import COLD_RESIDENT, PassResult, Target, drop_page_cache, run_pass
 
 log = logging.getLogger(__name__)
 
@@ -135,15 +136,20 @@ class HowToRead:
     readers: int
     cores: int
 
-    def describe(self) -> str:
+    def describe(self, cold: bool | None = True) -> str:
+        """One line; ``cold``: whether the rounds' checks found the page cache dropped
+        (False: not, None: not checked)."""
         via = ("a temporary mount" if self.reader == "mount" else
                "the Python API on a temporary mount" if self.mode == "prefetch" else
                "the Python API on a temporary store")
         order = ("the order handed to the mount first (prefetch)" if self.mode == "prefetch"
                  else "a shuffled order")
         n = self.readers
-        return (f"{n} reader{'s' if n != 1 else ''} through {via}, cold (page cache "
-                f"dropped, a fresh mount), every file once in {order}")
+        start = ("cold (page cache dropped, a fresh mount)" if cold else
+                 "NOT cold (the page cache kept the store after the drop), a fresh mount"
+                 if cold is False else "page cache dropped (not checked), a fresh mount")
+        return (f"{n} reader{'s' if n != 1 else ''} through {via}, {start}, every file "
+                f"once in {order}")
 
 
 @dataclass
@@ -163,6 +169,9 @@ class Measured:
     ratio: float = 0.0  # raw / stored of the trial store
     seconds: float = 0.0  # the whole trial: pack, mounts, passes
     measured_files_per_s: float = 0.0  # before scaling to --cores
+    #: the most of the trial store still in the page cache after a round's drop (a
+    #: fraction, ``mincore``; None: not known): above ``epoch.COLD_RESIDENT``, not cold
+    resident: float | None = None
     #: the median round's files: (bytes, seconds from open to close), for the reader's
     #: calibration (``calibrate.reader_cost``)
     latencies: list[tuple[int, float]] = field(default_factory=list, repr=False)
@@ -176,7 +185,15 @@ class Measured:
                 "trial_mb": round(self.trial_bytes / 1e6, 2), "readers": self.readers,
                 "scaled_to_cores": self.scaled_to,
                 "files_per_s_as_measured": round(self.measured_files_per_s, 1),
-                "trial_ratio": round(self.ratio, 4), "seconds": round(self.seconds, 2)}
+                "trial_ratio": round(self.ratio, 4), "seconds": round(self.seconds, 2),
+                "cold": self.cold,
+                "resident_after_drop": None if self.resident is None
+                else round(self.resident, 4)}
+
+    @property
+    def cold(self) -> bool | None:
+        """Whether every round read the store cold (None: not known)."""
+        return None if self.resident is None else self.resident <= COLD_RESIDENT
 
 
 # --------------------------------------------------------------------------- the set
@@ -340,6 +357,7 @@ def measure(trial: TrialSet, policy, how: HowToRead, workdir: str, n_whole: int,
     out = Measured(files_s, bytes_s, cpu, [r[0] for r in rounds], n_whole, n_pieces,
                    sum(f.size for f in chosen), how.readers,
                    ratio=summary.ratio, measured_files_per_s=files_s,
+                   resident=_most_resident([r[-1] for r in rounds]),
                    latencies=[(f.size, lat) for f, lat in zip(order, median.latency)])
     if how.cores > how.readers and cpu > 0:
         # More cores than readers here: the lower of linear scaling and the CPU bound.
@@ -349,6 +367,13 @@ def measure(trial: TrialSet, policy, how: HowToRead, workdir: str, n_whole: int,
         out.scaled_to = how.cores
     out.seconds = time.monotonic() - t0
     return out
+
+
+def _most_resident(results: list[PassResult]) -> float | None:
+    """The largest share of the store any round found in the page cache after its drop
+    (None when one round could not tell)."""
+    fractions = [r.resident for r in results]
+    return None if any(f is None for f in fractions) else max(fractions, default=0.0)
 
 
 def _spread(rounds: list) -> float:
@@ -375,23 +400,27 @@ def _for_trial(policy, files: list[TrialFile]):
 
 def _one_round(store: str, workdir: str, rels: list[str], how: HowToRead,
                share: float) -> PassResult:
-    """One cold pass over ``rels`` of ``store``."""
-    drop_page_cache([store])
+    """One cold pass over ``rels`` of ``store`` (``resident``: what the drop left)."""
+    resident = drop_page_cache([store]).fraction
     if how.reader == "api" and how.mode == "sync":
         cache = max(1, round(API_CACHE_MB * share))
-        return run_pass(Target("api", store, cache_mb=cache), rels, how.readers,
-                        timeout=TIMEOUT)
+        result = run_pass(Target("api", store, cache_mb=cache), rels, how.readers,
+                          timeout=TIMEOUT)
+        result.resident = resident
+        return result
     mnt = os.path.join(workdir, "mnt")
     os.makedirs(mnt, exist_ok=True)
     cache = max(1, round(MOUNT_CACHE_MB * share))
     cli("mount", "--mode", how.mode, "--cache-mb", str(cache), "--", store, mnt)
     try:
         order_to = mnt if how.mode == "prefetch" else None
-        return run_pass(Target(how.reader, mnt, order_to=order_to,
-                               cache_mb=max(1, round(API_CACHE_MB * share))),
-                        rels, how.readers, watch=mnt, timeout=TIMEOUT)
+        result = run_pass(Target(how.reader, mnt, order_to=order_to,
+                                 cache_mb=max(1, round(API_CACHE_MB * share))),
+                          rels, how.readers, watch=mnt, timeout=TIMEOUT)
     finally:
         unmount(mnt)
+    result.resident = resident
+    return result
 
 
 def _scale(trial: TrialSet, order: list[TrialFile], r: PassResult
