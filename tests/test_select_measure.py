@@ -500,3 +500,83 @@ def test_trials_on_a_tmpfs_are_reported_not_cold(tmp_path):
     line = next(x for x in text.stdout.splitlines() if x.startswith("cold "))
     assert line.startswith("cold      NO: ") and "tmpfs" in line
     assert "was not cold" in text.stderr
+
+def _trial_mounts(work) -> list[str]:
+    with open("/proc/mounts") as f:
+        return [line.split()[1] for line in f if line.split()[1].startswith(str(work) + "/")]
+
+
+def _workers_of(mnt: str) -> int | None:
+    """The FUSE workers serving ``mnt`` (children of its kernel-frontend process), counted
+    in /proc once the mount is ready; None when it went away first."""
+    from helpers import daemon_pid, process_tree
+
+    if run_cli("wait", mnt, "--timeout", "30").returncode != 0:
+        return None
+    pid = daemon_pid(mnt)
+    if not pid:
+        return None
+
+    def cmdline(p: int) -> bytes:
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                return f.read()
+        except OSError:
+            return b""
+
+    def parent(p: int) -> int:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                return int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    tree = process_tree(pid)
+    frontend = [p for p in tree if b"kernelfs.process" in cmdline(p) and parent(p) == pid]
+    workers = [p for p in tree if frontend and parent(p) == frontend[0]]
+    if not frontend or not os.path.ismount(mnt):
+        return None
+    return len(workers)
+
+
+@needs_fuse
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores: --cores 1 "
+                    "must be fewer than the mount's default workers")
+def test_the_trial_mount_has_at_most_cores_workers_and_reads_cold(tmp_path):
+    """`select --cores 1` on a machine of more cores: every trial mount seen is served by
+    one FUSE worker (counted in the process tree, not asked of the selection), and on a
+    disk the trials report their reads cold."""
+    import subprocess
+    import time
+
+    from helpers import FANSTORE
+
+    src = _json_tree(tmp_path / "src", 2500)
+    work = tmp_path / "tmp"
+    work.mkdir()
+    proc = subprocess.Popen([FANSTORE, "select", src, "--mb-per-sec", "0.1", "--cores", "1",
+                             "--sample-mb", "1", "--trials", "1", "--json"],
+                            env=dict(os.environ, TMPDIR=str(work), FANSTORE_FRONTEND="kernel"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: list[int] = []
+    try:
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and time.monotonic() < deadline:
+            for mnt in _trial_mounts(work):
+                count = _workers_of(mnt)
+                if count is not None:
+                    seen.append(count)
+            time.sleep(0.02)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert seen and set(seen) == {1}, seen
+    doc = json.loads(out)
+    assert doc["measurement"]["cold"] is True
+    assert doc["measurement"]["resident_after_drop"] <= 0.05
+    none = next(c for c in doc["candidates"] if c["codec"] == "none")
+    assert none["measured"]["cold"] is True
+

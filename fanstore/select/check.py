@@ -7,9 +7,9 @@ its mode, cores and reader are the defaults of the check, so the check reads the
 prediction was made. The read is one epoch (:mod:`.epoch`): every file of the store once,
 in a shuffled order (prefetch mode: the order handed to the mount first), by ``--cores``
 readers (at most the cores here; more are scaled as the selection scales them). A store is
-mounted afresh in a temporary directory after its partitions are dropped from the page
-cache, so the epoch is cold as the selection's trials are (checked with ``mincore``: a
-store on a tmpfs is said not to be);
+mounted afresh in a temporary directory (``--workers`` at most ``--cores``, as the trials
+mount) after its partitions are dropped from the page cache, so the epoch is cold as the
+selection's trials are (checked with ``mincore``: a store on a tmpfs is said not to be);
 a live mount is read as it is (its page cache as the job left it) and in its own mode.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 from fanstore.errors import FanStoreError, UsageError
 from fanstore.select.epoch import COLD_RESIDENT, PassResult, Target, drop_page_cache, run_pass
 from fanstore.select.measuring import local_cores
-from fanstore.select.trial import API_CACHE_MB, cli, unmount
+from fanstore.select.trial import API_CACHE_MB, HowToRead, cli, unmount
 
 MB = 1e6
 
@@ -150,7 +150,8 @@ def run_check(path: str, mode: str | None, cores: int | None, reader: str | None
         target = Target(reader, path, order_to=path if mode == "prefetch" else None)
         passed = run_pass(target, order, readers, watch=path)
     else:
-        passed = _fresh_pass(path, order, readers, reader, mode)
+        passed = _fresh_pass(path, order, readers, reader, mode,
+                             HowToRead(reader, mode, readers, cores).workers)
     if passed.errors:
         raise FanStoreError(f"{path}: {passed.errors} file(s) could not be read (first: "
                             f"{passed.first_error})")
@@ -178,9 +179,10 @@ def _spec(cfg: dict[str, Any]) -> str:
 
 
 def _fresh_pass(store: str, order: list[str], readers: int, reader: str,
-                mode: str) -> PassResult:
+                mode: str, workers: int) -> PassResult:
     """A cold epoch of ``store``: its files dropped from the page cache (``resident``:
-    what stayed), a fresh temporary mount (or the API on the store, in sync mode)."""
+    what stayed), a fresh temporary mount of ``workers`` (or the API on the store, in
+    sync mode)."""
     resident = drop_page_cache([store]).fraction
     if reader == "api" and mode == "sync":
         passed = run_pass(Target("api", store, cache_mb=API_CACHE_MB), order, readers)
@@ -190,7 +192,7 @@ def _fresh_pass(store: str, order: list[str], readers: int, reader: str,
     mnt = os.path.join(tmp, "mnt")
     os.mkdir(mnt)
     try:
-        cli("mount", "--mode", mode, "--", store, mnt)
+        cli("mount", "--mode", mode, "--workers", str(workers), "--", store, mnt)
         try:
             passed = run_pass(Target(reader, mnt, order_to=mnt if mode == "prefetch"
                                      else None), order, readers, watch=mnt)

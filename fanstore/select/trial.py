@@ -21,9 +21,10 @@ much: :data:`PACK_SECONDS` of encoding on this node's cores, never fewer than
 while the rounds disagree by more than :data:`SPREAD`): each round drops the
 store from the page cache (and checks with ``mincore`` that it is gone: a round whose
 store stayed resident, on a tmpfs say, is said not to be cold), mounts it afresh
-(``fanstore mount`` with the user's mode; ``--cache-mb`` scaled to the trial's share of the
-source, so solid blocks see the cache pressure of the whole store) or opens it with the
-Python API, and runs one epoch (:mod:`.epoch`). A round is scaled to the source by what it cost per whole file and per
+(``fanstore mount`` with the user's mode, ``--workers`` at most the selection's
+``--cores``, ``--cache-mb`` scaled to the trial's share of the source, so solid blocks see
+the cache pressure of the whole store) or opens it with the Python API, and runs one epoch
+(:mod:`.epoch`). A round is scaled to the source by what it cost per whole file and per
 byte of the pieces::
 
     T = (sum of whole-file latencies / whole files read) x whole files of the source
@@ -50,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from fanstore.errors import FanStoreError
+from fanstore.frontend import DEFAULT_MAX_WORKERS
 from fanstore.kinds import file_kind
 from fanstore.select.epoch import COLD_RESIDENT, PassResult, Target, drop_page_cache, run_pass
 
@@ -135,6 +137,13 @@ class HowToRead:
     mode: str
     readers: int
     cores: int
+
+    @property
+    def workers(self) -> int:
+        """The trial mount's FUSE workers (``--workers``): the selection's cores, at most
+        the cores here (the readers) and the mount's own cap. Each decodes on a core of
+        its own, and the read-order model gives each worker its share of the cache."""
+        return max(1, min(self.cores, self.readers, DEFAULT_MAX_WORKERS))
 
     def describe(self, cold: bool | None = True) -> str:
         """One line; ``cold``: whether the rounds' checks found the page cache dropped
@@ -411,7 +420,8 @@ def _one_round(store: str, workdir: str, rels: list[str], how: HowToRead,
     mnt = os.path.join(workdir, "mnt")
     os.makedirs(mnt, exist_ok=True)
     cache = max(1, round(MOUNT_CACHE_MB * share))
-    cli("mount", "--mode", how.mode, "--cache-mb", str(cache), "--", store, mnt)
+    cli("mount", "--mode", how.mode, "--cache-mb", str(cache), "--workers",
+        str(how.workers), "--", store, mnt)
     try:
         order_to = mnt if how.mode == "prefetch" else None
         result = run_pass(Target(how.reader, mnt, order_to=order_to,
