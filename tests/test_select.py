@@ -672,22 +672,7 @@ def test_pack_auto_per_kind_applies_the_policy(tmp_path):
     assert mix["rate_from"] == "measured" and mix["met"] is True
     assert mix["files_per_s"] >= sel["budget"]["required_files_per_s"]
     assert 3 <= len(mix["measured"]["rounds_files_per_s"]) <= 5
-    slots_seen: dict[str, set[str]] = {}
-    for entry in range(index.n_entries):
-        if int(index.entries["kind"][entry]) != KIND_FILE:
-            continue
-        rel = os.fsdecode(index.path(entry))
-        kind = file_kind(rel, int(index.entries["size"][entry]))
-        want = sel["configs"][per_kind[kind]]
-        first, count = index.chunk_run(entry)
-        for slot in index.chunks["codec"][first:first + count].tolist():
-            cfg = index.codecs[slot]
-            slots_seen.setdefault(kind, set()).add(cfg["id"])
-            if cfg["id"] == "none":
-                continue  # kept raw: compression did not shrink this chunk
-            assert cfg["id"] == want["id"]
-            assert {k: v for k, v in cfg.items() if k != "dict"} == \
-                {k: v for k, v in want.items() if k != "dict"}
+    slots_seen = _codecs_by_kind(index, per_kind, sel["configs"])
     npy_kind = next(k for k in per_kind if k.startswith("npy/"))
     assert slots_seen[npy_kind] == {"blosc2"}
     assert slots_seen[next(k for k in per_kind if k.startswith("bin/"))] == {"none"}
@@ -695,6 +680,29 @@ def test_pack_auto_per_kind_applies_the_policy(tmp_path):
     assert slots_seen[json_kind] - {"none"}  # compressed with the chosen codec
     if "+dict" in per_kind[json_kind]:
         assert any("dict" in cfg for cfg in index.codecs)  # the dictionary travels along
+
+
+def _codecs_by_kind(index, per_kind: dict[str, str], configs: dict[str, dict]
+                    ) -> dict[str, set[str]]:
+    """Every chunk of a store packed as ``per_kind`` says has its kind's codec (``configs``:
+    a report's, which name no dictionary) or none (kept raw); the codec ids seen per kind."""
+    slots_seen: dict[str, set[str]] = {}
+    for entry in range(index.n_entries):
+        if int(index.entries["kind"][entry]) != KIND_FILE:
+            continue
+        rel = os.fsdecode(index.path(entry))
+        kind = file_kind(rel, int(index.entries["size"][entry]))
+        want = configs[per_kind[kind]]
+        first, count = index.chunk_run(entry)
+        for slot in index.chunks["codec"][first:first + count].tolist():
+            cfg = index.codecs[slot]
+            slots_seen.setdefault(kind, set()).add(cfg["id"])
+            if cfg["id"] == "none":
+                continue  # kept raw: compression did not shrink this chunk
+            assert cfg["id"] == want["id"]
+            assert {k: v for k, v in cfg.items() if k not in ("dict", "dict_id")} == \
+                {k: v for k, v in want.items() if k not in ("dict", "dict_id")}
+    return slots_seen
 
 
 def _names_tree(root) -> tuple[str, dict[str, bytes]]:
@@ -754,7 +762,8 @@ def test_every_name_select_prints_is_a_codec_pack_takes(tmp_path):
 @pytest.mark.long
 def test_the_report_ends_with_the_pack_command(tmp_path):
     """Text and JSON reports end with a `fanstore pack` command that packs as chosen; with
-    --per-kind it is `--codec auto --per-kind` with the selection's options."""
+    --per-kind it gives each kind that differs from the single choice its codec
+    (`--kind-codec KIND=LABEL`), and the store holds each kind as the report says."""
     import shlex
 
     src, files = _names_tree(tmp_path / "src")
@@ -778,13 +787,16 @@ def test_the_report_ends_with_the_pack_command(tmp_path):
     per_kind = json.loads(run_cli("select", src, "--json", "--per-kind", *args,
                                   timeout=300).stdout)
     assert per_kind["met"] and list(per_kind)[-1] == "pack_command"
-    assert per_kind["pack_command"] == (
-        f"fanstore pack {src} DEST --codec auto --per-kind --mode prefetch --mb-per-sec 1 "
-        "--cores 2 --sample-mb 2 --storage-mb-per-sec 100000 --reader api --trials 0")
-    assert per_kind["pack_command_single"] == f"fanstore pack {src} DEST --codec " \
-                                              f"{per_kind['chosen']}"
+    chosen = per_kind["chosen"]
+    differ = sorted((k, v) for k, v in per_kind["per_kind"].items() if v != chosen)
+    assert differ  # arrays, random bytes and text want different codecs
+    assert per_kind["pack_command"] == f"fanstore pack {src} DEST --codec {chosen}" + "".join(
+        f" --kind-codec {k}={v}" for k, v in differ)
+    assert per_kind["pack_command_single"] == f"fanstore pack {src} DEST --codec {chosen}"
     info = run(per_kind["pack_command"], tmp_path / "mix")
-    assert info["selection"]["per_kind"] == per_kind["per_kind"]
+    assert "selection" not in info or info["selection"] is None  # nothing selected again
+    _codecs_by_kind(read_index(str(tmp_path / "mix")), per_kind["per_kind"],
+                    per_kind["configs"])
 
 
 @pytest.mark.parametrize("args, message", [
@@ -795,6 +807,14 @@ def test_the_report_ends_with_the_pack_command(tmp_path):
       "(1024 KiB; raise --chunk-kb)")),
     (("--codec", "zstd:3+solid64k+dict"), "--codec: invalid codec spec 'zstd:3+solid64k+dict'"),
     (("--codec", "zstd:19+dict+solid64k+solid64k"), "'+solidNk' comes once"),
+    (("--kind-codec", "json/tiny=zstd:3"), "--kind-codec goes with a pinned --codec"),
+    (("--codec", "auto", "--kind-codec", "json/tiny=zstd:3"),
+     "--kind-codec goes with a pinned --codec"),
+    (("--codec", "lz4", "--kind-codec", "json/big=zstd:3"),
+     "--kind-codec json/big=zstd:3: give KIND=SPEC with KIND as EXT/BAND"),
+    (("--codec", "lz4", "--kind-codec", "txt/tiny=zstd:3", "--kind-codec", "txt/tiny=lz4"),
+     "--kind-codec: txt/tiny is given twice"),
+    (("--codec", "lz4", "--kind-codec", "txt/tiny=zstd:99x"), "--kind-codec txt/tiny=zstd:99x:"),
 ])
 def test_codec_spec_usage_errors(tmp_path, args, message):
     src = write_files(tmp_path / "src", {"a.txt": b"abc"})
