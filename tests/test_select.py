@@ -18,7 +18,7 @@ from compressors import get_codec
 from fanstore.errors import BudgetNotMetError
 from fanstore.format.index import KIND_FILE, read_index
 from fanstore.kinds import file_kind
-from fanstore.pack.policy import policy_from_selection
+from fanstore.select.packpolicy import policy_from_selection
 from fanstore.select import SelectionOptions, run_selection
 from fanstore.select.bench import measure, measure_storage, measure_storage_access
 from fanstore.select.policy import Budget, Cost, choose, choose_per_kind, meets, mix, node_rate

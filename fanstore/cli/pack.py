@@ -1,5 +1,5 @@
 """``fanstore pack``: the command and its arguments. What the codec options mean is
-``fanstore.pack.policy``'s; packing is ``fanstore.pack``'s (and, under an MPI launcher,
+``fanstore.select.packpolicy``'s; packing is ``fanstore.pack``'s (and, under an MPI launcher,
 ``fanstore.daemon.mpipack``'s)."""
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def cmd_pack(args) -> int:
     from fanstore import storage
     from fanstore.pack import PackOptions, pack, pack_any
     from fanstore.pack.options import Symlinks
-    from fanstore.pack.policy import PolicyRequest, plan_policy
+    from fanstore.select.packpolicy import PolicyRequest, plan_policy
     from fanstore.pack.sources import detect
 
     storage_setup(args)

@@ -29,6 +29,11 @@ The spec grammar is ``compressors.spec``'s, so every name ``fanstore select`` re
 :class:`~fanstore.pack.plan.CodecPolicy`, the index metadata to record (the selection's
 report) and the scan of a directory source it made on the way (pack reuses it).
 :func:`policy_from_selection` turns a selector's result into a policy.
+
+It lives in :mod:`fanstore.select`, not in :mod:`fanstore.pack`: choosing codecs is the
+selection's job, and it drives pack (its trials pack stores); pack is a producer that is
+handed a :class:`~fanstore.pack.plan.CodecPolicy` and imports nothing of the selection
+(``tests/test_layers.py`` puts ``select`` a layer above ``pack``).
 """
 
 from __future__ import annotations
