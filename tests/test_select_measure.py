@@ -11,6 +11,7 @@ a clock.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import numpy as np
@@ -21,6 +22,7 @@ from fanstore.select import finalists
 from fanstore.select.calibrate import reader_cost
 from fanstore.select.epoch import PassResult, Target, drop_page_cache, run_pass
 from fanstore.select.finalists import Option, choose_measured, next_to_measure
+from fanstore.select.policy import Budget
 from fanstore.select.trial import TrialFile, TrialSet, _scale, make_trial_set, prefix_sizes
 
 MB = 1e6
@@ -30,14 +32,19 @@ needs_fuse = pytest.mark.fuse  # (conftest.py skips these without FUSE)
 # --------------------------------------------------------------------------- finalists
 
 
+def _budget(required: float) -> Budget:
+    return Budget("sync", required, 1, math.inf)
+
+
 def _search(options, truth, required, limit=6):
     """Run the finalist search against ``truth`` (label -> measured rate); returns the
     measured rates and the choice."""
     measured = {"none": truth["none"]}
-    while (label := next_to_measure(options, measured, required, limit)) is not None:
+    budget = _budget(required)
+    while (label := next_to_measure(options, measured, budget, limit)) is not None:
         assert label not in measured
         measured[label] = truth[label]
-    return measured, choose_measured(options, measured, required)
+    return measured, choose_measured(options, measured, budget)
 
 
 TRUTH = {"zstd:19": 150.0, "zstd:9": 160.0, "lz4": 300.0, "none": 320.0}
@@ -83,8 +90,25 @@ def test_the_search_stops_at_its_limit_and_at_min_measured():
 
 def test_measured_ties_go_to_the_faster():
     opts = [Option("a", 2.000, 100), Option("b", 1.995, 100), Option("none", 1, 100)]
-    label, met = choose_measured(opts, {"a": 120.0, "b": 180.0, "none": 300.0}, 100.0)
+    label, met = choose_measured(opts, {"a": 120.0, "b": 180.0, "none": 300.0},
+                                 _budget(100.0))
     assert (label, met) == ("b", True)
+
+
+def test_one_test_of_meeting_the_budget_for_the_model_and_the_measured():
+    """A rate equal to the budget up to floating point meets it, for the model
+    (policy.meets) and the finalists (choose_measured) alike; a rate 1e-6 below it does
+    not."""
+    from fanstore.select.policy import Cost, meets, node_rate
+
+    budget = _budget(100.0)
+    just = 100.0 * (1 - 1e-12)
+    assert budget.met_by(just) and budget.met_by(100.0) and not budget.met_by(100.0 - 1e-4)
+    opts = [Option("a", 2.0, 100), Option("none", 1, 300)]
+    assert choose_measured(opts, {"a": just, "none": 300.0}, budget) == ("a", True)
+    assert choose_measured(opts, {"a": 99.9999, "none": 300.0}, budget) == ("none", True)
+    cost = Cost(0.5, 1 / 100.0)  # one core: exactly 100 raw bytes/s
+    assert node_rate(cost, budget) == pytest.approx(100.0) and meets(cost, budget)
 
 
 # --------------------------------------------------------------------------- scaling

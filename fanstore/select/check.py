@@ -16,6 +16,7 @@ a live mount is read as it is (its page cache as the job left it) and in its own
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -27,6 +28,7 @@ from typing import Any
 from fanstore.errors import FanStoreError, UsageError
 from fanstore.select.epoch import COLD_RESIDENT, PassResult, Target, drop_page_cache, run_pass
 from fanstore.select.measuring import local_cores
+from fanstore.select.policy import MODES, Budget
 from fanstore.select.trial import API_CACHE_MB, HowToRead, cli, unmount
 
 MB = 1e6
@@ -86,10 +88,14 @@ class CheckResult:
 
     @property
     def met(self) -> bool | None:
+        """Whether the read meets the budget the prediction was made for (None: no
+        budget known)."""
         p = self.prediction
-        if p is None or p.required_bytes_per_s is None:
+        if p is None or not p.required_bytes_per_s:
             return None
-        return self.bytes_per_s >= p.required_bytes_per_s * (1 - 1e-9)
+        budget = Budget(p.mode if p.mode in MODES else "sync", p.required_bytes_per_s,
+                        max(1, p.cores or 1), math.inf)
+        return budget.met_by(self.bytes_per_s)
 
 
 def load_prediction(path: str | None, meta: dict[str, Any]) -> Prediction | None:

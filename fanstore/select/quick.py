@@ -39,6 +39,7 @@ from typing import Any
 from compressors import Codec, CodecError, ZstdCodec, parse_spec
 from fanstore.select.bench import solid_blocks
 from fanstore.select.dictionaries import train_kind_dictionary
+from fanstore.select.policy import RATIO_TIE
 from fanstore.select.sample import SourceFile, draw_sample
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,6 @@ SAMPLE_MB = 8
 TRAIN_BYTES = 2 << 20
 #: Kinds chosen for, the largest by bytes (ties by name); the others keep FALLBACK.
 MAX_KINDS = 64
-RATIO_TIE = 0.01
 #: The size bands whose files go into solid blocks (fanstore.kinds: below 64 KiB).
 SOLID_BANDS = ("tiny", "small")
 FALLBACK = "zstd:3"

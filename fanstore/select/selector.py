@@ -250,13 +250,12 @@ def _decide(result: SelectionResult, measuring: Measuring, none_trial: Measured,
     if result.budget_from == "default":  # 90% of what the data stored raw measured
         result.budget = dataclasses.replace(
             result.budget, required=DEFAULT_BUDGET * none_trial.bytes_per_s)
-    required = result.budget.required
     opts = [finalists.Option(c.label, c.cost.ratio, c.node_rate) for c in singles]
     measured = {"none": none_trial.bytes_per_s}
     bar = _progress_bar(options.trials, "measuring finalists", options.progress)
     try:
         while True:
-            label = finalists.next_to_measure(opts, measured, required, options.trials)
+            label = finalists.next_to_measure(opts, measured, result.budget, options.trials)
             if label is None:
                 break
             cand = by_label[label]
@@ -276,9 +275,9 @@ def _decide(result: SelectionResult, measuring: Measuring, none_trial: Measured,
             bar.close()
     info.correction = finalists.correction(opts, {k: v for k, v in measured.items() if v})
     for c in singles:
-        c.meets = c.rate >= required * (1 - 1e-9)
+        c.meets = result.budget.met_by(c.rate)
     result.chosen, result.met = finalists.choose_measured(
-        opts, {k: v for k, v in measured.items() if v > 0}, required)
+        opts, {k: v for k, v in measured.items() if v > 0}, result.budget)
     _mark_chosen(result)
     if options.per_kind and result.per_kind is not None:
         weights = {k: float(kr.raw_bytes) for k, kr in result.kinds.items()}
@@ -301,7 +300,7 @@ def _measure_mix(result: SelectionResult, measuring: Measuring) -> None:
         result.per_kind_met = False
         return
     result.per_kind_measured = measured
-    result.per_kind_met = measured.bytes_per_s >= result.budget.required * (1 - 1e-9)
+    result.per_kind_met = result.budget.met_by(measured.bytes_per_s)
     if result.measurement is not None:
         result.measurement.trials += 1
 
