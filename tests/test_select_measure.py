@@ -421,6 +421,84 @@ def test_a_finalist_whose_trial_fails_is_left_out_and_said(tmp_path, monkeypatch
     assert [p for p in os.listdir(tmp_path) if p.startswith("fanstore-select-")] == []
 
 
+def _readers_fail_in(monkeypatch, failing, how: str) -> None:
+    """The trial rounds' readers (forked processes) die with exit status 9, or hang past
+    the round's timeout, in the trial stores ``failing(store)`` names: what a reader killed
+    by the OOM killer, or stuck on a dead mount, does. The parent's run_pass, the trial's
+    clean-up and the selector run as they do; only the readers are made to fail."""
+    import time
+
+    from fanstore.select import epoch, trial
+
+    real = epoch._reader
+
+    def reader(target, rels, slot, step, barrier, results, warmup=()):
+        if failing(target.root):
+            barrier.wait(60)
+            if how == "dies":
+                os._exit(9)
+            time.sleep(120)  # the round's timeout ends it
+        return real(target, rels, slot, step, barrier, results, warmup)
+
+    monkeypatch.setattr(epoch, "_reader", reader)
+    monkeypatch.setattr(trial, "TIMEOUT", 4.0)
+
+
+def _trial_no(store: str) -> int:
+    """N of a trial store's path (``.../trial-N/store``); trial 1 is ``none``'s."""
+    return int(os.path.basename(os.path.dirname(store)).rpartition("-")[2])
+
+
+@pytest.mark.parametrize("how, why", [("dies", "a reader died (exit status 9)"),
+                                      ("hangs", "the readers did not finish in 4 s")])
+def test_a_finalist_whose_reader_dies_or_hangs_is_not_measured_and_said(tmp_path, monkeypatch,
+                                                                        how, why):
+    """The first finalist's readers die (or hang): that finalist is reported not measured,
+    with why in one line, and the selection goes on to measure and choose among the
+    others; nothing is left behind."""
+    from fanstore.select import SelectionOptions, run_selection
+    from fanstore.select.report import table, to_json
+
+    _readers_fail_in(monkeypatch, lambda store: _trial_no(store) == 2, how)
+    src = _npy_tree(tmp_path / "d", n=20)
+    res = run_selection(src, SelectionOptions(
+        mode="sync", mb_per_sec=1.0, cores=2, sample_mb=2.0, reader="api", trials=4,
+        storage_mb_per_sec=1000.0, progress=False, storage_dir=str(tmp_path)))
+    bad = [c for c in res.candidates if c.measure_error]
+    assert len(bad) == 1 and bad[0].measured is None and not bad[0].chosen
+    assert bad[0].measure_error == f"reading the trial store failed: {why}"
+    measured = [c for c in res.candidates if c.measured is not None and c.label != "none"]
+    assert measured, "the selection stopped at the failed finalist"
+    assert res.candidate(res.chosen).measured is not None
+    row = next(c for c in to_json(res)["candidates"] if c["codec"] == bad[0].label)
+    assert row["measured"] is None and row["measure_error"] == bad[0].measure_error
+    lines = [x for x in table(res).splitlines() if x.startswith("failed ")]
+    assert lines == [f"failed    {bad[0].label} not measured: {bad[0].measure_error}"]
+    assert [p for p in os.listdir(tmp_path) if p.startswith("fanstore-select-")] == []
+
+
+def test_no_finalist_measured_is_one_error_and_a_nonzero_exit(tmp_path, monkeypatch, capsys):
+    """Every finalist's readers die (the `none` trial, the calibration, reads): `fanstore
+    select` says so in one line naming the first and why, exits 1, prints no report and
+    leaves nothing behind."""
+    import tempfile
+
+    from fanstore.cli import main
+
+    _readers_fail_in(monkeypatch, lambda store: _trial_no(store) > 1, "dies")
+    src = _npy_tree(tmp_path / "d", n=20)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the trials go ($TMPDIR)
+    code = main(["select", src, "--reader", "api", "--mode", "sync", "--mb-per-sec", "1",
+                 "--cores", "2", "--sample-mb", "2", "--trials", "3", "--storage-mb-per-sec",
+                 "1000"])
+    out, err = capsys.readouterr()
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("fanstore: error: none of the 2 finalists could be measured (first, ")
+    assert "reading the trial store failed: a reader died (exit status 9)); --trials 0" in err
+    assert [p for p in os.listdir(tmp_path) if p.startswith("fanstore-select-")] == []
+
+
 # --------------------------------------------------------------------------- the measured store
 
 

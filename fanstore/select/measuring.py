@@ -21,7 +21,7 @@ import numpy as np
 from compressors import parse_spec
 from fanstore.select import trial
 from fanstore.select.calibrate import CalibrationError, ReaderCost, fuse_problem, reader_cost
-from fanstore.select.epoch import COLD_RESIDENT
+from fanstore.select.epoch import COLD_RESIDENT, PassError
 from fanstore.select.options import SelectionOptions
 from fanstore.select.trial import HowToRead, Measured, TrialError
 
@@ -103,7 +103,9 @@ class Measuring:
     # ------------------------------------------------------------------ trials
 
     def measure(self, policy, encode_bytes_per_s: float, label: str) -> Measured:
-        """One finalist: ``policy`` (a ``CodecPolicy``) measured as :mod:`.trial` says."""
+        """One finalist: ``policy`` (a ``CodecPolicy``) measured as :mod:`.trial` says.
+        Raises :class:`TrialError` when it cannot be (a reader that died or timed out
+        included: its trial's mount and files are gone by then)."""
         n_whole, n_pieces = trial.prefix_sizes(self.trial, encode_bytes_per_s, self.jobs,
                                                self.readers)
         self.count += 1
@@ -112,6 +114,8 @@ class Measuring:
             m = trial.measure(self.trial, policy, self.how,
                               os.path.join(self.tmp, f"trial-{self.count}"), n_whole,
                               n_pieces, self.options.seed, self.jobs)
+        except PassError as exc:  # a reader died or timed out: this finalist, not the rest
+            raise TrialError(f"reading the trial store failed: {exc}") from None
         finally:
             self.seconds += time.monotonic() - t0
         log.info("measured %s: %.0f files/s (%.0f MB/s) for the source, rounds %s", label,

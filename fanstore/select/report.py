@@ -400,6 +400,8 @@ def table(res: SelectionResult, capacity: int | None = None) -> str:
                      f"{_fmt(dec / MB):>9} {_fmt(res.files_rate(c.node_rate)):>10} {got}"
                      f"  {mark}")
     lines += wholefiles.lines(res)
+    lines += [f"failed    {c.label} not measured: {c.measure_error}" for c in whole_cands
+              if c.measure_error]
     lines.append("")
     if res.per_kind is not None:
         lines.append(f"{'kind':<16} {'files':>8} {'MB':>9} {'typesize':>14}  "

@@ -253,6 +253,7 @@ def _decide(result: SelectionResult, measuring: Measuring, none_trial: Measured,
     opts = [finalists.Option(c.label, c.cost.ratio, c.node_rate) for c in singles]
     measured = {"none": none_trial.bytes_per_s}
     bar = _progress_bar(options.trials, "measuring finalists", options.progress)
+    failed: list[str] = []
     try:
         while True:
             label = finalists.next_to_measure(opts, measured, result.budget, options.trials)
@@ -262,10 +263,11 @@ def _decide(result: SelectionResult, measuring: Measuring, none_trial: Measured,
             try:
                 cand.measured = measuring.measure(cand.policy(), _encode_rate(cand), label)
                 measured[label] = cand.measured.bytes_per_s
-            except TrialError as exc:
+            except TrialError as exc:  # (a reader that died or timed out included)
                 log.warning("finalist %s could not be measured: %s", label, exc)
                 cand.measure_error = str(exc)
                 measured[label] = 0.0
+                failed.append(label)
             info.trials += 1
             if bar is not None:
                 bar.set_postfix_str(label)
@@ -273,6 +275,11 @@ def _decide(result: SelectionResult, measuring: Measuring, none_trial: Measured,
     finally:
         if bar is not None:
             bar.close()
+    if failed and len(failed) == info.trials - 1:
+        raise TrialError(f"none of the {len(failed)} finalist{'s' if len(failed) != 1 else ''}"
+                         f" could be measured (first, {failed[0]}: "
+                         f"{by_label[failed[0]].measure_error}); --trials 0 chooses on the "
+                         "model alone")
     info.correction = finalists.correction(opts, {k: v for k, v in measured.items() if v})
     for c in singles:
         c.meets = result.budget.met_by(c.rate)
