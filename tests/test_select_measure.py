@@ -682,3 +682,64 @@ def test_the_trial_mount_has_at_most_cores_workers_and_reads_cold(tmp_path):
     none = next(c for c in doc["candidates"] if c["codec"] == "none")
     assert none["measured"]["cold"] is True
 
+
+
+# --------------------------------------------------------------------------- no mount here
+
+
+@pytest.mark.long
+@pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="needs a /dev/fuse to exist")
+def test_a_fuse_device_that_cannot_mount_falls_back_to_the_api(other_user):
+    """/dev/fuse exists (so `select` defaults to --reader mount), but an unprivileged user
+    without fusermount3 on PATH cannot mount: a sync selection measures with the Python API
+    and says so in one line (table and JSON); a prefetch one, whose API reads go through a
+    mount too, chooses on the model and says why; --reader mount, asked for, is one error
+    line and status 1. Run as a second user, with the real `fanstore mount` failing."""
+    import sys
+
+    from second_user import reachable_for_others, shared_test_dir
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with shared_test_dir("fanstore-sel-") as d, \
+            reachable_for_others(os.path.realpath(sys.executable), repo, sys.prefix):
+        src = _npy_tree(os.path.join(d, "src"), n=20)
+        for name in os.listdir(src):
+            os.chmod(os.path.join(src, name), 0o644)
+        work, rt, bare = (os.path.join(d, name) for name in ("work", "rt", "bin"))
+        for path in (work, rt, bare):
+            os.mkdir(path, 0o700)
+            os.chown(path, other_user.uid, other_user.gid)
+        env = other_user.env(PATH=bare, TMPDIR=work, FANSTORE_RUNTIME_DIR=rt,
+                             FANSTORE_FRONTEND="kernel")
+
+        def select(*args):
+            return other_user.run(
+                [sys.executable, "-m", "fanstore.cli", "select", src, "--mb-per-sec", "1",
+                 "--cores", "2", "--sample-mb", "2", "--trials", "2",
+                 "--storage-mb-per-sec", "1000", *args], env=env, timeout=300)
+
+        sync, table, prefetch, insist = (select("--json"), select(),
+                                         select("--mode", "prefetch", "--json"),
+                                         select("--reader", "mount"))
+        left = os.listdir(work)
+    assert sync.returncode == 0 and sync.stderr == "", sync.stderr
+    doc = json.loads(sync.stdout)
+    m = doc["measurement"]
+    assert m["measured"] is True and m["trials"] >= 2 and doc["reader"]["reader"] == "api"
+    assert m["reader_fallback"].startswith("--reader api: a trial mount failed here (")
+    assert "fusermount3 not found" in m["reader_fallback"]
+    assert "through the Python API on a temporary store" in m["how"]
+    assert next(c for c in doc["candidates"] if c["codec"] == "none")["measured"]
+    assert table.returncode == 0, table.stderr
+    lines = [x for x in table.stdout.splitlines() if x.startswith("fallback  ")]
+    assert lines == ["fallback  " + m["reader_fallback"]]
+    assert prefetch.returncode == 0 and prefetch.stderr == "", prefetch.stderr
+    p = json.loads(prefetch.stdout)["measurement"]
+    assert p["measured"] is False and p["reader_fallback"] is None
+    assert p["note"].startswith("prefetch mode is measured through a mount, and a trial "
+                                "mount failed here (") and "fusermount3 not found" in p["note"]
+    assert insist.returncode == 1 and insist.stdout == ""
+    assert insist.stderr.count("\n") == 1 and "Traceback" not in insist.stderr
+    assert insist.stderr.startswith("fanstore: error: calibration: 'fanstore mount' of a "
+                                    "temporary store failed: fusermount3 not found")
+    assert left == []  # every trial cleaned up

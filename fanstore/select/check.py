@@ -29,7 +29,8 @@ from fanstore.errors import FanStoreError, UsageError
 from fanstore.select.epoch import COLD_RESIDENT, PassResult, Target, drop_page_cache, run_pass
 from fanstore.select.measuring import local_cores
 from fanstore.select.policy import MODES, Budget
-from fanstore.select.trial import API_CACHE_MB, HowToRead, cli, unmount
+from fanstore.select.tempmount import mount, unmount
+from fanstore.select.trial import API_CACHE_MB, HowToRead
 
 MB = 1e6
 
@@ -198,7 +199,7 @@ def _fresh_pass(store: str, order: list[str], readers: int, reader: str,
     mnt = os.path.join(tmp, "mnt")
     os.mkdir(mnt)
     try:
-        cli("mount", "--mode", mode, "--workers", str(workers), "--", store, mnt)
+        mount(store, mnt, "--mode", mode, "--workers", str(workers))
         try:
             passed = run_pass(Target(reader, mnt, order_to=mnt if mode == "prefetch"
                                      else None), order, readers, watch=mnt)

@@ -23,7 +23,8 @@ from fanstore.select import trial
 from fanstore.select.calibrate import CalibrationError, ReaderCost, fuse_problem, reader_cost
 from fanstore.select.epoch import COLD_RESIDENT, PassError
 from fanstore.select.options import SelectionOptions
-from fanstore.select.trial import HowToRead, Measured, TrialError
+from fanstore.select.tempmount import MountFailed, TrialError, unmount
+from fanstore.select.trial import HowToRead, Measured
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,9 @@ class Measuring:
         #: the most of a trial store any round found resident after its drop (None: a
         #: round could not tell; 0.0 before any trial)
         self.resident: float | None = 0.0
+        #: why the trials read with the Python API although a mount was the default (one
+        #: line for the report), or None
+        self.fallback: str | None = None
         t0 = time.monotonic()
         try:
             self.trial = trial.make_trial_set(files, os.path.join(self.tmp, "set"),
@@ -129,11 +133,22 @@ class Measuring:
         return m
 
     def calibrate(self, storage: float, latency: float) -> tuple[Measured, ReaderCost]:
-        """The ``none`` trial and the reader's cost fitted to it."""
-        from fanstore.pack.plan import CodecPolicy
+        """The ``none`` trial and the reader's cost fitted to it.
 
+        Its mount is the selection's first: when it cannot be made here and the reader was
+        not given (``options.reader_default``), a sync-mode selection measures with the
+        Python API instead (:attr:`fallback` says so, for the report); in prefetch mode,
+        where the API reads through a mount too, :class:`MountFailed` goes up (the selector
+        then measures nothing and says why). Any other failure: :class:`CalibrationError`.
+        """
         try:
-            m = self.measure(CodecPolicy(parse_spec("none")), float("inf"), "none")
+            m = self._none()
+        except MountFailed as exc:
+            if not self.options.reader_default:
+                raise CalibrationError(f"calibration: {exc}") from None
+            if self.how.mode != "sync":
+                raise
+            m = self._fall_back_to_api(exc)
         except TrialError as exc:
             raise CalibrationError(f"calibration: {exc}") from None
         cost = reader_cost(m.latencies, self.how.reader, self.how.mode, self.readers,
@@ -141,13 +156,30 @@ class Measuring:
                            m.measured_files_per_s, m.seconds)
         return m, cost
 
+    def _none(self) -> Measured:
+        from fanstore.pack.plan import CodecPolicy
+
+        return self.measure(CodecPolicy(parse_spec("none")), float("inf"), "none")
+
+    def _fall_back_to_api(self, failed: MountFailed) -> Measured:
+        """The ``none`` trial again, read with the Python API (a mount failed here)."""
+        self.fallback = (f"--reader api: a trial mount failed here ({failed}), so the trials "
+                         "read with the Python API, as a job without a mount reads (--reader "
+                         "mount insists on a mount)")
+        log.info("%s", self.fallback)
+        self.how = HowToRead("api", self.how.mode, self.readers, self.options.n_cores)
+        try:
+            return self._none()
+        except TrialError as exc:
+            raise CalibrationError(f"calibration: {exc}") from None
+
     def close(self) -> None:
         trial_dirs = [os.path.join(self.tmp, d) for d in os.listdir(self.tmp)] \
             if os.path.isdir(self.tmp) else []
         for d in trial_dirs:
             mnt = os.path.join(d, "mnt")
             if os.path.ismount(mnt):
-                trial.unmount(mnt)
+                unmount(mnt)
         if not any(os.path.ismount(os.path.join(d, "mnt")) for d in trial_dirs):
             shutil.rmtree(self.tmp, ignore_errors=True)
 

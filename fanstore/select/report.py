@@ -88,7 +88,7 @@ def _measurement_json(res: SelectionResult) -> dict[str, Any] | None:
     return {"measured": info.measured, "how": info.how or None, "readers": info.readers,
             "cores": info.cores, "trials": info.trials, "seconds": _num(info.seconds, 2),
             "model_correction": _num(info.correction, 3), "model_chosen": info.model_chosen,
-            "note": info.note, "cold": info.cold,
+            "note": info.note, "reader_fallback": info.fallback, "cold": info.cold,
             "resident_after_drop": _num(info.resident, 4) if info.measured else None}
 
 
@@ -373,6 +373,8 @@ def table(res: SelectionResult, capacity: int | None = None) -> str:
         lines.append(f"reader    {res.reader.describe()}")
     else:
         lines.append("reader    not modelled (--reader mount|api measures the read path)")
+    if res.measurement is not None and res.measurement.fallback:
+        lines.append(f"fallback  {res.measurement.fallback}")
     lines.append(f"checksum  xxh3-64 at {res.checksum_mb_per_s:,.0f} MB/s on one core, "
                  "charged to every candidate")
     lines.append(measure_line(res))

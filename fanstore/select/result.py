@@ -79,7 +79,8 @@ class MeasurementInfo:
     """How the finalists were measured (``how``: one line), or why not (``note``); the
     model's correction (median of measured / modelled) and what the model alone chose;
     ``resident``: the most of a trial store any round found in the page cache after
-    dropping it (``mincore``; None: not known)."""
+    dropping it (``mincore``; None: not known); ``fallback``: why the trials read with the
+    Python API although a mount was the default (None: they read as asked)."""
 
     how: str
     readers: int
@@ -90,6 +91,7 @@ class MeasurementInfo:
     model_chosen: str | None = None
     note: str | None = None
     resident: float | None = None
+    fallback: str | None = None
 
     @property
     def measured(self) -> bool:

@@ -26,7 +26,8 @@ from fanstore.select.policy import Budget, Cost
 from fanstore.select.result import (CandidateResult, KindResult, MeasurementInfo,
                                     SelectionResult)
 from fanstore.select.sample import Sample, draw_sample, list_source
-from fanstore.select.trial import Measured, TrialError
+from fanstore.select.tempmount import MountFailed, TrialError
+from fanstore.select.trial import Measured
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +80,14 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
     try:
         reader = none_trial = None
         if measuring is not None:
-            none_trial, reader = measuring.calibrate(storage, latency)
-            log.info("reader %s", reader.describe())
+            none_trial, reader, options, note = _calibrate(measuring, options, storage,
+                                                           latency)
         result = _model(src, files, sample, kinds, options, storage, latency, storage_from,
                         reader)
         result.measurement = MeasurementInfo(
             measuring.how.describe() if measuring else "", measuring.readers if measuring
-            else 0, options.n_cores, note=note)
+            else 0, options.n_cores, note=note,
+            fallback=measuring.fallback if measuring else None)
         if measuring is not None and none_trial is not None:
             _decide(result, measuring, none_trial, options)
             result.measurement.resident = measuring.resident
@@ -95,6 +97,25 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
             measuring.close()
     result.seconds = time.monotonic() - t_start
     return result
+
+
+def _calibrate(measuring: Measuring, options: SelectionOptions, storage: float,
+               latency: float) -> tuple[Measured | None, ReaderCost | None, SelectionOptions,
+                                        str | None]:
+    """The ``none`` trial and the reader fitted to it, the options as measured (``reader``
+    "api" when the trials fell back to it: the model's caches are the API's then) and why
+    nothing is measured (None: the finalists are)."""
+    try:
+        none_trial, reader = measuring.calibrate(storage, latency)
+    except MountFailed as exc:  # prefetch mode, no reader given: nothing reads without one
+        note = (f"prefetch mode is measured through a mount, and a trial mount failed here "
+                f"({exc})")
+        log.info("%s", note)
+        return None, None, dataclasses.replace(options, reader="api"), note
+    log.info("reader %s", reader.describe())
+    if measuring.fallback is not None:
+        options = dataclasses.replace(options, reader="api")
+    return none_trial, reader, options, None
 
 
 def _model(src: str, files, sample: Sample, kinds: list[str], options: SelectionOptions,

@@ -42,8 +42,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +52,7 @@ from fanstore.errors import FanStoreError
 from fanstore.frontend import DEFAULT_MAX_WORKERS
 from fanstore.kinds import file_kind
 from fanstore.select.epoch import COLD_RESIDENT, PassResult, Target, drop_page_cache, run_pass
+from fanstore.select.tempmount import TrialError, mount, remove, unmount
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +88,8 @@ SPREAD = 1.15
 #: the trial's share of the source.
 MOUNT_CACHE_MB = 256
 API_CACHE_MB = 64
+#: Seconds a round's readers may take.
 TIMEOUT = 300.0
-
-
-class TrialError(FanStoreError):
-    """A finalist could not be measured (the trial's pack, mount or pass failed)."""
-
 
 @dataclass
 class TrialFile:
@@ -360,7 +355,7 @@ def measure(trial: TrialSet, policy, how: HowToRead, workdir: str, n_whole: int,
             log.debug("trial round %d: %.0f files/s as measured, %.0f for the source", r,
                       result.files_per_s, rounds[-1][0])
     finally:
-        _remove(workdir)
+        remove(workdir)
     rounds.sort(key=lambda r: r[0])
     files_s, bytes_s, cpu, order, median = rounds[len(rounds) // 2]
     out = Measured(files_s, bytes_s, cpu, [r[0] for r in rounds], n_whole, n_pieces,
@@ -420,8 +415,8 @@ def _one_round(store: str, workdir: str, rels: list[str], how: HowToRead,
     mnt = os.path.join(workdir, "mnt")
     os.makedirs(mnt, exist_ok=True)
     cache = max(1, round(MOUNT_CACHE_MB * share))
-    cli("mount", "--mode", how.mode, "--cache-mb", str(cache), "--workers",
-        str(how.workers), "--", store, mnt)
+    mount(store, mnt, "--mode", how.mode, "--cache-mb", str(cache), "--workers",
+          str(how.workers))
     try:
         order_to = mnt if how.mode == "prefetch" else None
         result = run_pass(Target(how.reader, mnt, order_to=order_to,
@@ -456,43 +451,6 @@ def _scale(trial: TrialSet, order: list[TrialFile], r: PassResult
     cpu = r.cpu * wall / r.seconds if r.seconds > 0 else 0.0
     return (trial.source_files / wall, trial.source_bytes / wall,
             cpu / max(1, trial.source_files))
-
-
-# --------------------------------------------------------------------------- the CLI
-
-
-def cli(*args: str, check: bool = True, timeout: float = TIMEOUT) -> int:
-    """``fanstore ARGS`` as a user runs it (a subprocess); its exit status. Raises
-    :class:`TrialError` with the command's last line when ``check`` and it failed."""
-    cmd = [sys.executable, "-m", "fanstore.cli", *args]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              check=False)
-    except subprocess.TimeoutExpired:
-        if not check:
-            return 1
-        raise TrialError(f"'fanstore {args[0]}' of a temporary store did not finish in "
-                         f"{timeout:.0f} s") from None
-    if check and proc.returncode != 0:
-        line = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
-        raise TrialError(f"'fanstore {args[0]}' of a temporary store failed: "
-                         f"{line.removeprefix('fanstore: error: ')}")
-    return proc.returncode
-
-
-def unmount(mnt: str) -> None:
-    """Unmount a temporary mount, lazily if it is busy; never leaves it behind."""
-    if cli("umount", "--", mnt, check=False) != 0:
-        cli("umount", "--lazy", "--", mnt, check=False)
-
-
-def _remove(path: str) -> None:
-    """Remove a trial's directory, never through a mount still there."""
-    mnt = os.path.join(path, "mnt")
-    if os.path.ismount(mnt):
-        unmount(mnt)
-    if not os.path.ismount(mnt):
-        shutil.rmtree(path, ignore_errors=True)
 
 
 __all__ = ["HowToRead", "Measured", "TrialError", "TrialSet", "make_trial_set", "measure",
