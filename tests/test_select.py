@@ -797,6 +797,28 @@ def test_the_report_ends_with_the_pack_command(tmp_path):
     assert "selection" not in info or info["selection"] is None  # nothing selected again
     _codecs_by_kind(read_index(str(tmp_path / "mix")), per_kind["per_kind"],
                     per_kind["configs"])
+    # `select --check` of each store with the per-kind report compares with the prediction
+    # for what the store holds: the mix's for the mix, the single choice's for the other.
+    report = tmp_path / "per_kind.json"
+    report.write_text(json.dumps(per_kind))
+    run(per_kind["pack_command_single"], tmp_path / "single")
+    mix_pred, single_pred = per_kind["per_kind_predicted"], per_kind["predicted"]
+    assert mix_pred["files_per_s"] != single_pred["files_per_s"]  # they can be told apart
+    check = ["--report", str(report), "--reader", "api", "--mode", "sync"]
+    for store, want, mix in (("mix", mix_pred, per_kind["per_kind"]),
+                             ("single", single_pred, None)):
+        out = json.loads(run_cli("select", "--check", str(tmp_path / store), *check, "--json",
+                                 timeout=300).stdout)
+        assert out["predicted"]["files_per_s"] == want["files_per_s"], store
+        assert out["predicted"]["mb_per_s"] == want["mb_per_s"], store
+        assert out["predicted"]["per_kind"] == mix, store
+        assert out["measured_over_predicted"] == pytest.approx(
+            out["measured"]["files_per_s"] / want["files_per_s"], rel=1e-2, abs=1e-3)
+    text = run_cli("select", "--check", str(tmp_path / "mix"), *check, timeout=300).stdout
+    line = next(x for x in text.splitlines() if x.startswith("predicted "))
+    assert "for the per-kind mix (" + ", ".join(
+        f"{k}={v}" for k, v in sorted(per_kind["per_kind"].items())) + ")" in line
+    assert not [x for x in text.splitlines() if "this store holds" in x]  # as predicted
 
 
 @pytest.mark.parametrize("args, message", [

@@ -22,6 +22,7 @@ import random
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +39,9 @@ MB = 1e6
 @dataclass
 class Prediction:
     """What a selection predicted for the store: its rates per node (raw bytes/s and
-    files/s), how it was made, and the budget it was made for."""
+    files/s), how it was made, and the budget it was made for. ``per_kind``: the per-kind
+    mix (kind -> codec label) the prediction is for, when the store holds it; None: the
+    single choice ``chosen``."""
 
     files_per_s: float | None
     bytes_per_s: float | None
@@ -50,13 +53,19 @@ class Prediction:
     required_bytes_per_s: float | None
     required_files_per_s: float | None
     where: str
+    per_kind: dict[str, str] | None = None
 
     @classmethod
-    def from_report(cls, doc: dict[str, Any], where: str) -> Prediction:
+    def from_report(cls, doc: dict[str, Any], where: str,
+                    codecs: Sequence[str] = ()) -> Prediction:
+        """The prediction of report ``doc`` for a store holding ``codecs`` (specs, as
+        :func:`run_check` lists them): the per-kind mix's when the store holds the mix
+        (:func:`packed_mix`), else the single choice's."""
         if not isinstance(doc, dict) or doc.get("quick"):
             raise UsageError(f"{where}: not the report of a full selection (fanstore select "
                              "--json)")
-        pred = doc.get("predicted") or {}
+        mix = packed_mix(doc, codecs)
+        pred = (doc.get("per_kind_predicted") if mix else doc.get("predicted")) or {}
         budget = doc.get("budget") or {}
         mb = pred.get("mb_per_s", pred.get("node_mb_per_s"))
         files = pred.get("files_per_s", pred.get("node_files_per_s"))
@@ -65,7 +74,47 @@ class Prediction:
         return cls(files, None if mb is None else mb * MB, pred.get("rate_from", "model"),
                    doc.get("mode", "sync"), budget.get("cores"), reader, doc.get("chosen"),
                    None if req_mb is None else req_mb * MB,
-                   budget.get("required_files_per_s"), where)
+                   budget.get("required_files_per_s"), where, mix)
+
+    def describe(self) -> str:
+        """What the prediction is for: the codec, or the per-kind mix."""
+        if self.per_kind is None:
+            return str(self.chosen)
+        return "the per-kind mix (" + ", ".join(f"{k}={v}" for k, v in
+                                                 sorted(self.per_kind.items())) + ")"
+
+    def specs(self) -> set[str]:
+        """The codec specs a store packed as predicted may hold."""
+        labels = [str(self.chosen)] if self.per_kind is None else list(self.per_kind.values())
+        return {"none"}.union(*(_specs(label) for label in labels))
+
+
+def packed_mix(doc: dict[str, Any], codecs: Sequence[str]) -> dict[str, str] | None:
+    """The per-kind mix of report ``doc`` if a store of ``codecs`` holds it, else None.
+
+    A report whose mix met the budget ends with the command that packs the mix
+    (``--kind-codec``), and ``pack --codec auto --per-kind`` stores it; its
+    ``pack_command_single`` packs the single choice. The store tells which: one packed with
+    the single choice holds none of the codecs only the mix uses. (A mix that differs from
+    the single choice in solid blocks alone holds the same codecs: the mix, as the report's
+    command packs it.)"""
+    mix = doc.get("per_kind")
+    pred = doc.get("per_kind_predicted")
+    if not isinstance(mix, dict) or not isinstance(pred, dict) or not pred.get("met"):
+        return None
+    mix = {str(k): str(v) for k, v in mix.items()}
+    only_mix = set().union(*(_specs(label) for label in mix.values())) \
+        - _specs(str(doc.get("chosen"))) - {"none"}
+    if only_mix and codecs and not only_mix & set(codecs):
+        return None
+    return mix
+
+
+def _specs(label: str) -> set[str]:
+    """The codec specs a store's codec table shows for ``label``: without its solid-block
+    suffix, and for a ``+dict`` label also plain zstd (kinds without a dictionary)."""
+    base = _base(label)
+    return {base, base.replace("+dict", "")}
 
 
 @dataclass
@@ -99,8 +148,10 @@ class CheckResult:
         return budget.met_by(self.bytes_per_s)
 
 
-def load_prediction(path: str | None, meta: dict[str, Any]) -> Prediction | None:
-    """From ``--report FILE``, else the store's recorded selection, else None."""
+def load_prediction(path: str | None, meta: dict[str, Any],
+                    codecs: Sequence[str] = ()) -> Prediction | None:
+    """From ``--report FILE``, else the store's recorded selection, else None; for a
+    store of ``codecs`` (:meth:`Prediction.from_report`)."""
     if path:
         try:
             with open(path) as f:
@@ -110,10 +161,10 @@ def load_prediction(path: str | None, meta: dict[str, Any]) -> Prediction | None
         except ValueError:
             raise UsageError(f"--report {path}: not JSON (the output of fanstore select "
                              "--json)") from None
-        return Prediction.from_report(doc, path)
+        return Prediction.from_report(doc, path, codecs)
     sel = meta.get("selection")
     if isinstance(sel, dict) and not sel.get("quick") and sel.get("predicted"):
-        return Prediction.from_report(sel, "the store's recorded selection")
+        return Prediction.from_report(sel, "the store's recorded selection", codecs)
     return None
 
 
@@ -141,7 +192,8 @@ def run_check(path: str, mode: str | None, cores: int | None, reader: str | None
     finally:
         handle.close()
     index = read_index(store_path)
-    pred = load_prediction(report, index.meta)
+    codecs = sorted({_spec(cfg) for cfg in index.codecs[1:]}) or ["none"]
+    pred = load_prediction(report, index.meta, codecs)
     mode = mount_mode or mode or (pred.mode if pred else None) or "sync"
     cores = cores or (pred.cores if pred and pred.cores else None) or local_cores()
     reader = reader or (pred.reader if pred and pred.reader else None) or "mount"
@@ -170,7 +222,6 @@ def run_check(path: str, mode: str | None, cores: int | None, reader: str | None
     raw = sum(sizes[r] for r in order)
     stored = int(index.chunks["stored"].sum(dtype="u8"))
     total_raw = int(index.chunks["raw"].sum(dtype="u8"))
-    codecs = sorted({_spec(cfg) for cfg in index.codecs[1:]}) or ["none"]
     return CheckResult(path, kind, mode, reader, readers, cores, len(order), raw, passed,
                        files_s, bytes_s, scaled, pred, codecs,
                        total_raw / stored if stored else None, time.monotonic() - t0)
@@ -249,14 +300,14 @@ def report_lines(res: CheckResult) -> list[str]:
     else:
         lines.append(f"predicted {p.files_per_s:,.0f} files/s ({(p.bytes_per_s or 0) / MB:,.0f} "
                      f"MB/s) per node, {p.mode}, {p.cores} cores, {p.rate_from}, for "
-                     f"{p.chosen} ({p.where})")
+                     f"{p.describe()} ({p.where})")
     ratio_s = (f": {res.files_per_s / p.files_per_s:.2f}x the prediction"
                if p is not None and p.files_per_s else "")
     lines.append(f"measured  {res.files_per_s:,.0f} files/s ({res.bytes_per_s / MB:,.0f} MB/s) "
                  f"per node{scaled}{ratio_s}; {cpu:,.0f} µs of CPU per file (readers and "
                  "mount)")
-    if p is not None and p.chosen and _base(p.chosen) not in res.codecs:
-        lines.append(f"note      the prediction is for {p.chosen}; this store holds "
+    if p is not None and p.chosen and _holds_other(p, res.codecs):
+        lines.append(f"note      the prediction is for {p.describe()}; this store holds "
                      f"{', '.join(res.codecs)}")
     if p is not None and p.mode != res.mode:
         lines.append(f"note      the prediction is for {p.mode} mode; this {res.kind} was read "
@@ -269,6 +320,15 @@ def report_lines(res: CheckResult) -> list[str]:
                      + (": met" if res.met else
                         f": NOT met ({res.bytes_per_s / need:.0%} of it)"))
     return lines
+
+
+def _holds_other(p: Prediction, codecs: Sequence[str]) -> bool:
+    """Whether a store of ``codecs`` is not packed as ``p`` predicts: the single choice's
+    codec missing from it, or a codec the prediction does not name in it."""
+    if p.per_kind is None and _base(str(p.chosen)) not in codecs and \
+            _specs(str(p.chosen)).isdisjoint(codecs):
+        return True
+    return not set(codecs) <= p.specs()
 
 
 def _base(label: str) -> str:
@@ -295,7 +355,7 @@ def to_json(res: CheckResult) -> dict[str, Any]:
                 "files_per_s": p.files_per_s,
                 "mb_per_s": None if p.bytes_per_s is None else round(p.bytes_per_s / MB, 1),
                 "rate_from": p.rate_from, "mode": p.mode, "cores": p.cores,
-                "chosen": p.chosen, "from": p.where},
+                "chosen": p.chosen, "per_kind": p.per_kind, "from": p.where},
             "measured_over_predicted": (round(res.files_per_s / p.files_per_s, 3)
                                         if p is not None and p.files_per_s else None),
             "met": res.met}
