@@ -477,6 +477,33 @@ def test_a_finalist_whose_reader_dies_or_hangs_is_not_measured_and_said(tmp_path
     assert [p for p in os.listdir(tmp_path) if p.startswith("fanstore-select-")] == []
 
 
+def test_a_per_kind_mix_whose_reader_dies_is_not_chosen_and_said(tmp_path, monkeypatch):
+    """The per-kind mix is a finalist of its own, measured after the single codecs (at most
+    --trials of them, `none` included): its readers die, so it is not chosen (the report
+    packs the single choice) and the table and JSON say why."""
+    from fanstore.select import SelectionOptions, run_selection
+    from fanstore.select.report import pack_command, table, to_json
+
+    trials = 3
+    _readers_fail_in(monkeypatch, lambda store: _trial_no(store) > trials, "dies")
+    src = _npy_tree(tmp_path / "d", n=20)
+    rng = np.random.default_rng(5)
+    for i in range(10):  # random bytes: kept raw, where the arrays want a shuffle filter
+        (tmp_path / "d" / f"{i}.bin").write_bytes(rng.bytes(100_000))
+    res = run_selection(src, SelectionOptions(
+        mode="sync", mb_per_sec=1.0, cores=2, sample_mb=4.0, reader="api", trials=trials,
+        per_kind=True, storage_mb_per_sec=1000.0, progress=False, storage_dir=str(tmp_path)))
+    assert res.per_kind is not None and len(set(res.per_kind.values())) > 1
+    why = "reading the trial store failed: a reader died (exit status 9)"
+    assert res.per_kind_error == why and res.per_kind_met is False
+    assert res.budget_met and res.candidate(res.chosen).measured is not None
+    assert "--kind-codec" not in pack_command(res)
+    assert to_json(res)["per_kind_predicted"]["measure_error"] == why
+    lines = [x for x in table(res).splitlines() if x.startswith("failed ")]
+    assert lines == [f"failed    the per-kind mix not measured, so not chosen: {why}"]
+    assert [p for p in os.listdir(tmp_path) if p.startswith("fanstore-select-")] == []
+
+
 def test_no_finalist_measured_is_one_error_and_a_nonzero_exit(tmp_path, monkeypatch, capsys):
     """Every finalist's readers die (the `none` trial, the calibration, reads): `fanstore
     select` says so in one line naming the first and why, exits 1, prints no report and

@@ -201,6 +201,7 @@ def _per_kind_predicted_json(res: SelectionResult, cost: Cost) -> dict[str, Any]
         "measured": res.per_kind_measured.to_json() if res.per_kind_measured else None,
         "gain_over_single": _num(res.per_kind_gain or 1.0, 4),
         "met": bool(res.per_kind_met),
+        "measure_error": res.per_kind_error,
     }
 
 
@@ -404,6 +405,9 @@ def table(res: SelectionResult, capacity: int | None = None) -> str:
     lines += wholefiles.lines(res)
     lines += [f"failed    {c.label} not measured: {c.measure_error}" for c in whole_cands
               if c.measure_error]
+    if res.per_kind_error:
+        lines.append(f"failed    the per-kind mix not measured, so not chosen: "
+                     f"{res.per_kind_error}")
     lines.append("")
     if res.per_kind is not None:
         lines.append(f"{'kind':<16} {'files':>8} {'MB':>9} {'typesize':>14}  "

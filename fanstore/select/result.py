@@ -130,6 +130,7 @@ class SelectionResult:
     reader: ReaderCost | None = None
     measurement: MeasurementInfo | None = None
     per_kind_measured: Measured | None = None
+    per_kind_error: str | None = None  # why the per-kind mix could not be measured
 
     # ------------------------------------------------------------------ accessors
 

@@ -325,6 +325,7 @@ def _measure_mix(result: SelectionResult, measuring: Measuring) -> None:
         measured = measuring.measure(result.mix_policy(result.per_kind), rate, "per-kind mix")
     except TrialError as exc:
         log.warning("the per-kind mix could not be measured: %s", exc)
+        result.per_kind_error = str(exc)
         result.per_kind_met = False
         return
     result.per_kind_measured = measured
