@@ -18,7 +18,7 @@ from compressors import get_codec
 from fanstore.errors import BudgetNotMetError
 from fanstore.format.index import KIND_FILE, read_index
 from fanstore.kinds import file_kind
-from fanstore.pack.policy import policy_from_selection
+from fanstore.select.packpolicy import policy_from_selection
 from fanstore.select import SelectionOptions, run_selection
 from fanstore.select.bench import measure, measure_storage, measure_storage_access
 from fanstore.select.policy import Budget, Cost, choose, choose_per_kind, meets, mix, node_rate
@@ -423,6 +423,37 @@ def test_sample_is_seeded_stratified_and_chunks_large_files(tmp_path):
     assert whole.sample_bytes == whole.raw_bytes
 
 
+def test_a_dictionary_is_a_function_of_the_source_the_kind_and_the_seed(tmp_path):
+    """What select measures and what `pack --codec zstd:L+dict` trains are the same bytes,
+    whatever the sample size; the measured units of the kind are not its training files
+    when enough others are left; another seed trains on other files."""
+    from fanstore.select.candidates import whole_set_candidates
+    from fanstore.select.dictionaries import train_dictionaries, training_files
+
+    rng = np.random.default_rng(8)
+    files = {f"j/{i:04d}.json": json_records(rng, int(rng.integers(15, 30)))
+             for i in range(900)}  # json/tiny, about 2 MB: more than its training share
+    files.update({f"t/{i:03d}.txt": b"a few words " * int(rng.integers(20, 200))
+                  for i in range(60)})  # txt/tiny, a smaller kind
+    src = write_files(tmp_path, files)
+    listing = list_source(src)
+    budget = 1 << 20  # training bytes in all (DICT_TRAIN_BYTES by default)
+    packed = train_dictionaries(listing, 1 << 20, seed=3, train_bytes=budget)
+    assert set(packed) == {"json/tiny", "txt/tiny"}
+    for sample_mb in (0.2, 100.0):
+        sample = draw_sample(listing, int(sample_mb * MB), 1 << 20, 3, train_bytes=budget)
+        cand = next(c for c in whole_set_candidates(sample) if c.label == "zstd:19+dict")
+        assert {k: codec.dict_data for k, codec in cand.by_kind} == packed
+    trained = {os.path.basename(f.rel) for f in training_files(listing, 1 << 20, 3,
+                                                                 budget)["json/tiny"]}
+    assert 0 < len(trained) < 900
+    sample = draw_sample(listing, 100 * MB, 1 << 20, 3, train_bytes=budget)
+    units = set(sample.kinds["json/tiny"].units)
+    assert units and not units & {files[f"j/{name}"] for name in trained}
+    assert len(units) == 900 - len(trained)  # the rest, all of it (a large sample)
+    assert train_dictionaries(listing, 1 << 20, seed=4, train_bytes=budget) != packed
+
+
 def test_measure_models_raw_chunks():
     rng = np.random.default_rng(6)
     units = [rng.bytes(10_000) for _ in range(5)] + [bytes(10_000)] * 5
@@ -641,22 +672,7 @@ def test_pack_auto_per_kind_applies_the_policy(tmp_path):
     assert mix["rate_from"] == "measured" and mix["met"] is True
     assert mix["files_per_s"] >= sel["budget"]["required_files_per_s"]
     assert 3 <= len(mix["measured"]["rounds_files_per_s"]) <= 5
-    slots_seen: dict[str, set[str]] = {}
-    for entry in range(index.n_entries):
-        if int(index.entries["kind"][entry]) != KIND_FILE:
-            continue
-        rel = os.fsdecode(index.path(entry))
-        kind = file_kind(rel, int(index.entries["size"][entry]))
-        want = sel["configs"][per_kind[kind]]
-        first, count = index.chunk_run(entry)
-        for slot in index.chunks["codec"][first:first + count].tolist():
-            cfg = index.codecs[slot]
-            slots_seen.setdefault(kind, set()).add(cfg["id"])
-            if cfg["id"] == "none":
-                continue  # kept raw: compression did not shrink this chunk
-            assert cfg["id"] == want["id"]
-            assert {k: v for k, v in cfg.items() if k != "dict"} == \
-                {k: v for k, v in want.items() if k != "dict"}
+    slots_seen = _codecs_by_kind(index, per_kind, sel["configs"])
     npy_kind = next(k for k in per_kind if k.startswith("npy/"))
     assert slots_seen[npy_kind] == {"blosc2"}
     assert slots_seen[next(k for k in per_kind if k.startswith("bin/"))] == {"none"}
@@ -664,6 +680,29 @@ def test_pack_auto_per_kind_applies_the_policy(tmp_path):
     assert slots_seen[json_kind] - {"none"}  # compressed with the chosen codec
     if "+dict" in per_kind[json_kind]:
         assert any("dict" in cfg for cfg in index.codecs)  # the dictionary travels along
+
+
+def _codecs_by_kind(index, per_kind: dict[str, str], configs: dict[str, dict]
+                    ) -> dict[str, set[str]]:
+    """Every chunk of a store packed as ``per_kind`` says has its kind's codec (``configs``:
+    a report's, which name no dictionary) or none (kept raw); the codec ids seen per kind."""
+    slots_seen: dict[str, set[str]] = {}
+    for entry in range(index.n_entries):
+        if int(index.entries["kind"][entry]) != KIND_FILE:
+            continue
+        rel = os.fsdecode(index.path(entry))
+        kind = file_kind(rel, int(index.entries["size"][entry]))
+        want = configs[per_kind[kind]]
+        first, count = index.chunk_run(entry)
+        for slot in index.chunks["codec"][first:first + count].tolist():
+            cfg = index.codecs[slot]
+            slots_seen.setdefault(kind, set()).add(cfg["id"])
+            if cfg["id"] == "none":
+                continue  # kept raw: compression did not shrink this chunk
+            assert cfg["id"] == want["id"]
+            assert {k: v for k, v in cfg.items() if k not in ("dict", "dict_id")} == \
+                {k: v for k, v in want.items() if k not in ("dict", "dict_id")}
+    return slots_seen
 
 
 def _names_tree(root) -> tuple[str, dict[str, bytes]]:
@@ -723,7 +762,8 @@ def test_every_name_select_prints_is_a_codec_pack_takes(tmp_path):
 @pytest.mark.long
 def test_the_report_ends_with_the_pack_command(tmp_path):
     """Text and JSON reports end with a `fanstore pack` command that packs as chosen; with
-    --per-kind it is `--codec auto --per-kind` with the selection's options."""
+    --per-kind it gives each kind that differs from the single choice its codec
+    (`--kind-codec KIND=LABEL`), and the store holds each kind as the report says."""
     import shlex
 
     src, files = _names_tree(tmp_path / "src")
@@ -747,13 +787,38 @@ def test_the_report_ends_with_the_pack_command(tmp_path):
     per_kind = json.loads(run_cli("select", src, "--json", "--per-kind", *args,
                                   timeout=300).stdout)
     assert per_kind["met"] and list(per_kind)[-1] == "pack_command"
-    assert per_kind["pack_command"] == (
-        f"fanstore pack {src} DEST --codec auto --per-kind --mode prefetch --mb-per-sec 1 "
-        "--cores 2 --sample-mb 2 --storage-mb-per-sec 100000 --reader api --trials 0")
-    assert per_kind["pack_command_single"] == f"fanstore pack {src} DEST --codec " \
-                                              f"{per_kind['chosen']}"
+    chosen = per_kind["chosen"]
+    differ = sorted((k, v) for k, v in per_kind["per_kind"].items() if v != chosen)
+    assert differ  # arrays, random bytes and text want different codecs
+    assert per_kind["pack_command"] == f"fanstore pack {src} DEST --codec {chosen}" + "".join(
+        f" --kind-codec {k}={v}" for k, v in differ)
+    assert per_kind["pack_command_single"] == f"fanstore pack {src} DEST --codec {chosen}"
     info = run(per_kind["pack_command"], tmp_path / "mix")
-    assert info["selection"]["per_kind"] == per_kind["per_kind"]
+    assert "selection" not in info or info["selection"] is None  # nothing selected again
+    _codecs_by_kind(read_index(str(tmp_path / "mix")), per_kind["per_kind"],
+                    per_kind["configs"])
+    # `select --check` of each store with the per-kind report compares with the prediction
+    # for what the store holds: the mix's for the mix, the single choice's for the other.
+    report = tmp_path / "per_kind.json"
+    report.write_text(json.dumps(per_kind))
+    run(per_kind["pack_command_single"], tmp_path / "single")
+    mix_pred, single_pred = per_kind["per_kind_predicted"], per_kind["predicted"]
+    assert mix_pred["files_per_s"] != single_pred["files_per_s"]  # they can be told apart
+    check = ["--report", str(report), "--reader", "api", "--mode", "sync"]
+    for store, want, mix in (("mix", mix_pred, per_kind["per_kind"]),
+                             ("single", single_pred, None)):
+        out = json.loads(run_cli("select", "--check", str(tmp_path / store), *check, "--json",
+                                 timeout=300).stdout)
+        assert out["predicted"]["files_per_s"] == want["files_per_s"], store
+        assert out["predicted"]["mb_per_s"] == want["mb_per_s"], store
+        assert out["predicted"]["per_kind"] == mix, store
+        assert out["measured_over_predicted"] == pytest.approx(
+            out["measured"]["files_per_s"] / want["files_per_s"], rel=1e-2, abs=1e-3)
+    text = run_cli("select", "--check", str(tmp_path / "mix"), *check, timeout=300).stdout
+    line = next(x for x in text.splitlines() if x.startswith("predicted "))
+    assert "for the per-kind mix (" + ", ".join(
+        f"{k}={v}" for k, v in sorted(per_kind["per_kind"].items())) + ")" in line
+    assert not [x for x in text.splitlines() if "this store holds" in x]  # as predicted
 
 
 @pytest.mark.parametrize("args, message", [
@@ -764,6 +829,14 @@ def test_the_report_ends_with_the_pack_command(tmp_path):
       "(1024 KiB; raise --chunk-kb)")),
     (("--codec", "zstd:3+solid64k+dict"), "--codec: invalid codec spec 'zstd:3+solid64k+dict'"),
     (("--codec", "zstd:19+dict+solid64k+solid64k"), "'+solidNk' comes once"),
+    (("--kind-codec", "json/tiny=zstd:3"), "--kind-codec goes with a pinned --codec"),
+    (("--codec", "auto", "--kind-codec", "json/tiny=zstd:3"),
+     "--kind-codec goes with a pinned --codec"),
+    (("--codec", "lz4", "--kind-codec", "json/big=zstd:3"),
+     "--kind-codec json/big=zstd:3: give KIND=SPEC with KIND as EXT/BAND"),
+    (("--codec", "lz4", "--kind-codec", "txt/tiny=zstd:3", "--kind-codec", "txt/tiny=lz4"),
+     "--kind-codec: txt/tiny is given twice"),
+    (("--codec", "lz4", "--kind-codec", "txt/tiny=zstd:99x"), "--kind-codec txt/tiny=zstd:99x:"),
 ])
 def test_codec_spec_usage_errors(tmp_path, args, message):
     src = write_files(tmp_path / "src", {"a.txt": b"abc"})

@@ -11,6 +11,7 @@ a clock.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import numpy as np
@@ -21,6 +22,7 @@ from fanstore.select import finalists
 from fanstore.select.calibrate import reader_cost
 from fanstore.select.epoch import PassResult, Target, drop_page_cache, run_pass
 from fanstore.select.finalists import Option, choose_measured, next_to_measure
+from fanstore.select.policy import Budget
 from fanstore.select.trial import TrialFile, TrialSet, _scale, make_trial_set, prefix_sizes
 
 MB = 1e6
@@ -30,14 +32,19 @@ needs_fuse = pytest.mark.fuse  # (conftest.py skips these without FUSE)
 # --------------------------------------------------------------------------- finalists
 
 
+def _budget(required: float) -> Budget:
+    return Budget("sync", required, 1, math.inf)
+
+
 def _search(options, truth, required, limit=6):
     """Run the finalist search against ``truth`` (label -> measured rate); returns the
     measured rates and the choice."""
     measured = {"none": truth["none"]}
-    while (label := next_to_measure(options, measured, required, limit)) is not None:
+    budget = _budget(required)
+    while (label := next_to_measure(options, measured, budget, limit)) is not None:
         assert label not in measured
         measured[label] = truth[label]
-    return measured, choose_measured(options, measured, required)
+    return measured, choose_measured(options, measured, budget)
 
 
 TRUTH = {"zstd:19": 150.0, "zstd:9": 160.0, "lz4": 300.0, "none": 320.0}
@@ -83,8 +90,25 @@ def test_the_search_stops_at_its_limit_and_at_min_measured():
 
 def test_measured_ties_go_to_the_faster():
     opts = [Option("a", 2.000, 100), Option("b", 1.995, 100), Option("none", 1, 100)]
-    label, met = choose_measured(opts, {"a": 120.0, "b": 180.0, "none": 300.0}, 100.0)
+    label, met = choose_measured(opts, {"a": 120.0, "b": 180.0, "none": 300.0},
+                                 _budget(100.0))
     assert (label, met) == ("b", True)
+
+
+def test_one_test_of_meeting_the_budget_for_the_model_and_the_measured():
+    """A rate equal to the budget up to floating point meets it, for the model
+    (policy.meets) and the finalists (choose_measured) alike; a rate 1e-6 below it does
+    not."""
+    from fanstore.select.policy import Cost, meets, node_rate
+
+    budget = _budget(100.0)
+    just = 100.0 * (1 - 1e-12)
+    assert budget.met_by(just) and budget.met_by(100.0) and not budget.met_by(100.0 - 1e-4)
+    opts = [Option("a", 2.0, 100), Option("none", 1, 300)]
+    assert choose_measured(opts, {"a": just, "none": 300.0}, budget) == ("a", True)
+    assert choose_measured(opts, {"a": 99.9999, "none": 300.0}, budget) == ("none", True)
+    cost = Cost(0.5, 1 / 100.0)  # one core: exactly 100 raw bytes/s
+    assert node_rate(cost, budget) == pytest.approx(100.0) and meets(cost, budget)
 
 
 # --------------------------------------------------------------------------- scaling
@@ -258,6 +282,7 @@ def test_check_reads_a_store_as_its_report_predicted(tmp_path):
     out = json.loads(run_cli("select", "--check", store, "--report", report, "--json",
                              timeout=300).stdout)
     assert out["files"] == 40 and out["met"] is True and out["kind"] == "store"
+    assert out["cold"] is True and out["resident_after_drop"] <= 0.05  # on a disk
     assert out["measured_over_predicted"] == pytest.approx(
         out["measured"]["files_per_s"] / out["predicted"]["files_per_s"], rel=1e-2)
     # The same store against a budget its measurement cannot meet: status 3, one line.
@@ -394,3 +419,354 @@ def test_a_finalist_whose_trial_fails_is_left_out_and_said(tmp_path, monkeypatch
     line = next(x for x in table(res).splitlines() if x.startswith(failed[0] + " "))
     assert " failed " in line
     assert [p for p in os.listdir(tmp_path) if p.startswith("fanstore-select-")] == []
+
+
+def _readers_fail_in(monkeypatch, failing, how: str) -> None:
+    """The trial rounds' readers (forked processes) die with exit status 9, or hang past
+    the round's timeout, in the trial stores ``failing(store)`` names: what a reader killed
+    by the OOM killer, or stuck on a dead mount, does. The parent's run_pass, the trial's
+    clean-up and the selector run as they do; only the readers are made to fail."""
+    import time
+
+    from fanstore.select import epoch, trial
+
+    real = epoch._reader
+
+    def reader(target, rels, slot, step, barrier, results, warmup=()):
+        if failing(target.root):
+            barrier.wait(60)
+            if how == "dies":
+                os._exit(9)
+            time.sleep(120)  # the round's timeout ends it
+        return real(target, rels, slot, step, barrier, results, warmup)
+
+    monkeypatch.setattr(epoch, "_reader", reader)
+    monkeypatch.setattr(trial, "TIMEOUT", 8.0)  # a round here takes well under 1 s
+
+
+def _trial_no(store: str) -> int:
+    """N of a trial store's path (``.../trial-N/store``); trial 1 is ``none``'s."""
+    return int(os.path.basename(os.path.dirname(store)).rpartition("-")[2])
+
+
+@pytest.mark.parametrize("how, why", [("dies", "a reader died (exit status 9)"),
+                                      ("hangs", "the readers did not finish in 8 s")])
+def test_a_finalist_whose_reader_dies_or_hangs_is_not_measured_and_said(tmp_path, monkeypatch,
+                                                                        how, why):
+    """The first finalist's readers die (or hang): that finalist is reported not measured,
+    with why in one line, and the selection goes on to measure and choose among the
+    others; nothing is left behind."""
+    from fanstore.select import SelectionOptions, run_selection
+    from fanstore.select.report import table, to_json
+
+    _readers_fail_in(monkeypatch, lambda store: _trial_no(store) == 2, how)
+    src = _npy_tree(tmp_path / "d", n=20)
+    res = run_selection(src, SelectionOptions(
+        mode="sync", mb_per_sec=1.0, cores=2, sample_mb=2.0, reader="api", trials=4,
+        storage_mb_per_sec=1000.0, progress=False, storage_dir=str(tmp_path)))
+    bad = [c for c in res.candidates if c.measure_error]
+    assert len(bad) == 1 and bad[0].measured is None and not bad[0].chosen
+    assert bad[0].measure_error == f"reading the trial store failed: {why}"
+    measured = [c for c in res.candidates if c.measured is not None and c.label != "none"]
+    assert measured, "the selection stopped at the failed finalist"
+    assert res.candidate(res.chosen).measured is not None
+    row = next(c for c in to_json(res)["candidates"] if c["codec"] == bad[0].label)
+    assert row["measured"] is None and row["measure_error"] == bad[0].measure_error
+    lines = [x for x in table(res).splitlines() if x.startswith("failed ")]
+    assert lines == [f"failed    {bad[0].label} not measured: {bad[0].measure_error}"]
+    assert [p for p in os.listdir(tmp_path) if p.startswith("fanstore-select-")] == []
+
+
+def test_a_per_kind_mix_whose_reader_dies_is_not_chosen_and_said(tmp_path, monkeypatch):
+    """The per-kind mix is a finalist of its own, measured after the single codecs (at most
+    --trials of them, `none` included): its readers die, so it is not chosen (the report
+    packs the single choice) and the table and JSON say why."""
+    from fanstore.select import SelectionOptions, run_selection
+    from fanstore.select.report import pack_command, table, to_json
+
+    trials = 3
+    _readers_fail_in(monkeypatch, lambda store: _trial_no(store) > trials, "dies")
+    src = _npy_tree(tmp_path / "d", n=20)
+    rng = np.random.default_rng(5)
+    for i in range(10):  # random bytes: kept raw, where the arrays want a shuffle filter
+        (tmp_path / "d" / f"{i}.bin").write_bytes(rng.bytes(100_000))
+    res = run_selection(src, SelectionOptions(
+        mode="sync", mb_per_sec=1.0, cores=2, sample_mb=4.0, reader="api", trials=trials,
+        per_kind=True, storage_mb_per_sec=1000.0, progress=False, storage_dir=str(tmp_path)))
+    assert res.per_kind is not None and len(set(res.per_kind.values())) > 1
+    why = "reading the trial store failed: a reader died (exit status 9)"
+    assert res.per_kind_error == why and res.per_kind_met is False
+    assert res.budget_met and res.candidate(res.chosen).measured is not None
+    assert "--kind-codec" not in pack_command(res)
+    assert to_json(res)["per_kind_predicted"]["measure_error"] == why
+    lines = [x for x in table(res).splitlines() if x.startswith("failed ")]
+    assert lines == [f"failed    the per-kind mix not measured, so not chosen: {why}"]
+    assert [p for p in os.listdir(tmp_path) if p.startswith("fanstore-select-")] == []
+
+
+def test_no_finalist_measured_is_one_error_and_a_nonzero_exit(tmp_path, monkeypatch, capsys):
+    """Every finalist's readers die (the `none` trial, the calibration, reads): `fanstore
+    select` says so in one line naming the first and why, exits 1, prints no report and
+    leaves nothing behind."""
+    import tempfile
+
+    from fanstore.cli import main
+
+    _readers_fail_in(monkeypatch, lambda store: _trial_no(store) > 1, "dies")
+    src = _npy_tree(tmp_path / "d", n=20)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the trials go ($TMPDIR)
+    code = main(["select", src, "--reader", "api", "--mode", "sync", "--mb-per-sec", "1",
+                 "--cores", "2", "--sample-mb", "2", "--trials", "3", "--storage-mb-per-sec",
+                 "1000"])
+    out, err = capsys.readouterr()
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("fanstore: error: none of the 2 finalists could be measured (first, ")
+    assert "reading the trial store failed: a reader died (exit status 9)); --trials 0" in err
+    assert [p for p in os.listdir(tmp_path) if p.startswith("fanstore-select-")] == []
+
+
+# --------------------------------------------------------------------------- the measured store
+
+
+def _json_tree(root, n: int, seed: int = 12) -> str:
+    """``n`` small JSON files of one kind (json/tiny, about 2.6 kB each)."""
+    rng = np.random.default_rng(seed)
+    words = [f"w{i}" for i in range(300)]
+    for i in range(n):
+        rows = [{"id": int(rng.integers(1 << 30)), "label": str(rng.choice(words)),
+                 "box": [round(float(x), 2) for x in rng.random(4) * 640],
+                 "caption": " ".join(rng.choice(words, 6))} for _ in range(22)]
+        p = os.path.join(root, f"c{i % 20:02d}", f"{i:05d}.json")
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "w") as f:
+            json.dump(rows, f)
+    return str(root)
+
+
+@pytest.mark.long
+def test_the_report_pack_command_packs_the_store_it_measured(tmp_path):
+    """A selection on small files chooses a codec with dictionaries; its report's pack
+    command (seed included) packs a store whose dictionaries are byte for byte the ones the
+    selection measured, at the ratio its trial store had. The source holds more small files
+    than the dictionaries train on, so the training files are a choice that must agree."""
+    import shlex
+
+    from compressors import get_codec
+    from fanstore.format.index import read_index
+    from fanstore.select import SelectionOptions, run_selection
+    from fanstore.select.dictionaries import DICT_TRAIN_BYTES
+    from fanstore.select.report import pack_command
+
+    src = _json_tree(tmp_path / "src", 4000)
+    raw = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(src) for f in fs)
+    assert raw > DICT_TRAIN_BYTES * 1.05
+    res = run_selection(src, SelectionOptions(
+        mode="sync", mb_per_sec=1.0, cores=2, sample_mb=1.0, seed=7, reader="api", trials=3,
+        storage_mb_per_sec=1000.0, progress=False, storage_dir=str(tmp_path)))
+    chosen = res.candidate(res.chosen)
+    assert "+dict" in res.chosen and chosen.measured is not None, res.chosen
+    measured = {kind: codec.dict_data for kind, codec in chosen.by_kind.items()}
+    assert measured and all(measured.values())
+    dest = tmp_path / "packed"
+    words = shlex.split(pack_command(res, dest=str(dest)))
+    assert words[:2] == ["fanstore", "pack"] and words[words.index("--seed") + 1] == "7"
+    run_cli(*words[1:], "--no-progress", check=True, timeout=300)
+    index = read_index(str(dest))
+    stored = [get_codec(cfg).dict_data for cfg in index.codecs if "dict" in cfg]
+    assert sorted(stored) == sorted(measured.values())
+    counts = index.meta["counts"]
+    ratio = counts["raw_bytes"] / counts["stored_bytes"]
+    assert ratio == pytest.approx(chosen.measured.ratio, rel=0.02)
+
+def test_a_drop_is_checked_with_mincore(tmp_path):
+    """On a disk the dropped pages are gone (cold); on a tmpfs they are the storage and
+    stay (not cold); a read brings them back. Our own files: no privilege needed."""
+    import tempfile
+
+    from fanstore.select.epoch import drop_page_cache, resident_pages
+
+    shm = tempfile.mkdtemp(prefix="fanstore-test-", dir="/dev/shm")
+    try:
+        for where, cold in ((tmp_path, True), (shm, False)):
+            path = os.path.join(where, "part")
+            with open(path, "wb") as f:
+                f.write(np.random.default_rng(1).bytes(3 << 20))
+            left = drop_page_cache([str(where)])
+            assert left.pages == (3 << 20) // os.sysconf("SC_PAGESIZE")
+            assert left.cold is cold and left.fraction == (0.0 if cold else 1.0), where
+            with open(path, "rb") as f:
+                f.read()
+            assert resident_pages([path]).fraction == 1.0
+    finally:
+        import shutil
+
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@needs_fuse
+def test_trials_on_a_tmpfs_are_reported_not_cold(tmp_path):
+    """A selection whose trial stores live on a tmpfs (/dev/shm), where dropping the page
+    cache does nothing: the JSON says not cold, the table says so in a line of its own."""
+    import shutil
+    import tempfile
+
+    src = _json_tree(tmp_path / "src", 600)
+    shm = tempfile.mkdtemp(prefix="fanstore-test-", dir="/dev/shm")
+    args = [src, "--mb-per-sec", "0.1", "--cores", "1", "--sample-mb", "1", "--trials", "1",
+            "--storage-mb-per-sec", "1000"]
+    try:
+        env = {"TMPDIR": shm}
+        doc = json.loads(run_cli("select", *args, "--json", env=env, timeout=300).stdout)
+        text = run_cli("select", *args, env=env, timeout=300)
+        assert os.listdir(shm) == []  # the trials cleaned up
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    m = doc["measurement"]
+    assert m["cold"] is False and m["resident_after_drop"] > 0.9
+    assert "NOT cold" in m["how"]
+    assert text.returncode == 0, text.stderr
+    line = next(x for x in text.stdout.splitlines() if x.startswith("cold "))
+    assert line.startswith("cold      NO: ") and "tmpfs" in line
+    assert "was not cold" in text.stderr
+
+def _trial_mounts(work) -> list[str]:
+    with open("/proc/mounts") as f:
+        return [line.split()[1] for line in f if line.split()[1].startswith(str(work) + "/")]
+
+
+def _workers_of(mnt: str) -> int | None:
+    """The FUSE workers serving ``mnt`` (children of its kernel-frontend process), counted
+    in /proc once the mount is ready; None when it went away first."""
+    from helpers import daemon_pid, process_tree
+
+    if run_cli("wait", mnt, "--timeout", "30").returncode != 0:
+        return None
+    pid = daemon_pid(mnt)
+    if not pid:
+        return None
+
+    def cmdline(p: int) -> bytes:
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                return f.read()
+        except OSError:
+            return b""
+
+    def parent(p: int) -> int:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                return int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    tree = process_tree(pid)
+    frontend = [p for p in tree if b"kernelfs.process" in cmdline(p) and parent(p) == pid]
+    workers = [p for p in tree if frontend and parent(p) == frontend[0]]
+    if not frontend or not os.path.ismount(mnt):
+        return None
+    return len(workers)
+
+
+@needs_fuse
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores: --cores 1 "
+                    "must be fewer than the mount's default workers")
+def test_the_trial_mount_has_at_most_cores_workers_and_reads_cold(tmp_path):
+    """`select --cores 1` on a machine of more cores: every trial mount seen is served by
+    one FUSE worker (counted in the process tree, not asked of the selection), and on a
+    disk the trials report their reads cold."""
+    import subprocess
+    import time
+
+    from helpers import FANSTORE
+
+    src = _json_tree(tmp_path / "src", 2500)
+    work = tmp_path / "tmp"
+    work.mkdir()
+    proc = subprocess.Popen([FANSTORE, "select", src, "--mb-per-sec", "0.1", "--cores", "1",
+                             "--sample-mb", "1", "--trials", "1", "--json"],
+                            env=dict(os.environ, TMPDIR=str(work), FANSTORE_FRONTEND="kernel"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: list[int] = []
+    try:
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and time.monotonic() < deadline:
+            for mnt in _trial_mounts(work):
+                count = _workers_of(mnt)
+                if count is not None:
+                    seen.append(count)
+            time.sleep(0.02)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert seen and set(seen) == {1}, seen
+    doc = json.loads(out)
+    assert doc["measurement"]["cold"] is True
+    assert doc["measurement"]["resident_after_drop"] <= 0.05
+    none = next(c for c in doc["candidates"] if c["codec"] == "none")
+    assert none["measured"]["cold"] is True
+
+
+
+# --------------------------------------------------------------------------- no mount here
+
+
+@pytest.mark.long
+@pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="needs a /dev/fuse to exist")
+def test_a_fuse_device_that_cannot_mount_falls_back_to_the_api(other_user):
+    """/dev/fuse exists (so `select` defaults to --reader mount), but an unprivileged user
+    without fusermount3 on PATH cannot mount: a sync selection measures with the Python API
+    and says so in one line (table and JSON); a prefetch one, whose API reads go through a
+    mount too, chooses on the model and says why; --reader mount, asked for, is one error
+    line and status 1. Run as a second user, with the real `fanstore mount` failing."""
+    import sys
+
+    from second_user import reachable_for_others, shared_test_dir
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with shared_test_dir("fanstore-sel-") as d, \
+            reachable_for_others(os.path.realpath(sys.executable), repo, sys.prefix):
+        src = _npy_tree(os.path.join(d, "src"), n=20)
+        for name in os.listdir(src):
+            os.chmod(os.path.join(src, name), 0o644)
+        work, rt, bare = (os.path.join(d, name) for name in ("work", "rt", "bin"))
+        for path in (work, rt, bare):
+            os.mkdir(path, 0o700)
+            os.chown(path, other_user.uid, other_user.gid)
+        env = other_user.env(PATH=bare, TMPDIR=work, FANSTORE_RUNTIME_DIR=rt,
+                             FANSTORE_FRONTEND="kernel")
+
+        def select(*args):
+            return other_user.run(
+                [sys.executable, "-m", "fanstore.cli", "select", src, "--mb-per-sec", "1",
+                 "--cores", "2", "--sample-mb", "2", "--trials", "2",
+                 "--storage-mb-per-sec", "1000", *args], env=env, timeout=300)
+
+        sync, table, prefetch, insist = (select("--json"), select(),
+                                         select("--mode", "prefetch", "--json"),
+                                         select("--reader", "mount"))
+        left = os.listdir(work)
+    assert sync.returncode == 0 and sync.stderr == "", sync.stderr
+    doc = json.loads(sync.stdout)
+    m = doc["measurement"]
+    assert m["measured"] is True and m["trials"] >= 2 and doc["reader"]["reader"] == "api"
+    assert m["reader_fallback"].startswith("--reader api: a trial mount failed here (")
+    assert "fusermount3 not found" in m["reader_fallback"]
+    assert "through the Python API on a temporary store" in m["how"]
+    assert next(c for c in doc["candidates"] if c["codec"] == "none")["measured"]
+    assert table.returncode == 0, table.stderr
+    lines = [x for x in table.stdout.splitlines() if x.startswith("fallback  ")]
+    assert lines == ["fallback  " + m["reader_fallback"]]
+    assert prefetch.returncode == 0 and prefetch.stderr == "", prefetch.stderr
+    p = json.loads(prefetch.stdout)["measurement"]
+    assert p["measured"] is False and p["reader_fallback"] is None
+    assert p["note"].startswith("prefetch mode is measured through a mount, and a trial "
+                                "mount failed here (") and "fusermount3 not found" in p["note"]
+    assert insist.returncode == 1 and insist.stdout == ""
+    assert insist.stderr.count("\n") == 1 and "Traceback" not in insist.stderr
+    assert insist.stderr.startswith("fanstore: error: calibration: 'fanstore mount' of a "
+                                    "temporary store failed: fusermount3 not found")
+    assert left == []  # every trial cleaned up

@@ -135,7 +135,9 @@ def add_select_budget_args(s, for_pack: bool) -> None:
                    help="cores available for decompression per node (default: all here)")
     g.add_argument("--sample-mb", type=positive_float, default=200.0,
                    help="sample size in MB (default 200)")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="sampling seed (default 0); it also chooses the files that train "
+                        "the dictionaries of zstd:L+dict")
     g.add_argument("--per-kind", action="store_true",
                    help="choose a codec per file kind (extension and size band)")
     g.add_argument("--storage-mb-per-sec", type=positive_float, default=None,

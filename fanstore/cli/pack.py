@@ -1,5 +1,5 @@
 """``fanstore pack``: the command and its arguments. What the codec options mean is
-``fanstore.pack.policy``'s; packing is ``fanstore.pack``'s (and, under an MPI launcher,
+``fanstore.select.packpolicy``'s; packing is ``fanstore.pack``'s (and, under an MPI launcher,
 ``fanstore.daemon.mpipack``'s)."""
 
 from __future__ import annotations
@@ -38,6 +38,11 @@ def add_parsers(sub, common) -> None:
                         "'auto': the full selector. Default: a quick selection per file "
                         "kind (a few seconds on a small sample, reported in one line; "
                         "small files in solid blocks of 32 KiB at zstd:15)")
+    s.add_argument("--kind-codec", action="append", metavar="KIND=SPEC",
+                   help="files of one kind (EXT/BAND as 'fanstore select --per-kind' names "
+                        "kinds, e.g. json/tiny; bands tiny, small, medium, large, huge) get "
+                        "SPEC instead of --codec (repeatable; what the report of a per-kind "
+                        "selection prints)")
     s.add_argument("--solid-kb", type=nonneg_int, default=None, metavar="N",
                    help="solid blocks: files of at most N KiB are packed back to back, by "
                         "kind, into blocks of N KiB, each compressed as one chunk (more "
@@ -79,7 +84,7 @@ def cmd_pack(args) -> int:
     from fanstore import storage
     from fanstore.pack import PackOptions, pack, pack_any
     from fanstore.pack.options import Symlinks
-    from fanstore.pack.policy import PolicyRequest, plan_policy
+    from fanstore.select.packpolicy import PolicyRequest, plan_policy
     from fanstore.pack.sources import detect
 
     storage_setup(args)
@@ -90,6 +95,7 @@ def cmd_pack(args) -> int:
     request = PolicyRequest(codec=args.codec, solid_kb=args.solid_kb,
                             chunk_size=args.chunk_kb * 1024,
                             skip_unreadable=args.skip_unreadable, symlinks=symlinks,
+                            seed=args.seed, kind_codecs=_kind_codecs(args.kind_codec),
                             selection=lambda: _selection_options(args), notify=say)
 
     def make_policy():
@@ -140,6 +146,25 @@ def cmd_pack(args) -> int:
     for line in summary.lines():
         print(line)
     return 0
+
+
+def _kind_codecs(items: list[str] | None) -> dict[str, str]:
+    """``--kind-codec KIND=SPEC`` arguments as {kind: spec} (the specs are checked where
+    they are used)."""
+    from fanstore.kinds import LAST_BAND, SIZE_BANDS
+
+    bands = {name for _, name in SIZE_BANDS} | {LAST_BAND}
+    out: dict[str, str] = {}
+    for item in items or []:
+        kind, _, spec = item.partition("=")
+        ext, _, band = kind.partition("/")
+        if not ext or band not in bands or not spec:
+            raise UsageError(f"--kind-codec {item}: give KIND=SPEC with KIND as EXT/BAND "
+                             f"(BAND one of {', '.join(sorted(bands))}), e.g. json/tiny=zstd:3")
+        if kind in out:
+            raise UsageError(f"--kind-codec: {kind} is given twice")
+        out[kind] = spec
+    return out
 
 
 def _selection_options(args):

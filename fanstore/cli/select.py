@@ -121,6 +121,7 @@ def selection_options(args):
         storage_mb_per_sec=getattr(args, "storage_mb_per_sec", None),
         storage_latency_us=getattr(args, "storage_latency_us", None),
         reader=getattr(args, "reader", None) or _default_reader(),
+        reader_default=not getattr(args, "reader", None),
         chunk_size=(getattr(args, "chunk_kb", None) or 1024) * 1024,
         progress=False if getattr(args, "no_progress", False) else None,
         trials=TRIALS if getattr(args, "trials", None) is None else args.trials,

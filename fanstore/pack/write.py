@@ -1,9 +1,10 @@
 """The planned pack of a directory: check, scan, plan, compress, write the index, install.
 
 :func:`prepare` checks the arguments, scans the tree and plans which partition and codec
-each file gets (``fanstore.pack.plan``, the policy of ``fanstore.pack.policy``); the
-workers of ``fanstore.pack.worker`` compress the partitions; :func:`finish` builds the index
-from their chunk rows (``fanstore.pack.indexing``) and installs the store. :func:`pack` is the
+each file gets (``fanstore.pack.plan``, with the policy it is given: the CLI makes it with
+``fanstore.select.packpolicy``); the workers of ``fanstore.pack.worker`` compress the
+partitions; :func:`finish` builds the index from their chunk rows
+(``fanstore.pack.indexing``) and installs the store. :func:`pack` is the
 three in one process; an MPI pack spreads the middle step over ranks
 (``fanstore.daemon.mpipack``).
 

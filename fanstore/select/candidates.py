@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from compressors import Codec, CodecError, CodecSpec, ZstdCodec, parse_spec, train_dictionary
+from compressors import Codec, CodecError, CodecSpec, ZstdCodec, parse_spec
+from fanstore.select.dictionaries import train
 from fanstore.select.sample import Sample, dict_eligible
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,6 @@ DICT_LEVEL = 3
 #: Levels measured with the whole-set dictionary: on small files a trained dictionary
 #: decodes about as fast at any level, so the high level buys capacity for pack time only.
 DICT_LEVELS = (3, 19)
-DICT_MAX = 112640  # zstd's default dictionary size
 #: Solid-block candidates: (block KiB, codec spec, with the dictionary). Measured on the
 #: kinds of small files; their read cost includes the read amplification (a file read in
 #: random order decodes its whole block unless the reader's caches still hold it:
@@ -98,31 +98,16 @@ def _build(specs: list[str]) -> list[Codec]:
     return out
 
 
-def train_kind_dictionary(samples: list[bytes]) -> bytes | None:
-    """A zstd dictionary for one kind of small files trained on ``samples`` (a tenth of their
-    bytes, 4 KiB to zstd's default 110 KiB), or None when they are too few to train one."""
-    total = sum(len(s) for s in samples)
-    if len(samples) < 8 or total < 8192:
-        return None
-    size = max(4096, min(DICT_MAX, total // 10))
-    try:
-        return train_dictionary(samples, size)
-    except CodecError as exc:
-        log.info("no zstd dictionary: %s", exc)
-        return None
-
-
 def whole_set_candidates(sample: Sample) -> list[Candidate]:
     """Candidates applied to every kind (the single-codec choice)."""
     specs = list(BASE_SPECS) + blosc_specs(dominant_typesize(sample))
     if jpeg_kinds(sample):
         specs.append("jpegxl")
     out = [Candidate(c.spec, c) for c in _build(specs)]
-    # One dictionary per kind of many small files, as pack's --codec zstd:L+dict trains them;
-    # every dictionary is charged to the stored size.
-    dicts = {k: d for k, ks in sorted(sample.kinds.items())
-             if dict_eligible(k, ks.files) and ks.train
-             for d in [train_kind_dictionary(ks.train)] if d is not None}
+    # One dictionary per kind of many small files, the very one pack's --codec zstd:L+dict
+    # trains (dictionaries.py); every dictionary is charged to the stored size.
+    dicts = train({k: ks.train for k, ks in sample.kinds.items()
+                   if dict_eligible(k, ks.files) and ks.train})
     overhead = sum(len(d) for d in dicts.values())
 
     def with_dicts(level: int) -> tuple[tuple[str, Codec], ...]:

@@ -24,14 +24,19 @@ prediction and its check read the same way:
   and every process below it): what projects the pass to a node with more cores.
 
 Cold passes: :func:`drop_page_cache` evicts a store's files from the page cache (they are
-synced first, so freshly packed partitions are evictable too); a fresh mount has no page
-cache of its own.
+synced first, so freshly packed partitions are evictable too) and then asks the kernel
+which of their pages are still there (``mincore``): where the drop did nothing (a store on
+a tmpfs, whose pages are its storage; a file the drop could not open) the caller says its
+pass was not cold instead of reporting it as cold. A fresh mount has no page cache of its
+own.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
+import mmap
 import multiprocessing as mp
 import os
 import queue as _queue
@@ -88,6 +93,9 @@ class PassResult:
     errors: int = 0
     first_error: str | None = None
     order_seconds: float | None = None
+    #: the store's pages in the page cache when the pass began, as a fraction (the caller's
+    #: :func:`drop_page_cache`; None: not checked)
+    resident: float | None = None
 
     @property
     def files_per_s(self) -> float:
@@ -297,31 +305,131 @@ def _send_order(target: Target, rels: list[str]) -> float:
 
 # --------------------------------------------------------------------------- cold
 
+#: A pass is cold when at most this fraction of its store's pages are in the page cache
+#: after the drop (on a disk they are all gone: 0.0; on a tmpfs all stay: 1.0).
+COLD_RESIDENT = 0.05
+#: mincore(2) is asked about this many bytes of a file at a time (its answer is one byte
+#: per page).
+_WINDOW = 256 << 20
+_LOW_BIT = bytes(b & 1 for b in range(256))  # mincore's byte per page: bit 0 = resident
 
-def drop_page_cache(paths: Sequence[str]) -> None:
-    """Evict ``paths`` (files, or every file directly in a directory) from the page cache:
-    synced first (pages not yet written back cannot be evicted), then
-    ``posix_fadvise(DONTNEED)``. Needs no privilege; files that vanished are skipped."""
+
+@dataclass(frozen=True)
+class Residency:
+    """How many of some files' pages are in the page cache (``mincore``); ``pages`` 0
+    with ``known`` False when the kernel could not be asked."""
+
+    resident: int
+    pages: int
+    known: bool = True
+
+    @property
+    def fraction(self) -> float | None:
+        if not self.known:
+            return None
+        return self.resident / self.pages if self.pages else 0.0
+
+    @property
+    def cold(self) -> bool | None:
+        """Whether a pass that starts now reads cold (None: unknown)."""
+        fraction = self.fraction
+        return None if fraction is None else fraction <= COLD_RESIDENT
+
+
+def _files_of(paths: Sequence[str]) -> list[str]:
     files: list[str] = []
     for p in paths:
         if os.path.isdir(p):
-            files.extend(os.path.join(p, name) for name in sorted(os.listdir(p)))
+            files.extend(os.path.join(p, name) for name in sorted(os.listdir(p))
+                         if os.path.isfile(os.path.join(p, name)))
         else:
             files.append(p)
+    return files
+
+
+def drop_page_cache(paths: Sequence[str]) -> Residency:
+    """Evict ``paths`` (files, or every file directly in a directory) from the page cache:
+    synced first (pages not yet written back cannot be evicted), then
+    ``posix_fadvise(DONTNEED)``. Needs no privilege; files that vanished are skipped.
+    Returns what is still resident afterwards (:func:`resident_pages`)."""
+    files = _files_of(paths)
     for path in files:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            log.debug("cannot drop %s from the page cache: %s", path, exc)
+            continue
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError as exc:
+            log.debug("cannot drop %s from the page cache: %s", path, exc)
+        finally:
+            os.close(fd)
+    return resident_pages(files)
+
+
+def resident_pages(paths: Sequence[str]) -> Residency:
+    """The pages of ``paths`` (files, or the files directly in a directory) that are in the
+    page cache: each file mapped (nothing is read) and ``mincore(2)`` asked about it. The
+    kernel answers for the page cache only about files the caller owns or may write (Linux
+    5.0 and later; else about its own mappings): true of every store a selection or a
+    check packs or is given by its owner. Files that vanished count nothing."""
+    libc = _libc()
+    if libc is None:
+        return Residency(0, 0, known=False)
+    page = mmap.PAGESIZE
+    resident = pages = 0
+    for path in _files_of(paths):
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
             continue
         try:
-            if not os.path.isdir(path):
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        except OSError as exc:
-            log.debug("cannot drop %s from the page cache: %s", path, exc)
+            size = os.fstat(fd).st_size
+            for offset in range(0, size, _WINDOW):
+                length = min(_WINDOW, size - offset)
+                got = _mincore(libc, fd, offset, length, page)
+                if got is None:
+                    return Residency(0, 0, known=False)
+                resident += got
+                pages += -(-length // page)
         finally:
             os.close(fd)
+    return Residency(resident, pages)
 
 
-__all__ = ["ORDER_CLIENT", "PassError", "PassResult", "Target", "drop_page_cache",
-           "mount_pids", "run_pass"]
+def _libc():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long)
+        libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+        libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t,
+                                 ctypes.POINTER(ctypes.c_ubyte))
+    except (OSError, AttributeError) as exc:  # not Linux
+        log.debug("no mincore here: %s", exc)
+        return None
+    return libc
+
+
+def _mincore(libc, fd: int, offset: int, length: int, page: int) -> int | None:
+    """Resident pages of ``length`` bytes of ``fd`` from ``offset`` (page-aligned), or None
+    when the kernel refuses."""
+    addr = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        log.debug("mmap for mincore failed: %s", os.strerror(ctypes.get_errno()))
+        return None
+    try:
+        vec = (ctypes.c_ubyte * (-(-length // page)))()
+        if libc.mincore(addr, length, vec) != 0:
+            log.debug("mincore failed: %s", os.strerror(ctypes.get_errno()))
+            return None
+        return bytes(vec).translate(_LOW_BIT).count(1)
+    finally:
+        libc.munmap(addr, length)
+
+
+__all__ = ["COLD_RESIDENT", "ORDER_CLIENT", "PassError", "PassResult", "Residency", "Target",
+           "drop_page_cache", "mount_pids", "resident_pages", "run_pass"]

@@ -21,7 +21,8 @@ the next informed by what the measurements so far say of the model:
 It stops when none of these applies, or at the caller's limit. The choice
 (:func:`choose_measured`) is the rule of :func:`.policy.choose` on measured rates: the best
 ratio among those meeting the budget, ties within :data:`~.policy.RATIO_TIE` to the faster;
-if none meets it, the fastest measured.
+if none meets it, the fastest measured. "Meets the budget" is :meth:`.policy.Budget.met_by`,
+as it is for the model.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from fanstore.select.policy import RATIO_TIE
+from fanstore.select.policy import RATIO_TIE, Budget
 
 #: A candidate estimated within this fraction below the budget is still measured.
 SLACK = 0.3
@@ -61,13 +62,13 @@ def estimate(option: Option, measured: Mapping[str, float], f: float) -> float:
 
 
 def best_met(options: Sequence[Option], measured: Mapping[str, float],
-             required: float) -> Option | None:
-    ok = [o for o in options if o.label in measured and measured[o.label] >= required]
+             budget: Budget) -> Option | None:
+    ok = [o for o in options if o.label in measured and budget.met_by(measured[o.label])]
     return max(ok, key=lambda o: (o.ratio, measured[o.label])) if ok else None
 
 
 def next_to_measure(options: Sequence[Option], measured: Mapping[str, float],
-                    required: float, limit: int, slack: float = SLACK,
+                    budget: Budget, limit: int, slack: float = SLACK,
                     min_measured: int = MIN_MEASURED) -> str | None:
     """The label of the next finalist to measure, or None (see the module docstring).
     ``measured``: label -> measured rate; ``limit``: measurements allowed in all."""
@@ -81,8 +82,8 @@ def next_to_measure(options: Sequence[Option], measured: Mapping[str, float],
     def est(o: Option) -> float:
         return estimate(o, measured, f)
 
-    near = required * (1 - slack)
-    best = best_met(options, measured, required)
+    near = budget.required * (1 - slack)
+    best = best_met(options, measured, budget)
     floor = best.ratio * (1 + RATIO_TIE) if best is not None else 0.0
     higher = [o for o in rest if o.ratio > floor and est(o) >= near]
     if higher:
@@ -92,7 +93,7 @@ def next_to_measure(options: Sequence[Option], measured: Mapping[str, float],
         if not measured or est(fastest) > max(measured.values()):
             return fastest.label
     if len(measured) < min_measured:
-        may = ([o for o in rest if est(o) >= required] or
+        may = ([o for o in rest if budget.met_by(est(o))] or
                [o for o in rest if est(o) >= near])
         pick = (max(may, key=lambda o: (o.ratio, est(o))) if may
                 else max(rest, key=lambda o: (est(o), o.ratio)))
@@ -101,13 +102,13 @@ def next_to_measure(options: Sequence[Option], measured: Mapping[str, float],
 
 
 def choose_measured(options: Sequence[Option], measured: Mapping[str, float],
-                    required: float, tie: float = RATIO_TIE) -> tuple[str, bool]:
+                    budget: Budget, tie: float = RATIO_TIE) -> tuple[str, bool]:
     """``(label, met)`` among the measured candidates: the best ratio meeting the budget
     (ties to the faster), else the fastest."""
     mine = [o for o in options if o.label in measured]
     if not mine:
         raise ValueError("nothing measured")
-    ok = [o for o in mine if measured[o.label] >= required]
+    ok = [o for o in mine if budget.met_by(measured[o.label])]
     if not ok:
         return max(mine, key=lambda o: measured[o.label]).label, False
     top = max(o.ratio for o in ok)

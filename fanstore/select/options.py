@@ -36,6 +36,9 @@ class SelectionOptions:
     storage_latency_us: float | None = None  # None: measured with the bandwidth, else 0
     storage_dir: str | None = None  # where to measure it (None: the temp directory)
     reader: str | None = None  # the read path measured: "mount", "api" (None: model only)
+    #: the reader was not given (``mount``, FUSE being here): if no mount can be made after
+    #: all, the trials fall back to the Python API (sync mode) or to the model alone
+    reader_default: bool = False
     chunk_size: int = 1 << 20
     encode_seconds: float = ENCODE_SECONDS
     progress: bool | None = None  # None: on a terminal only

@@ -29,13 +29,15 @@ from typing import Mapping, Sequence
 import numpy as np
 
 MODES = ("sync", "prefetch")
-#: Ratios within this relative distance of the best are a tie; the faster candidate wins.
+#: Ratios within this relative distance of the best are a tie; the faster candidate wins
+#: (the model's choice, the choice among the measured, the quick selection of ``pack``).
 RATIO_TIE = 0.01
 #: Node rates within this relative distance of the fastest tie's are equally fast: timings
 #: of one core vary that much on a busy machine, so the simplest of them (earliest in the
 #: candidates' order) wins, the same answer quiet or busy.
 RATE_NOISE = 0.10
-#: Budget slack for floating-point equality (the default budget is met exactly by ``none``).
+#: Budget slack for floating-point equality (the default budget is met exactly by ``none``):
+#: :meth:`Budget.met_by`, the one test of "meets the budget".
 _EPS = 1e-9
 
 
@@ -94,6 +96,11 @@ class Budget:
                 or not self.latency >= 0:
             raise ValueError(f"bad budget {self!r}")
 
+    def met_by(self, rate: float) -> bool:
+        """Whether ``rate`` (raw bytes/s per node: modelled, measured, or read by a check)
+        meets the budget: the one test of it, with slack for floating-point equality."""
+        return rate >= self.required * (1 - _EPS)
+
     @property
     def time_allowance(self) -> float:
         """Core-seconds per raw byte the read path may spend: ``n / R``."""
@@ -115,7 +122,7 @@ def node_rate(cost: Cost, budget: Budget) -> float:
 
 
 def meets(cost: Cost, budget: Budget) -> bool:
-    return node_rate(cost, budget) >= budget.required * (1 - _EPS)
+    return budget.met_by(node_rate(cost, budget))
 
 
 def mix(costs: Sequence[Cost], weights: Sequence[float]) -> Cost:

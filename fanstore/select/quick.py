@@ -38,7 +38,8 @@ from typing import Any
 
 from compressors import Codec, CodecError, ZstdCodec, parse_spec
 from fanstore.select.bench import solid_blocks
-from fanstore.select.candidates import train_kind_dictionary
+from fanstore.select.dictionaries import train_kind_dictionary
+from fanstore.select.policy import RATIO_TIE
 from fanstore.select.sample import SourceFile, draw_sample
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,6 @@ SAMPLE_MB = 8
 TRAIN_BYTES = 2 << 20
 #: Kinds chosen for, the largest by bytes (ties by name); the others keep FALLBACK.
 MAX_KINDS = 64
-RATIO_TIE = 0.01
 #: The size bands whose files go into solid blocks (fanstore.kinds: below 64 KiB).
 SOLID_BANDS = ("tiny", "small")
 FALLBACK = "zstd:3"
@@ -228,22 +228,6 @@ def _choose_kind(ks, block: int) -> KindChoice:
                       solid)
 
 
-def train_dictionaries(files: list[SourceFile], chunk_size: int = 1 << 20, seed: int = 0,
-                       root: str = "") -> dict[str, bytes]:
-    """A zstd dictionary per kind of many small files of ``files`` (trained as the quick
-    selection trains them: :data:`TRAIN_BYTES` of files in all), for ``--codec zstd:L+dict``;
-    kinds without one are left out."""
-    out: dict[str, bytes] = {}
-    if any(f.size for f in files):
-        sample = draw_sample(files, 0, chunk_size, seed, root=root, progress=False,
-                             train_bytes=TRAIN_BYTES)
-        for kind, ks in sorted(sample.kinds.items()):
-            data = train_kind_dictionary(ks.train) if ks.train else None
-            if data is not None:
-                out[kind] = data
-    return out
-
-
 __all__ = [
     "FALLBACK",
     "READ_COST_ORDER",
@@ -251,5 +235,4 @@ __all__ = [
     "KindChoice",
     "QuickSelection",
     "quick_select",
-    "train_dictionaries",
 ]

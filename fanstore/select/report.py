@@ -13,7 +13,7 @@ from typing import Any
 
 from fanstore.errors import BudgetNotMetError
 from fanstore.kinds import access_pattern
-from fanstore.select.options import TRIALS
+from fanstore.select.measuring import cold_line
 from fanstore.select.policy import Cost
 from fanstore.select import wholefiles
 from fanstore.select.result import CandidateResult, SelectionResult
@@ -88,7 +88,8 @@ def _measurement_json(res: SelectionResult) -> dict[str, Any] | None:
     return {"measured": info.measured, "how": info.how or None, "readers": info.readers,
             "cores": info.cores, "trials": info.trials, "seconds": _num(info.seconds, 2),
             "model_correction": _num(info.correction, 3), "model_chosen": info.model_chosen,
-            "note": info.note}
+            "note": info.note, "reader_fallback": info.fallback, "cold": info.cold,
+            "resident_after_drop": _num(info.resident, 4) if info.measured else None}
 
 
 def to_json(res: SelectionResult, capacity: int | None = None) -> dict[str, Any]:
@@ -200,6 +201,7 @@ def _per_kind_predicted_json(res: SelectionResult, cost: Cost) -> dict[str, Any]
         "measured": res.per_kind_measured.to_json() if res.per_kind_measured else None,
         "gain_over_single": _num(res.per_kind_gain or 1.0, 4),
         "met": bool(res.per_kind_met),
+        "measure_error": res.per_kind_error,
     }
 
 
@@ -212,24 +214,24 @@ def _not_met_json(res: SelectionResult, chosen: CandidateResult) -> dict[str, An
             "short_mb_per_s": _num((required - chosen.rate) / MB)}
 
 
-#: The defaults of the selection options as ``fanstore select`` spells them (an option at its
-#: default is left out of a command).
-_DEFAULT_SAMPLE_MB = 200.0
+#: pack's ``--chunk-kb`` default (left out of a command).
 _DEFAULT_CHUNK = 1 << 20
 
 
 def _packs_per_kind(res: SelectionResult) -> bool:
-    """Whether the choice is a per-kind mix pack can apply (``--codec auto --per-kind``)."""
+    """Whether the choice is a per-kind mix that meets the budget (``--kind-codec``)."""
     return res.per_kind is not None and bool(res.per_kind_met)
 
 
 def pack_command(res: SelectionResult, dest: str = "DEST", per_kind: bool | None = None) -> str:
-    """The ``fanstore pack`` command that packs the source as this selection chose.
+    """The ``fanstore pack`` command that packs the source as this selection chose and
+    measured it.
 
     One codec: ``--codec LABEL``, the label as the report prints it (``zstd:19+dict+solid64k``
-    is a spec pack takes). A per-kind mix that meets the budget has no single spec: pack
-    applies it with ``--codec auto --per-kind`` and this selection's options, which selects
-    again (``per_kind=False``: the single choice instead).
+    is a spec pack takes). A per-kind mix that meets the budget: the single choice as
+    ``--codec`` and a ``--kind-codec KIND=LABEL`` for each kind that differs from it
+    (``per_kind=False``: the single choice alone). ``--seed`` when a dictionary's training
+    files depend on it, ``--chunk-kb`` when not the default.
     """
     opts = res.options
     words = ["fanstore", "pack", shlex.quote(res.source), dest]
@@ -237,18 +239,13 @@ def pack_command(res: SelectionResult, dest: str = "DEST", per_kind: bool | None
         words += ["--chunk-kb", str(opts.chunk_size >> 10)]
     if per_kind is None:
         per_kind = _packs_per_kind(res)
-    if not per_kind:
-        return " ".join(words + ["--codec", shlex.quote(res.chosen)])
-    words += ["--codec", "auto", "--per-kind"]
-    for flag, value, default in (
-            ("--mode", opts.mode, "sync"), ("--mb-per-sec", opts.mb_per_sec, None),
-            ("--files-per-sec", opts.files_per_sec, None), ("--cores", opts.cores, None),
-            ("--sample-mb", opts.sample_mb, _DEFAULT_SAMPLE_MB), ("--seed", opts.seed, 0),
-            ("--storage-mb-per-sec", opts.storage_mb_per_sec, None),
-            ("--storage-latency-us", opts.storage_latency_us, None),
-            ("--reader", opts.reader, None), ("--trials", opts.trials, TRIALS)):
-        if value is not None and value != default:
-            words += [flag, _word(value)]
+    kinds = sorted((res.per_kind or {}).items()) if per_kind else []
+    if opts.seed and any("+dict" in label for label in [res.chosen] + [lb for _, lb in kinds]):
+        words += ["--seed", _word(opts.seed)]  # it chooses the dictionaries' training files
+    words += ["--codec", shlex.quote(res.chosen)]
+    for kind, label in kinds:
+        if label != res.chosen:
+            words += ["--kind-codec", shlex.quote(f"{kind}={label}")]
     return " ".join(words)
 
 
@@ -263,8 +260,8 @@ def pack_lines(res: SelectionResult) -> list[str]:
     command = pack_command(res)
     if not _packs_per_kind(res):
         return [f"pack      {command}"]
-    note = ("pack      --codec auto --per-kind selects again with these options and packs "
-            f"each kind with its codec (one codec for every file: --codec {res.chosen}):")
+    note = ("pack      each kind with its codec, as measured (one codec for every file: "
+            f"--codec {res.chosen}):")
     return [note, f"          {command}"]
 
 
@@ -377,9 +374,13 @@ def table(res: SelectionResult, capacity: int | None = None) -> str:
         lines.append(f"reader    {res.reader.describe()}")
     else:
         lines.append("reader    not modelled (--reader mount|api measures the read path)")
+    if res.measurement is not None and res.measurement.fallback:
+        lines.append(f"fallback  {res.measurement.fallback}")
     lines.append(f"checksum  xxh3-64 at {res.checksum_mb_per_s:,.0f} MB/s on one core, "
                  "charged to every candidate")
     lines.append(measure_line(res))
+    if res.measured and res.measurement is not None:
+        lines.append(cold_line(res.measurement.resident))
     lines.append("")
     head = (f"{'codec':<30} {'ratio':>7} {'enc MB/s':>9} {'dec MB/s':>9} {'model':>10} "
             f"{'measured':>10} {'measured':>9}  budget")
@@ -402,6 +403,11 @@ def table(res: SelectionResult, capacity: int | None = None) -> str:
                      f"{_fmt(dec / MB):>9} {_fmt(res.files_rate(c.node_rate)):>10} {got}"
                      f"  {mark}")
     lines += wholefiles.lines(res)
+    lines += [f"failed    {c.label} not measured: {c.measure_error}" for c in whole_cands
+              if c.measure_error]
+    if res.per_kind_error:
+        lines.append(f"failed    the per-kind mix not measured, so not chosen: "
+                     f"{res.per_kind_error}")
     lines.append("")
     if res.per_kind is not None:
         lines.append(f"{'kind':<16} {'files':>8} {'MB':>9} {'typesize':>14}  "

@@ -12,6 +12,7 @@ from compressors import Codec
 from fanstore.pack.plan import CodecPolicy
 from fanstore.select import policy
 from fanstore.select.calibrate import ReaderCost
+from fanstore.select.epoch import COLD_RESIDENT
 from fanstore.select.options import SelectionOptions
 from fanstore.select.policy import Budget, Cost
 from fanstore.select.trial import Measured
@@ -76,7 +77,10 @@ class KindResult:
 @dataclass
 class MeasurementInfo:
     """How the finalists were measured (``how``: one line), or why not (``note``); the
-    model's correction (median of measured / modelled) and what the model alone chose."""
+    model's correction (median of measured / modelled) and what the model alone chose;
+    ``resident``: the most of a trial store any round found in the page cache after
+    dropping it (``mincore``; None: not known); ``fallback``: why the trials read with the
+    Python API although a mount was the default (None: they read as asked)."""
 
     how: str
     readers: int
@@ -86,10 +90,19 @@ class MeasurementInfo:
     correction: float = 1.0
     model_chosen: str | None = None
     note: str | None = None
+    resident: float | None = None
+    fallback: str | None = None
 
     @property
     def measured(self) -> bool:
         return self.note is None and self.trials > 0
+
+    @property
+    def cold(self) -> bool | None:
+        """Whether every trial round read cold (None: not measured, or not known)."""
+        if not self.measured or self.resident is None:
+            return None
+        return self.resident <= COLD_RESIDENT
 
 
 @dataclass
@@ -117,6 +130,7 @@ class SelectionResult:
     reader: ReaderCost | None = None
     measurement: MeasurementInfo | None = None
     per_kind_measured: Measured | None = None
+    per_kind_error: str | None = None  # why the per-kind mix could not be measured
 
     # ------------------------------------------------------------------ accessors
 

@@ -9,7 +9,9 @@ Each kind gets a byte quota proportional to its share of the data, with a floor 
 kinds are still measured (the larger of 1% of the sample and 8 units, capped by the kind's
 size). Within a kind, units are drawn uniformly without replacement with a generator seeded
 by ``(seed, crc32(kind))``: the same seed gives the same sample whatever else is in the tree.
-If the whole source fits the sample size, every unit is taken.
+If the whole source fits the sample size, every unit is taken. A kind of many small files
+is measured on the files that do not train its dictionary (:mod:`.dictionaries`, which
+chooses those first), when enough are left.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import numpy as np
 
 from fanstore.errors import UsageError
 from fanstore.kinds import file_kind
+from fanstore.select.dictionaries import (DICT_MIN_FILES, DICT_TRAIN_BYTES, dict_eligible,
+                                          read_training, training_files)
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +39,6 @@ EXTENSION_TYPESIZE = {
     "i16": 2, "i32": 4, "i64": 8, "u16": 2, "u32": 4, "u64": 8,
     "float16": 2, "float32": 4, "float64": 8, "int16": 2, "int32": 4, "int64": 8,
 }
-#: Kinds of many small files get a trained zstd dictionary candidate.
-DICT_BANDS = ("tiny", "small")
-DICT_MIN_FILES = 16
-#: Bytes of training data for dictionaries, over all eligible kinds (zstd's rule of thumb is
-#: about 100 times the dictionary size).
-DICT_TRAIN_BYTES = 8 << 20
 _MIN_UNITS = 8
 _MIN_SHARE = 0.01
 
@@ -59,8 +57,9 @@ class KindSample:
     Attributes: ``files``/``raw_bytes`` of the kind in the source; ``units`` the sampled
     units in random order (a prefix is itself a random sample); ``unit_files`` how many
     distinct files they come from; ``typesize`` the element size for byte-shuffle filters
-    (1 if unknown) and ``typesize_from`` where it came from; ``train`` dictionary-training
-    files (disjoint from the units when the source has enough), empty if not eligible.
+    (1 if unknown) and ``typesize_from`` where it came from; ``train`` the bytes that train
+    the kind's dictionary (:mod:`.dictionaries`; disjoint from the units when the source
+    has enough files), empty if not eligible.
     """
 
     kind: str
@@ -125,7 +124,7 @@ def draw_sample(files: list[SourceFile], target_bytes: int, chunk_size: int, see
                 root: str = "", progress: bool | None = None,
                 train_bytes: int = DICT_TRAIN_BYTES) -> Sample:
     """Draw and read the sample (see the module docstring); ``train_bytes`` of dictionary
-    training files in all."""
+    training files in all (:func:`.dictionaries.training_files`)."""
     by_kind: dict[str, list[SourceFile]] = {}
     for f in files:
         by_kind.setdefault(file_kind(f.rel, f.size), []).append(f)
@@ -136,14 +135,16 @@ def draw_sample(files: list[SourceFile], target_bytes: int, chunk_size: int, see
         raise UsageError(f"{root or 'the source'} holds no data to sample "
                          f"({len(files):,} file{'s' if len(files) != 1 else ''}, all empty)")
     sample = Sample(root, chunk_size, seed, target_bytes, len(files), total, {})
+    training = training_files(files, chunk_size, seed, train_bytes)
     plans: dict[str, list[tuple[SourceFile, int]]] = {}
     for kind in sorted(by_kind):
         members = by_kind[kind]
         ks = KindSample(kind, len(members), sum(f.size for f in members))
         sample.kinds[kind] = ks
         if ks.raw_bytes:
-            plans[kind] = _draw_units(members, _quota(ks.raw_bytes, total, target_bytes,
-                                                      members, chunk_size),
+            plans[kind] = _draw_units(_measured(members, training.get(kind)),
+                                      _quota(ks.raw_bytes, total, target_bytes, members,
+                                             chunk_size),
                                       chunk_size, _rng(seed, kind))
     _read_units(sample, plans, chunk_size, progress)
     for kind, plan in plans.items():
@@ -151,8 +152,19 @@ def draw_sample(files: list[SourceFile], target_bytes: int, chunk_size: int, see
         sampled = {id(f): f for f, _ in plan}
         ks.unit_files = len(sampled)
         ks.typesize, ks.typesize_from = _typesize(kind, list(sampled.values()))
-    _draw_training(sample, by_kind, plans, seed, train_bytes)
+        if kind in training:
+            ks.train = read_training(training[kind], chunk_size)
     return sample
+
+
+def _measured(members: list[SourceFile], train: list | None) -> list[SourceFile]:
+    """The files of a kind its units are drawn from: those that do not train its
+    dictionary, when at least DICT_MIN_FILES of them hold data; else all of them."""
+    if not train:
+        return members
+    trained = {id(f) for f in train}
+    rest = [f for f in members if f.size and id(f) not in trained]
+    return rest if len(rest) >= DICT_MIN_FILES else members
 
 
 def _rng(seed: int, kind: str, salt: int = 0) -> np.random.Generator:
@@ -277,49 +289,6 @@ def _typesize(kind: str, files: list[SourceFile]) -> tuple[int, str]:
     if ext in EXTENSION_TYPESIZE:
         return EXTENSION_TYPESIZE[ext], "extension"
     return 1, "default"
-
-
-# --------------------------------------------------------------------------- dictionaries
-
-
-def dict_eligible(kind: str, files: int) -> bool:
-    return kind.split("/", 1)[1] in DICT_BANDS and files >= DICT_MIN_FILES
-
-
-def _draw_training(sample: Sample, by_kind: dict[str, list[SourceFile]],
-                   plans: dict[str, list[tuple[SourceFile, int]]], seed: int,
-                   train_bytes: int = DICT_TRAIN_BYTES) -> None:
-    """Training files for dictionary kinds, disjoint from the measured units if possible.
-
-    A dictionary trained on the very files it is measured on would flatter it; pack applies
-    it to the whole source, so files outside the sample are the honest test. When the sample
-    already holds (nearly) the whole kind, the units themselves are the training set: pack
-    then compresses exactly those files with it.
-    """
-    eligible = [k for k, ks in sample.kinds.items()
-                if k in plans and dict_eligible(k, ks.files)]
-    weight = sum(sample.kinds[k].raw_bytes for k in eligible)
-    for kind in eligible:
-        ks = sample.kinds[kind]
-        budget = max(256 << 10, train_bytes * ks.raw_bytes // max(1, weight))
-        used = {id(f) for f, _ in plans[kind]}
-        rest = [f for f in by_kind[kind] if f.size and id(f) not in used]
-        if len(rest) < DICT_MIN_FILES:
-            ks.train = list(ks.units)
-            continue
-        order = _rng(seed, kind, 1).permutation(len(rest))
-        got = 0
-        for i in order.tolist():
-            if got >= budget:
-                break
-            f = rest[i]
-            try:
-                with open(f.path, "rb") as fh:
-                    data = fh.read(sample.chunk_size)
-            except OSError:
-                continue
-            ks.train.append(data)
-            got += len(data)
 
 
 __all__ = [

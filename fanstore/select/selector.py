@@ -26,7 +26,8 @@ from fanstore.select.policy import Budget, Cost
 from fanstore.select.result import (CandidateResult, KindResult, MeasurementInfo,
                                     SelectionResult)
 from fanstore.select.sample import Sample, draw_sample, list_source
-from fanstore.select.trial import Measured, TrialError
+from fanstore.select.tempmount import MountFailed, TrialError
+from fanstore.select.trial import Measured
 
 log = logging.getLogger(__name__)
 
@@ -79,20 +80,42 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
     try:
         reader = none_trial = None
         if measuring is not None:
-            none_trial, reader = measuring.calibrate(storage, latency)
-            log.info("reader %s", reader.describe())
+            none_trial, reader, options, note = _calibrate(measuring, options, storage,
+                                                           latency)
         result = _model(src, files, sample, kinds, options, storage, latency, storage_from,
                         reader)
         result.measurement = MeasurementInfo(
             measuring.how.describe() if measuring else "", measuring.readers if measuring
-            else 0, options.n_cores, note=note)
+            else 0, options.n_cores, note=note,
+            fallback=measuring.fallback if measuring else None)
         if measuring is not None and none_trial is not None:
             _decide(result, measuring, none_trial, options)
+            result.measurement.resident = measuring.resident
+            result.measurement.how = measuring.how.describe(result.measurement.cold)
     finally:
         if measuring is not None:
             measuring.close()
     result.seconds = time.monotonic() - t_start
     return result
+
+
+def _calibrate(measuring: Measuring, options: SelectionOptions, storage: float,
+               latency: float) -> tuple[Measured | None, ReaderCost | None, SelectionOptions,
+                                        str | None]:
+    """The ``none`` trial and the reader fitted to it, the options as measured (``reader``
+    "api" when the trials fell back to it: the model's caches are the API's then) and why
+    nothing is measured (None: the finalists are)."""
+    try:
+        none_trial, reader = measuring.calibrate(storage, latency)
+    except MountFailed as exc:  # prefetch mode, no reader given: nothing reads without one
+        note = (f"prefetch mode is measured through a mount, and a trial mount failed here "
+                f"({exc})")
+        log.info("%s", note)
+        return None, None, dataclasses.replace(options, reader="api"), note
+    log.info("reader %s", reader.describe())
+    if measuring.fallback is not None:
+        options = dataclasses.replace(options, reader="api")
+    return none_trial, reader, options, None
 
 
 def _model(src: str, files, sample: Sample, kinds: list[str], options: SelectionOptions,
@@ -248,23 +271,24 @@ def _decide(result: SelectionResult, measuring: Measuring, none_trial: Measured,
     if result.budget_from == "default":  # 90% of what the data stored raw measured
         result.budget = dataclasses.replace(
             result.budget, required=DEFAULT_BUDGET * none_trial.bytes_per_s)
-    required = result.budget.required
     opts = [finalists.Option(c.label, c.cost.ratio, c.node_rate) for c in singles]
     measured = {"none": none_trial.bytes_per_s}
     bar = _progress_bar(options.trials, "measuring finalists", options.progress)
+    failed: list[str] = []
     try:
         while True:
-            label = finalists.next_to_measure(opts, measured, required, options.trials)
+            label = finalists.next_to_measure(opts, measured, result.budget, options.trials)
             if label is None:
                 break
             cand = by_label[label]
             try:
                 cand.measured = measuring.measure(cand.policy(), _encode_rate(cand), label)
                 measured[label] = cand.measured.bytes_per_s
-            except TrialError as exc:
+            except TrialError as exc:  # (a reader that died or timed out included)
                 log.warning("finalist %s could not be measured: %s", label, exc)
                 cand.measure_error = str(exc)
                 measured[label] = 0.0
+                failed.append(label)
             info.trials += 1
             if bar is not None:
                 bar.set_postfix_str(label)
@@ -272,11 +296,16 @@ def _decide(result: SelectionResult, measuring: Measuring, none_trial: Measured,
     finally:
         if bar is not None:
             bar.close()
+    if failed and len(failed) == info.trials - 1:
+        raise TrialError(f"none of the {len(failed)} finalist{'s' if len(failed) != 1 else ''}"
+                         f" could be measured (first, {failed[0]}: "
+                         f"{by_label[failed[0]].measure_error}); --trials 0 chooses on the "
+                         "model alone")
     info.correction = finalists.correction(opts, {k: v for k, v in measured.items() if v})
     for c in singles:
-        c.meets = c.rate >= required * (1 - 1e-9)
+        c.meets = result.budget.met_by(c.rate)
     result.chosen, result.met = finalists.choose_measured(
-        opts, {k: v for k, v in measured.items() if v > 0}, required)
+        opts, {k: v for k, v in measured.items() if v > 0}, result.budget)
     _mark_chosen(result)
     if options.per_kind and result.per_kind is not None:
         weights = {k: float(kr.raw_bytes) for k, kr in result.kinds.items()}
@@ -296,10 +325,11 @@ def _measure_mix(result: SelectionResult, measuring: Measuring) -> None:
         measured = measuring.measure(result.mix_policy(result.per_kind), rate, "per-kind mix")
     except TrialError as exc:
         log.warning("the per-kind mix could not be measured: %s", exc)
+        result.per_kind_error = str(exc)
         result.per_kind_met = False
         return
     result.per_kind_measured = measured
-    result.per_kind_met = measured.bytes_per_s >= result.budget.required * (1 - 1e-9)
+    result.per_kind_met = result.budget.met_by(measured.bytes_per_s)
     if result.measurement is not None:
         result.measurement.trials += 1
 

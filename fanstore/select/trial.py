@@ -19,9 +19,11 @@ A finalist (:func:`measure`) packs a prefix of that set (its own encode speed de
 much: :data:`PACK_SECONDS` of encoding on this node's cores, never fewer than
 :data:`MIN_FILES` whole files), and reads it :data:`ROUNDS` times (up to :data:`MAX_ROUNDS`
 while the rounds disagree by more than :data:`SPREAD`): each round drops the
-store from the page cache, mounts it afresh (``fanstore mount`` with the user's mode;
-``--cache-mb`` scaled to the trial's share of the source, so solid blocks see the cache
-pressure of the whole store) or opens it with the Python API, and runs one epoch
+store from the page cache (and checks with ``mincore`` that it is gone: a round whose
+store stayed resident, on a tmpfs say, is said not to be cold), mounts it afresh
+(``fanstore mount`` with the user's mode, ``--workers`` at most the selection's
+``--cores``, ``--cache-mb`` scaled to the trial's share of the source, so solid blocks see
+the cache pressure of the whole store) or opens it with the Python API, and runs one epoch
 (:mod:`.epoch`). A round is scaled to the source by what it cost per whole file and per
 byte of the pieces::
 
@@ -40,8 +42,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,8 +49,10 @@ from typing import Any
 import numpy as np
 
 from fanstore.errors import FanStoreError
+from fanstore.frontend import DEFAULT_MAX_WORKERS
 from fanstore.kinds import file_kind
-from fanstore.select.epoch import PassResult, Target, drop_page_cache, run_pass
+from fanstore.select.epoch import COLD_RESIDENT, PassResult, Target, drop_page_cache, run_pass
+from fanstore.select.tempmount import TrialError, mount, remove, unmount
 
 log = logging.getLogger(__name__)
 
@@ -86,12 +88,8 @@ SPREAD = 1.15
 #: the trial's share of the source.
 MOUNT_CACHE_MB = 256
 API_CACHE_MB = 64
+#: Seconds a round's readers may take.
 TIMEOUT = 300.0
-
-
-class TrialError(FanStoreError):
-    """A finalist could not be measured (the trial's pack, mount or pass failed)."""
-
 
 @dataclass
 class TrialFile:
@@ -135,15 +133,27 @@ class HowToRead:
     readers: int
     cores: int
 
-    def describe(self) -> str:
+    @property
+    def workers(self) -> int:
+        """The trial mount's FUSE workers (``--workers``): the selection's cores, at most
+        the cores here (the readers) and the mount's own cap. Each decodes on a core of
+        its own, and the read-order model gives each worker its share of the cache."""
+        return max(1, min(self.cores, self.readers, DEFAULT_MAX_WORKERS))
+
+    def describe(self, cold: bool | None = True) -> str:
+        """One line; ``cold``: whether the rounds' checks found the page cache dropped
+        (False: not, None: not checked)."""
         via = ("a temporary mount" if self.reader == "mount" else
                "the Python API on a temporary mount" if self.mode == "prefetch" else
                "the Python API on a temporary store")
         order = ("the order handed to the mount first (prefetch)" if self.mode == "prefetch"
                  else "a shuffled order")
         n = self.readers
-        return (f"{n} reader{'s' if n != 1 else ''} through {via}, cold (page cache "
-                f"dropped, a fresh mount), every file once in {order}")
+        start = ("cold (page cache dropped, a fresh mount)" if cold else
+                 "NOT cold (the page cache kept the store after the drop), a fresh mount"
+                 if cold is False else "page cache dropped (not checked), a fresh mount")
+        return (f"{n} reader{'s' if n != 1 else ''} through {via}, {start}, every file "
+                f"once in {order}")
 
 
 @dataclass
@@ -163,6 +173,9 @@ class Measured:
     ratio: float = 0.0  # raw / stored of the trial store
     seconds: float = 0.0  # the whole trial: pack, mounts, passes
     measured_files_per_s: float = 0.0  # before scaling to --cores
+    #: the most of the trial store still in the page cache after a round's drop (a
+    #: fraction, ``mincore``; None: not known): above ``epoch.COLD_RESIDENT``, not cold
+    resident: float | None = None
     #: the median round's files: (bytes, seconds from open to close), for the reader's
     #: calibration (``calibrate.reader_cost``)
     latencies: list[tuple[int, float]] = field(default_factory=list, repr=False)
@@ -176,7 +189,15 @@ class Measured:
                 "trial_mb": round(self.trial_bytes / 1e6, 2), "readers": self.readers,
                 "scaled_to_cores": self.scaled_to,
                 "files_per_s_as_measured": round(self.measured_files_per_s, 1),
-                "trial_ratio": round(self.ratio, 4), "seconds": round(self.seconds, 2)}
+                "trial_ratio": round(self.ratio, 4), "seconds": round(self.seconds, 2),
+                "cold": self.cold,
+                "resident_after_drop": None if self.resident is None
+                else round(self.resident, 4)}
+
+    @property
+    def cold(self) -> bool | None:
+        """Whether every round read the store cold (None: not known)."""
+        return None if self.resident is None else self.resident <= COLD_RESIDENT
 
 
 # --------------------------------------------------------------------------- the set
@@ -334,12 +355,13 @@ def measure(trial: TrialSet, policy, how: HowToRead, workdir: str, n_whole: int,
             log.debug("trial round %d: %.0f files/s as measured, %.0f for the source", r,
                       result.files_per_s, rounds[-1][0])
     finally:
-        _remove(workdir)
+        remove(workdir)
     rounds.sort(key=lambda r: r[0])
     files_s, bytes_s, cpu, order, median = rounds[len(rounds) // 2]
     out = Measured(files_s, bytes_s, cpu, [r[0] for r in rounds], n_whole, n_pieces,
                    sum(f.size for f in chosen), how.readers,
                    ratio=summary.ratio, measured_files_per_s=files_s,
+                   resident=_most_resident([r[-1] for r in rounds]),
                    latencies=[(f.size, lat) for f, lat in zip(order, median.latency)])
     if how.cores > how.readers and cpu > 0:
         # More cores than readers here: the lower of linear scaling and the CPU bound.
@@ -349,6 +371,13 @@ def measure(trial: TrialSet, policy, how: HowToRead, workdir: str, n_whole: int,
         out.scaled_to = how.cores
     out.seconds = time.monotonic() - t0
     return out
+
+
+def _most_resident(results: list[PassResult]) -> float | None:
+    """The largest share of the store any round found in the page cache after its drop
+    (None when one round could not tell)."""
+    fractions = [r.resident for r in results]
+    return None if any(f is None for f in fractions) else max(fractions, default=0.0)
 
 
 def _spread(rounds: list) -> float:
@@ -375,23 +404,28 @@ def _for_trial(policy, files: list[TrialFile]):
 
 def _one_round(store: str, workdir: str, rels: list[str], how: HowToRead,
                share: float) -> PassResult:
-    """One cold pass over ``rels`` of ``store``."""
-    drop_page_cache([store])
+    """One cold pass over ``rels`` of ``store`` (``resident``: what the drop left)."""
+    resident = drop_page_cache([store]).fraction
     if how.reader == "api" and how.mode == "sync":
         cache = max(1, round(API_CACHE_MB * share))
-        return run_pass(Target("api", store, cache_mb=cache), rels, how.readers,
-                        timeout=TIMEOUT)
+        result = run_pass(Target("api", store, cache_mb=cache), rels, how.readers,
+                          timeout=TIMEOUT)
+        result.resident = resident
+        return result
     mnt = os.path.join(workdir, "mnt")
     os.makedirs(mnt, exist_ok=True)
     cache = max(1, round(MOUNT_CACHE_MB * share))
-    cli("mount", "--mode", how.mode, "--cache-mb", str(cache), "--", store, mnt)
+    mount(store, mnt, "--mode", how.mode, "--cache-mb", str(cache), "--workers",
+          str(how.workers))
     try:
         order_to = mnt if how.mode == "prefetch" else None
-        return run_pass(Target(how.reader, mnt, order_to=order_to,
-                               cache_mb=max(1, round(API_CACHE_MB * share))),
-                        rels, how.readers, watch=mnt, timeout=TIMEOUT)
+        result = run_pass(Target(how.reader, mnt, order_to=order_to,
+                                 cache_mb=max(1, round(API_CACHE_MB * share))),
+                          rels, how.readers, watch=mnt, timeout=TIMEOUT)
     finally:
         unmount(mnt)
+    result.resident = resident
+    return result
 
 
 def _scale(trial: TrialSet, order: list[TrialFile], r: PassResult
@@ -417,43 +451,6 @@ def _scale(trial: TrialSet, order: list[TrialFile], r: PassResult
     cpu = r.cpu * wall / r.seconds if r.seconds > 0 else 0.0
     return (trial.source_files / wall, trial.source_bytes / wall,
             cpu / max(1, trial.source_files))
-
-
-# --------------------------------------------------------------------------- the CLI
-
-
-def cli(*args: str, check: bool = True, timeout: float = TIMEOUT) -> int:
-    """``fanstore ARGS`` as a user runs it (a subprocess); its exit status. Raises
-    :class:`TrialError` with the command's last line when ``check`` and it failed."""
-    cmd = [sys.executable, "-m", "fanstore.cli", *args]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              check=False)
-    except subprocess.TimeoutExpired:
-        if not check:
-            return 1
-        raise TrialError(f"'fanstore {args[0]}' of a temporary store did not finish in "
-                         f"{timeout:.0f} s") from None
-    if check and proc.returncode != 0:
-        line = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
-        raise TrialError(f"'fanstore {args[0]}' of a temporary store failed: "
-                         f"{line.removeprefix('fanstore: error: ')}")
-    return proc.returncode
-
-
-def unmount(mnt: str) -> None:
-    """Unmount a temporary mount, lazily if it is busy; never leaves it behind."""
-    if cli("umount", "--", mnt, check=False) != 0:
-        cli("umount", "--lazy", "--", mnt, check=False)
-
-
-def _remove(path: str) -> None:
-    """Remove a trial's directory, never through a mount still there."""
-    mnt = os.path.join(path, "mnt")
-    if os.path.ismount(mnt):
-        unmount(mnt)
-    if not os.path.ismount(mnt):
-        shutil.rmtree(path, ignore_errors=True)
 
 
 __all__ = ["HowToRead", "Measured", "TrialError", "TrialSet", "make_trial_set", "measure",

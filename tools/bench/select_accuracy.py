@@ -2,15 +2,20 @@
 """Does `fanstore select` report what the mount then reads? And is the default pack stable?
 
 For each data set, mode (sync, prefetch) and frontend: ``fanstore select`` with the budget
-given, then the whole data set packed with the chosen codec and read ``--passes`` times
-cold by the same readers (``fanstore.select.epoch.run_pass``); the report's files/s over
-the median full pass is the accuracy. Then the default pack twice (the second beside a busy
-loop on every core) and its size against mksquashfs. Rows to
-tools/bench/results/select_accuracy.jsonl, the table to docs/selection.md
-(``select_accuracy`` section) unless ``--no-docs``.
+given, then the whole data set packed with the report's own ``pack_command`` (its last
+line) and read ``--passes`` times cold by the same readers
+(``fanstore.select.epoch.run_pass``; each pass checks with ``mincore`` that the drop left
+nothing of the store in the page cache); the report's files/s over the median full pass is
+the accuracy, with the CPU per file of both. Then the default pack twice (the second beside
+a busy loop on every core) and its size against mksquashfs. Rows to
+tools/bench/results/select_accuracy.jsonl, the table to docs/selection.md (the
+``--section``, ``select_accuracy`` by default) unless ``--no-docs``.
 
     tools/bench/select_accuracy.py --work /work/acc --data /work/data \\
         --sets small60k,peers,demo,big64 --budget small60k=files:1000 --budget small60k=default
+    flock /tmp/fanstore-bench.lock tools/bench/select_accuracy.py --work /work/acc \\
+        --data /work/data --sets small-text-0.1,peers-0.1,mixed-0.1 --modes sync \\
+        --frontends kernel --no-default --section select_reproduce
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -41,6 +47,11 @@ SETS = {
     "peers": ["--preset", "peers"],
     "demo": ["--files", "1500", "--classes", "15", "--large", "1", "--large-mb", "32"],
     "big64": ["--files", "0", "--large", "16", "--large-mb", "64"],
+    # a tenth of each preset: 30,000 files of 2.6 kB; 2,000 of 50-150 kB; 10,000 small
+    # text files, 400 random 30-150 kB and one 128 MiB float32 array
+    "small-text-0.1": ["--preset", "small-text", "--scale", "0.1"],
+    "peers-0.1": ["--preset", "peers", "--scale", "0.1"],
+    "mixed-0.1": ["--preset", "mixed", "--scale", "0.1"],
 }
 BURN = "import time\nt = time.time() + 600\nwhile time.time() < t:\n    pass\n"
 
@@ -78,7 +89,7 @@ def full_passes(store: str, rels: list[str], mode: str, frontend: str, readers: 
     for k in range(passes):
         order = list(rels)
         random.Random(100 + k).shuffle(order)
-        drop_page_cache([store])
+        left = drop_page_cache([store])
         run([FANSTORE, "mount", "--mode", mode, "--frontend", frontend, store, mnt])
         try:
             r = run_pass(Target("mount", mnt, order_to=mnt if mode == "prefetch" else None),
@@ -89,9 +100,10 @@ def full_passes(store: str, rels: list[str], mode: str, frontend: str, readers: 
             raise SystemExit(f"full pass of {store}: {r.errors} errors ({r.first_error})")
         out.append({"files_per_s": r.files_per_s, "mb_per_s": r.bytes_per_s / 1e6,
                     "seconds": r.seconds,
-                    "cpu_us_per_file": r.cpu / max(1, r.files) * 1e6})
+                    "cpu_us_per_file": r.cpu / max(1, r.files) * 1e6,
+                    "resident_after_drop": left.fraction})
         log(f"    full pass {k + 1}: {r.files_per_s:,.0f} files/s, {r.bytes_per_s / 1e6:,.0f} "
-            f"MB/s, {r.cpu / r.files * 1e6:,.0f} us CPU per file")
+            f"MB/s, {r.cpu / r.files * 1e6:,.0f} us CPU per file; cold: {left.cold}")
     return out
 
 
@@ -124,7 +136,9 @@ def one_selection(name: str, data: str, rels: list[str], budget: list[str], mode
         f"model {row['model_files_per_s']:,.0f}; met {doc['met']}; {seconds:.0f} s")
     store = os.path.join(work, "store")
     t0 = time.monotonic()
-    run([FANSTORE, "pack", data, store, "--codec", chosen, "--no-progress"])
+    words = shlex.split(doc["pack_command"])  # the command the report ends with
+    assert words[:2] == ["fanstore", "pack"] and words[3] == "DEST", doc["pack_command"]
+    run([FANSTORE, "pack", words[2], store, *words[4:], "--no-progress"])
     pack_s = time.monotonic() - t0
     os.sync()
     # One pass, not counted, lets the disk settle after the pack's write-back (the
@@ -133,6 +147,8 @@ def one_selection(name: str, data: str, rels: list[str], budget: list[str], mode
     passes = full_passes(store, rels, mode, frontend, a.readers, a.passes, work)
     truth = statistics.median(p["files_per_s"] for p in passes)
     required = doc["budget"]["required_files_per_s"]
+    info = json.loads(run([FANSTORE, "info", store, "--json"]).stdout)
+    trial = row.get("measured") or {}
     emit({"kind": "accuracy", "dataset": name, "mode": mode, "frontend": frontend,
           "readers": a.readers, "budget": " ".join(budget) or "default",
           "required_files_per_s": required, "codec": chosen,
@@ -143,6 +159,11 @@ def one_selection(name: str, data: str, rels: list[str], budget: list[str], mode
           "full_files_per_s": [round(p["files_per_s"], 1) for p in passes],
           "full_mb_per_s": [round(p["mb_per_s"], 1) for p in passes],
           "full_cpu_us_per_file": [round(p["cpu_us_per_file"], 1) for p in passes],
+          "full_resident_after_drop": [p["resident_after_drop"] for p in passes],
+          "pack_command": doc["pack_command"], "packed_ratio": info.get("ratio"),
+          "trial_ratio": trial.get("trial_ratio"),
+          "reported_cpu_us_per_file": trial.get("cpu_us_per_file"),
+          "trials_cold": (doc.get("measurement") or {}).get("cold"),
           "truth_files_per_s": round(truth, 1),
           "reported_over_truth": round(row["files_per_s"] / truth, 3),
           "reported_met": doc["met"], "full_met": truth >= required,
@@ -200,6 +221,27 @@ def default_pack(name: str, data: str, a, emit) -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
+def _x(ratio) -> str:
+    return "?" if ratio is None else f"{ratio:.2f}x"
+
+
+def _us(value) -> str:
+    return "?" if value is None else f"{value:,.0f}"
+
+
+def _cold(value) -> str:
+    return {True: "yes", False: "NO"}.get(value, "?")
+
+
+def _all_cold(fractions) -> bool | None:
+    """Whether every full pass started cold (None: not checked)."""
+    from fanstore.select.epoch import COLD_RESIDENT
+
+    if not fractions or any(f is None for f in fractions):
+        return None
+    return max(fractions) <= COLD_RESIDENT
+
+
 def _same(a: str, b: str) -> bool:
     with open(a, "rb") as fa, open(b, "rb") as fb:
         while True:
@@ -219,23 +261,34 @@ def render(rows: list[dict], a) -> str:
            f"(commit {h.git_commit()}), one run: {a.readers} readers = `--cores "
            f"{a.readers}`; 'reported' is the files/s `fanstore select` printed for the codec "
            "it chose (measured: the median of its 3-5 trial rounds, scaled to the whole data "
-           "set); 'full pass' is the whole data set packed with that codec and read once, "
-           "cold (a fresh mount, the partitions dropped from the page cache), every file in a "
-           "shuffled order (prefetch: the order handed to the mount first), by the same "
-           f"readers through the same frontend, {a.passes} times after one uncounted pass "
-           "(median, then each).", "",
-           "| data set | mode | frontend | budget | chosen | ratio | reported files/s | "
-           "full pass files/s (median; each) | reported / full | model / full | met: "
-           "reported / full pass | select s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "set); 'full pass' is the whole data set packed with the report's own `fanstore "
+           "pack` command and read once, cold (a fresh mount, the partitions dropped from the "
+           "page cache, `mincore` finding none of them left), every file in a shuffled order "
+           "(prefetch: the order handed to the mount first), by the same readers through the "
+           f"same frontend, {a.passes} times after one uncounted pass (median, then each). "
+           "CPU per file: every process of the pass (readers and mount), the trial's median "
+           "round against the full passes' median; ratio: the report's (the sample's, "
+           "weighted by the source's kinds), the trial store's (a miniature: whole small files "
+           "and pieces of large ones, not in the source's proportions) and the packed "
+           "store's.", "",
+           "| data set | mode | frontend | budget | chosen | ratio: reported / trial / packed | "
+           "reported files/s | full pass files/s (median; each) | reported / full | model / full | "
+           "CPU µs per file: trial / full | cold: trials / full passes | met: reported / full "
+           "pass | select s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in acc:
         each = ", ".join(f"{x:,.0f}" for x in r["full_files_per_s"])
         out.append(
             f"| {r['dataset']} | {r['mode']} | {r['frontend']} | {r['budget']} "
-            f"({r['required_files_per_s']:,.0f} files/s) | {r['codec']} | {r['ratio']:.2f}x | "
+            f"({r['required_files_per_s']:,.0f} files/s) | {r['codec']} | "
+            f"{r['ratio']:.2f}x / {_x(r.get('trial_ratio'))} / {_x(r.get('packed_ratio'))} | "
             f"{r['reported_files_per_s']:,.0f} ({r['reported_from']}) | "
             f"{r['truth_files_per_s']:,.0f} ({each}) | {r['reported_over_truth']:.2f}x | "
             f"{r['model_files_per_s'] / r['truth_files_per_s']:.2f}x | "
+            f"{_us(r.get('reported_cpu_us_per_file'))} / "
+            f"{_us(statistics.median(r['full_cpu_us_per_file']))} | "
+            f"{_cold(r.get('trials_cold'))} / "
+            f"{_cold(_all_cold(r.get('full_resident_after_drop')))} | "
             f"{'met' if r['reported_met'] else 'not met'} / "
             f"{'met' if r['full_met'] else 'not met'} | {r['select_seconds']:.0f} |")
     dflt = [r for r in rows if r["kind"] == "default"]
@@ -271,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--select-args", default="", help="more `fanstore select` options")
     p.add_argument("--no-default", action="store_true", help="skip the default-pack part")
     p.add_argument("--no-docs", action="store_true")
+    p.add_argument("--section", default="select_accuracy",
+                   help="the docs/selection.md section the table replaces")
     p.add_argument("--results", default=os.path.join(h.RESULTS_DIR,
                                                      "select_accuracy.jsonl"))
     a = p.parse_args(argv)
@@ -308,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render(rows, a)
     print(text)
     if not a.no_docs:
-        h.replace_section("select_accuracy", text, path=SELECTION_MD)
+        h.replace_section(a.section, text, path=SELECTION_MD)
     return 0
 
 

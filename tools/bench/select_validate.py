@@ -28,7 +28,7 @@ sys.path.insert(0, ROOT)
 
 from compressors import parse_spec  # noqa: E402
 from fanstore.pack import CodecPolicy, PackOptions, pack  # noqa: E402
-from fanstore.pack.policy import policy_from_selection  # noqa: E402
+from fanstore.select.packpolicy import policy_from_selection  # noqa: E402
 from fanstore.select import SelectionOptions, run_selection  # noqa: E402
 from fanstore.select.policy import Cost  # noqa: E402
 from fanstore.select.report import summary_line  # noqa: E402

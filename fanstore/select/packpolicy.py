@@ -19,11 +19,21 @@ blocks, from what the user asked for (``--codec``, ``--solid-kb``).
                             the same setting (given both, they must agree)
 ==========================  =============================================================
 
+``--kind-codec KIND=SPEC`` (with a pinned ``--codec``, a directory source) gives one kind
+its own spec over the rest: what a per-kind selection's report prints, so that pack stores
+each kind as the selection measured it (a ``+dict`` spec takes the kind's dictionary,
+trained as the selection trained it).
+
 The spec grammar is ``compressors.spec``'s, so every name ``fanstore select`` reports is a
 ``--codec`` value. :func:`plan_policy` is the one entry: it returns the
 :class:`~fanstore.pack.plan.CodecPolicy`, the index metadata to record (the selection's
 report) and the scan of a directory source it made on the way (pack reuses it).
 :func:`policy_from_selection` turns a selector's result into a policy.
+
+It lives in :mod:`fanstore.select`, not in :mod:`fanstore.pack`: choosing codecs is the
+selection's job, and it drives pack (its trials pack stores); pack is a producer that is
+handed a :class:`~fanstore.pack.plan.CodecPolicy` and imports nothing of the selection
+(``tests/test_layers.py`` puts ``select`` a layer above ``pack``).
 """
 
 from __future__ import annotations
@@ -60,14 +70,18 @@ class PolicyRequest:
     """What the user asked for. ``codec``: the ``--codec`` text (None: the default, a quick
     selection); ``solid_kb``: ``--solid-kb`` (None: not given, 0: no solid blocks);
     ``symlinks``: ``--symlinks`` (the scan made here is the one pack uses, so it must be
-    made as pack would make it); ``selection``: makes the selector's options for ``--codec
-    auto`` (called only then); ``notify``: shows one line to the user (the CLI prints it)."""
+    made as pack would make it); ``seed``: ``--seed``, which also chooses the files that
+    train ``+dict`` dictionaries (as ``fanstore select --seed`` does); ``selection``: makes
+    the selector's options for ``--codec auto`` (called only then); ``notify``: shows one
+    line to the user (the CLI prints it)."""
 
     codec: str | None = None
     solid_kb: int | None = None
     chunk_size: int = 1 << 20
     skip_unreadable: bool = False
     symlinks: Symlinks = Symlinks.STORE
+    seed: int = 0
+    kind_codecs: dict[str, str] = field(default_factory=dict)  # --kind-codec KIND=SPEC
     selection: Callable[[], SelectionOptions] | None = None
     notify: Callable[[str], None] = field(default=lambda text: log.warning("%s", text))
 
@@ -103,6 +117,9 @@ def plan_policy(src: str, request: PolicyRequest,
     solid_kb = _solid_kb(text, spec, request)
     if solid_kb and spec is not None and spec.codec.declines:
         raise UsageError(f"--solid-kb: {spec.codec.spec} takes whole files, not solid blocks")
+    if request.kind_codecs and (spec is None or source_kind != "directory"):
+        raise UsageError("--kind-codec goes with a pinned --codec (not auto, not the default) "
+                         "and a directory source")
     if source_kind != "directory":
         # The selectors and solid blocks sample and plan a tree; a streamed source is packed
         # as it is read, with one codec.
@@ -135,6 +152,8 @@ def plan_policy(src: str, request: PolicyRequest,
         block = solid_kb * 1024
         plan.policy.solid = block
         plan.policy.solid_by_kind = {kind: block for kind in plan.policy.by_kind}
+    if request.kind_codecs:
+        _kind_codecs(src, plan, request)
     return plan
 
 
@@ -190,14 +209,44 @@ def quick_policy(choice: QuickSelection) -> CodecPolicy:
 def _dict_policy(src: str, files: list[SourceFile], spec: CodecSpec,
                  request: PolicyRequest) -> CodecPolicy:
     """``zstd:L+dict``: zstd at level L, with a dictionary per kind of many small files
-    (kinds without one keep plain zstd:L)."""
-    from fanstore.select.quick import train_dictionaries
+    (kinds without one keep plain zstd:L), trained as ``fanstore select`` trains the ones
+    it measures (the same bytes for the same source and seed)."""
+    from fanstore.select.dictionaries import train_dictionaries
 
     codec = spec.codec
     assert isinstance(codec, ZstdCodec)  # the grammar allows +dict on zstd:L only
-    dicts = train_dictionaries(files, request.chunk_size, root=src)
+    dicts = train_dictionaries(files, request.chunk_size, request.seed)
     return CodecPolicy(codec, {kind: ZstdCodec(codec.level, dict_data=data)
                                for kind, data in dicts.items()})
+
+
+def _kind_codecs(src: str, plan: PolicyPlan, request: PolicyRequest) -> None:
+    """``--kind-codec KIND=SPEC``: each named kind's codec and solid blocks over the rest, as
+    a per-kind selection measured them (``SelectionResult.mix_policy``); ``+dict`` takes the
+    kind's dictionary (plain zstd:L for a kind that has none)."""
+    from fanstore.select.dictionaries import train_dictionaries
+
+    specs = {}
+    for kind, text in sorted(request.kind_codecs.items()):
+        try:
+            specs[kind] = parse_codec_spec(text)
+        except CodecError as exc:
+            raise UsageError(f"--kind-codec {kind}={text}: {exc}") from None
+        if specs[kind].solid_kb * 1024 > request.chunk_size:
+            raise UsageError(f"--kind-codec {kind}={text}: solid blocks larger than the chunk "
+                             f"size ({request.chunk_size >> 10} KiB; raise --chunk-kb)")
+    dicts: dict[str, bytes] = {}
+    if any(spec.dictionary for spec in specs.values()):
+        if plan.scan is None:
+            plan.scan = scan_tree(src, symlinks=request.symlinks)
+        if not plan.scan.problems or request.skip_unreadable:  # (else pack stops first)
+            dicts = train_dictionaries(_files(plan.scan), request.chunk_size, request.seed)
+    for kind, spec in specs.items():
+        codec = spec.codec
+        if spec.dictionary and kind in dicts:
+            codec = ZstdCodec(codec.level, dict_data=dicts[kind])
+        plan.policy.by_kind[kind] = codec
+        plan.policy.solid_by_kind[kind] = spec.solid_kb * 1024
 
 
 def _auto(src: str, request: PolicyRequest) -> PolicyPlan:
