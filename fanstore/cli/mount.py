@@ -115,10 +115,10 @@ def _add_mount(sub, common) -> None:
 
 def fuse_flags(text: str) -> str:
     """``--fuse-flags``: every edit names a flag the kernel frontend knows."""
-    from fanstore.fuse.engine.handshake import parse_flags
+    from fanstore.fuseflags import check
 
     try:
-        parse_flags(text, 0)
+        check(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text

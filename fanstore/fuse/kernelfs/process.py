@@ -162,7 +162,7 @@ def frontend_main(spec_fd: int) -> int:
     module docstring). Reads its spec from the pipe ``spec_fd``; reports "ready" or
     "error: ..." on the pipe fd named in the spec."""
     from fanstore.format.index import map_index_body
-    from fanstore.fuse.engine.handshake import parse_flags
+    from fanstore.fuseflags import apply as apply_flags
     from fanstore.namespace import Namespace
     from fanstore.process import setup_logging
     from fanstore.read.decode import Decoder
@@ -201,7 +201,7 @@ def frontend_main(spec_fd: int) -> int:
         # LOOKUP per file; only a bare cold `find` is faster without it (docs/benchmarks.md,
         # fuse_bench-small300k-dirs). --fuse-flags "+NAME,-NAME" edits the flags
         # (-DO_READDIRPLUS for metadata-only work; experiments and benchmarks).
-        init = engine.InitOptions(flags=parse_flags(spec.init_flags, engine.DEFAULT_INIT_FLAGS))
+        init = engine.InitOptions(flags=apply_flags(spec.init_flags, engine.DEFAULT_INIT_FLAGS))
         session = engine.KernelSession(spec.mountpoint, mopts, init,
                                        counters_path=spec.counters_path)
         session.mount()
