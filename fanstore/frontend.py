@@ -9,44 +9,10 @@ node a factory; neither package imports the other.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-
-#: the kernel frontend's FUSE workers when ``--workers`` is not given: the cores, at most this
-DEFAULT_MAX_WORKERS = 16
-
-
-@dataclass
-class MountOptions:
-    """How to mount and serve (the ``fanstore mount`` options that concern serving)."""
-
-    frontend: str = "auto"  # "kernel", "pyfuse3", or auto (launch.resolve_frontend)
-    cache_mb: int = 256
-    threads: int = 0  # decode threads (pyfuse3 frontend); 0 = 2 per core, at least 4
-    workers: int = 0  # worker processes (kernel frontend); 0 = the cores of the node
-    allow_other: bool = False
-    max_tasks: int = 64
-    mode: str = "sync"  # or "prefetch"
-    prefetch_mb: int = 1024
-    fsname: str = "fanstore"
-    # the kernel frontend's switches (``fanstore mount --fuse-flags``, ``--no-chunk-spill``,
-    # ``--no-prefetch-lookup``)
-    fuse_flags: str = ""  # +NAME,-NAME edits of the INIT flags
-    chunk_spill: bool = True
-    prefetch_lookup: bool = True
-
-    def decode_threads(self) -> int:
-        if self.threads:
-            return self.threads
-        return max(4, 2 * len(os.sched_getaffinity(0)))
-
-    def worker_count(self) -> int:
-        """``workers``, or by default the cores this process may use, at most
-        ``DEFAULT_MAX_WORKERS`` (what a node needs, not what it has: docs/benchmarks.md,
-        "Ranks per node")."""
-        return self.workers or min(DEFAULT_MAX_WORKERS, len(os.sched_getaffinity(0)))
+from fanstore.mountspec import MountSpec
 
 
 @dataclass
@@ -61,7 +27,7 @@ class MountContext:
     """
 
     mountpoint: str
-    options: MountOptions
+    options: MountSpec
     index: Any
     ns: Any
     reader: Any  # fanstore.read.ChunkReader

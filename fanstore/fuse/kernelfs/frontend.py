@@ -25,6 +25,7 @@ import numpy as np
 from fanstore.errors import MountError
 from fanstore.format.index import KIND_FILE
 from fanstore.frontend import MountContext
+from fanstore.mountspec import FSNAME
 from fanstore.fuse.engine import RequestCounters
 from fanstore.fuse.kernelfs.spec import FrontendSpec
 from fanstore.fuse.kernelfs.stats import summed_stats
@@ -124,7 +125,7 @@ class KernelFrontend:
             counters_path=self.counters_path, workers=opts.worker_count(),
             external_workers=ctx.external_workers or 0, worker_socket=self.worker_socket,
             cache_bytes=(opts.cache_mb << 20) // max(1, opts.worker_count()),
-            allow_other=opts.allow_other, fsname=opts.fsname,
+            allow_other=opts.allow_other, fsname=FSNAME,
             remote_timeout=ctx.remote_timeout, ready_fd=ready_fd, daemon_pid=os.getpid(),
             debug=logging.getLogger().level <= logging.DEBUG, log_format=_log_format(),
             init_flags=opts.fuse_flags, mode=opts.mode, chunk_spill=opts.chunk_spill,
