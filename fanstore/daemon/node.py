@@ -49,11 +49,14 @@ from fanstore.daemon.service import OWNER_OPS
 from fanstore.daemon.world import World
 from fanstore.errors import FanStoreError, FormatError, MountError
 from fanstore.frontend import FrontendFactory, MountContext
-from fanstore.mountspec import MountSpec
+from fanstore.mountspec import MountSpec, NodeShare
 from fanstore.namespace import Namespace
 from fanstore.read import ChunkReader, LocalPartitions, ReadStats, RoutedSource
 
 log = logging.getLogger(__name__)
+
+#: the kernel frontend's socket in the runtime directory where worker ranks join it
+WORKER_SOCKET = "workers.sock"
 
 
 class Node(NodeEnd):
@@ -369,37 +372,44 @@ class Node(NodeEnd):
         reader = ChunkReader(index, RoutedSource(self.parts, self.peers),
                              cache_bytes=spec.cache_mb << 20, stats=self.stats)
         self.stats.extra.update(nodestats.static_stats(self, index, mine))
-        replicated = [p for p in mine if any(r != self.rank for r in table[p])]
-        index_copy = self.index_copy
-        self.ctx = MountContext(
-            mountpoint=self.mountpoint, options=spec, index=index, ns=ns, reader=reader,
-            store=spec.store,
-            data_dir=os.path.abspath(self.data_dir),
-            local_parts=list(mine), replicated=replicated,
-            socket_path=self.runtime.socket_path, index_path=index_copy, runtime=self.runtime,
-            request_stop=self.request_stop, remote_timeout=spec.remote_timeout,
-            # the kernel frontend's requests are served by the worker ranks; the pyfuse3
-            # frontend serves its node from this process (its worker ranks serve peers only)
-            external_workers=self.workers if spec.frontend == "kernel" else 0)
+        share = self._share(table, mine)
+        self.ctx = MountContext(share=share, index=index, ns=ns, reader=reader,
+                                runtime=self.runtime, request_stop=self.request_stop)
         self.frontend = self.frontend_factory(self.ctx)
         if self.workers:
             # what the worker ranks serve; they then join the frontend's worker socket
             self.group.spec(WorkerRankSpec(
-                data_dir=self.ctx.data_dir, local_parts=tuple(mine),
-                table=tuple(tuple(row) for row in table), index_copy=index_copy,
-                remote_timeout=spec.remote_timeout,
-                worker_socket=(getattr(self.frontend, "worker_socket", "")
-                               if self.ctx.external_workers else ""),
+                data_dir=share.data_dir, local_parts=share.local_parts, table=share.table,
+                index_copy=share.index_copy, remote_timeout=spec.remote_timeout,
+                worker_socket=share.worker_socket,
                 cache_bytes=(spec.cache_mb << 20) // max(1, self.workers),
                 mpi_piece=spec.mpi_piece))
         from fanstore.daemon.service import handlers
 
-        self.server = ControlServer(self.ctx.socket_path, handlers(self),
+        self.server = ControlServer(share.socket_path, handlers(self),
                                     owner_ops=OWNER_OPS)
         self.server.start()
         server = self.server
         self.stats.extra["control_refused"] = lambda: server.refused
         return index
+
+    def _share(self, table, mine) -> NodeShare:
+        """This node's share of the mount, made once: what its frontend serves from and
+        what the kernel frontend process and the worker ranks receive, as it is."""
+        spec = self.spec
+        kernel = spec.frontend == "kernel"
+        # the kernel frontend's requests are served by the node's worker ranks (they join
+        # it at its worker socket) or by workers it forks; the pyfuse3 frontend serves them
+        # from this process (its worker ranks serve peers only)
+        ranks = kernel and self.workers > 0
+        return NodeShare(
+            spec=spec, mountpoint=self.mountpoint, data_dir=os.path.abspath(self.data_dir),
+            local_parts=tuple(mine),
+            replicated=tuple(p for p in mine if any(r != self.rank for r in table[p])),
+            table=tuple(tuple(row) for row in table), index_copy=self.index_copy,
+            socket_path=self.runtime.socket_path,
+            worker_socket=os.path.join(self.runtime.path, WORKER_SOCKET) if ranks else "",
+            fuse_workers=(self.workers if ranks else spec.worker_count()) if kernel else 1)
 
     def _share_index(self, index):
         """Write the decompressed index body to a private shared-memory file and use a

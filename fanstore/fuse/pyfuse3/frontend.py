@@ -30,7 +30,7 @@ class Pyfuse3Frontend:
     def __init__(self, ctx: MountContext) -> None:
         self.ctx = ctx
         self.fs = FsOps(ctx.ns)  # (a spec with prefetch mode names the kernel frontend)
-        self.reader = AsyncReader(ctx.ns, ctx.reader, threads=ctx.options.decode_threads())
+        self.reader = AsyncReader(ctx.ns, ctx.reader, threads=ctx.spec.decode_threads())
         self.ops = FanStoreOps(self.fs, self.reader)
         self._token: trio.lowlevel.TrioToken | None = None
         self._reason: str | None = None
@@ -40,7 +40,7 @@ class Pyfuse3Frontend:
     def mount(self) -> None:
         fuse_opts = set(pyfuse3.default_options)
         fuse_opts |= {"ro", f"fsname={FSNAME}", "subtype=fanstore"}
-        if self.ctx.options.allow_other:
+        if self.ctx.spec.allow_other:
             fuse_opts.add("allow_other")
         try:
             pyfuse3.init(self.ops, self.ctx.mountpoint, fuse_opts)
