@@ -204,6 +204,24 @@ def test_what_the_spec_derives():
     assert 1 <= MountSpec("/s", "/m").worker_count() <= 16
 
 
+def test_a_worker_rank_gets_a_share_or_an_error():
+    from fanstore.daemon.nodegroup import RankStart
+
+    start = RankStart(share=_share(), error="")
+    assert strictjson.from_json(RankStart, strictjson.to_json(start)) == start
+    failed = RankStart(share=None, error="node 1: no space")
+    assert strictjson.from_json(RankStart, strictjson.to_json(failed)) == failed
+    for share, error in ((None, ""), (_share(), "both")):
+        with pytest.raises(SpecError) as exc:
+            RankStart(share=share, error=error)
+        _one_line(exc, "RankStart")
+    raw = _raw(start)
+    raw["share"]["spec"]["surprise"] = 1
+    with pytest.raises(SpecError) as exc:
+        strictjson.from_json(RankStart, json.dumps(raw))
+    _one_line(exc, "MountSpec", "unknown key 'surprise'")
+
+
 # --------------------------------------------------------------------------- INIT flags
 
 def test_flag_edits_have_one_parser():

@@ -41,7 +41,6 @@ from fanstore.daemon.launcher import launcher_alive, shim_gone
 from fanstore.daemon.nodeend import NodeEnd
 from fanstore.daemon.nodegroup import LeaderSide
 from fanstore.daemon.peerwatch import PeerWatch, dead_in
-from fanstore.daemon.rankspec import WorkerRankSpec
 from fanstore.daemon.replicas import decide as decide_replicas
 from fanstore.process import release_free_memory
 from fanstore.daemon.routing import PeerSource
@@ -376,14 +375,8 @@ class Node(NodeEnd):
         self.ctx = MountContext(share=share, index=index, ns=ns, reader=reader,
                                 runtime=self.runtime, request_stop=self.request_stop)
         self.frontend = self.frontend_factory(self.ctx)
-        if self.workers:
-            # what the worker ranks serve; they then join the frontend's worker socket
-            self.group.spec(WorkerRankSpec(
-                data_dir=share.data_dir, local_parts=share.local_parts, table=share.table,
-                index_copy=share.index_copy, remote_timeout=spec.remote_timeout,
-                worker_socket=share.worker_socket,
-                cache_bytes=(spec.cache_mb << 20) // max(1, self.workers),
-                mpi_piece=spec.mpi_piece))
+        # what the worker ranks serve (they then join the frontend's worker socket, if any)
+        self.group.start(share)
         from fanstore.daemon.service import handlers
 
         self.server = ControlServer(share.socket_path, handlers(self),

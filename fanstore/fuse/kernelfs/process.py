@@ -44,7 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fanstore import fuseflags
-from fanstore.errors import FanStoreError
+from fanstore.errors import FanStoreError, MountError
 from fanstore.fuse import engine
 from fanstore.fuse.fsops import FsOps
 from fanstore.fuse.kernelfs.handler import KernelHandler
@@ -104,16 +104,32 @@ def make_spill(fd: int, stats, enabled: bool = True):
     return ChunkSpill(fd, stats)
 
 
-def serve_worker(socket_path: str, index, reader, timeout: float = 300.0,
-                 alive=lambda: True, served=None) -> str:
+def shares_chunks(share: NodeShare) -> bool:
+    """Whether the processes that serve the mount share a table of decoded chunks (more
+    than one of them). A worker rank gets, with its /dev/fuse descriptor, the table's two
+    descriptors if so, then prefetch mode's window's two: both sides know which from the
+    node's share, so nothing else travels with them."""
+    return share.fuse_workers > 1
+
+
+def serve_worker(share: NodeShare, reader, timeout: float = 300.0, alive=lambda: True,
+                 served=None) -> str:
     """An external worker (an MPI worker rank of a node, :mod:`fanstore.workerrank`): join
-    the kernel frontend at ``socket_path`` (:mod:`fanstore.fuse.engine.handoff`), serve
-    FUSE requests with ``reader`` (this node's partitions from disk, other nodes' over
+    the kernel frontend at the share's worker socket (:mod:`fanstore.fuse.engine.handoff`),
+    serve FUSE requests with ``reader`` (this node's partitions from disk, other nodes' over
     MPI) until the mount goes away, then tell the frontend. Returns why it stopped."""
     from fanstore.fuse.engine import handoff
     from fanstore.namespace import Namespace
 
-    grant, sock = handoff.join(socket_path, timeout, alive)
+    spec = share.spec
+    grant, sock = handoff.join(share.worker_socket, timeout, alive)
+    fds = list(grant.extra_fds)
+    want = 2 * shares_chunks(share) + 2 * spec.prefetch
+    if len(fds) != want:
+        for fd in (grant.fd, *fds):
+            os.close(fd)
+        handoff.say_gone(sock)
+        raise MountError(f"the kernel frontend sent {len(fds)} shared descriptors, not {want}")
     counters = engine.RequestCounters.attach(grant.counters, writable=True) \
         if grant.counters else None
     row = counters.row(grant.slot) if counters is not None else None
@@ -123,25 +139,20 @@ def serve_worker(socket_path: str, index, reader, timeout: float = 300.0,
         publisher.publish()
         if served is not None:
             served.on_served = publisher.publish_served
-    fs = FsOps(Namespace(index))
-    info = grant.info or {}
-    at = info.get("shared_chunks")
-    if at is not None and len(grant.extra_fds) >= at + 2:
-        reader.shared = SharedChunks(grant.extra_fds[at], grant.extra_fds[at + 1], grant.slot)
+    fs = FsOps(Namespace(reader.index))
+    if shares_chunks(share):
+        reader.shared = SharedChunks(fds[0], fds[1], grant.slot)
     prefetcher = window = None
-    spec = info.get("prefetch")
-    at = (spec or {}).get("fds", 0)
-    if spec and len(grant.extra_fds) >= at + 2 and row is not None:
+    if spec.prefetch and row is not None:
         from fanstore.fuse.kernelfs.prefetcher import Prefetcher
         from fanstore.read.window import SharedWindow
 
-        window = SharedWindow(grant.extra_fds[at], grant.extra_fds[at + 1])
+        window = SharedWindow(fds[-2], fds[-1])
         prefetcher = Prefetcher(window, reader, fs.ns, grant.slot, grant.workers, grant.fd,
-                                sock, spec["mountpoint"], row,
-                                stat_ahead=bool(spec.get("lookup", True)),
+                                sock, share.mountpoint, row, stat_ahead=spec.prefetch_lookup,
                                 publish=publisher.publish if publisher else None)
         prefetcher.start()
-    spill = make_spill(grant.fd, reader.stats, bool(info.get("chunk_spill", True)))
+    spill = make_spill(grant.fd, reader.stats, spec.chunk_spill)
     handler = KernelHandler(fs, reader, publish=publisher.publish if publisher else None,
                             prefetch=prefetcher.hooks if prefetcher else None, spill=spill)
     try:
@@ -155,7 +166,7 @@ def serve_worker(socket_path: str, index, reader, timeout: float = 300.0,
             publisher.publish()
         os.close(grant.fd)
         handoff.say_gone(sock)
-        for fd in grant.extra_fds:
+        for fd in fds:
             os.close(fd)
     return "unmounted"
 
@@ -252,22 +263,18 @@ def _serve(start: FrontendStart, index, fs: FsOps, session, on_ready) -> str:
         relay = OrderRelay(session, orders, window, share.spec.prefetch_mb << 20)
         watch[orders.fileno()] = relay.on_readable
     workers = share.fuse_workers
-    shared = SharedChunks.create(workers, index.chunk_size) if workers > 1 else None
+    shared = SharedChunks.create(workers, index.chunk_size) if shares_chunks(share) else None
     if share.worker_socket:
         # MPI worker ranks serve (fanstore/workerrank.py): they connect and get the
-        # connection, the shared chunk table, prefetch mode's window and the switches
+        # connection with the shared chunk table and prefetch mode's window (serve_worker);
+        # what else they need is in the node's share, which their leader gave them
         fds: list[int] = []
-        info: dict[str, Any] = {"chunk_spill": share.spec.chunk_spill}
         if shared is not None:
-            info["shared_chunks"] = len(fds)
             fds += [shared.table_fd, shared.arena_fd]
         if window is not None:
-            info["prefetch"] = {"mountpoint": share.mountpoint, "fds": len(fds),
-                                "lookup": share.spec.prefetch_lookup}
             fds += [window.state_fd, window.arena_fd]
-        return session.serve_external(share.worker_socket, workers,
-                                      on_ready=on_ready, watch=watch, extra_fds=fds,
-                                      grant_info=info)
+        return session.serve_external(share.worker_socket, workers, on_ready=on_ready,
+                                      watch=watch, extra_fds=fds)
     factory = make_handler_factory(share, index, fs, session, window, shared)
     return session.serve(factory, workers=workers, on_ready=on_ready,
                          channels=window is not None, watch=watch,
