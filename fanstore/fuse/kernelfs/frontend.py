@@ -95,7 +95,7 @@ class KernelFrontend:
             os.close(spec_r)
             if theirs is not None:
                 theirs.close()
-        try:  # the spec goes through a pipe: nothing on disk for anyone to read or swap
+        try:  # the start goes through a pipe: nothing on disk for anyone to read or swap
             with open(spec_w, "wb", closefd=True) as f:
                 f.write(strictjson.to_json(start))
         except BrokenPipeError:
