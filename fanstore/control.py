@@ -478,7 +478,7 @@ def node_reader(index, client: ControlClient, data_dir: str, local_parts, replic
     ``local_parts`` read from ``data_dir`` here (pread, decoded in this process), every other
     one through the daemon (:class:`NodeSource`, ``replicated``: local partitions another
     node also holds, re-read from there when damaged here). What the daemon's ``info`` (or
-    the kernel frontend's spec) says. The caller closes ``reader.source.local``."""
+    the node's share of the mount spec) says. The caller closes ``reader.source.local``."""
     from fanstore.read import ChunkReader, LocalPartitions, RoutedSource
 
     local = [int(p) for p in local_parts]

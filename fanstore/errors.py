@@ -30,6 +30,13 @@ class UsageError(FanStoreError):
     errno = _errno.EINVAL
 
 
+class SpecError(UsageError):
+    """A mount spec (or what travels with it between FanStore's processes) is not one: a
+    key unknown or missing, a value of the wrong type or out of range
+    (:mod:`fanstore.strictjson`, :mod:`fanstore.mountspec`). Built from the command line,
+    that is bad usage."""
+
+
 class FormatError(FanStoreError):
     """A store, index or partition is malformed, truncated or inconsistent."""
 

@@ -9,77 +9,40 @@ node a factory; neither package imports the other.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-
-#: the kernel frontend's FUSE workers when ``--workers`` is not given: the cores, at most this
-DEFAULT_MAX_WORKERS = 16
-
-
-@dataclass
-class MountOptions:
-    """How to mount and serve (the ``fanstore mount`` options that concern serving)."""
-
-    frontend: str = "auto"  # "kernel", "pyfuse3", or auto (launch.resolve_frontend)
-    cache_mb: int = 256
-    threads: int = 0  # decode threads (pyfuse3 frontend); 0 = 2 per core, at least 4
-    workers: int = 0  # worker processes (kernel frontend); 0 = the cores of the node
-    allow_other: bool = False
-    max_tasks: int = 64
-    mode: str = "sync"  # or "prefetch"
-    prefetch_mb: int = 1024
-    fsname: str = "fanstore"
-    # the kernel frontend's switches (``fanstore mount --fuse-flags``, ``--no-chunk-spill``,
-    # ``--no-prefetch-lookup``)
-    fuse_flags: str = ""  # +NAME,-NAME edits of the INIT flags
-    chunk_spill: bool = True
-    prefetch_lookup: bool = True
-
-    def decode_threads(self) -> int:
-        if self.threads:
-            return self.threads
-        return max(4, 2 * len(os.sched_getaffinity(0)))
-
-    def worker_count(self) -> int:
-        """``workers``, or by default the cores this process may use, at most
-        ``DEFAULT_MAX_WORKERS`` (what a node needs, not what it has: docs/benchmarks.md,
-        "Ranks per node")."""
-        return self.workers or min(DEFAULT_MAX_WORKERS, len(os.sched_getaffinity(0)))
+from fanstore.mountspec import MountSpec, NodeShare
 
 
 @dataclass
 class MountContext:
     """Everything a frontend serves from, built by the node.
 
-    ``reader`` is the node process's read core (local partitions from disk, other nodes'
-    over MPI). A frontend that serves from other processes builds a reader in each of them
-    from ``store``, ``data_dir``, ``local_parts`` and ``replicated``, and asks the daemon at
-    ``socket_path`` for the rest (:class:`fanstore.control.NodeSource`). ``index_path`` is
-    the node's private index copy, owned by the daemon's uid.
+    ``share`` is the node's share of the mount (:class:`~fanstore.mountspec.NodeShare`:
+    the mount spec, this node's mount point, data directory, partitions, index copy and
+    sockets): plain data, which a frontend that serves from other processes hands them as
+    it is. The rest lives in the daemon's process: ``reader`` its read core (local
+    partitions from disk, other nodes' over MPI), ``index`` and ``ns`` the mapped index
+    and namespace, ``runtime`` the mount's private runtime directory
+    (:class:`fanstore.runtime.MountRuntime`: the only place a frontend may create files,
+    such as counters), ``request_stop`` (reason, everywhere), thread- and signal-safe.
     """
 
-    mountpoint: str
-    options: MountOptions
+    share: NodeShare
     index: Any
     ns: Any
     reader: Any  # fanstore.read.ChunkReader
-    store: str
-    data_dir: str
-    local_parts: list[int]
-    replicated: list[int]  # local partitions another node also holds
-    socket_path: str
-    index_path: str  # the node's shared index copy (format.index.map_index_body)
-    request_stop: Callable[[str, bool], None]  # (reason, everywhere): thread/signal safe
-    remote_timeout: float = 30.0
-    extra_stats: dict[str, Any] = field(default_factory=dict)
-    #: the mount's private runtime directory (fanstore.runtime.MountRuntime): the only place
-    #: a frontend may create files (counters)
-    runtime: Any = None
-    #: worker ranks of this node that serve the mount (MPI processes that join the
-    #: frontend: fanstore.workerrank); 0: the frontend forks its own workers
-    external_workers: int = 0
+    runtime: Any
+    request_stop: Callable[[str, bool], None]
+
+    @property
+    def mountpoint(self) -> str:
+        return self.share.mountpoint
+
+    @property
+    def spec(self) -> MountSpec:
+        return self.share.spec
 
 
 class Frontend(Protocol):

@@ -18,23 +18,10 @@ from typing import Callable
 from fanstore import mounttable, process, runtime
 from fanstore.daemon.jobenv import launcher_world_size, substitute
 from fanstore.daemon.node import Node
-from fanstore.daemon.options import NodeOptions
 from fanstore.daemon.world import World
-from fanstore.errors import FanStoreError, MountError, UsageError
+from fanstore.errors import FanStoreError, MountError
 from fanstore.frontend import FrontendFactory
-
-FRONTENDS = ("kernel", "pyfuse3")
-
-
-def resolve_frontend(name: str, mode: str) -> str:
-    """``auto`` is the kernel-protocol frontend (measured faster on every pass: see
-    docs/benchmarks.md); prefetch mode needs it (FUSE_NOTIFY_STORE from its workers)."""
-    if name == "auto":
-        return "kernel"
-    if name == "pyfuse3" and mode == "prefetch":
-        raise UsageError("--mode prefetch is served by the kernel frontend: mount with "
-                         "--frontend kernel (or auto, the default)")
-    return name
+from fanstore.mountspec import MountSpec
 
 
 @dataclass
@@ -49,10 +36,8 @@ class Outcome:
 
 
 def frontend_factory(name: str) -> FrontendFactory:
-    """The frontend called ``name``; MountError with an install hint if it cannot run."""
-    if name not in FRONTENDS:
-        raise UsageError(f"unknown frontend {name!r} (choose from auto, {', '.join(FRONTENDS)}; "
-                         "--frontend or $FANSTORE_FRONTEND)")
+    """The frontend called ``name`` (a spec's: "kernel" or "pyfuse3"); MountError with an
+    install hint if it cannot run."""
     if not os.path.exists("/dev/fuse"):
         raise MountError("/dev/fuse does not exist: FUSE is not available on this machine")
     if name == "pyfuse3":
@@ -68,40 +53,38 @@ def frontend_factory(name: str) -> FrontendFactory:
     return kernelfs_frontend.create
 
 
-def mount(options: NodeOptions, foreground: bool = False, debug: bool = False,
+def mount(spec: MountSpec, foreground: bool = False, debug: bool = False,
           log_file: str | None = None, notify: Callable[[str], None] = lambda text: None
           ) -> Outcome:
-    """Mount a store and serve it; see the module docstring. ``notify`` shows a line to
-    the user (the CLI prints it)."""
+    """Mount a store as ``spec`` says (built and checked by the caller, frozen: it reaches
+    the node, the kernel frontend process and the worker ranks as it is) and serve it; see
+    the module docstring. ``notify`` shows a line to the user (the CLI prints it)."""
     process.limit_malloc_arenas()  # before any thread: the daemons inherit it
-    options.mount.frontend = resolve_frontend(options.mount.frontend, options.mount.mode)
-    factory = frontend_factory(options.mount.frontend)
+    factory = frontend_factory(spec.frontend)
     if launcher_world_size() is not None:
-        return _mount_rank(options, factory, debug, notify)
+        return _mount_rank(spec, factory, debug, notify)
     # A world of one is rank 0: {rank} and {host} mean the same here as in a job.
-    options.mountpoint = substitute(options.mountpoint, 0)
-    if options.local_dir:
-        options.local_dir = substitute(options.local_dir, 0)
+    mountpoint = substitute(spec.mountpoint, 0)
     # Here, before going to the background: a stale mount's clean-up and a bad mount point
     # must reach the user, not the daemon's log.
-    notice = mounttable.prepare_mountpoint(options.mountpoint)
+    notice = mounttable.prepare_mountpoint(mountpoint)
     if notice:
         notify(notice)
     # The one place a single node's runtime directory is made and checked (an MPI rank's
     # node makes its own, behind the start-up gate): an unsafe one stops us here.
     runtime.sweep_dead()  # what daemons of this user that are gone left (before ours is made)
-    rt = runtime.MountRuntime.create(options.mountpoint)
+    rt = runtime.MountRuntime.create(mountpoint)
     if foreground:
         process.setup_logging(debug, sys.stderr)
-        node = Node(options, World.solo(), factory, runtime_=rt)
+        node = Node(spec, World.solo(), factory, runtime_=rt)
         node.catch_signals()
-        node.run(lambda: notify(f"mounted {options.store} at {options.mountpoint} "
+        node.run(lambda: notify(f"mounted {spec.store} at {mountpoint} "
                                 "(foreground; Ctrl-C unmounts)"))
         return Outcome(0)
     log_fd = rt.open_log(log_file)
 
     def body(on_ready):
-        node = Node(options, World.solo(), factory, runtime_=rt)
+        node = Node(spec, World.solo(), factory, runtime_=rt)
         node.catch_signals()
         return node.run(on_ready)
 
@@ -111,7 +94,7 @@ def mount(options: NodeOptions, foreground: bool = False, debug: bool = False,
     return Outcome(0)
 
 
-def _mount_rank(options: NodeOptions, factory: FrontendFactory, debug: bool,
+def _mount_rank(spec: MountSpec, factory: FrontendFactory, debug: bool,
                 notify: Callable[[str], None]) -> Outcome:
     """A rank of a multi-rank job: in the foreground (the launcher owns it). Every rank
     the launcher started is a daemon (its node's lowest rank) or one of its node's worker
@@ -125,7 +108,7 @@ def _mount_rank(options: NodeOptions, factory: FrontendFactory, debug: bool,
         return Outcome(code, hard_exit=True, error=MountError(why) if why else None)
     # from here on a launcher that dies ends this rank, whatever it is blocked in
     lifeline = launcher.watch_launcher()
-    world = World.from_mpi(options.ranks_per_node, timeout=options.start_timeout,
+    world = World.from_mpi(spec.ranks_per_node, timeout=spec.start_timeout,
                            alive=launcher.launcher_alive)
     job = world.job
     if not job.is_leader:  # a worker rank of its node
@@ -136,7 +119,7 @@ def _mount_rank(options: NodeOptions, factory: FrontendFactory, debug: bool,
     runtime.sweep_dead()  # every node's leader: what gone daemons left on its host
     process.setup_logging(debug, sys.stderr, fmt=(
         f"%(asctime)s fanstore[node {world.rank}/{world.size}] %(levelname)s: %(message)s"))
-    node = Node(options, world, factory)
+    node = Node(spec, world, factory)
     lifeline.on_gone = node.emergency_cleanup
     node.catch_signals()
     try:

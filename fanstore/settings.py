@@ -4,10 +4,10 @@ This is the only module of FanStore that reads ``FANSTORE_*`` variables
 (``tests/test_layers.py`` fails on a read anywhere else). It reads them once per process
 (:func:`current`), and the edges ask first: the ``fanstore`` command before anything else,
 so a bad value is one line and exit status 2, never a silent default; the Python API on
-first use. What the variables set then travels in typed options (``MountOptions``,
-``NodeOptions``, the kernel frontend's ``FrontendSpec``, a worker rank's
-``WorkerRankSpec``), which is all deeper code reads: a worker process never looks at the
-environment.
+first use. What the variables set then travels in the mount's one typed spec
+(:class:`fanstore.mountspec.MountSpec`, which reaches the kernel frontend process and the
+worker ranks as it is), which is all deeper code reads: a worker process never looks at
+the environment.
 
 =============================  ====================================  =====================
 variable                       what it sets                          default
@@ -41,6 +41,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from fanstore import fuseflags
 from fanstore.errors import UsageError
 
 FRONTENDS = ("auto", "kernel", "pyfuse3")
@@ -77,10 +78,10 @@ def from_environ(env: Mapping[str, str]) -> Settings:
         raise UsageError(f"$FANSTORE_FRONTEND must be one of {', '.join(FRONTENDS)}, got "
                          f"{frontend!r}")
     flags = env.get("FANSTORE_FUSE_FLAGS", "").strip()
-    for word in filter(None, (w.strip() for w in flags.split(","))):
-        if word[0] not in "+-" or not word[1:].replace("_", "").isalnum():
-            raise UsageError(f"$FANSTORE_FUSE_FLAGS: {word!r} is not +NAME or -NAME "
-                             "(e.g. -DO_READDIRPLUS)")
+    try:
+        fuseflags.check(flags)  # the one check of INIT flag edits (the mount spec's too)
+    except ValueError as exc:
+        raise UsageError(f"$FANSTORE_FUSE_FLAGS: {exc}") from None
     text = env.get("FANSTORE_MPI_PIECE", "").strip()
     try:
         piece = int(text) if text else DEFAULT_MPI_PIECE

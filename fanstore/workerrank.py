@@ -6,8 +6,9 @@ served by its *worker ranks*: the ranks of the node beside its leader, launched 
 worker rank
 
 - receives from its leader (:mod:`fanstore.daemon.nodegroup`) what to serve: the node's
+  :class:`~fanstore.mountspec.NodeShare` (the mount spec as the CLI built it, the node's
   data directory and partitions, the placement table, the index copy (mapped, shared with
-  every process of the node), the kernel frontend's worker socket;
+  every process of the node), the kernel frontend's worker socket);
 - answers other nodes' reads of this node's partitions with its own MPI server thread
   (:class:`~fanstore.daemon.mpitransport.MpiTransport`: pread + Isend from the buffer);
 - joins the kernel frontend (:func:`fanstore.fuse.kernelfs.process.serve_worker`: the /dev/fuse
@@ -39,12 +40,15 @@ import time
 
 from fanstore.daemon.launcher import launcher_alive
 from fanstore.daemon.nodegroup import WorkerSide
-from fanstore.daemon.rankspec import WorkerRankSpec
 from fanstore.daemon.world import World
 from fanstore.errors import FanStoreError
+from fanstore.mountspec import NodeShare
 from fanstore.process import setup_logging
 
 log = logging.getLogger("fanstore.workerrank")
+
+#: seconds to join the kernel frontend (which waits as long for the worker ranks)
+JOIN_TIMEOUT = 300.0
 
 
 def run_worker(world: World, debug: bool = False) -> tuple[int, bool]:
@@ -65,7 +69,7 @@ def run_worker(world: World, debug: bool = False) -> tuple[int, bool]:
     threading.Thread(target=_watch_leader, args=(side,), name="fanstore-leader-watch",
                      daemon=True).start()
     try:
-        spec = side.spec()
+        share = side.start()
     except FanStoreError as exc:
         log.info("not serving: %s", exc)
         clean = side.exit()
@@ -73,15 +77,15 @@ def run_worker(world: World, debug: bool = False) -> tuple[int, bool]:
         return 1, bool(clean)
     transport = parts = None
     try:
-        transport, parts, reader = _build(job, spec)
-        if not spec.worker_socket:
+        transport, parts, reader = _build(job, share)
+        if not share.worker_socket:
             # the node's frontend serves its mount itself (pyfuse3): this rank answers the
             # other nodes' reads of the node's partitions until the node is done
             raise _PeersOnly()
         from fanstore.fuse.kernelfs import process as kernelfs_process
 
         reason = kernelfs_process.serve_worker(
-            spec.worker_socket, reader.index, reader, timeout=spec.connect_timeout,
+            share, reader, timeout=JOIN_TIMEOUT,
             alive=lambda: side.leader_alive() and not side.exit_posted(), served=transport)
         log.debug("FUSE serving ended (%s); serving peers until the node is done", reason)
     except _PeersOnly:
@@ -106,25 +110,27 @@ class _PeersOnly(Exception):
     """This worker rank has no FUSE share: it serves peers only."""
 
 
-def _build(job, spec: WorkerRankSpec):
+def _build(job, share: NodeShare):
     from fanstore.daemon.mpitransport import MpiTransport
     from fanstore.daemon.routing import PeerSource
     from fanstore.format.index import map_index_body
     from fanstore.namespace import Namespace
     from fanstore.read import ChunkReader, LocalPartitions, ReadStats, RoutedSource
 
-    index = map_index_body(spec.index_copy, owner=os.geteuid())
-    parts = LocalPartitions(spec.data_dir, index, list(spec.local_parts))
+    spec = share.spec
+    index = map_index_body(share.index_copy, owner=os.geteuid())
+    parts = LocalPartitions(share.data_dir, index, list(share.local_parts))
     transport = MpiTransport(job.comm, parts, on_control=lambda msg: None,
-                             idle_sleep=spec.idle_sleep, piece=spec.mpi_piece)
+                             piece=spec.mpi_piece)
     transport.start()
     stats = ReadStats()
     ns = Namespace(index)
-    peers = PeerSource(transport, [list(row) for row in spec.table], job.node, job.nodes,
+    peers = PeerSource(transport, [list(row) for row in share.table], job.node, job.nodes,
                        spec.remote_timeout, stats, show=ns.show,
                        ranks_of=job.servers_of, me=job.rank)
-    reader = ChunkReader(index, RoutedSource(parts, peers), cache_bytes=spec.cache_bytes,
-                         stats=stats)
+    # a rank that serves peers only decodes nothing: no cache
+    reader = ChunkReader(index, RoutedSource(parts, peers), stats=stats,
+                         cache_bytes=share.cache_bytes if share.worker_socket else 0)
     threading.Thread(target=_probe_dead, args=(peers, transport, spec.remote_timeout),
                      name="fanstore-probe", daemon=True).start()
     return transport, parts, reader

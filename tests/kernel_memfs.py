@@ -257,7 +257,7 @@ class MemHandler:
 def main(argv: list[str] | None = None) -> int:
     from fanstore.errors import FanStoreError
     from fanstore.fuse.engine import DEFAULT_INIT_FLAGS, InitOptions, KernelSession, MountOptions
-    from fanstore.fuse.engine.handshake import parse_flags
+    from fanstore.fuseflags import apply as apply_flags
 
     ap = argparse.ArgumentParser(prog="python tests/kernel_memfs.py")
     ap.add_argument("mountpoint")
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             n, size, dirs = (int(x) for x in args.generate.split(","))
             fs = MemFS.generated(n, size, dirs)
-        flags = parse_flags(args.flags, DEFAULT_INIT_FLAGS)
+        flags = apply_flags(args.flags, DEFAULT_INIT_FLAGS)
     except (OSError, ValueError, KeyError) as exc:
         print(f"memfs: bad tree: {exc}", file=sys.stderr)
         return 1

@@ -19,14 +19,15 @@ import threading
 import pytest
 from helpers import copy_store, damage_file
 
-from fanstore.errors import MountError
+from fanstore import strictjson
+from fanstore.errors import SpecError
 from fanstore.fuse.fsops import TIMEOUT, FsOps
 from fanstore.fuse.engine import Dispatcher, RequestCounters
 from fanstore.fuse.engine import counters as C
 from fanstore.fuse.engine import proto as P
 from fanstore.fuse.engine.records import iter_dirents
 from fanstore.fuse.kernelfs.handler import KernelHandler
-from fanstore.fuse.kernelfs.spec import FrontendSpec, read_spec
+from fanstore.fuse.kernelfs.start import FrontendStart, read_start
 from fanstore.fuse.kernelfs.stats import (
     COL,
     PREFETCH_COLUMNS,
@@ -218,57 +219,64 @@ def test_a_damaged_file_is_eio_for_that_file_only(small_store, small_tree, tmp_p
         d.close()
 
 
-# --------------------------------------------------------------------------- the spec
+# --------------------------------------------------------------------------- the start
 
 
-def _spec(**over) -> dict:
-    spec = {"mountpoint": "/mnt/x", "index_path": "/dev/shm/x.idx", "store": "/s",
-            "data_dir": "/d", "local_parts": [0, 2], "replicated": [2],
-            "socket_path": "/run/ctl.sock", "counters_path": "/run/counters", "workers": 4,
-            "external_workers": 0, "worker_socket": "/run/workers.sock",
-            "cache_bytes": 1 << 20, "allow_other": False, "fsname": "fanstore",
-            "remote_timeout": 30.0, "ready_fd": 5, "daemon_pid": 1234}
-    spec.update(over)
-    return spec
+def _start(**over) -> dict:
+    """A FrontendStart's JSON (its share and spec as the node makes them)."""
+    from fanstore.mountspec import MountSpec, NodeShare
+
+    prefetch = over.pop("prefetch", False)
+    share = NodeShare(spec=MountSpec("/s", "/mnt/x", mode="prefetch" if prefetch else "sync"),
+                      mountpoint="/mnt/x", data_dir="/d", local_parts=(0, 2), replicated=(2,),
+                      table=((0,), (1,), (0, 1)), index_copy="/dev/shm/x.idx",
+                      socket_path="/run/ctl.sock", worker_socket="", fuse_workers=4)
+    start = {"share": json.loads(strictjson.to_json(share)), "counters_path": "/run/counters",
+             "ready_fd": 5, "daemon_pid": 1234, "debug": False, "log_format": None,
+             "order_fd": 7 if prefetch else None, "window_fds": [8, 9] if prefetch else None}
+    start.update(over)
+    return start
 
 
-def test_spec_round_trips_through_json():
-    spec = FrontendSpec(**_spec(mode="prefetch", order_fd=7, window_fds=[8, 9],
-                                prefetch_bytes=1 << 30, log_format=None, debug=True))
-    again = FrontendSpec.from_json(spec.to_json())
-    assert again == spec and again.local_parts == (0, 2) and again.window_fds == (8, 9)
-    assert again.prefetch and not FrontendSpec(**_spec()).prefetch
-    r, w = os.pipe()
-    os.write(w, spec.to_json())
-    os.close(w)
-    assert read_spec(r) == spec
+def test_the_start_round_trips_through_a_pipe():
+    for prefetch in (False, True):
+        start = strictjson.from_json(FrontendStart, json.dumps(_start(prefetch=prefetch)))
+        assert start.share.spec.prefetch == prefetch and start.share.local_parts == (0, 2)
+        assert start.window_fds == ((8, 9) if prefetch else None)
+        r, w = os.pipe()
+        os.write(w, strictjson.to_json(start))
+        os.close(w)
+        assert read_start(r) == start
 
 
 @pytest.mark.parametrize("raw, field", [
-    (b"[1, 2]", "JSON object"),
-    (b"{not json", "JSON object"),
-    (json.dumps(_spec(surprise=1)).encode(), "surprise"),
-    (json.dumps({k: v for k, v in _spec().items() if k != "mountpoint"}).encode(),
-     "mountpoint"),
-    (json.dumps(_spec(workers="4")).encode(), "workers"),
-    (json.dumps(_spec(workers=0)).encode(), "workers"),
-    (json.dumps(_spec(workers=True)).encode(), "workers"),
-    (json.dumps(_spec(cache_bytes=-1)).encode(), "cache_bytes"),
-    (json.dumps(_spec(local_parts=["a"])).encode(), "local_parts"),
-    (json.dumps(_spec(replicated=[-1])).encode(), "replicated"),
-    (json.dumps(_spec(remote_timeout=0)).encode(), "remote_timeout"),
-    (json.dumps(_spec(allow_other="yes")).encode(), "allow_other"),
-    (json.dumps(_spec(mountpoint="")).encode(), "mountpoint"),
-    (json.dumps(_spec(mode="sometimes")).encode(), "mode"),
-    (json.dumps(_spec(mode="prefetch", order_fd=7, prefetch_bytes=1)).encode(), "window_fds"),
-    (json.dumps(_spec(mode="prefetch", window_fds=[8, 9], prefetch_bytes=1)).encode(),
-     "order_fd"),
+    (b"[1, 2]", "not a JSON object"),
+    (b"{not json", "not a JSON object"),
+    (json.dumps(_start(surprise=1)).encode(), "unknown key 'surprise'"),
+    (json.dumps({k: v for k, v in _start().items() if k != "ready_fd"}).encode(),
+     "missing key 'ready_fd'"),
+    (json.dumps(_start(ready_fd="5")).encode(), "'ready_fd'"),
+    (json.dumps(_start(ready_fd=-1)).encode(), "ready_fd"),
+    (json.dumps(_start(daemon_pid=True)).encode(), "'daemon_pid'"),
+    (json.dumps(_start(counters_path="")).encode(), "counters_path"),
+    (json.dumps(_start(window_fds=[8])).encode(), "'window_fds'"),
+    (json.dumps(_start(order_fd=7)).encode(), "prefetch mode"),
+    (json.dumps(_start(prefetch=True, order_fd=None)).encode(), "prefetch mode"),
+    (json.dumps(_start(share={})).encode(), "NodeShare: missing key"),
 ])
-def test_a_bad_spec_is_one_mount_error_line(raw, field):
-    with pytest.raises(MountError) as err:
-        FrontendSpec.from_json(raw)
+def test_a_bad_start_is_one_spec_error_line(raw, field):
+    with pytest.raises(SpecError) as err:
+        strictjson.from_json(FrontendStart, raw)
     text = str(err.value)
-    assert field in text and "\n" not in text and text.startswith("the kernel frontend's spec")
+    assert field in text and "\n" not in text, text
+
+
+def test_a_start_larger_than_its_limit_is_refused():
+    r, w = os.pipe()
+    os.write(w, b" " * 100)
+    os.close(w)
+    with pytest.raises(SpecError, match="larger than 10 bytes"):
+        read_start(r, limit=10)
 
 
 # --------------------------------------------------------------------------- counters
@@ -302,8 +310,8 @@ def test_the_frontend_process_refuses_a_bad_spec_in_one_line(capsys):
     from fanstore.fuse.kernelfs.process import frontend_main
 
     r, w = os.pipe()
-    os.write(w, json.dumps(_spec(workers=-3)).encode())
+    os.write(w, json.dumps(_start(daemon_pid=-3)).encode())
     os.close(w)
-    assert frontend_main(r) == MountError("x").exit_code
+    assert frontend_main(r) == SpecError("x").exit_code
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "workers must be a whole number >= 1" in err
+    assert err.count("\n") == 1 and "daemon_pid >= 1" in err

@@ -24,12 +24,12 @@ ROOT = Path(__file__).resolve().parent.parent
 #: requests) a layer below the MPI world.
 DAEMON_SERVICES = tuple(f"fanstore.daemon.{m}" for m in (
     "jobenv", "placement", "protocol", "pacing", "transport", "routing", "peerwatch",
-    "replicas", "service", "staging", "stagecopy", "stagefetch", "stagecheck", "rankspec",
-    "options"))
+    "replicas", "service", "staging", "stagecopy", "stagefetch", "stagecheck"))
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("codecs", ("compressors",)),
     ("format", ("fanstore.version", "fanstore.errors", "fanstore.settings", "fanstore.safeio",
-                "fanstore.unixsock",
+                "fanstore.unixsock", "fanstore.fuseflags", "fanstore.strictjson",
+                "fanstore.mountspec",
                 "fanstore.storage",
                 "fanstore.units", "fanstore.format")),
     ("read core", ("fanstore.namespace", "fanstore.read", "fanstore.store", "fanstore.verify",
@@ -53,8 +53,9 @@ OWNED = {"pyfuse3": ("fanstore.fuse",), "trio": ("fanstore.fuse",),
          "mpi4py": ("fanstore.daemon",), "s3fs": ("fanstore.storage",),
          "fsspec": ("fanstore.storage",), "botocore": ("fanstore.storage",)}
 #: The engine speaks the kernel's protocol for any file system: it knows only its errors.
-#: the engine's own modules, and FanStore's two standard-library-only leaves
-ENGINE_MAY_IMPORT = ("fanstore.fuse.engine", "fanstore.errors", "fanstore.unixsock")
+#: the engine's own modules, and FanStore's three standard-library-only leaves
+ENGINE_MAY_IMPORT = ("fanstore.fuse.engine", "fanstore.errors", "fanstore.unixsock",
+                     "fanstore.fuseflags")
 
 
 def _modules() -> dict[str, Path]:

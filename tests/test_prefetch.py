@@ -382,11 +382,15 @@ def test_a_replaced_worker_gets_the_order_again(tree, mounted, tmp_path):
 @pytest.mark.fuse
 @pytest.mark.skipif(not _fuse_ok, reason=_fuse_why)
 @pytest.mark.skipif(not ROOT, reason="drops the page cache (root)")
-def test_remote_files_are_prefetched_by_the_worker_ranks(tree, tmp_path):
-    """A 2-node job (worker ranks): rank 0's order, half of it held by node 1, is fetched
-    over MPI by rank 0's worker ranks, decoded and pushed; every byte right."""
+@pytest.mark.parametrize("ranks_per_node", [1, 3])
+def test_remote_files_are_prefetched_by_the_worker_ranks(tree, tmp_path, ranks_per_node):
+    """A 2-node job: node 0's order, half of it held by node 1, is fetched over MPI by node
+    0's FUSE workers (its forked workers, or with 3 ranks a node its 2 worker ranks, which
+    get the shared chunk table and the prefetch window with their /dev/fuse descriptor),
+    decoded and pushed; every byte right."""
     src, store, files = tree
-    with MpiJob(store, tmp_path, ranks=2, extra=["--mode", "prefetch", "--workers", "2"]) as job:
+    with MpiJob(store, tmp_path, ranks=2, extra=["--mode", "prefetch", "--workers", "2"],
+                ranks_per_node=ranks_per_node) as job:
         mnt = job.mnt(0)
         drop_caches()
         list_all(mnt)
@@ -399,6 +403,7 @@ def test_remote_files_are_prefetched_by_the_worker_ranks(tree, tmp_path):
         read_all(mnt, src, order)
         assert reads(mnt) - before <= len(order) // 10
         assert stats(mnt)["errors"] == 0
+        assert stats(mnt)["workers"] == 2
 
 
 # --------------------------------------------------------------------------- the shared window

@@ -381,10 +381,10 @@ def test_reader_cache_defaults_are_the_readers():
 
     from fanstore.api import open_store
     from fanstore.cli import build_parser
-    from fanstore.frontend import MountOptions
+    from fanstore.mountspec import MountSpec
     from fanstore.select.readorder import API_CACHE_MB, MOUNT_CACHE_MB
 
-    assert MOUNT_CACHE_MB == MountOptions.cache_mb
+    assert MOUNT_CACHE_MB == MountSpec.cache_mb
     assert MOUNT_CACHE_MB == build_parser().parse_args(["mount", "S", "M"]).cache_mb
     assert API_CACHE_MB == inspect.signature(open_store).parameters["cache_mb"].default
 

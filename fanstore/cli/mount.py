@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -21,20 +20,15 @@ from fanstore.cli.common import (
 )
 from fanstore.errors import MountError, UsageError
 
-#: The FUSE frontend of ``fanstore mount`` unless --frontend or $FANSTORE_FRONTEND
-#: (fanstore.settings) says otherwise: "auto" is the kernel-protocol frontend
-#: (launch.resolve_frontend; docs/benchmarks.md says why).
-DEFAULT_FRONTEND = "auto"
-
-
 def add_parsers(sub, common) -> None:
     _add_mount(sub, common)
     _add_live(sub, common)
 
 
 def _add_mount(sub, common) -> None:
-    from fanstore.daemon.options import START_TIMEOUT
-    from fanstore.settings import current
+    from fanstore.mountspec import MODES
+    from fanstore.mountspec import MountSpec as D  # its defaults are the options' defaults
+    from fanstore.settings import FRONTENDS, current
 
     env = current()
     s = sub.add_parser("mount", parents=[common], help="mount a store read-only",
@@ -44,42 +38,41 @@ def _add_mount(sub, common) -> None:
     s.add_argument("store", metavar="STORE")
     s.add_argument("mountpoint", metavar="MOUNTPOINT")
     s.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground")
-    s.add_argument("--cache-mb", type=nonneg_int, default=256,
-                   help="decoded-chunk cache budget in MB (default 256)")
-    s.add_argument("--frontend", choices=("auto", "kernel", "pyfuse3"),
-                   default=env.frontend or DEFAULT_FRONTEND,
+    s.add_argument("--cache-mb", type=nonneg_int, default=D.cache_mb,
+                   help="decoded-chunk cache budget in MB (default %(default)s)")
+    s.add_argument("--frontend", choices=FRONTENDS, default=env.frontend or D.frontend,
                    help="how FUSE is served: kernel (the kernel's FUSE protocol spoken "
                         "directly by --workers processes), pyfuse3 (one process, libfuse), or "
                         "auto (kernel); --mode prefetch needs kernel; default "
-                        f"$FANSTORE_FRONTEND or {DEFAULT_FRONTEND}")
-    s.add_argument("--workers", type=nonneg_int, default=0,
+                        f"$FANSTORE_FRONTEND or {D.frontend}")
+    s.add_argument("--workers", type=nonneg_int, default=D.workers,
                    help="FUSE worker processes of the kernel frontend (default: the cores, at "
                         "most 16); in an MPI job a node launched with several ranks is served "
                         "by its worker ranks instead (--ranks-per-node)")
-    s.add_argument("--ranks-per-node", type=ranks_per_node, default="auto",
+    s.add_argument("--ranks-per-node", type=ranks_per_node, default=D.ranks_per_node,
                    help="in an MPI job, how launched ranks form nodes: auto (the ranks of "
                         "one host, under srun of one Slurm node) or K consecutive ranks "
                         "(how one machine simulates many nodes); a node's ranks after its "
                         "first serve its mount and its remote reads")
-    s.add_argument("--start-timeout", type=positive_float, default=START_TIMEOUT,
+    s.add_argument("--start-timeout", type=positive_float, default=D.start_timeout,
                    metavar="SECONDS",
                    help="in an MPI job, how long a node waits at each start-up step for the "
                         "others (default %(default)g); then every node stops, naming the "
                         "nodes that did not arrive")
-    s.add_argument("--threads", type=nonneg_int, default=0,
+    s.add_argument("--threads", type=nonneg_int, default=D.threads,
                    help="decode threads (default: 2 per core, at least 4)")
     s.add_argument("--allow-other", action="store_true",
                    help="let other users read the mount (needs user_allow_other)")
-    s.add_argument("--mode", choices=("sync", "prefetch"), default="sync",
+    s.add_argument("--mode", choices=MODES, default=D.mode,
                    help="sync: decode on the read path; prefetch: fetch and decode ahead in "
                         "the order given with 'fanstore prefetch' or the Python API (or, "
                         "without one, ahead within directories)")
-    s.add_argument("--prefetch-mb", type=positive_int, default=1024,
-                   help="memory for files decoded ahead in prefetch mode (default 1024)")
+    s.add_argument("--prefetch-mb", type=positive_int, default=D.prefetch_mb,
+                   help="memory for files decoded ahead in prefetch mode (default %(default)s)")
     s.add_argument("--log", help="log file of a background daemon")
     s.add_argument("--local-dir", help="node-local directory to stage partitions into "
                                        "({node} or {rank}, and {host} are substituted)")
-    s.add_argument("--replicas", type=replicas, default=1, metavar="K|auto",
+    s.add_argument("--replicas", type=replicas, default=D.replicas, metavar="K|auto",
                    help="copies of each partition on consecutive nodes (default 1); 'auto': "
                         "as many as fit in --local-capacity (or else the free space of "
                         "--local-dir, less 5%% of its file system up to 1 GiB) on every "
@@ -90,17 +83,18 @@ def _add_mount(sub, common) -> None:
                         "e.g. 500G, 1.5T, 800M (K, M, G, T: powers of 1024; KB, MB, GB, TB: of "
                         "1000) or bytes; 'fanstore info STORE --local-capacity SIZE' shows "
                         "how many copies fit")
-    s.add_argument("--remote-timeout", type=positive_float, default=30.0,
-                   help="seconds before an unanswered remote read fails with EIO (default 30)")
+    s.add_argument("--remote-timeout", type=positive_float, default=D.remote_timeout,
+                   help="seconds before an unanswered remote read fails with EIO (default "
+                        "%(default)g)")
     s.add_argument("--keep-local", action="store_true",
                    help="keep staged partitions on exit (a restart reuses them)")
-    s.add_argument("--stage-jobs", type=positive_int, default=4,
-                   help="partition copies in flight while staging (default 4); from an "
+    s.add_argument("--stage-jobs", type=positive_int, default=D.stage_jobs,
+                   help="partition copies in flight while staging (default %(default)s); from an "
                         "s3:// store: parallel range reads")
     add_storage_args(s)
     g = s.add_argument_group("the kernel frontend's switches (for comparisons and "
                              "metadata-only work)")
-    g.add_argument("--fuse-flags", type=fuse_flags, default=env.fuse_flags, metavar="EDITS",
+    g.add_argument("--fuse-flags", default=env.fuse_flags, metavar="EDITS",
                    help="+NAME,-NAME edits of the INIT flags offered to the kernel, e.g. "
                         "-DO_READDIRPLUS for a bare `find` over millions of files (write "
                         "--fuse-flags=-NAME: the value starts with a dash; default "
@@ -111,17 +105,6 @@ def _add_mount(sub, common) -> None:
     g.add_argument("--no-prefetch-lookup", dest="prefetch_lookup", action="store_false",
                    help="prefetch mode: do not look files up ahead of their push")
     s.set_defaults(func=cmd_mount)
-
-
-def fuse_flags(text: str) -> str:
-    """``--fuse-flags``: every edit names a flag the kernel frontend knows."""
-    from fanstore.fuse.engine.handshake import parse_flags
-
-    try:
-        parse_flags(text, 0)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
 
 
 def _add_live(sub, common) -> None:
@@ -159,36 +142,9 @@ def _add_live(sub, common) -> None:
 
 def cmd_mount(args) -> int:
     from fanstore import launch
-    from fanstore.daemon.options import NodeOptions
-    from fanstore.frontend import MountOptions
-    from fanstore.settings import current
 
     storage_setup(args)
-    from fanstore.storage import is_url
-
-    if is_url(args.store) and not args.local_dir:
-        raise UsageError(f"{args.store} is in object storage: mounting it needs --local-dir "
-                         "(node-local storage to stage its partitions into)")
-    if args.local_capacity is not None and args.replicas != "auto":
-        raise UsageError("--local-capacity sizes --replicas auto: give --replicas auto, or "
-                         "leave --local-capacity out")
-    if args.local_capacity is not None and not args.local_dir:
-        raise UsageError("--local-capacity is the room for staged partitions: it needs "
-                         "--local-dir")
-    options = NodeOptions(
-        store=args.store, mountpoint=args.mountpoint,
-        mount=MountOptions(frontend=args.frontend, cache_mb=args.cache_mb,
-                           threads=args.threads, workers=args.workers,
-                           allow_other=args.allow_other, mode=args.mode,
-                           prefetch_mb=args.prefetch_mb, fuse_flags=args.fuse_flags,
-                           chunk_spill=args.chunk_spill,
-                           prefetch_lookup=args.prefetch_lookup),
-        local_dir=args.local_dir, replicas=args.replicas, local_capacity=args.local_capacity,
-        remote_timeout=args.remote_timeout, keep_local=args.keep_local,
-        stage_jobs=args.stage_jobs, ranks_per_node=args.ranks_per_node,
-        start_timeout=args.start_timeout, mpi_piece=current().mpi_piece)
-
-    outcome = launch.mount(options, foreground=args.foreground, debug=args.debug,
+    outcome = launch.mount(mount_spec(args), foreground=args.foreground, debug=args.debug,
                            log_file=args.log, notify=say)
     if outcome.error is not None:
         say(f"error: {outcome.error}")
@@ -197,6 +153,24 @@ def cmd_mount(args) -> int:
         sys.stderr.flush()
         os._exit(outcome.code)
     return outcome.code
+
+
+def mount_spec(args):
+    """The mount's one :class:`~fanstore.mountspec.MountSpec`, from the arguments and the
+    settings: built and checked here, once (a bad one is a UsageError line, exit 2)."""
+    from fanstore.mountspec import MountSpec
+    from fanstore.settings import current
+
+    return MountSpec(
+        store=args.store, mountpoint=args.mountpoint, frontend=args.frontend,
+        mode=args.mode, cache_mb=args.cache_mb, threads=args.threads, workers=args.workers,
+        allow_other=args.allow_other, prefetch_mb=args.prefetch_mb,
+        fuse_flags=args.fuse_flags, chunk_spill=args.chunk_spill,
+        prefetch_lookup=args.prefetch_lookup, local_dir=args.local_dir,
+        replicas=args.replicas, local_capacity=args.local_capacity,
+        remote_timeout=args.remote_timeout, keep_local=args.keep_local,
+        stage_jobs=args.stage_jobs, ranks_per_node=args.ranks_per_node,
+        start_timeout=args.start_timeout, mpi_piece=current().mpi_piece)
 
 
 def cmd_umount(args) -> int:

@@ -40,9 +40,7 @@ from fanstore.daemon.jobenv import node_name, substitute
 from fanstore.daemon.launcher import launcher_alive, shim_gone
 from fanstore.daemon.nodeend import NodeEnd
 from fanstore.daemon.nodegroup import LeaderSide
-from fanstore.daemon.options import NodeOptions
 from fanstore.daemon.peerwatch import PeerWatch, dead_in
-from fanstore.daemon.rankspec import WorkerRankSpec
 from fanstore.daemon.replicas import decide as decide_replicas
 from fanstore.process import release_free_memory
 from fanstore.daemon.routing import PeerSource
@@ -50,30 +48,34 @@ from fanstore.daemon.service import OWNER_OPS
 from fanstore.daemon.world import World
 from fanstore.errors import FanStoreError, FormatError, MountError
 from fanstore.frontend import FrontendFactory, MountContext
+from fanstore.mountspec import MountSpec, NodeShare
 from fanstore.namespace import Namespace
 from fanstore.read import ChunkReader, LocalPartitions, ReadStats, RoutedSource
 
 log = logging.getLogger(__name__)
 
+#: the kernel frontend's socket in the runtime directory where worker ranks join it
+WORKER_SOCKET = "workers.sock"
+
 
 class Node(NodeEnd):
-    def __init__(self, options: NodeOptions, world: World, frontend_factory: FrontendFactory,
+    def __init__(self, spec: MountSpec, world: World, frontend_factory: FrontendFactory,
                  transport_factory: Callable[..., Any] | None = None,
                  runtime_: runtime.MountRuntime | None = None) -> None:
-        self.options = options
+        self.spec = spec
         self.world = world
         self.rank, self.size = world.rank, world.size  # this node's index, the node count
         self.job = world.job  # the rank-level layout (None for a world of one)
         self.group = LeaderSide(self.job)  # this node's worker ranks, if any
         self.workers = len(self.job.workers_of(self.job.node)) if self.job else 0
         self.who = f"rank {self.rank} ({node_name()})"
-        self.mountpoint = substitute(options.mountpoint, self.rank)
+        self.mountpoint = substitute(spec.mountpoint, self.rank)
         self.mount_key = runtime.mount_key(self.mountpoint)
         #: the mount's private runtime directory: made by the caller (a single node, so that
         #: its errors reach the user before the daemon goes to the background) or in run()
         self.runtime = runtime_
         self.index_copy: str | None = None
-        self.local_dir = substitute(options.local_dir, self.rank) if options.local_dir else None
+        self.local_dir = substitute(spec.local_dir, self.rank) if spec.local_dir else None
         self.frontend_factory = frontend_factory
         self.transport_factory = transport_factory
         self.created_local = False
@@ -99,7 +101,7 @@ class Node(NodeEnd):
         self.skip_finalize = False
         #: the other nodes: probes while serving, the drain after (attached in _connect)
         self.watch = PeerWatch(self.rank, self.size, self._other_leaders(),
-                               options.remote_timeout, self.who, alive=launcher_alive)
+                               spec.remote_timeout, self.who, alive=launcher_alive)
         self._serving = threading.Event()
         self._sig_r = self._sig_w = -1
 
@@ -202,7 +204,7 @@ class Node(NodeEnd):
         data = index = error = None
         if self.rank == 0:
             try:
-                path, data = read_index_file(self.options.store)
+                path, data = read_index_file(self.spec.store)
                 index = read_index_bytes(data, where=path)  # before sending it out
             except FanStoreError as exc:  # every rank must learn of it, not just rank 0
                 error = exc
@@ -214,7 +216,7 @@ class Node(NodeEnd):
                 raise error  # rank 0 keeps its error's kind (and exit code: 33 for a newer format)
             raise FormatError(bytes(data[7:]).decode("utf-8", "replace"))
         if index is None:
-            index = read_index_bytes(data, where=os.path.join(self.options.store, INDEX_NAME),
+            index = read_index_bytes(data, where=os.path.join(self.spec.store, INDEX_NAME),
                                      validate=False)
         del data
         self.bcast_seconds = time.monotonic() - t0
@@ -224,9 +226,9 @@ class Node(NodeEnd):
         from fanstore.daemon.staging import stage_partitions
 
         if not self.local_dir:
-            return self.options.store
-        self.stage_report = stage_partitions(self.options.store, self.local_dir, index, mine,
-                                             jobs=self.options.stage_jobs, who=self.who)
+            return self.spec.store
+        self.stage_report = stage_partitions(self.spec.store, self.local_dir, index, mine,
+                                             jobs=self.spec.stage_jobs, who=self.who)
         # only a directory staging itself created is removed at exit (never one another
         # user made in between)
         self.created_local = self.stage_report.created
@@ -248,7 +250,7 @@ class Node(NodeEnd):
         return code
 
     def _run(self, on_ready: Callable[[], None] | None) -> int:
-        opts = self.options
+        spec = self.spec
         early: FanStoreError | None = None
         try:
             self.group.hello(os.getpid())
@@ -266,7 +268,7 @@ class Node(NodeEnd):
             self._mount()
             self.runtime.write_state(phase="ready")
             log.info("%s: serving %s at %s (%d entries, %d partitions here)", self.who,
-                     opts.store, self.mountpoint, index.n_entries, len(mine))
+                     spec.store, self.mountpoint, index.n_entries, len(mine))
             if on_ready is not None:
                 on_ready()
             self._serving.set()
@@ -303,7 +305,7 @@ class Node(NodeEnd):
         then a gate for all of them (``early``: an error before this point, reported
         through the first gate). A node that fails tells every node why; a node that
         does not arrive within ``--start-timeout`` is named."""
-        opts = self.options
+        spec = self.spec
         error: FanStoreError | None = None
         index = table = mine = None
         self.world.interrupted = self._interrupted
@@ -313,8 +315,8 @@ class Node(NodeEnd):
         try:
             index = self.load_index()
             # collective under --replicas auto: after load_index, before anything can fail
-            replicas = decide_replicas(opts.replicas, index, self.world, self.rank, self.size,
-                                       self.local_dir, opts.local_capacity, self.who)
+            replicas = decide_replicas(spec.replicas, index, self.world, self.rank, self.size,
+                                       self.local_dir, spec.local_capacity, self.who)
             self.replicas = replicas
             table = pl.placement([p.broadcast for p in index.partitions], self.size, replicas)
             mine = pl.local_partitions(table, self.rank)
@@ -354,7 +356,7 @@ class Node(NodeEnd):
 
     def _connect(self, index, table, mine) -> None:
         """The peer transport, the read core, the control socket and the frontend."""
-        opts = self.options
+        spec = self.spec
         ns = Namespace(index)
         if self.world.is_mpi or self.transport_factory is not None:
             if self.transport_factory is not None:
@@ -363,48 +365,49 @@ class Node(NodeEnd):
                 from fanstore.daemon.mpitransport import MpiTransport
 
                 self.transport = MpiTransport(self.job.comm, self.parts, self.on_control,
-                                              piece=self.options.mpi_piece)
+                                              piece=self.spec.mpi_piece)
             self.transport.start()
             self.peers = PeerSource(self.transport, table, self.rank, self.size,
-                                    opts.remote_timeout, self.stats,
+                                    spec.remote_timeout, self.stats,
                                     show=lambda e: ns.show(e),
                                     ranks_of=self.job.servers_of if self.job else None,
                                     me=self.job.rank if self.job else None)
             self.watch.attach(self.transport, self.peers)
         reader = ChunkReader(index, RoutedSource(self.parts, self.peers),
-                             cache_bytes=opts.mount.cache_mb << 20, stats=self.stats)
+                             cache_bytes=spec.cache_mb << 20, stats=self.stats)
         self.stats.extra.update(nodestats.static_stats(self, index, mine))
-        replicated = [p for p in mine if any(r != self.rank for r in table[p])]
-        index_copy = self.index_copy
-        self.ctx = MountContext(
-            mountpoint=self.mountpoint, options=opts.mount, index=index, ns=ns, reader=reader,
-            store=opts.store if "://" in opts.store else os.path.abspath(opts.store),
-            data_dir=os.path.abspath(self.data_dir),
-            local_parts=list(mine), replicated=replicated,
-            socket_path=self.runtime.socket_path, index_path=index_copy, runtime=self.runtime,
-            request_stop=self.request_stop, remote_timeout=opts.remote_timeout,
-            # the kernel frontend's requests are served by the worker ranks; the pyfuse3
-            # frontend serves its node from this process (its worker ranks serve peers only)
-            external_workers=self.workers if opts.mount.frontend == "kernel" else 0)
+        share = self._share(table, mine)
+        self.ctx = MountContext(share=share, index=index, ns=ns, reader=reader,
+                                runtime=self.runtime, request_stop=self.request_stop)
         self.frontend = self.frontend_factory(self.ctx)
-        if self.workers:
-            # what the worker ranks serve; they then join the frontend's worker socket
-            self.group.spec(WorkerRankSpec(
-                data_dir=self.ctx.data_dir, local_parts=tuple(mine),
-                table=tuple(tuple(row) for row in table), index_copy=index_copy,
-                remote_timeout=opts.remote_timeout,
-                worker_socket=(getattr(self.frontend, "worker_socket", "")
-                               if self.ctx.external_workers else ""),
-                cache_bytes=(opts.mount.cache_mb << 20) // max(1, self.workers),
-                mpi_piece=opts.mpi_piece))
+        # what the worker ranks serve (they then join the frontend's worker socket, if any)
+        self.group.start(share)
         from fanstore.daemon.service import handlers
 
-        self.server = ControlServer(self.ctx.socket_path, handlers(self),
+        self.server = ControlServer(share.socket_path, handlers(self),
                                     owner_ops=OWNER_OPS)
         self.server.start()
         server = self.server
         self.stats.extra["control_refused"] = lambda: server.refused
         return index
+
+    def _share(self, table, mine) -> NodeShare:
+        """This node's share of the mount, made once: what its frontend serves from and
+        what the kernel frontend process and the worker ranks receive, as it is."""
+        spec = self.spec
+        kernel = spec.frontend == "kernel"
+        # the kernel frontend's requests are served by the node's worker ranks (they join
+        # it at its worker socket) or by workers it forks; the pyfuse3 frontend serves them
+        # from this process (its worker ranks serve peers only)
+        ranks = kernel and self.workers > 0
+        return NodeShare(
+            spec=spec, mountpoint=self.mountpoint, data_dir=os.path.abspath(self.data_dir),
+            local_parts=tuple(mine),
+            replicated=tuple(p for p in mine if any(r != self.rank for r in table[p])),
+            table=tuple(tuple(row) for row in table), index_copy=self.index_copy,
+            socket_path=self.runtime.socket_path,
+            worker_socket=os.path.join(self.runtime.path, WORKER_SOCKET) if ranks else "",
+            fuse_workers=(self.workers if ranks else spec.worker_count()) if kernel else 1)
 
     def _share_index(self, index):
         """Write the decompressed index body to a private shared-memory file and use a

@@ -32,7 +32,7 @@ class NodeEnd:
         staging made it, else only the partitions it copied (never another user's dir)."""
         from fanstore.daemon.staging import remove_staged
 
-        if self.local_dir and not self.options.keep_local:
+        if self.local_dir and not self.spec.keep_local:
             if self.created_local:
                 shutil.rmtree(self.local_dir, ignore_errors=True)
             elif self.stage_report is not None:

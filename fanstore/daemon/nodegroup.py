@@ -5,9 +5,10 @@ the node's worker ranks, in this order:
 
 1. **hello**: the leader's pid (a worker exits when its leader is gone, whatever MPI
    does), sent as soon as the job is laid out.
-2. **spec**: what to serve (JSON: the node's data directory, its partitions, the
-   placement table, the index copy, the kernel frontend's worker socket, timeouts and
-   budgets) or ``{"ok": false, "error": ...}`` when the node failed to start.
+2. **start**: a :class:`RankStart`: the node's :class:`~fanstore.mountspec.NodeShare` (the
+   mount spec and the node's data directory, partitions, placement table, index copy and
+   the kernel frontend's worker socket, exactly as the node and its frontend have it), or
+   why the node failed to start; written and read by :mod:`fanstore.strictjson`.
 3. **exit**: the node is done (drained): stop serving and finalize MPI (``clean``) or
    leave without MPI_Finalize (a peer died).
 
@@ -20,20 +21,36 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from fanstore.daemon.rankspec import WorkerRankSpec
+from fanstore import strictjson
 from fanstore.daemon.pacing import Backoff
-from fanstore.errors import MountError
+from fanstore.errors import MountError, SpecError
+from fanstore.mountspec import NodeShare
 from fanstore.process import pid_alive
+
+
+@dataclass(frozen=True)
+class RankStart:
+    """What a node's leader tells its worker ranks to serve: the node's ``share`` of the
+    mount, or the ``error`` that stopped the node (one, not both)."""
+
+    share: NodeShare | None
+    error: str
+
+    def __post_init__(self) -> None:
+        strictjson.typed(self)
+        if (self.share is None) == (not self.error):
+            raise SpecError("RankStart: a share or an error, one of the two")
 
 
 def _wait(req, alive: Callable[[], bool] | None = None, backoff: Backoff | None = None,
           deadline: float | None = None) -> bool:
     # 100 ms apart once idle for a second: worker ranks wait here for their leader's
-    # spec while it stages (measured: 353 s of start-up at 128x4 on 2 cores cost each
+    # start while it stages (measured: 353 s of start-up at 128x4 on 2 cores cost each
     # worker rank 1.3 s of CPU polling at 20 ms)
     backoff = backoff or Backoff(100e-6, 20e-3, coldest=0.1, cold_after=1.0)
     while not req.Test():
@@ -75,7 +92,7 @@ class LeaderSide:
     def __init__(self, job) -> None:
         self.job = job
         self.active = job is not None and len(job.workers_of(job.node)) > 0
-        self.spec_sent = False
+        self.start_sent = False
         self.exit_sent = False
         self.worker_pids: list[int] = []
 
@@ -125,30 +142,32 @@ class LeaderSide:
         collective of the node, which never completes once one has gone."""
         return all(pid_alive(p) for p in self.worker_pids)
 
-    def _tell(self, message: dict) -> bool:
-        """Send ``message`` to the worker ranks; False when one is gone or it took
-        longer than ``TELL_TIMEOUT`` (a worker that stopped listening)."""
+    def _send(self, data: bytes) -> bool:
+        """Send ``data`` to the worker ranks; False when one is gone or it took longer
+        than ``TELL_TIMEOUT`` (a worker that stopped listening)."""
         deadline = time.monotonic() + TELL_TIMEOUT
-        return _bcast_bytes(self.job.node_comm, json.dumps(message).encode(),
-                            self.workers_alive, deadline) is not None
+        return _bcast_bytes(self.job.node_comm, data, self.workers_alive,
+                            deadline) is not None
 
-    def spec(self, spec: WorkerRankSpec) -> None:
-        if self.active and not self.spec_sent:
-            self.spec_sent = True
-            self._tell(dict(json.loads(spec.to_json()), ok=True))
+    def start(self, share: NodeShare) -> None:
+        """What the worker ranks serve: the node's share, as it is."""
+        self._start(RankStart(share=share, error=""))
 
     def failed(self, error: str) -> None:
-        """The node did not start: workers exit (if the spec was not sent yet)."""
-        if self.active and not self.spec_sent:
-            self.spec_sent = True
-            self._tell({"ok": False, "error": error})
+        """The node did not start: workers exit (if the start was not sent yet)."""
+        self._start(RankStart(share=None, error=error or "the node's daemon failed"))
+
+    def _start(self, start: RankStart) -> None:
+        if self.active and not self.start_sent:
+            self.start_sent = True
+            self._send(strictjson.to_json(start))
 
     def exit(self, clean: bool) -> bool:
         """Tell the workers to end (``clean``: with MPI_Finalize). False when they could
         not all be told (one is gone): the job then ends without MPI_Finalize."""
         if self.active and not self.exit_sent:
             self.exit_sent = True
-            return self._tell({"clean": clean})
+            return self._send(json.dumps({"clean": clean}).encode())
         return True
 
 
@@ -175,17 +194,16 @@ class WorkerSide:
         _wait(self.job.node_comm.Igather(np.array([os.getpid()], dtype=np.int64), None,
                                          root=0))
 
-    def spec(self) -> WorkerRankSpec:
-        """The leader's spec; MountError when the node failed or the leader died, or the
-        spec is not one."""
+    def start(self) -> NodeShare:
+        """The node's share, from the leader; MountError when the node failed or the
+        leader died, SpecError when what came is not a :class:`RankStart`."""
         data = _bcast_bytes(self.job.node_comm, None, self.leader_alive)
         if data is None:
             raise MountError("the node's daemon died before it was ready")
-        spec = json.loads(data)
-        if not isinstance(spec, dict) or not spec.pop("ok", False):
-            raise MountError(str(spec.get("error", "the node's daemon failed to start"))
-                             if isinstance(spec, dict) else "a malformed spec")
-        return WorkerRankSpec.from_json(spec)
+        start = strictjson.from_json(RankStart, data)
+        if start.share is None:
+            raise MountError(start.error)
+        return start.share
 
     def exit_posted(self) -> bool:
         """Poll (without waiting) for the leader's exit message: True once it came. The

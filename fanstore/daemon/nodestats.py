@@ -39,7 +39,7 @@ def static_stats(node, index, mine) -> dict[str, Any]:
         # index broadcast apart): constant in the number of nodes (benchmarks)
         "startup_received_messages": lambda: node.world.received[0],
         "startup_received_bytes": lambda: node.world.received[1],
-        "frontend": node.options.mount.frontend,
+        "frontend": node.spec.frontend,
     }
     if node.stage_report is not None:
         out.update(node.stage_report.to_json())

@@ -43,12 +43,12 @@ def handlers(node) -> dict[str, Any]:
         return {"ok": True, "pid": os.getpid()}
 
     def info(req):
-        ctx = node.ctx
-        return {"ok": True, "pid": os.getpid(), "store": ctx.store, "mode": ctx.options.mode,
-                "frontend": ctx.options.frontend, "mountpoint": node.mount_key,
-                "data_dir": ctx.data_dir, "local_parts": ctx.local_parts,
-                "replicated": ctx.replicated, "rank": node.rank, "ranks": node.size,
-                "index_copy": ctx.index_path}
+        share = node.ctx.share
+        return {"ok": True, "pid": os.getpid(), "store": share.spec.store,
+                "mode": share.spec.mode, "frontend": share.spec.frontend,
+                "mountpoint": node.mount_key, "data_dir": share.data_dir,
+                "local_parts": list(share.local_parts), "replicated": list(share.replicated),
+                "rank": node.rank, "ranks": node.size, "index_copy": share.index_copy}
 
     def stats(req):
         return node.stats_json()

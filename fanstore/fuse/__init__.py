@@ -5,7 +5,8 @@
   FanStore beyond its error types.
 - :mod:`fanstore.fuse.kernelfs`: FanStore's multi-process frontend on that engine (the
   default): the request handler, the frontend process and its workers, the daemon's side,
-  the spec it is started with, counters, the chunk spill, prefetch mode.
+  what it is started with (the node's share of the mount spec), counters, the chunk spill,
+  prefetch mode.
 - :mod:`fanstore.fuse.pyfuse3`: the frontend on libfuse through pyfuse3 and trio (one
   process; sync mode only).
 - :mod:`fanstore.fuse.fsops`: the file-system logic both frontends share (lookups,

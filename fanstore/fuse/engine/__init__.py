@@ -4,8 +4,9 @@ No libfuse, pyfuse3 or trio: requests are read from ``/dev/fuse`` with ``os.read
 preallocated buffer, parsed with precompiled structs, dispatched by opcode to a *handler*,
 and answered with ``os.writev``. After INIT the supervisor forks K workers that each read
 the same connection through their own cloned descriptor. This package imports nothing from
-FanStore except :mod:`fanstore.errors` (MountError) and :mod:`fanstore.unixsock` (the
-hand-off socket's address); tests/test_layers.py holds it to that.
+FanStore except :mod:`fanstore.errors` (MountError), :mod:`fanstore.unixsock` (the
+hand-off socket's address) and :mod:`fanstore.fuseflags` (the INIT flags by name, with the
+``+NAME,-NAME`` edits of them); tests/test_layers.py holds it to that.
 
 Modules, lowest first: :mod:`.proto` (the protocol's layouts, constants and scalar
 packers), :mod:`.records` (numpy packers: EntryTable, DirListing), :mod:`.counters` (per-op

@@ -12,8 +12,9 @@ send is one message):
 
 1. worker -> supervisor: ``b"W"`` (hello).
 2. supervisor -> worker: one JSON line ``{"slot", "workers", "bufsize", "counters",
-   "minor", "flags", ...}`` with the descriptor attached (then any extra descriptors the
-   session shares with its workers, e.g. shared memory).
+   "minor", "flags"}`` (the engine's own fields, read into a :class:`Grant`) with the
+   descriptor attached, then any extra descriptors the session shares with its workers
+   (e.g. shared memory: what they are is the application's, which both sides know).
 3. supervisor -> worker, any time after: the application's messages (the connection is the
    worker's channel, :meth:`KernelSession.send`).
 4. worker -> supervisor, when its Dispatcher stops: ``b"U"`` (the connection is gone: the
@@ -56,7 +57,6 @@ class Grant:
     flags: int
     workers: int = 1
     extra_fds: tuple[int, ...] = ()
-    info: dict | None = None  # the whole grant, application fields included
 
 
 class HandoffServer:
@@ -159,7 +159,7 @@ def join(path: str, timeout: float, alive=lambda: True) -> tuple[Grant, socket.s
     s.settimeout(None)
     return Grant(int(info["slot"]), fds[0], int(info["bufsize"]), info.get("counters"),
                  int(info.get("minor", 0)), int(info.get("flags", 0)),
-                 int(info.get("workers", 1)), tuple(fds[1:]), info), s
+                 int(info.get("workers", 1)), tuple(fds[1:])), s
 
 
 def say_gone(s: socket.socket) -> None:

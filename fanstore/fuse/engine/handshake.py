@@ -29,7 +29,6 @@ from .proto import (
     IN_HEADER,
     IN_HEADER_SIZE,
     INIT_EXT,
-    INIT_FLAG_NAMES,
     INIT_IN,
     INIT_IN_V1,
     INIT_OUT_VERSION,
@@ -92,18 +91,6 @@ class InitOptions:
     min_minor: int = MIN_KERNEL_MINOR
     max_minor: int = KERNEL_MINOR_VERSION
     read_ahead_kb: int | None = -1  # -1: max_pages * 4 KiB
-
-
-def parse_flags(text: str, base: int) -> int:
-    """``+NAME,-NAME`` edits of an INIT flag word (names as in proto, e.g. -NO_OPEN_SUPPORT)."""
-    flags = base
-    by_name = {v: k for k, v in INIT_FLAG_NAMES.items()}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        sign, name = item[0], item[1:].upper()
-        if sign not in "+-" or name not in by_name:
-            raise ValueError(f"bad flag edit {item!r} (use +NAME or -NAME)")
-        flags = flags | by_name[name] if sign == "+" else flags & ~by_name[name]
-    return flags
 
 
 @dataclass

@@ -17,6 +17,8 @@ import enum
 import stat as _stat
 import struct
 
+from fanstore.fuseflags import BITS as _FLAG_BITS
+
 # --------------------------------------------------------------------------------------------
 # Protocol version
 
@@ -153,18 +155,9 @@ SECURITY_CTX = 1 << 32
 HAS_INODE_DAX = 1 << 33
 HAS_EXPIRE_ONLY = 1 << 35
 
-_FLAG_NAMES = [  # bit 0, 1, 2, ...
-    "ASYNC_READ", "POSIX_LOCKS", "FILE_OPS", "ATOMIC_O_TRUNC", "EXPORT_SUPPORT", "BIG_WRITES",
-    "DONT_MASK", "SPLICE_WRITE", "SPLICE_MOVE", "SPLICE_READ", "FLOCK_LOCKS", "HAS_IOCTL_DIR",
-    "AUTO_INVAL_DATA", "DO_READDIRPLUS", "READDIRPLUS_AUTO", "ASYNC_DIO", "WRITEBACK_CACHE",
-    "NO_OPEN_SUPPORT", "PARALLEL_DIROPS", "HANDLE_KILLPRIV", "POSIX_ACL", "ABORT_ERROR",
-    "MAX_PAGES", "CACHE_SYMLINKS", "NO_OPENDIR_SUPPORT", "EXPLICIT_INVAL_DATA", "MAP_ALIGNMENT",
-    "SUBMOUNTS", "HANDLE_KILLPRIV_V2", "SETXATTR_EXT", "INIT_EXT", "INIT_RESERVED",
-    "SECURITY_CTX", "HAS_INODE_DAX",
-]
-#: Names of the INIT flag bits, for logs and benchmark labels.
-INIT_FLAG_NAMES: dict[int, str] = {1 << i: n for i, n in enumerate(_FLAG_NAMES)}
-INIT_FLAG_NAMES[HAS_EXPIRE_ONLY] = "HAS_EXPIRE_ONLY"
+#: Names of the INIT flag bits, for logs and benchmark labels (the one table, with the
+#: ``+NAME,-NAME`` edits of ``--fuse-flags``: fanstore.fuseflags).
+INIT_FLAG_NAMES: dict[int, str] = {bit: name for name, bit in _FLAG_BITS.items()}
 
 
 def flag_names(flags: int) -> list[str]:

@@ -224,7 +224,6 @@ class KernelSession:
                        handle_signals: bool | None = None,
                        connect_timeout: float = 300.0,
                        extra_fds: list[int] | None = None,
-                       grant_info: dict[str, Any] | None = None,
                        watch: Watch | None = None) -> str:
         """Answer INIT, then hand the connection to ``workers`` processes that connect to
         ``socket_path`` (:mod:`.handoff`: processes this one must not fork, such as MPI
@@ -234,9 +233,10 @@ class KernelSession:
         or "stopped" (signal or :meth:`stop`). Raises MountError when the workers do not
         all connect within ``connect_timeout`` or every one of them is gone.
 
-        ``extra_fds`` are sent to every worker with its descriptor (shared memory, say) and
-        ``grant_info`` is added to its grant; the handoff connection is each worker's
-        channel (:meth:`send`); ``watch`` as in :meth:`serve`.
+        ``extra_fds`` are sent to every worker with its descriptor (shared memory, say; the
+        grant says nothing else of the application: what they are, the worker knows); the
+        handoff connection is each worker's channel (:meth:`send`); ``watch`` as in
+        :meth:`serve`.
         """
         if self.fd < 0:
             raise MountError("mount() first")
@@ -246,9 +246,8 @@ class KernelSession:
         old_handlers = self._install_signals(self._signals_wanted(handle_signals, check=False))
         try:
             self._init_counters(workers)
-            info = dict(grant_info or {}, bufsize=self.bufsize(),
-                        counters=self.counters_path, minor=self.conn.minor,
-                        flags=self.conn.flags, workers=workers)
+            info = dict(bufsize=self.bufsize(), counters=self.counters_path,
+                        minor=self.conn.minor, flags=self.conn.flags, workers=workers)
             sup.accept(socket_path, workers, info, connect_timeout, extra_fds or [])
             set_read_ahead(self.mountpoint, self.init, self.conn)
             if on_ready is not None:

@@ -3,9 +3,10 @@ serves, stop it, read its counters, hand it prefetch orders.
 
 The daemon never forks after MPI_Init: :meth:`KernelFrontend.mount` starts the frontend
 process (:mod:`fanstore.fuse.kernelfs.process`) with ``subprocess`` (fork + exec at once, the
-environment cleaned of PMI variables), hands it a :class:`~fanstore.fuse.kernelfs.spec.
-FrontendSpec` through a pipe and waits for "ready" (or the error) on another. The frontend
-process and its workers die with the daemon (PR_SET_PDEATHSIG).
+environment cleaned of PMI variables), hands it a :class:`~fanstore.fuse.kernelfs.start.
+FrontendStart` (the node's share of the mount, as it is) through a pipe and waits for
+"ready" (or the error) on another. The frontend process and its workers die with the daemon
+(PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from fanstore.errors import MountError
+from fanstore import strictjson
+from fanstore.errors import FanStoreError, MountError
 from fanstore.format.index import KIND_FILE
 from fanstore.frontend import MountContext
 from fanstore.fuse.engine import RequestCounters
-from fanstore.fuse.kernelfs.spec import FrontendSpec
+from fanstore.fuse.kernelfs.start import FrontendStart
 from fanstore.fuse.kernelfs.stats import summed_stats
 from fanstore.fuse.kernelfs.orders import DROP, ORDER, PUSH_PIECE, encode
 from fanstore.process import read_ready
@@ -46,7 +48,6 @@ class KernelFrontend:
         if rt is None:
             raise ValueError("the kernel frontend needs the mount's runtime directory")
         self.counters_path = rt.counters_path
-        self.worker_socket = os.path.join(rt.path, "workers.sock")
         self._counters = None
         self._reason: str | None = None
         # Every read is served by the workers, whose caches share --cache-mb; the daemon's
@@ -61,20 +62,19 @@ class KernelFrontend:
     # ------------------------------------------------------------------ Frontend
     def mount(self) -> None:
         ctx = self.ctx
-        opts = ctx.options
         r, w = os.pipe()
         spec_r, spec_w = os.pipe()
         theirs = None
-        if opts.mode == "prefetch":
+        if ctx.spec.prefetch:
             self._orders, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            slots = ctx.external_workers or opts.worker_count()
+            slots = ctx.share.fuse_workers
             # made here, handed down: the daemon gives the state to the node's API readers
             self.window = SharedWindow.create(
                 ctx.index.n_entries, slots,
-                prefetch_buffer_bytes(opts.prefetch_mb << 20, slots))
+                prefetch_buffer_bytes(ctx.spec.prefetch_mb << 20, slots))
         try:
-            spec = self._spec(w, theirs)
-        except MountError:
+            start = self._start(w, theirs)
+        except FanStoreError:
             for fd in (r, w, spec_r, spec_w):
                 os.close(fd)
             if theirs is not None:
@@ -95,9 +95,9 @@ class KernelFrontend:
             os.close(spec_r)
             if theirs is not None:
                 theirs.close()
-        try:  # the spec goes through a pipe: nothing on disk for anyone to read or swap
+        try:  # the start goes through a pipe: nothing on disk for anyone to read or swap
             with open(spec_w, "wb", closefd=True) as f:
-                f.write(spec.to_json())
+                f.write(strictjson.to_json(start))
         except BrokenPipeError:
             pass  # the frontend died at once: the ready pipe below says so
         try:
@@ -110,25 +110,14 @@ class KernelFrontend:
                              f"{ctx.mountpoint}: the kernel frontend exited before the mount "
                              f"was ready (status {self.proc.returncode})")
 
-    def _spec(self, ready_fd: int, orders: socket.socket | None) -> FrontendSpec:
-        """What the frontend process is told (checked here too: MountError)."""
-        ctx = self.ctx
-        opts = ctx.options
-        prefetch = {} if orders is None else {
-            "order_fd": orders.fileno(), "prefetch_bytes": opts.prefetch_mb << 20,
-            "window_fds": (self.window.state_fd, self.window.arena_fd)}
-        return FrontendSpec(
-            mountpoint=ctx.mountpoint, index_path=ctx.index_path, store=ctx.store,
-            data_dir=ctx.data_dir, local_parts=tuple(ctx.local_parts),
-            replicated=tuple(ctx.replicated), socket_path=ctx.socket_path,
-            counters_path=self.counters_path, workers=opts.worker_count(),
-            external_workers=ctx.external_workers or 0, worker_socket=self.worker_socket,
-            cache_bytes=(opts.cache_mb << 20) // max(1, opts.worker_count()),
-            allow_other=opts.allow_other, fsname=opts.fsname,
-            remote_timeout=ctx.remote_timeout, ready_fd=ready_fd, daemon_pid=os.getpid(),
-            debug=logging.getLogger().level <= logging.DEBUG, log_format=_log_format(),
-            init_flags=opts.fuse_flags, mode=opts.mode, chunk_spill=opts.chunk_spill,
-            prefetch_lookup=opts.prefetch_lookup, **prefetch)
+    def _start(self, ready_fd: int, orders: socket.socket | None) -> FrontendStart:
+        """What the frontend process is told: the node's share, and its wiring."""
+        return FrontendStart(
+            share=self.ctx.share, counters_path=self.counters_path, ready_fd=ready_fd,
+            daemon_pid=os.getpid(), debug=logging.getLogger().level <= logging.DEBUG,
+            log_format=_log_format(), order_fd=None if orders is None else orders.fileno(),
+            window_fds=None if orders is None else (self.window.state_fd,
+                                                    self.window.arena_fd))
 
     def unmount(self) -> None:
         self.stop("another rank failed")
@@ -164,9 +153,9 @@ class KernelFrontend:
             except (OSError, ValueError):
                 return {}
         out = summed_stats(self._counters, prefetch=self._orders is not None)
-        out["workers"] = self.ctx.options.worker_count()
+        out["workers"] = self.ctx.share.fuse_workers
         if self._orders is not None:
-            out["prefetch_budget"] = self.ctx.options.prefetch_mb << 20
+            out["prefetch_budget"] = self.ctx.spec.prefetch_mb << 20
             out["prefetch_clients"] = len(self._clients)
         return out
 

@@ -43,12 +43,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from fanstore import fuseflags
 from fanstore.errors import FanStoreError, MountError
 from fanstore.fuse import engine
 from fanstore.fuse.fsops import FsOps
 from fanstore.fuse.kernelfs.handler import KernelHandler
-from fanstore.fuse.kernelfs.spec import FrontendSpec, read_spec
+from fanstore.fuse.kernelfs.start import FrontendStart, read_start
 from fanstore.fuse.kernelfs.stats import RowPublisher
+from fanstore.mountspec import FSNAME, MountSpec, NodeShare
 from fanstore.read.shared import SharedChunks
 
 log = logging.getLogger(__name__)
@@ -56,19 +58,20 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
-def make_handler_factory(spec: FrontendSpec, index, fs: FsOps, session, window=None,
+def make_handler_factory(share: NodeShare, index, fs: FsOps, session, window=None,
                          shared=None) -> Callable[[engine.WorkerContext], KernelHandler]:
     """The per-worker set-up: this node's partitions opened here, other nodes' chunks
     through the daemon's socket, counters in the worker's row; in prefetch mode, the
     worker's prefetch thread (``window``: the shared window, made before the fork)."""
+    spec = share.spec
 
     def factory(wctx: engine.WorkerContext) -> KernelHandler:
         from fanstore.control import ControlClient, node_reader
 
-        client = ControlClient(spec.mountpoint, timeout=spec.remote_timeout + 30,
-                               path=spec.socket_path)
-        reader = node_reader(index, client, spec.data_dir, spec.local_parts,
-                             spec.replicated, spec.cache_bytes)
+        client = ControlClient(share.mountpoint, timeout=spec.remote_timeout + 30,
+                               path=share.socket_path)
+        reader = node_reader(index, client, share.data_dir, share.local_parts,
+                             share.replicated, share.cache_bytes)
         if shared is not None:  # made before the fork: this worker writes its own slots
             shared.set_worker(wctx.slot)
             reader.shared = shared
@@ -81,7 +84,7 @@ def make_handler_factory(spec: FrontendSpec, index, fs: FsOps, session, window=N
             from fanstore.fuse.kernelfs.prefetcher import Prefetcher
 
             pf = Prefetcher(window, reader, fs.ns, wctx.slot, wctx.workers, wctx.fd,
-                            wctx.channel, spec.mountpoint, row,
+                            wctx.channel, share.mountpoint, row,
                             stat_ahead=spec.prefetch_lookup, publish=publisher.publish)
             pf.start()
             hooks = pf.hooks
@@ -101,16 +104,32 @@ def make_spill(fd: int, stats, enabled: bool = True):
     return ChunkSpill(fd, stats)
 
 
-def serve_worker(socket_path: str, index, reader, timeout: float = 300.0,
-                 alive=lambda: True, served=None) -> str:
+def shares_chunks(share: NodeShare) -> bool:
+    """Whether the processes that serve the mount share a table of decoded chunks (more
+    than one of them). A worker rank gets, with its /dev/fuse descriptor, the table's two
+    descriptors if so, then prefetch mode's window's two: both sides know which from the
+    node's share, so nothing else travels with them."""
+    return share.fuse_workers > 1
+
+
+def serve_worker(share: NodeShare, reader, timeout: float = 300.0, alive=lambda: True,
+                 served=None) -> str:
     """An external worker (an MPI worker rank of a node, :mod:`fanstore.workerrank`): join
-    the kernel frontend at ``socket_path`` (:mod:`fanstore.fuse.engine.handoff`), serve
-    FUSE requests with ``reader`` (this node's partitions from disk, other nodes' over
+    the kernel frontend at the share's worker socket (:mod:`fanstore.fuse.engine.handoff`),
+    serve FUSE requests with ``reader`` (this node's partitions from disk, other nodes' over
     MPI) until the mount goes away, then tell the frontend. Returns why it stopped."""
     from fanstore.fuse.engine import handoff
     from fanstore.namespace import Namespace
 
-    grant, sock = handoff.join(socket_path, timeout, alive)
+    spec = share.spec
+    grant, sock = handoff.join(share.worker_socket, timeout, alive)
+    fds = list(grant.extra_fds)
+    want = 2 * shares_chunks(share) + 2 * spec.prefetch
+    if len(fds) != want:
+        for fd in (grant.fd, *fds):
+            os.close(fd)
+        handoff.say_gone(sock)
+        raise MountError(f"the kernel frontend sent {len(fds)} shared descriptors, not {want}")
     counters = engine.RequestCounters.attach(grant.counters, writable=True) \
         if grant.counters else None
     row = counters.row(grant.slot) if counters is not None else None
@@ -120,25 +139,20 @@ def serve_worker(socket_path: str, index, reader, timeout: float = 300.0,
         publisher.publish()
         if served is not None:
             served.on_served = publisher.publish_served
-    fs = FsOps(Namespace(index))
-    info = grant.info or {}
-    at = info.get("shared_chunks")
-    if at is not None and len(grant.extra_fds) >= at + 2:
-        reader.shared = SharedChunks(grant.extra_fds[at], grant.extra_fds[at + 1], grant.slot)
+    fs = FsOps(Namespace(reader.index))
+    if shares_chunks(share):
+        reader.shared = SharedChunks(fds[0], fds[1], grant.slot)
     prefetcher = window = None
-    spec = info.get("prefetch")
-    at = (spec or {}).get("fds", 0)
-    if spec and len(grant.extra_fds) >= at + 2 and row is not None:
+    if spec.prefetch and row is not None:
         from fanstore.fuse.kernelfs.prefetcher import Prefetcher
         from fanstore.read.window import SharedWindow
 
-        window = SharedWindow(grant.extra_fds[at], grant.extra_fds[at + 1])
+        window = SharedWindow(fds[-2], fds[-1])
         prefetcher = Prefetcher(window, reader, fs.ns, grant.slot, grant.workers, grant.fd,
-                                sock, spec["mountpoint"], row,
-                                stat_ahead=bool(spec.get("lookup", True)),
+                                sock, share.mountpoint, row, stat_ahead=spec.prefetch_lookup,
                                 publish=publisher.publish if publisher else None)
         prefetcher.start()
-    spill = make_spill(grant.fd, reader.stats, bool(info.get("chunk_spill", True)))
+    spill = make_spill(grant.fd, reader.stats, spec.chunk_spill)
     handler = KernelHandler(fs, reader, publish=publisher.publish if publisher else None,
                             prefetch=prefetcher.hooks if prefetcher else None, spill=spill)
     try:
@@ -152,32 +166,31 @@ def serve_worker(socket_path: str, index, reader, timeout: float = 300.0,
             publisher.publish()
         os.close(grant.fd)
         handoff.say_gone(sock)
-        for fd in grant.extra_fds:
+        for fd in fds:
             os.close(fd)
     return "unmounted"
 
 
 def frontend_main(spec_fd: int) -> int:
     """``python -m fanstore.fuse.kernelfs.process --spec-fd N``: the frontend process (see the
-    module docstring). Reads its spec from the pipe ``spec_fd``; reports "ready" or
-    "error: ..." on the pipe fd named in the spec."""
+    module docstring). Reads its :class:`FrontendStart` from the pipe ``spec_fd``; reports
+    "ready" or "error: ..." on the pipe fd named in it."""
     from fanstore.format.index import map_index_body
-    from fanstore.fuse.engine.handshake import parse_flags
     from fanstore.namespace import Namespace
     from fanstore.process import setup_logging
     from fanstore.read.decode import Decoder
 
     try:
-        spec = read_spec(spec_fd)
-    except MountError as exc:  # nowhere to report it but the daemon's log: one line
+        start = read_start(spec_fd)
+    except FanStoreError as exc:  # nowhere to report it but the daemon's log: one line
         sys.stderr.write(f"kernel frontend: {exc}\n")
         return exc.exit_code
-    ready_fd = spec.ready_fd
-    setup_logging(spec.debug, sys.stderr, fmt=spec.log_format or None)
+    share, ready_fd = start.share, start.ready_fd
+    setup_logging(start.debug, sys.stderr, fmt=start.log_format or None)
     # Die with the daemon: its SIGKILL must not leave an unsupervised mount behind.
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != spec.daemon_pid:
+    if os.getppid() != start.daemon_pid:
         return 1
 
     def report(text: str) -> None:
@@ -188,29 +201,22 @@ def frontend_main(spec_fd: int) -> int:
 
     session = None
     try:
-        index = map_index_body(spec.index_path, owner=os.geteuid())
+        index = map_index_body(share.index_copy, owner=os.geteuid())
         fs = FsOps(Namespace(index))
         # Import the store's codec libraries here, before the workers fork (a missing one
         # fails the mount, not every read): each worker's first request paid the import,
         # ~100 ms of blosc2's, which a measured epoch of a few thousand files could not hide
         Decoder(index)
-        mopts = engine.MountOptions(fsname=spec.fsname, subtype="fanstore", read_only=True,
-                                    allow_other=spec.allow_other)
-        # The engine's defaults, READDIRPLUS included: listing then reading 300,000 files (a
-        # first epoch) took 26.5 s with it and 38.2 s with plain READDIR, which costs a
-        # LOOKUP per file; only a bare cold `find` is faster without it (docs/benchmarks.md,
-        # fuse_bench-small300k-dirs). --fuse-flags "+NAME,-NAME" edits the flags
-        # (-DO_READDIRPLUS for metadata-only work; experiments and benchmarks).
-        init = engine.InitOptions(flags=parse_flags(spec.init_flags, engine.DEFAULT_INIT_FLAGS))
-        session = engine.KernelSession(spec.mountpoint, mopts, init,
-                                       counters_path=spec.counters_path)
+        mount, init = engine_options(share.spec)
+        session = engine.KernelSession(share.mountpoint, mount, init,
+                                       counters_path=start.counters_path)
         session.mount()
 
         def on_ready(s) -> None:
             report("ready\n")
             os.close(ready_fd)  # the daemon stops reading here; EOF if we die before
 
-        reason = _serve(spec, index, fs, session, on_ready)
+        reason = _serve(start, index, fs, session, on_ready)
         log.info("kernel frontend: %s", reason)
         return 0
     except FanStoreError as exc:
@@ -226,40 +232,51 @@ def frontend_main(spec_fd: int) -> int:
             session.close()
 
 
-def _serve(spec: FrontendSpec, index, fs: FsOps, session, on_ready) -> str:
+def engine_options(spec: MountSpec) -> tuple[engine.MountOptions, engine.InitOptions]:
+    """The engine's view of a mount spec (how to mount, what to ask for in INIT): the one
+    place it is derived. The engine's defaults, READDIRPLUS included: listing then reading
+    300,000 files (a first epoch) took 26.5 s with it and 38.2 s with plain READDIR, which
+    costs a LOOKUP per file; only a bare cold `find` is faster without it
+    (docs/benchmarks.md, fuse_bench-small300k-dirs). ``fuse_flags`` ("+NAME,-NAME", checked
+    with the spec) edits the flags (-DO_READDIRPLUS for metadata-only work; experiments
+    and benchmarks)."""
+    mount = engine.MountOptions(fsname=FSNAME, subtype="fanstore", read_only=True,
+                                allow_other=spec.allow_other)
+    init = engine.InitOptions(flags=fuseflags.apply(spec.fuse_flags,
+                                                    engine.DEFAULT_INIT_FLAGS))
+    return mount, init
+
+
+def _serve(start: FrontendStart, index, fs: FsOps, session, on_ready) -> str:
     """Serve the mounted session with forked workers or the node's worker ranks, with
     prefetch mode's order relay and shared window when asked."""
+    share = start.share
     window = relay = None
     watch: dict[int, Any] = {}
-    if spec.prefetch:
+    if share.spec.prefetch:  # (the start holds the order channel and the window then)
         from fanstore.fuse.kernelfs.orders import OrderRelay
         from fanstore.read.window import SharedWindow
 
-        assert spec.window_fds is not None and spec.order_fd is not None
-        state_fd, arena_fd = spec.window_fds
-        window = SharedWindow(state_fd, arena_fd)
-        orders = socket.socket(fileno=spec.order_fd)
-        relay = OrderRelay(session, orders, window, spec.prefetch_bytes)
+        assert start.window_fds is not None and start.order_fd is not None
+        window = SharedWindow(*start.window_fds)
+        orders = socket.socket(fileno=start.order_fd)
+        relay = OrderRelay(session, orders, window, share.spec.prefetch_mb << 20)
         watch[orders.fileno()] = relay.on_readable
-    workers = spec.external_workers or spec.workers
-    shared = SharedChunks.create(workers, index.chunk_size) if workers > 1 else None
-    if spec.external_workers:
+    workers = share.fuse_workers
+    shared = SharedChunks.create(workers, index.chunk_size) if shares_chunks(share) else None
+    if share.worker_socket:
         # MPI worker ranks serve (fanstore/workerrank.py): they connect and get the
-        # connection, the shared chunk table, prefetch mode's window and the switches
+        # connection with the shared chunk table and prefetch mode's window (serve_worker);
+        # what else they need is in the node's share, which their leader gave them
         fds: list[int] = []
-        info: dict[str, Any] = {"chunk_spill": spec.chunk_spill}
         if shared is not None:
-            info["shared_chunks"] = len(fds)
             fds += [shared.table_fd, shared.arena_fd]
         if window is not None:
-            info["prefetch"] = {"mountpoint": spec.mountpoint, "fds": len(fds),
-                                "lookup": spec.prefetch_lookup}
             fds += [window.state_fd, window.arena_fd]
-        return session.serve_external(spec.worker_socket, spec.external_workers,
-                                      on_ready=on_ready, watch=watch, extra_fds=fds,
-                                      grant_info=info)
-    factory = make_handler_factory(spec, index, fs, session, window, shared)
-    return session.serve(factory, workers=spec.workers, on_ready=on_ready,
+        return session.serve_external(share.worker_socket, workers, on_ready=on_ready,
+                                      watch=watch, extra_fds=fds)
+    factory = make_handler_factory(share, index, fs, session, window, shared)
+    return session.serve(factory, workers=workers, on_ready=on_ready,
                          channels=window is not None, watch=watch,
                          on_worker_start=relay.resend if relay else None)
 

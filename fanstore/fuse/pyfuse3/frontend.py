@@ -15,22 +15,22 @@ import trio
 from fanstore import mounttable
 from fanstore.errors import MountError
 from fanstore.frontend import MountContext
+from fanstore.mountspec import FSNAME
 from fanstore.fuse.pyfuse3.reader import AsyncReader
 from fanstore.fuse.fsops import FsOps
 from fanstore.fuse.pyfuse3.operations import FanStoreOps
 
 log = logging.getLogger(__name__)
 
+#: pyfuse3's concurrent request handlers at most
+MAX_TASKS = 64
+
 
 class Pyfuse3Frontend:
     def __init__(self, ctx: MountContext) -> None:
         self.ctx = ctx
-        opts = ctx.options
-        self.fs = FsOps(ctx.ns)
-        if opts.mode == "prefetch":
-            raise MountError("--mode prefetch is served by the kernel frontend "
-                             "(--frontend kernel or auto)")
-        self.reader = AsyncReader(ctx.ns, ctx.reader, threads=opts.decode_threads())
+        self.fs = FsOps(ctx.ns)  # (a spec with prefetch mode names the kernel frontend)
+        self.reader = AsyncReader(ctx.ns, ctx.reader, threads=ctx.spec.decode_threads())
         self.ops = FanStoreOps(self.fs, self.reader)
         self._token: trio.lowlevel.TrioToken | None = None
         self._reason: str | None = None
@@ -38,10 +38,9 @@ class Pyfuse3Frontend:
 
     # ------------------------------------------------------------------ Frontend
     def mount(self) -> None:
-        opts = self.ctx.options
         fuse_opts = set(pyfuse3.default_options)
-        fuse_opts |= {"ro", f"fsname={opts.fsname}", "subtype=fanstore"}
-        if opts.allow_other:
+        fuse_opts |= {"ro", f"fsname={FSNAME}", "subtype=fanstore"}
+        if self.ctx.spec.allow_other:
             fuse_opts.add("allow_other")
         try:
             pyfuse3.init(self.ops, self.ctx.mountpoint, fuse_opts)
@@ -87,7 +86,7 @@ class Pyfuse3Frontend:
         async with trio.open_nursery() as nursery:
             if self._reason is not None:  # stopped before the loop ran
                 pyfuse3.terminate()
-            await pyfuse3.main(min_tasks=1, max_tasks=self.ctx.options.max_tasks)
+            await pyfuse3.main(min_tasks=1, max_tasks=MAX_TASKS)
             nursery.cancel_scope.cancel()
 
     def _close(self) -> None:
