@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 MIB = 1 << 20
 #: The mount's decoded-chunk cache in all (``fanstore mount --cache-mb``,
-#: ``fanstore.frontend.MountOptions.cache_mb``), split between its workers.
+#: ``fanstore.mountspec.MountSpec.cache_mb``), split between its workers.
 MOUNT_CACHE_MB = 256
 #: The Python API's decoded-chunk cache per reader process (``fanstore.open_store``).
 API_CACHE_MB = 64

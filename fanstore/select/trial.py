@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from fanstore.errors import FanStoreError
-from fanstore.frontend import DEFAULT_MAX_WORKERS
+from fanstore.mountspec import DEFAULT_MAX_WORKERS
 from fanstore.kinds import file_kind
 from fanstore.select.epoch import COLD_RESIDENT, PassResult, Target, drop_page_cache, run_pass
 from fanstore.select.tempmount import TrialError, mount, remove, unmount
