@@ -387,3 +387,17 @@ def test_every_test_file_is_in_the_tests_by_level_table():
     files = {p.name for p in (ROOT / "tests").glob("test_*.py")}
     assert files - listed == set(), "add them to docs/architecture.md, Tests by level"
     assert listed - files == set(), "the table names test files that do not exist"
+
+
+def test_only_launch_and_workerrank_know_both_the_daemon_and_fuse():
+    """docs/architecture.md: the composition roots ``launch`` and ``workerrank`` are the only
+    modules outside the two packages that import both the daemon and a FUSE frontend."""
+    knows: dict[str, set[str]] = {}
+    for src, dst, _line in EDGES:
+        if src.startswith(("fanstore.daemon", "fanstore.fuse")):
+            continue
+        for package in ("fanstore.daemon", "fanstore.fuse"):
+            if dst == package or dst.startswith(package + "."):
+                knows.setdefault(src, set()).add(package)
+    both = sorted(m for m, packages in knows.items() if len(packages) == 2)
+    assert both == ["fanstore.launch", "fanstore.workerrank"], both

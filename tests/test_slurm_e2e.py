@@ -96,7 +96,7 @@ class Cluster:
         if not dead:
             return
         why = (f"the local Slurm's {', '.join(dead)} died before this test (see "
-               f"docs/slurm.md, local cluster):\n{daemon_logs(dead)}")
+               f"docs/slurm.md §9):\n{daemon_logs(dead)}")
         subprocess.run(["scancel", "--full", "--user", "root"], capture_output=True, timeout=30)
         try:
             start_slurm()
