@@ -84,14 +84,16 @@ def stored_by_partition(store: Path) -> dict[int, int]:
 
 
 def remote_stored_bytes(store: Path, local_parts: set[int]) -> int:
-    """Sum of stored (compressed) bytes of every file not held by ``local_parts``."""
+    """Sum of stored (compressed) bytes of every chunk of a file not held by
+    ``local_parts``, each chunk once (files in one solid chunk, or stored once as
+    duplicates, share it: one fetch brings it for all of them)."""
     index = read_index(str(store))
-    total = 0
+    remote: set[int] = set()
     for entry in index.file_entries().tolist():
         first, count = index.chunk_run(entry)
         if count and int(index.chunks["part"][first]) not in local_parts:
-            total += int(index.chunks["stored"][first : first + count].sum())
-    return total
+            remote.update(range(first, first + count))
+    return sum(int(index.chunks["stored"][c]) for c in remote)
 
 
 # --------------------------------------------------------------------------- pure parts
