@@ -7,7 +7,8 @@ cold by the same readers (``fanstore.select.epoch.run_pass``); the report's file
 the median full pass is the accuracy. Then the default pack twice (the second beside a busy
 loop on every core) and its size against mksquashfs. Rows to
 tools/bench/results/select_accuracy.jsonl, the table to docs/selection.md
-(``select_accuracy`` section) unless ``--no-docs``.
+(``select_accuracy`` section) unless ``--no-docs`` (the rows of a run as they come in
+WORK/select_accuracy-RUN.jsonl).
 
     tools/bench/select_accuracy.py --work /work/acc --data /work/data \\
         --sets small60k,peers,demo,big64 --budget small60k=files:1000 --budget small60k=default
@@ -16,6 +17,7 @@ tools/bench/results/select_accuracy.jsonl, the table to docs/selection.md
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import os
 import random
@@ -27,14 +29,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness as h  # noqa: E402
+from harness import GEN, log  # noqa: E402
 
-REPO = h.REPO
-sys.path.insert(0, REPO)
 from fanstore.select.epoch import Target, drop_page_cache, run_pass  # noqa: E402
 
 FANSTORE = os.path.join(os.path.dirname(sys.executable), "fanstore")
-GEN = os.path.join(REPO, "tools", "gen_dataset.py")
-SELECTION_MD = os.path.join(REPO, "docs", "selection.md")
+SELECTION_MD = os.path.join(h.REPO, "docs", "selection.md")
 #: The data sets of the issue: name -> gen_dataset.py arguments.
 SETS = {
     "small60k": ["--preset", "small-text", "--scale", "0.2"],
@@ -43,10 +43,6 @@ SETS = {
     "big64": ["--files", "0", "--large", "16", "--large-mb", "64"],
 }
 BURN = "import time\nt = time.time() + 600\nwhile time.time() < t:\n    pass\n"
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def run(cmd: list[str], ok=(0,), **kw) -> subprocess.CompletedProcess:
@@ -184,7 +180,8 @@ def default_pack(name: str, data: str, a, emit) -> None:
         stores[label] = (dest, secs, line)
     names = sorted(os.listdir(stores["quiet"][0]))
     same = names == sorted(os.listdir(stores["busy"][0])) and all(
-        _same(os.path.join(stores["quiet"][0], n), os.path.join(stores["busy"][0], n))
+        filecmp.cmp(os.path.join(stores["quiet"][0], n), os.path.join(stores["busy"][0], n),
+                    shallow=False)
         for n in names)
     info = json.loads(run([FANSTORE, "info", stores["quiet"][0], "--json"]).stdout)
     stored = h.dir_bytes(stores["quiet"][0])
@@ -198,16 +195,6 @@ def default_pack(name: str, data: str, a, emit) -> None:
     log(f"{name} default pack: {raw / stored:.2f}x (mksquashfs {raw / sq:.2f}x), quiet and "
         f"busy packs identical: {same}")
     shutil.rmtree(work, ignore_errors=True)
-
-
-def _same(a: str, b: str) -> bool:
-    with open(a, "rb") as fa, open(b, "rb") as fb:
-        while True:
-            x, y = fa.read(1 << 20), fb.read(1 << 20)
-            if x != y:
-                return False
-            if not x:
-                return True
 
 
 # --------------------------------------------------------------------------- output
@@ -287,14 +274,15 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         p.error("needs root (mounts, and drops page caches for the cold passes)")
     os.makedirs(a.work, exist_ok=True)
-    os.makedirs(os.path.dirname(a.results), exist_ok=True)
     run_id = time.strftime("%Y%m%dT%H%M%S")
     rows: list[dict] = []
+    partial = os.path.join(a.work, f"select_accuracy-{run_id}.jsonl")
+    open(partial, "w").close()
 
-    def emit(row: dict) -> None:
+    def emit(row: dict) -> None:  # kept in WORK as they come; --results gets the whole run
         row["run_id"] = run_id
         rows.append(row)
-        with open(a.results, "a") as f:
+        with open(partial, "a") as f:
             f.write(json.dumps(row) + "\n")
 
     for name in [s for s in a.sets.split(",") if s]:
@@ -308,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     text = render(rows, a)
     print(text)
     if not a.no_docs:
+        os.makedirs(os.path.dirname(a.results), exist_ok=True)
+        shutil.copyfile(partial, a.results)
         h.replace_section("select_accuracy", text, path=SELECTION_MD)
     return 0
 
