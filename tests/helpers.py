@@ -466,17 +466,9 @@ def daemon_pid(mnt) -> int | None:
 
 def process_tree(pid: int) -> list[int]:
     """``pid`` and every process below it (a daemon and its kernel-frontend processes)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-        except OSError:
-            pass
-    return out
+    from fanstore.process import descendants
+
+    return descendants(pid)
 
 
 def pid_alive(pid: int | None) -> bool:

@@ -7,7 +7,7 @@ and one :class:`~fanstore.fuse.engine.records.DirListing` per directory for READ
 handler only indexes. A test double of the engine's tests (tests/test_kernel_fuse.py), kept
 out of the product package.
 
-Command line (what the tests and tools/bench/kernel_engine_bench.py run)::
+Command line (what the tests run; so did the retired tools/bench/kernel_engine_bench.py)::
 
     python tests/kernel_memfs.py MOUNTPOINT (--spec FILE.json | --generate N,SIZE,DIRS)
         [--workers K] [--counters PATH] [--fusermount] [--rw] [--no-clone]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -141,18 +142,38 @@ def test_no_module_outgrows_its_job():
 
 #: A function that does one thing reads in one screen; a longer one is split at its seams.
 MAX_FUNCTION_LINES = 80
+#: Functions over the limit that wait for their file to be free of other work in flight
+#: ("path:name"); each is split when that work lands. Keep this empty otherwise.
+LONG_FOR_NOW = frozenset({
+    "tests/helpers.py:make_special_tree",  # tests/helpers.py: the test-isolation work (#36)
+    "tests/helpers.py:reader_main",
+})
+
+
+def python_files() -> list[Path]:
+    """Every .py file of the repository git tracks (the product, tests and tools); outside a
+    git checkout, those under the repository's own top directories."""
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z", "--", "*.py"],
+                             capture_output=True, check=True, timeout=60).stdout
+        paths = [ROOT / os.fsdecode(p) for p in out.split(b"\0") if p]
+    except (OSError, subprocess.SubprocessError):
+        paths = [p for top in ("compressors", "fanstore", "tests", "tools")
+                 for p in (ROOT / top).rglob("*.py")] + list(ROOT.glob("*.py"))
+    return [p for p in paths if p.is_file()]
 
 
 def test_no_function_outgrows_a_screen():
+    files = python_files()
+    assert {f.relative_to(ROOT).parts[0] for f in files} >= {"fanstore", "tests", "tools"}
     long = []
-    for top in ("compressors", "fanstore"):
-        for path in (ROOT / top).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    lines = node.end_lineno - node.lineno + 1
-                    if lines > MAX_FUNCTION_LINES:
-                        long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} "
-                                    f"({lines} lines)")
+    for path in files:
+        rel = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES and f"{rel}:{node.name}" not in LONG_FOR_NOW:
+                    long.append(f"{rel}:{node.lineno} {node.name} ({lines} lines)")
     assert long == []
 
 

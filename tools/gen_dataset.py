@@ -25,11 +25,6 @@ Presets (``--scale F`` multiplies every file count, for quick runs; ``--jobs`` p
     The peer benchmark's shape: 20,000 files of 50-150 kB in 100 class directories under
     ``small/`` (the default kinds above, seed 20240601), about 2.0 GB; with ``--with-large``
     also 8 float32 files of 256 MiB under ``large/``.
-``mixed``
-    Large arrays plus small files: 6 float32 ``.npy`` arrays of 128 MiB (smooth noise, as
-    above) under ``arrays/``, 4,000 ``.jpg`` stand-ins of 30-150 kB (random bytes) under
-    ``images/c000 .. c039/``, and 100,000 small text files of the ``small-text`` kinds under
-    ``text/c000 .. c099/``: about 1.4 GB, 55% of it in the arrays.
 
 Each preset file's content depends only on (seed, file number), so ``--jobs`` does not
 change a byte.
@@ -285,27 +280,6 @@ def _write_text_range(args: tuple[str, int, int, int, int]) -> int:
     return total
 
 
-def _write_blob_range(args: tuple[str, int, int, int, int, int, int]) -> int:
-    root, seed, lo, hi, classes, min_b, max_b = args
-    total = 0
-    for i in range(lo, hi):
-        rng = np.random.default_rng([seed, 8, i])
-        data = rng.bytes(int(rng.integers(min_b, max_b + 1)))
-        with open(os.path.join(root, f"c{i % classes:03d}", f"{i:07d}.jpg"), "wb") as f:
-            f.write(data)
-        total += len(data)
-    return total
-
-
-def _write_array(args: tuple[str, int, int, int]) -> int:
-    root, seed, j, mib = args
-    rng = np.random.default_rng([seed, 9, j])
-    data = npy_bytes(smooth_float32(rng, mib * (1 << 20) // 4))
-    with open(os.path.join(root, f"array{j:02d}.npy"), "wb") as f:
-        f.write(data)
-    return len(data)
-
-
 def _parallel(fn, jobs: list, procs: int) -> int:
     if procs <= 1 or len(jobs) <= 1:
         return sum(fn(j) for j in jobs)
@@ -325,27 +299,10 @@ def generate_text(root: str, n: int, classes: int, seed: int, procs: int) -> int
                      [(root, seed, lo, hi, classes) for lo, hi in _ranges(n)], procs)
 
 
-def generate_mixed(out: str, scale: float, seed: int, procs: int) -> int:
-    n_arrays, array_mib = max(1, round(6 * scale)), 128
-    n_images, n_text = max(1, round(4000 * scale)), max(1, round(100_000 * scale))
-    total = 0
-    arrays = os.path.join(out, "arrays")
-    os.makedirs(arrays, exist_ok=True)
-    total += _parallel(_write_array, [(arrays, seed, j, array_mib) for j in range(n_arrays)],
-                       procs)
-    images = os.path.join(out, "images")
-    for c in range(40):
-        os.makedirs(os.path.join(images, f"c{c:03d}"), exist_ok=True)
-    total += _parallel(_write_blob_range, [(images, seed, lo, hi, 40, 30_000, 150_000)
-                                           for lo, hi in _ranges(n_images, 500)], procs)
-    total += generate_text(os.path.join(out, "text"), n_text, 100, seed, procs)
-    return total
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out")
-    p.add_argument("--preset", choices=("small-text", "peers", "mixed"),
+    p.add_argument("--preset", choices=("small-text", "peers"),
                    help="a named data set (see the module docstring); the other size options "
                         "are then ignored except --scale, --with-large, --seed, --jobs")
     p.add_argument("--scale", type=float, default=1.0,
@@ -374,9 +331,6 @@ def main(argv: list[str] | None = None) -> int:
         large = 8 if a.with_large else 0
         total = generate_default(a.out, n, 100, 50, 150, large, 256, a.seed, "small")
         what = f"{n:,} files of 50-150 kB" + (" and 8 large" if large else "")
-    elif a.preset == "mixed":
-        total = generate_mixed(a.out, a.scale, a.seed, a.jobs)
-        what = "the mixed set"
     else:
         total = generate_default(a.out, a.files, a.classes, a.min_kb, a.max_kb, a.large,
                                  a.large_mb, a.seed, a.subdir)

@@ -103,32 +103,27 @@ class FuseBench(h.Bench):
         self.raw_bytes = h.dir_bytes(self.data)
 
     def images(self) -> None:
+        self.img = os.path.join(self.work, f"img-{self.a.preset}.sqfs")
+        self.store = os.path.join(self.work, f"store-{self.a.preset}")
         if "squashfuse_ll" in self.backends:
-            img = os.path.join(self.work, f"img-{self.a.preset}.sqfs")
-            if not os.path.exists(img) or os.path.getmtime(img) < os.path.getmtime(
-                    self.data + ".json"):
-                log("mksquashfs zstd-3")
-                t = time.time()
-                subprocess.run(["mksquashfs", self.data, img, "-comp", "zstd",
-                                "-Xcompression-level", "3", "-noappend", "-no-progress",
-                                "-quiet"], check=True)
-                self.emit({"kind": "build", "backend": "squashfuse_ll",
-                           "seconds": round(time.time() - t, 1),
-                           "bytes": os.path.getsize(img)})
-            self.img = img
+            self.build("squashfuse_ll", self.img, self.img, [
+                "mksquashfs", self.data, self.img, "-comp", "zstd", "-Xcompression-level", "3",
+                "-noappend", "-no-progress", "-quiet"])
         if any(b.startswith(("pyfuse3", "kernel")) for b in self.backends):
-            store = os.path.join(self.work, f"store-{self.a.preset}")
-            if not os.path.exists(os.path.join(store, "fanstore.idx")) or os.path.getmtime(
-                    store) < os.path.getmtime(self.data + ".json"):
-                log("fanstore pack zstd:3")
-                t = time.time()
-                subprocess.run([self.fanstore, "pack", self.data, store, "--codec", "zstd:3",
-                                "--partitions", "8", "--force", "--no-progress"], check=True,
-                               stdout=subprocess.DEVNULL)
-                self.emit({"kind": "build", "backend": "fanstore",
-                           "seconds": round(time.time() - t, 1),
-                           "bytes": h.dir_bytes(store)})
-            self.store = store
+            self.build("fanstore", self.store, os.path.join(self.store, "fanstore.idx"), [
+                self.fanstore, "pack", self.data, self.store, "--codec", "zstd:3",
+                "--partitions", "8", "--force", "--no-progress"])
+
+    def build(self, backend: str, out: str, done: str, argv: list[str]) -> None:
+        """``argv`` writes ``out`` (timed) unless ``done`` exists and is newer than the data."""
+        if os.path.exists(done) and os.path.getmtime(out) >= os.path.getmtime(
+                self.data + ".json"):
+            return
+        log(f"building the {backend} image: {h.shown(argv)}")
+        t = time.time()
+        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+        self.emit({"kind": "build", "backend": backend, "seconds": round(time.time() - t, 1),
+                   "bytes": h.dir_bytes(out)})
 
     # -------------------------------------------------------------- mounts
     def root_of(self, b: str) -> str:

@@ -1,10 +1,11 @@
-"""The bench harness of tools/bench: what every benchmark script shares (stdlib only).
+"""The bench harness of tools/bench: what every benchmark script shares (the standard
+library and ``fanstore.process``; other FanStore modules are imported where used).
 
 - ``Bench``: one run: its rows (``emit``, kept in a JSONL file as they come), the commands
   it ran (``cmd``), FanStore mounts (``mount`` / ``umount``) and MPI jobs (``Job``), reader
   subprocesses (``sub``), cleanup on errors and signals, and publishing (``main``).
-- process metrics: CPU seconds of a process tree, RSS/PSS, the machine's busy time;
-  ``drop_caches`` (the page cache).
+- process metrics: CPU seconds of a process tree (``fanstore.process``'s walk), RSS/PSS,
+  the machine's busy time; ``drop_caches`` (the page cache).
 - tables: ``table`` renders rows as markdown, ``spread`` / ``ratio`` / ``num`` format cells,
   ``Bench.cells`` makes a row's cells from specs (``spread:files_per_s``, ``p:lat_ms``);
   ``section`` puts a caption, the tables, the machine and the commands together, and
@@ -26,6 +27,10 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO not in sys.path:
+    sys.path.append(REPO)  # fanstore, when this python has it not installed
+from fanstore.process import cpu_seconds, descendants, pid_alive  # noqa: E402,F401
+
 DOCS = os.path.join(REPO, "docs", "benchmarks.md")
 RESULTS_DIR = os.path.join(REPO, "tools", "bench", "results")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -180,20 +185,6 @@ def proc_cpu(pid: int) -> float | None:
         return None
 
 
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it (a FUSE daemon and its workers)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                todo.extend(int(c) for c in _read(f"/proc/{p}/task/{task}/children").split())
-        except OSError:
-            pass
-    return out
-
-
 def fanstore_processes(root_pid: int | None) -> list[int]:
     """``root_pid`` and its descendants, or with None every process running FanStore code
     (an MPI job: leaders, worker ranks, frontend processes)."""
@@ -206,10 +197,6 @@ def fanstore_processes(root_pid: int | None) -> list[int]:
             if any(x.endswith("bin/fanstore") or x.startswith("fanstore.") for x in argv[:3]):
                 out.append(int(name))
     return out
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    return sum(proc_cpu(p) or 0.0 for p in pids)
 
 
 def memory(pids: list[int]) -> tuple[int, int]:
@@ -326,6 +313,20 @@ def kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
+def timed(cmd: list[str], env: dict | None = None) -> dict:
+    """Run ``cmd``; wall seconds and CPU seconds (user+sys of it and its children)."""
+    before = os.times()
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    wall = time.monotonic() - t0
+    after = os.times()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-2000:]}")
+    cpu = (after.children_user - before.children_user) + \
+        (after.children_system - before.children_system)
+    return {"wall": wall, "cpu": cpu, "stdout": proc.stdout, "stderr": proc.stderr}
+
+
 def run_json(argv: list[str], timeout: float, **kw) -> dict:
     """Run ``argv`` in its own process group (killed whole on an interrupt); the last JSON
     line it prints, or a row with its error."""
@@ -361,12 +362,6 @@ def is_mounted(path: str) -> bool:
     from fanstore import mounttable
 
     return os.path.abspath(path) in mounttable.mounts()
-
-
-def pid_alive(pid: int | None) -> bool:
-    from fanstore.process import pid_alive as alive
-
-    return alive(pid)
 
 
 def state_pid(mnt: str) -> int | None:
@@ -600,11 +595,6 @@ class Job:
             b.jobs.remove(self)
 
 
-def children(pid: int) -> list[int]:
-    """The live child pids of ``pid`` (its main thread's)."""
-    return [int(c) for c in _read(f"/proc/{pid}/task/{pid}/children").split()]
-
-
 def _signal_all(pids, sig) -> None:
     for pid in pids:
         try:
@@ -642,6 +632,13 @@ def err_tag(rows: list[dict]) -> str:
     """' ⚠ N errors' when ``rows`` recorded read errors."""
     n = sum(r.get("errors") or 0 for r in rows)
     return f" ⚠ {n} errors" if n else ""
+
+
+def errors_line(rows: list[dict], kinds: tuple[str, ...]) -> str:
+    """'- read errors during the measurements: N (first: ...)' over rows of ``kinds``."""
+    bad = [r for r in rows if r.get("errors") and r.get("kind") in kinds]
+    return (f"- read errors during the measurements: {sum(r['errors'] for r in bad)}"
+            + (f" (first: {bad[0].get('first_error')})" if bad else ""))
 
 
 def check(ok: bool | None) -> str:
@@ -799,7 +796,8 @@ class Bench:
                 if len(ln.split()) > 1 and ln.split()[1].startswith(self.work + "/")]
 
     def cleanup(self) -> None:
-        """Stop every job and mount of this run (also after an error or a signal)."""
+        """Stop every job and mount of this run (also after an error or a signal); remove the
+        empty mount points."""
         for job in list(self.jobs):
             try:
                 job.stop()
@@ -811,6 +809,11 @@ class Bench:
             except Exception as exc:  # noqa: BLE001
                 log(f"  umount {mnt} failed: {exc}")
                 subprocess.run(["fusermount3", "-u", "-z", "--", mnt], capture_output=True)
+        for d in os.listdir(self.mnt_root) if os.path.isdir(self.mnt_root) else []:
+            try:  # the mount points, once empty
+                os.rmdir(os.path.join(self.mnt_root, d))
+            except OSError:
+                pass
         if getattr(self.a, "clean", False):
             shutil.rmtree(self.work, ignore_errors=True)
 
@@ -859,6 +862,12 @@ def presets(a: argparse.Namespace, table_: dict, smoke: str = "quick") -> argpar
         a.label = ("SMOKE RUN (--preset quick, on a shared machine): it shows the harness "
                    "works; the numbers are not results.")
     return a
+
+
+def load_rows(path: str) -> list[dict]:
+    """The JSON rows of a JSONL file."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def load_list(path: str) -> list[str]:

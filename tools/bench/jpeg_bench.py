@@ -50,17 +50,13 @@ from harness import (  # noqa: E402
     num,
     section,
     table,
+    timed,
 )
 
 GEN_JPEGS = os.path.join(REPO, "tools", "gen_jpegs.py")
 PACKS = (("default", []), ("zstd:3", ["--codec", "zstd:3"]), ("jpegxl", ["--codec", "jpegxl"]))
 _FALLBACK = re.compile(r"^jpegxl: ([\d,]+) of ([\d,]+) files transcoded; ([\d,]+) stored raw",
                        re.M)
-
-
-def _children_cpu() -> float:
-    r = os.times()
-    return r.children_user + r.children_system
 
 
 def _median_pass(fn, passes: int = 3) -> float:
@@ -100,16 +96,15 @@ class JpegBench(Bench):
         argv = [self.fanstore, "pack", self.data, store, "--partitions", "8", "--jobs", "2",
                 "--no-progress", *extra]
         self.cmd(argv)
-        cpu0, t0 = _children_cpu(), time.monotonic()
-        p = subprocess.run(argv, capture_output=True, text=True, check=True)
-        wall, cpu = time.monotonic() - t0, _children_cpu() - cpu0
-        m = _FALLBACK.search(p.stdout)
+        r = timed(argv)
+        wall, cpu = r["wall"], r["cpu"]
+        m = _FALLBACK.search(r["stdout"])
         stored = dir_bytes(store)
         row = self.emit({"part": "pack", "codec": label, "raw": self.raw, "stored": stored,
                          "ratio": self.raw / stored, "wall_s": wall, "cpu_s": cpu,
                          "cpu_ms_per_file": cpu / len(self.paths) * 1e3,
                          "stored_raw": int(m.group(3).replace(",", "")) if m else None,
-                         "chosen_line": p.stderr.strip().splitlines()[-1:] or [""]})
+                         "chosen_line": r["stderr"].strip().splitlines()[-1:] or [""]})
         log(f"pack {label}: ratio {row['ratio']:.3f}, {cpu:.1f} s CPU")
 
     def codec_cpu(self) -> None:

@@ -177,25 +177,19 @@ class MountBench(h.Bench):
                                 one_large)
                 self.umount(self.root_of(b))
 
-    def cleanup(self) -> None:
-        super().cleanup()
-        for b in self.backends[1:]:
-            try:
-                os.rmdir(self.root_of(b))
-            except OSError:
-                pass
+
+def _dataset(ds: dict) -> str:
+    kinds = ds["kinds"]
+    return h.table(["part", "files", "bytes"], [
+        (k, f"{n:,}", f"{b:,}") for k, (n, b) in sorted(kinds.items())] + [(
+            "**total**", f"{sum(n for n, _ in kinds.values()):,}",
+            f"{sum(b for _, b in kinds.values()):,}")], title="Dataset")
 
 
-def render(bench: MountBench, label: str | None, argv: list[str]) -> str:
-    a, bs, vals, pick = bench.a, bench.backends, bench.vals, bench.pick
-    ds = pick(kind="dataset")[0]
-    dataset = h.table(["part", "files", "bytes"], [
-        (k, f"{n:,}", f"{b:,}") for k, (n, b) in sorted(ds["kinds"].items())] + [(
-            "**total**", f"{sum(n for n, _ in ds['kinds'].values()):,}",
-            f"{sum(b for _, b in ds['kinds'].values()):,}")], title="Dataset")
+def _packs(bench: MountBench) -> list[tuple]:
     packs = []
-    for b in bs[1:]:
-        r = (pick(kind="pack", backend=b) or [{}])[0]
+    for b in bench.backends[1:]:
+        r = (bench.pick(kind="pack", backend=b) or [{}])[0]
         if not r.get("ok"):
             packs.append((b, bench.codec_of[b], "", "", "failed", "", "", "", ""))
             continue
@@ -203,19 +197,23 @@ def render(bench: MountBench, label: str | None, argv: list[str]) -> str:
         packs.append((b, r["codec"], r["partitions"], r["jobs"], num(s, 1),
                       num(r["raw_bytes"] / 1e6 / s if s else None),
                       num(r["store_bytes"] / 1e6), f"{r['ratio']:.2f}",
-                      num(med(vals("seconds", kind="mount", backend=b, ok=True)), 2)))
-    small = []
-    for wk in a.workers:
+                      num(med(bench.vals("seconds", kind="mount", backend=b, ok=True)), 2)))
+    return packs
+
+
+def _small(bench: MountBench) -> list[tuple]:
+    vals, small = bench.vals, []
+    for wk in bench.a.workers:
         raw = {ph: med(vals("files_per_s", kind="small", backend="raw", phase=ph, workers=wk))
                for ph in ("cold", "warm")}
-        for b in bs:
+        for b in bench.backends:
             q = dict(kind="small", backend=b, workers=wk)
-            if b in bench.failed and not pick(**q):
+            if b in bench.failed and not bench.pick(**q):
                 small.append((b, wk, bench.failed[b][:60]) + ("",) * 9)
                 continue
             c, w = dict(q, phase="cold"), dict(q, phase="warm")
             fc, fw = (med(vals("files_per_s", **x)) for x in (c, w))
-            small.append((b + h.err_tag(pick(**q)), wk,
+            small.append((b + h.err_tag(bench.pick(**q)), wk,
                           *bench.cells(c, "spread:files_per_s", "spread:MB_per_s"),
                           *bench.cells(w, "spread:files_per_s", "spread:MB_per_s"),
                           *bench.cells(c, "p:lat_ms"), *bench.cells(w, "p:lat_ms"),
@@ -223,6 +221,11 @@ def render(bench: MountBench, label: str | None, argv: list[str]) -> str:
                               bench.cells(c, "med:watched_cpu_us_per_file")
                               + bench.cells(w, "med:watched_cpu_us_per_file")),
                           ratio(fc, raw["cold"]), ratio(fw, raw["warm"])))
+    return small
+
+
+def _meta_large(bench: MountBench) -> tuple[list[tuple], list[tuple]]:
+    vals, bs = bench.vals, bench.backends
     rs = {ph: med(vals("files_per_s", kind="meta", backend="raw", op="stat", phase=ph))
           for ph in ("cold", "warm")}
     meta = []
@@ -239,11 +242,15 @@ def render(bench: MountBench, label: str | None, argv: list[str]) -> str:
               ratio(med(c), rl["cold"]), ratio(med(w), rl["warm"]))
              for b in bs for c, w in [[vals("MB_per_s", kind="large", backend=b, phase=ph)
                                        for ph in ("cold", "warm")]]]
+    return meta, large
+
+
+def _counters(bench: MountBench) -> list[tuple]:
     counters = []
-    for b in bs[1:]:
-        for wk in a.workers:
+    for b in bench.backends[1:]:
+        for wk in bench.a.workers:
             for ph in ("cold", "warm"):
-                rr = [r for r in pick(kind="small", backend=b, workers=wk, phase=ph)
+                rr = [r for r in bench.pick(kind="small", backend=b, workers=wk, phase=ph)
                       if r.get("daemon") and r.get("files")]
                 if rr:
                     def per(key, scale=1.0, rr=rr):
@@ -254,38 +261,44 @@ def render(bench: MountBench, label: str | None, argv: list[str]) -> str:
                                      num(per("decode_seconds", 1e6)),
                                      num(med(r.get("watched_cpu_us_per_file") for r in rr)),
                                      sum(r["daemon"].get("errors", 0) for r in rr)))
+    return counters
+
+
+def _checks(bench: MountBench) -> list[str]:
     checks = [f"- {r['backend']}: {r['checked']} file(s) compared with the source "
               f"({r['bytes'] / 1e6:,.0f} MB): " + ("all identical" if r.get("ok") else
                                                     f"**{r['errors']} differ**: "
                                                     f"{r.get('first_error')}")
-              for r in pick(kind="check")]
-    errors = [r for r in bench.rows if r.get("errors") and r.get("kind") in ("small", "large",
-                                                                            "meta")]
-    checks.append(f"- read errors during the measurements: {sum(r['errors'] for r in errors)}"
-                  + (f" (first: {errors[0].get('first_error')})" if errors else ""))
+              for r in bench.pick(kind="check")]
+    checks.append(h.errors_line(bench.rows, ("small", "large", "meta")))
     checks += [f"- {b}: {msg}" for b, msg in bench.failed.items()]
-    checks += [f"- **{r['backend']}: the daemon died during {r['daemon_died']}**"
-               for r in bench.rows if r.get("daemon_died")]
-    p = ds["params"]
+    return checks + [f"- **{r['backend']}: the daemon died during {r['daemon_died']}**"
+                     for r in bench.rows if r.get("daemon_died")]
+
+
+def render(bench: MountBench, label: str | None, argv: list[str]) -> str:
+    a, ds = bench.a, bench.pick(kind="dataset")[0]
+    meta, large = _meta_large(bench)
     return h.section(bench, label, argv, [
-        dataset,
+        _dataset(ds),
         h.table(["backend", "codec", "partitions", "jobs", "pack s", "pack MB/s", "store MB",
-                 "ratio", "mount s"], packs, "ll" + "r" * 7, "Pack"),
+                 "ratio", "mount s"], _packs(bench), "ll" + "r" * 7, "Pack"),
         h.table(["backend", "readers", "cold files/s", "cold MB/s", "warm files/s", "warm MB/s",
                  "cold p50 / p99 ms", "warm p50 / p99 ms", "cold CPU %",
-                 "daemon µs/file cold / warm", "cold vs raw", "warm vs raw"], small,
+                 "daemon µs/file cold / warm", "cold vs raw", "warm vs raw"], _small(bench),
                 title=f"Small-file reads ({bench.n_small:,} files, every file once, shuffled; "
                       f"{a.reps} cold / {min(a.reps, a.warm_reps)} warm passes)"),
         h.table(["backend", "walk cold s", "walk warm s", "stat cold /s", "stat warm /s",
                  "stat cold vs raw", "stat warm vs raw"], meta, title="Metadata"),
         h.table(["backend", "cold MB/s", "warm MB/s", "cold CPU %", "cold vs raw",
                  "warm vs raw"], large, title=f"Large files ({bench.n_large} x "
-                                              f"{p['large_mb']} MiB, {a.large_reps} passes)")
+                                              f"{ds['params']['large_mb']} MiB, "
+                                              f"{a.large_reps} passes)")
         if bench.n_large else "",
         h.table(["backend", "readers", "phase", "opens/file", "reads/file", "cache hits/file",
                  "decoded/file", "decode µs/file", "daemon CPU µs/file", "daemon errors"],
-                counters, "lrl" + "r" * 7, "FanStore daemon counters per small-file pass"),
-        "### Correctness\n\n" + "\n".join(checks)])
+                _counters(bench), "lrl" + "r" * 7, "FanStore daemon counters per small-file pass"),
+        "### Correctness\n\n" + "\n".join(_checks(bench))])
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

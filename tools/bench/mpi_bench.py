@@ -5,8 +5,8 @@ Real ``mpiexec -n N fanstore mount STORE MNT{rank} --local-dir LOCAL{rank}`` job
 machine (every rank a process here: "remote" = another daemon over MPI shared memory):
 1. local vs remote reads through rank 0's mount; 2. aggregate files/s with 1, 2, 4 ranks;
 3. stage-in next to ``cp`` of the same partitions; 4. metadata per entry on synthetic
-namespaces (index size, parse, Namespace, Ibcast); 5. a projection to 512 nodes. What each
-part measures: docs/benchmarks.md, "FanStore across ranks".
+namespaces (index size, parse, Namespace, Ibcast). What each part measures: docs/benchmarks.md,
+"FanStore across ranks" (its projection to 512 nodes is retired: "Retired studies" there).
 
     .venv/bin/python tools/bench/mpi_bench.py --preset quick   # ~1 min, a smoke run
     .venv/bin/python tools/bench/mpi_bench.py --preset full    # ~12-15 min, quiet machine
@@ -239,27 +239,17 @@ class MpiBench(h.Bench):
 # as subprocesses (fresh processes: clean memory numbers, and MPI for the broadcast)
 
 
-def synth_index_bytes(n_files: int, files_per_dir: int = 1000, partitions: int = 512,
-                      seed: int = 0) -> tuple[bytes, dict]:
-    """An index for ``n_files`` files (ImageNet-like names, 50-150 kB, one chunk each), built
-    with the packer's own IndexBuilder/encode_index, without any file data."""
+def _synth_entries(b, rng, n_files: int, files_per_dir: int) -> tuple[int, object]:
+    """Fill ``b``'s entries and names: a root, its directories "n%08d" of
+    ``files_per_dir`` files "n%08d_%06d.JPEG" each (ImageNet-like lengths), 50-150 kB,
+    one chunk each. Returns (directories, file sizes)."""
     import numpy as np
 
-    from fanstore.format.index import (
-        KIND_DIR,
-        KIND_FILE,
-        IndexBuilder,
-        PartitionInfo,
-        encode_index,
-    )
-    from fanstore.format.partition import PARTITION_HEADER_SIZE
+    from fanstore.format.index import KIND_DIR, KIND_FILE
 
-    t0 = time.perf_counter()
-    rng = np.random.default_rng(seed)
+    e = b.entries
     n_dirs = max(1, math.ceil(n_files / files_per_dir))
     n = 1 + n_dirs + n_files
-    b = IndexBuilder(n, n_files)
-    e, c = b.entries, b.chunks
     dirs = np.arange(1, n_dirs + 1)
     counts = np.full(n_dirs, files_per_dir, dtype=np.int64)
     counts[-1] = n_files - files_per_dir * (n_dirs - 1)
@@ -280,7 +270,6 @@ def synth_index_bytes(n_files: int, files_per_dir: int = 1000, partitions: int =
     e["first"][files] = np.arange(n_files)
     e["count"][files] = 1
     e["checksum"][files] = rng.integers(1, 2**63, n_files, dtype=np.int64).astype(np.uint64)
-    # names: directories "n%08d", files "n%08d_%06d.JPEG" (ImageNet-like lengths)
     names = [b""] + [b"n%08d" % d for d in range(n_dirs)]
     for d in range(n_dirs):
         names.extend(b"n%08d_%06d.JPEG" % (d, k) for k in range(int(counts[d])))
@@ -288,8 +277,18 @@ def synth_index_bytes(n_files: int, files_per_dir: int = 1000, partitions: int =
     e["name_len"][:] = lens
     e["name_off"][:] = np.concatenate(([0], np.cumsum(lens)[:-1]))
     b.names = bytearray(b"".join(names))
-    del names
-    # chunks: one per file, partitions dealt round-robin, packed back to back in each
+    return n_dirs, sizes
+
+
+def _synth_chunks(c, rng, sizes, partitions: int) -> list:
+    """Fill the chunk table: one chunk per file, partitions dealt round-robin, packed back to
+    back in each. Returns the partitions' PartitionInfo."""
+    import numpy as np
+
+    from fanstore.format.index import PartitionInfo
+    from fanstore.format.partition import PARTITION_HEADER_SIZE
+
+    n_files = len(sizes)
     part = (np.arange(n_files) % partitions).astype(np.int64)
     stored = (sizes * rng.uniform(0.45, 0.75, n_files)).astype(np.int64) + 1
     order = np.argsort(part, kind="stable")
@@ -297,20 +296,32 @@ def synth_index_bytes(n_files: int, files_per_dir: int = 1000, partitions: int =
     starts = np.searchsorted(part[order], np.arange(partitions))
     base = np.concatenate(([0], cs))[starts]
     offset = np.empty(n_files, dtype=np.int64)
-    grp = part[order]
-    offset[order] = PARTITION_HEADER_SIZE + cs - stored[order] - base[grp]
-    c["part"][:] = part
-    c["offset"][:] = offset
-    c["stored"][:] = stored
-    c["raw"][:] = sizes
+    offset[order] = PARTITION_HEADER_SIZE + cs - stored[order] - base[part[order]]
+    c["part"][:], c["offset"][:], c["stored"][:], c["raw"][:] = part, offset, stored, sizes
     c["codec"][:] = 1
     c["checksum"][:] = rng.integers(1, 2**63, n_files, dtype=np.int64).astype(np.uint64)
-    per_part_stored = np.bincount(part, weights=stored, minlength=partitions).astype(np.int64)
-    per_part_raw = np.bincount(part, weights=sizes, minlength=partitions).astype(np.int64)
-    per_part_files = np.bincount(part, minlength=partitions)
-    parts = [PartitionInfo(number=p, size=int(PARTITION_HEADER_SIZE + per_part_stored[p]),
-                           checksum="0" * 32, files=int(per_part_files[p]),
-                           raw_bytes=int(per_part_raw[p])) for p in range(partitions)]
+    per_stored = np.bincount(part, weights=stored, minlength=partitions).astype(np.int64)
+    per_raw = np.bincount(part, weights=sizes, minlength=partitions).astype(np.int64)
+    per_files = np.bincount(part, minlength=partitions)
+    return [PartitionInfo(number=p, size=int(PARTITION_HEADER_SIZE + per_stored[p]),
+                          checksum="0" * 32, files=int(per_files[p]), raw_bytes=int(per_raw[p]))
+            for p in range(partitions)]
+
+
+def synth_index_bytes(n_files: int, files_per_dir: int = 1000, partitions: int = 512,
+                      seed: int = 0) -> tuple[bytes, dict]:
+    """An index for ``n_files`` files (ImageNet-like names, 50-150 kB, one chunk each), built
+    with the packer's own IndexBuilder/encode_index, without any file data."""
+    import numpy as np
+
+    from fanstore.format.index import IndexBuilder, encode_index
+
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(seed)
+    n = 1 + max(1, math.ceil(n_files / files_per_dir)) + n_files
+    b = IndexBuilder(n, n_files)
+    n_dirs, sizes = _synth_entries(b, rng, n_files, files_per_dir)
+    parts = _synth_chunks(b.chunks, rng, sizes, partitions)
     t_arrays = time.perf_counter() - t0
     t1 = time.perf_counter()
     lookup = None  # format v3: no lookup table to build (v1/v2 had one: 0.75 µs/entry)
@@ -320,7 +331,7 @@ def synth_index_bytes(n_files: int, files_per_dir: int = 1000, partitions: int =
         "codecs": [{"id": "none"}, {"id": "zstd", "level": 3}],
         "partitions": [p.to_json() for p in parts],
         "counts": {"files": n_files, "dirs": n_dirs, "symlinks": 0,
-                   "raw_bytes": int(sizes.sum()), "stored_bytes": int(per_part_stored.sum())},
+                   "raw_bytes": int(sizes.sum()), "stored_bytes": int(b.chunks["stored"].sum())},
         "pack": {"source": "synthetic", "partitions": partitions, "broadcast": [],
                  "chunk_size": 1 << 20, "tool": "tools/bench/mpi_bench.py _synth"},
     }
@@ -343,13 +354,6 @@ def _rss() -> tuple[int, int]:
             elif line.startswith("VmHWM:"):
                 hwm = int(line.split()[1]) * 1024
     return rss, hwm
-
-
-def metadata_bytes(index) -> int:
-    """The daemon's ``metadata_bytes`` (fanstore/daemon/node.py ``_static_stats``)."""
-    from fanstore.namespace import metadata_bytes as of
-
-    return of(index)
 
 
 def main_synth(argv: list[str]) -> int:
@@ -377,7 +381,7 @@ def main_parse(argv: list[str]) -> int:
     import numpy as np
 
     from fanstore.format.index import read_index_bytes
-    from fanstore.namespace import Namespace
+    from fanstore.namespace import Namespace, metadata_bytes  # the daemon's metadata_bytes
 
     with open(a.index, "rb") as f:
         data = f.read()
@@ -472,12 +476,9 @@ def main_bcast(argv: list[str]) -> int:
 # ------------------------------------------------------------------------------ the section
 
 
-def render(bench: MpiBench, label: str | None, argv: list[str]) -> str:
-    a, pick, vals = bench.a, bench.pick, bench.vals
-    st = pick(kind="store")[0]
-    info, p = st["info"], st["params"]
-    counts = info.get("counts") or {}
-    lr, targets = [], []
+def _local_remote(bench: MpiBench) -> tuple[list[tuple], list[tuple]]:
+    """(the target rows, the local-vs-remote rows)."""
+    a, vals, lr, targets = bench.a, bench.vals, [], []
     for wk in a.lr_readers:
         loc = med(vals("files_per_s", kind="lr", which="local", workers=wk))
         rem = med(vals("files_per_s", kind="lr", which="remote", workers=wk))
@@ -486,7 +487,7 @@ def render(bench: MpiBench, label: str | None, argv: list[str]) -> str:
                         h.check(None if not (loc and rem) else rem / loc >= 0.7)))
         for which in ("local", "remote"):
             q = dict(kind="lr", which=which, workers=wk)
-            rs = pick(**q)
+            rs = bench.pick(**q)
             if not rs:
                 continue
             d = [r.get("daemon0") or {} for r in rs]
@@ -497,35 +498,46 @@ def render(bench: MpiBench, label: str | None, argv: list[str]) -> str:
                        f"{num(med(x.get('remote_reads') for x in d))}",
                        bench.cells(q, "p:remote_latency_ms")[0] if which == "remote" else "–",
                        ratio(med(vals("files_per_s", **q)), loc)))
+    return targets, lr
+
+
+def _aggregate(bench: MpiBench) -> list[tuple]:
     agg = []
-    for rpr in a.agg_readers:
-        one = med(vals("files_per_s", kind="agg", ranks=1, rpr=rpr))
-        for n in a.agg_ranks:
+    for rpr in bench.a.agg_readers:
+        one = med(bench.vals("files_per_s", kind="agg", ranks=1, rpr=rpr))
+        for n in bench.a.agg_ranks:
             q = dict(kind="agg", ranks=n, rpr=rpr)
-            rs = pick(**q)
+            rs = bench.pick(**q)
             if rs:
                 share = med([r["remote_reads"] / max(1, r["remote_reads"] + r["local_reads"])
                              for r in rs if "remote_reads" in r])
                 agg.append((f"{n}" + h.err_tag(rs), rpr, *bench.cells(
                     q, "spread:files_per_s", "spread:MB_per_s", "p:lat_ms", "med:cpu_busy_pct",
                     "med:watched_cpu_us_per_file"), "–" if share is None else f"{share:.0%}",
-                    ratio(med(vals("files_per_s", **q)), one)))
+                    ratio(med(bench.vals("files_per_s", **q)), one)))
+    return agg
+
+
+def _stage(bench: MpiBench) -> list[tuple]:
     stage = []
-    for n in a.agg_ranks:
-        srs = pick(kind="stage", ranks=n)
+    for n in bench.a.agg_ranks:
+        srs = bench.pick(kind="stage", ranks=n)
         if srs:
             rates = [r.get("agg_MB_per_s") for r in srs]
-            cps2 = vals("MB_per_s_with_sync", kind="cp", ranks=n)
+            cps2 = bench.vals("MB_per_s_with_sync", kind="cp", ranks=n)
             stage.append((n, num(med(r["bytes"] / 1e6 for r in srs)), spread(rates),
                           num(med(x.get("stage_mb_per_s") for r in srs for x in r["per_rank"])),
-                          spread(vals("MB_per_s", kind="cp", ranks=n)), spread(cps2),
+                          spread(bench.vals("MB_per_s", kind="cp", ranks=n)), spread(cps2),
                           ratio(med(rates), med(cps2)),
                           spread([r.get("ready_seconds") for r in srs], 1)))
-    synth, parse = pick(kind="synth"), pick(kind="parse")
-    meta = []
-    for s in synth:
+    return stage
+
+
+def _metadata(bench: MpiBench) -> list[tuple]:
+    meta, parse = [], bench.pick(kind="parse")
+    for s in bench.pick(kind="synth"):
         pr = next((x for x in parse if x["files"] == s["files"]), {})
-        bc = pick(kind="bcast", files=s["files"])
+        bc = bench.pick(kind="bcast", files=s["files"])
         meta.append((f"{s['files']:,}", f"{s.get('entries', 0):,}",
                      f"{s.get('index_bytes', 0) / 1e6:,.1f}", s.get("index_bytes_per_entry"),
                      pr.get("metadata_bytes_per_entry"), pr.get("rss_bytes_per_entry"),
@@ -533,25 +545,35 @@ def render(bench: MpiBench, label: str | None, argv: list[str]) -> str:
                      pr.get("namespace_seconds"), pr.get("lookup_us"), s.get("lookup_seconds"),
                      num(med(b.get("bcast_seconds_max") for b in bc), 3),
                      num(med(b.get("parse_seconds_max") for b in bc), 2)))
-    staged = [x for r in pick(kind="stage") for x in r["per_rank"]]
-    bcast = [x.get("index_broadcast_seconds") for r in pick(kind="stage") if r["ranks"] > 1
-             for x in r["per_rank"]]
-    problems = [r for r in bench.rows if r.get("errors") and r.get("kind") in ("lr", "agg")]
-    notes = [f"- read errors during the measurements: {sum(r['errors'] for r in problems)}"
-             + (f" (first: {problems[0].get('first_error')})" if problems else "")]
+    return meta
+
+
+def _caption(bench: MpiBench) -> str:
+    st = bench.pick(kind="store")[0]
+    info, p = st["info"], st["params"]
+    counts = info.get("counts") or {}
+    staged = [x for r in bench.pick(kind="stage") for x in r["per_rank"]]
+    bcast = [x.get("index_broadcast_seconds") for r in bench.pick(kind="stage")
+             if r["ranks"] > 1 for x in r["per_rank"]]
+    return (f"{st['files']:,} files of {p['min_kb']}-{p['max_kb']} kB "
+            f"({counts.get('raw_bytes', 0) / 1e6:,.0f} MB), `--partitions {p['partitions']} "
+            f"--codec {p['codec']}`: {counts.get('stored_bytes', 0) / 1e6:,.0f} MB stored (ratio "
+            f"{info.get('ratio', 0):.2f}), index {info.get('index_bytes', 0):,} bytes; "
+            f"{info.get('index_bytes_per_entry', 0):.1f} B/entry on disk, "
+            f"{info.get('memory_bytes_per_entry', 0):.1f} B/entry in memory (`fanstore info`), "
+            f"{num(med(x.get('metadata_bytes_per_entry') for x in staged), 1)} "
+            f"(`fanstore stats`); index broadcast in the jobs {spread(bcast, 4)} s.")
+
+
+def render(bench: MpiBench, label: str | None, argv: list[str]) -> str:
+    a, (targets, lr), meta = bench.a, _local_remote(bench), _metadata(bench)
+    notes = [h.errors_line(bench.rows, ("lr", "agg"))]
     notes += [f"- **a daemon died during {r['kind']} n={r.get('ranks')} rep={r.get('rep')}**: "
               f"{(r.get('log_tail') or '').strip()[-300:]}" for r in bench.rows
               if r.get("daemon_died")]
     notes += [f"- {r['kind']}: {r['error'][:300]}" for r in bench.rows if r.get("error")]
     return h.section(bench, label, argv, [
-        f"{st['files']:,} files of {p['min_kb']}-{p['max_kb']} kB "
-        f"({counts.get('raw_bytes', 0) / 1e6:,.0f} MB), `--partitions {p['partitions']} "
-        f"--codec {p['codec']}`: {counts.get('stored_bytes', 0) / 1e6:,.0f} MB stored (ratio "
-        f"{info.get('ratio', 0):.2f}), index {info.get('index_bytes', 0):,} bytes; "
-        f"{info.get('index_bytes_per_entry', 0):.1f} B/entry on disk, "
-        f"{info.get('memory_bytes_per_entry', 0):.1f} B/entry in memory (`fanstore info`), "
-        f"{num(med(x.get('metadata_bytes_per_entry') for x in staged), 1)} "
-        f"(`fanstore stats`); index broadcast in the jobs {spread(bcast, 4)} s.",
+        _caption(bench),
         h.table(["target", "readers", "local files/s", "remote files/s", "remote / local",
                  "goal", "status"], targets, "lrrrrrl", "Target"),
         h.table(["set", "readers", "files/pass", "files/s", "MB/s", "p50 / p99 ms", "CPU %",
@@ -559,87 +581,17 @@ def render(bench: MpiBench, label: str | None, argv: list[str]) -> str:
                  "remote fetch p50 / p99 ms", "vs local"], lr,
                 title=f"Local vs remote reads (rank 0 of a {a.lr_ranks}-rank job)"),
         h.table(["ranks", "readers per rank", "files/s (total)", "MB/s", "p50 / p99 ms",
-                 "CPU %", "daemons' CPU µs/file", "remote share of reads", "vs 1 rank"], agg,
-                "r" * 9, "Aggregate files/s with 1, 2 and 4 ranks"),
+                 "CPU %", "daemons' CPU µs/file", "remote share of reads", "vs 1 rank"],
+                _aggregate(bench), "r" * 9, "Aggregate files/s with 1, 2 and 4 ranks"),
         h.table(["ranks", "MB staged", "stage MB/s (all ranks)", "stage MB/s per rank",
-                 "cp MB/s", "cp+sync MB/s", "stage / cp+sync", "mount ready s"], stage,
+                 "cp MB/s", "cp+sync MB/s", "stage / cp+sync", "mount ready s"], _stage(bench),
                 "r" * 8, "Stage-in vs `cp`"),
         h.table(["files", "entries", "index MB (disk)", "B/entry disk",
                  "B/entry in memory (formula)", "B/entry RSS", "parse+validate s", "µs/entry",
                  "Namespace s", "lookup µs", "build lookup table s",
                  f"Ibcast s ({a.bcast_ranks} ranks)", "parse on all ranks s"], meta, "r" * 13,
                 "Metadata per entry (synthetic namespaces)") if meta else "",
-        projection(bench, synth, parse),
         "### Errors and problems seen in this run\n\n" + "\n".join(notes)])
-
-
-def projection(bench: MpiBench, synth: list[dict], parse: list[dict]) -> str:
-    """The design extrapolated to --proj-nodes nodes and --proj-files files (a table)."""
-    a, rows = bench.a, bench.rows
-    if not synth or not parse:
-        return "(no metadata measurements in this run: no projection)"
-    s = max(synth, key=lambda r: r["files"])
-    pr = next((x for x in parse if x["files"] == s["files"]), {})
-    nodes, nfiles = a.proj_nodes, a.proj_files
-    disk_pe = s["index_bytes"] / s["entries"]
-    mem_pe = pr.get("metadata_bytes_per_entry") or 0
-    rss_pe = pr.get("rss_bytes_per_entry") or mem_pe
-    parse_pe = (pr.get("parse_seconds") or 0) / s["entries"]
-    ns_pe = (pr.get("namespace_seconds") or 0) / s["entries"]
-    lookup_pe = (s.get("lookup_seconds") or 0) / s["entries"]
-    bc_rate = med(b.get("bcast_MB_per_s") for b in bench.pick(kind="bcast", files=s["files"]))
-    entries = nfiles * (1 + 1 / a.files_per_dir) + 1
-    idx, mem, rss = disk_pe * entries, mem_pe * entries, rss_pe * entries
-    net = a.proj_net_gbps * 1e9 / 8  # bytes/s per link
-    steps = math.ceil(math.log2(nodes))
-    t_tree, t_pipe = steps * idx / net, 2 * idx / net
-    t_parse, t_ns = parse_pe * entries, ns_pe * entries
-    t_read = idx / (a.proj_pfs_stream_gbs * 1e9)
-    stored = a.proj_raw_tb * 1e12 / a.proj_ratio
-    daemon_us = med(r["watched_cpu_us_per_file"] for r in rows if r.get("kind") == "agg"
-                    and r.get("ranks") == 1 and r.get("watched_cpu_us_per_file"))
-    remote_us = med(r["watched_cpu_us_per_file"] for r in rows if r.get("kind") == "lr"
-                    and r.get("which") == "remote" and r.get("watched_cpu_us_per_file")
-                    and not r.get("errors"))
-    out = [
-        ("metadata in memory", f"{mem / 2**30:,.2f} GiB ({rss / 2**30:,.2f} GiB resident)",
-         f"{mem_pe:.1f} B/entry or {rss_pe:.1f} B/entry RSS x {entries / 1e6:,.2f} M entries"),
-        ("index size (compressed, broadcast)", f"{idx / 1e6:,.0f} MB",
-         f"{disk_pe:.1f} B/entry on disk"),
-        ("transient memory while loading", f"about {(idx * 2 + mem) / 2**30:,.2f} GiB",
-         "the received bytes twice + the decompressed body"),
-        ("index read by rank 0", f"{t_read:,.1f} s",
-         f"{idx / 1e6:,.0f} MB at {a.proj_pfs_stream_gbs:g} GB/s"),
-        ("broadcast, binomial tree", f"{t_tree:,.2f} s",
-         f"ceil(log2 {nodes}) = {steps} steps x size / link bandwidth"),
-        ("broadcast, pipelined (scatter + allgather)", f"{t_pipe:,.2f} s",
-         f"about 2 x size / link bandwidth; here, shared memory: {num(bc_rate)} MB/s"),
-        ("parse + validate (single thread)", f"{t_parse:,.1f} s, twice",
-         f"{parse_pe * 1e6:.2f} µs/entry"),
-        ("`Namespace` build", f"{t_ns:,.2f} s", f"{ns_pe * 1e9:.0f} ns/entry"),
-        ("start-up before staging", f"about {t_read + 2 * t_parse + t_ns + t_tree:,.0f} s "
-         f"(tree) / {t_read + 2 * t_parse + t_ns + t_pipe:,.0f} s (pipelined)",
-         "read + parse (rank 0) + broadcast + parse (all) + Namespace"),
-        ("building the lookup table at pack time", f"{lookup_pe * entries:,.0f} s",
-         f"{lookup_pe * 1e6:.2f} µs/entry (pack time, once)")]
-    for r in (1, 2):
-        share = r * stored / nodes
-        t_nvme, t_pfs = share / (a.proj_nvme_gbs * 1e9), r * stored / (a.proj_pfs_gbs * 1e9)
-        out.append((f"stage-in, `--replicas {r}`", f"{share / 1e9:,.1f} GB, "
-                    f"{max(t_nvme, t_pfs):,.0f} s", f"NVMe alone {t_nvme:,.0f} s; the PFS "
-                    f"delivers {r * stored / 1e12:g} TB in {t_pfs:,.0f} s; the larger wins"))
-    out.append(("files read per node per epoch", f"{nfiles / nodes:,.0f}",
-                f"{1 - 1 / nodes:.1%} of them remote with a random shuffle and one replica"))
-    us, how = (remote_us, "per remote file read, both sides") if remote_us else \
-        (daemon_us, "per file, 1-rank aggregate pass")
-    if us:
-        out.append(("daemon CPU per epoch", f"{nfiles / nodes * us / 1e6:,.1f} core-s",
-                    f"{us:,.0f} µs {how} (cold, this machine)"))
-    return h.table(["quantity", "per node", "how"], out, "lrl",
-                   f"Projection: {nodes} nodes, {nfiles / 1e6:.0f} million files (a linear "
-                   f"extrapolation from the {s['files']:,}-file namespace; {a.proj_net_gbps:g} "
-                   f"Gb/s links, {a.proj_raw_tb:g} TB at ratio {a.proj_ratio:g}, NVMe "
-                   f"{a.proj_nvme_gbs:g} GB/s, PFS {a.proj_pfs_gbs:g} GB/s)")
 
 
 # ------------------------------------------------------------------------------ main
@@ -667,16 +619,6 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--bcast-ranks", type=int, default=4)
     ap.add_argument("--bcast-reps", type=int)
     ap.add_argument("--keep-synth", action="store_true", help="keep the synthetic index files")
-    g = ap.add_argument_group("projection assumptions")
-    g.add_argument("--proj-nodes", type=int, default=512)
-    g.add_argument("--proj-files", type=float, default=10e6)
-    g.add_argument("--proj-net-gbps", type=float, default=100.0, help="link speed, Gb/s")
-    g.add_argument("--proj-nvme-gbs", type=float, default=2.0, help="NVMe write GB/s per node")
-    g.add_argument("--proj-pfs-gbs", type=float, default=100.0, help="PFS aggregate GB/s")
-    g.add_argument("--proj-pfs-stream-gbs", type=float, default=1.0,
-                   help="PFS GB/s of one stream (rank 0 reading the index)")
-    g.add_argument("--proj-raw-tb", type=float, default=10.0)
-    g.add_argument("--proj-ratio", type=float, default=2.0)
     ap.add_argument("--mpiexec", help="mpiexec (default: next to this python)")
     a = h.presets(ap.parse_args(argv), PRESETS)
     a.lr_readers, a.agg_ranks, a.agg_readers, a.meta_files = (

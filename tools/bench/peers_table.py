@@ -32,29 +32,14 @@ RATIO_MIN = 2.0
 CODEC_TAG = {"zstd3": "zstd:3", "lz4": "lz4"}
 
 
-def load(path: str) -> list[dict]:
-    rows = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                rows.append(json.loads(line))
-    return rows
-
-
 class Run:
     def __init__(self, idx: int, path: str) -> None:
         self.idx = idx
         self.path = path
-        self.rows = load(path)
+        self.rows = h.load_rows(path)
         self.builds = {r["artifact"]: r for r in self.rows if r.get("kind") == "build"}
         self.meas = [r for r in self.rows if "op" in r]
-        seen: list[str] = []
-        for r in self.meas:
-            b = r.get("backend")
-            if b and b not in seen:
-                seen.append(b)
-        self.backends = seen
+        self.backends = list(dict.fromkeys(r["backend"] for r in self.meas if r.get("backend")))
 
     def pick(self, **kw) -> list[dict]:
         return [r for r in self.meas if all(str(r.get(k)) == str(v) for k, v in kw.items())]
@@ -104,14 +89,16 @@ def artifact_of(backend: str) -> str | None:
     return None
 
 
-def section(runs: list[Run], work: str, label: str, total_seconds: int | None) -> str:
-    summary = {}
+def _summary(work: str) -> dict:
     try:
         with open(os.path.join(work, "lists", "summary.json")) as f:
-            summary = json.load(f)
+            return json.load(f)
     except (OSError, ValueError):
-        pass
-    total_bytes = summary.get("total_bytes")
+        return {}
+
+
+def _intro(runs: list[Run], work: str, summary: dict, label: str,
+           total_seconds: int | None) -> list[str]:
     out = [f"> **{label}**", ""] if label else []
     out += [f"Generated {h.now_utc()} from {len(runs)} peers.sh run(s)"
             + (f", {total_seconds / 60:.0f} min in all" if total_seconds else "") + ".", ""]
@@ -121,29 +108,36 @@ def section(runs: list[Run], work: str, label: str, total_seconds: int | None) -
         out += ["### Dataset (`../shared/bench/gen_dataset.py`)", "",
                 f"{summary.get('n_small', 0):,} small files ({summary.get('small_bytes', 0):,} "
                 f"bytes) and {summary.get('n_large', 0)} large file(s) of "
-                f"{summary.get('large_mib')} MiB; {total_bytes or 0:,} bytes in all, seed "
-                f"{summary.get('seed')}.", ""]
+                f"{summary.get('large_mib')} MiB; {summary.get('total_bytes') or 0:,} bytes in "
+                f"all, seed {summary.get('seed')}.", ""]
+    return out
 
+
+def _read_targets(run: Run, b: str) -> list[tuple]:
+    peer, out = peer_of(b), []
+    for wk in (1, 4):
+        q = dict(list="small.txt", op="read", workers=wk)
+        fc, fw = (run.med("files_per_s", backend=b, phase=ph, **q) for ph in ("cold", "warm"))
+        if peer in run.backends:
+            pc, pw = (run.med("files_per_s", backend=peer, phase=ph, **q)
+                      for ph in ("cold", "warm"))
+            out += [_target("cold small-file reads", b, f"{peer} (run {run.idx})", wk, fc, pc,
+                            COLD_VS_SQFUSE, "≥"),
+                    _target("warm small-file reads", b, f"{peer} (run {run.idx})", wk, fw, pw,
+                            WARM_VS_SQFUSE, "≥")]
+        if "raw" in run.backends:
+            rw = run.med("files_per_s", backend="raw", phase="warm", **q)
+            out.append(_target("warm small-file reads (aim)", b, f"raw (run {run.idx})", wk,
+                               fw, rw, WARM_VS_RAW_AIM, "≥"))
+    return out
+
+
+def _targets(runs: list[Run], total_bytes: int | None) -> list[tuple]:
     targets = []
     for run in runs:
         for b in filter(is_fanstore, run.backends):
+            targets += _read_targets(run, b)
             peer = peer_of(b)
-            for wk in (1, 4):
-                q = dict(list="small.txt", op="read", workers=wk)
-                fc, fw = (run.med("files_per_s", backend=b, phase=ph, **q)
-                          for ph in ("cold", "warm"))
-                if peer in run.backends:
-                    pc, pw = (run.med("files_per_s", backend=peer, phase=ph, **q)
-                              for ph in ("cold", "warm"))
-                    targets += [_target("cold small-file reads", b, f"{peer} (run {run.idx})",
-                                        wk, fc, pc, COLD_VS_SQFUSE, "≥"),
-                                _target("warm small-file reads", b, f"{peer} (run {run.idx})",
-                                        wk, fw, pw, WARM_VS_SQFUSE, "≥")]
-                if "raw" in run.backends:
-                    rw = run.med("files_per_s", backend="raw", phase="warm", **q)
-                    targets.append(_target("warm small-file reads (aim)", b,
-                                           f"raw (run {run.idx})", wk, fw, rw, WARM_VS_RAW_AIM,
-                                           "≥"))
             fb, _ = build_of(runs, artifact_of(b) or "")
             sb, sr = build_of(runs, artifact_of(peer) or "") if peer else (None, None)
             if fb and sb and fb.get("ok") and sb.get("ok"):
@@ -156,9 +150,10 @@ def section(runs: list[Run], work: str, label: str, total_seconds: int | None) -
                 targets.append(("compression ratio", b, "–", "", f"{r:.2f}",
                                 f"≥ {RATIO_MIN}" if goal else "(≥ 2.0 is for zstd:3)",
                                 h.check(r >= RATIO_MIN) if goal else "–"))
-    out += [h.table(["target", "FanStore", "compared with", "readers", "measured", "goal",
-                     "status"], targets, "lllrrrl", "The issue's targets"), ""]
+    return targets
 
+
+def _builds(runs: list[Run], total_bytes: int | None) -> list[tuple]:
     arts: dict[str, list[str]] = {}  # artifact -> the backends that use it, in order
     for run in runs:
         for b in run.backends:
@@ -175,70 +170,63 @@ def section(runs: list[Run], work: str, label: str, total_seconds: int | None) -
             h.num(rec.get("bytes", 0) / 1e6),
             f"{(total_bytes / rec['bytes']) if ok and total_bytes and rec.get('bytes') else 0:.2f}"
         )), mount))
-    out += [h.table(["artifact", "used by", "built in", "build s", "size MB", "ratio",
-                     "mount s (median)"], builds, "llrrrrr", "Build (pack) cost and size"), ""]
+    return builds
 
-    small = []
-    for run in runs:
-        for wk in (1, 4):
-            q = dict(list="small.txt", op="read", workers=wk)
-            raw_c, raw_w = (run.med("files_per_s", backend="raw", phase=ph, **q)
-                            for ph in ("cold", "warm"))
-            for b in run.backends:
-                rows = run.pick(backend=b, **q)
-                if not rows:
-                    continue
-                c, w = dict(q, backend=b, phase="cold"), dict(q, backend=b, phase="warm")
-                cf, wf = h.med(run.vals("files_per_s", **c)), h.med(run.vals("files_per_s", **w))
-                peer = peer_of(b) if is_fanstore(b) else None
-                pc, pw = (run.med("files_per_s", backend=peer, phase=ph, **q) if peer else None
-                          for ph in ("cold", "warm"))
-                flags = " ⚠ cut at time limit" if any(r.get("truncated") for r in rows) else ""
-                small.append((run.idx, (f"**{b}**" if is_fanstore(b) else b) + flags
-                              + h.err_tag(rows), wk, h.spread(run.vals("files_per_s", **c)),
-                              h.spread(run.vals("MB_per_s", **c)),
-                              h.spread(run.vals("files_per_s", **w)),
-                              h.spread(run.vals("MB_per_s", **w)),
-                              f"{h.num(run.med('lat_ms_p50', **c), 2)} / "
-                              f"{h.num(run.med('lat_ms_p99', **c), 1)}",
-                              h.num(run.med("cpu_busy_pct", **c)), h.ratio(cf, raw_c),
-                              h.ratio(wf, raw_w), h.ratio(cf, pc) if peer else "",
-                              h.ratio(wf, pw) if peer else ""))
-    out += [h.table(["run", "backend", "readers", "cold files/s", "cold MB/s", "warm files/s",
-                     "warm MB/s", "cold p50 / p99 ms", "cold CPU %", "cold vs raw",
-                     "warm vs raw", "cold vs sqfuse_ll", "warm vs sqfuse_ll"], small,
-                    "rl" + "r" * 11, "Small-file reads (every small file once, shuffled)"), ""]
 
-    meta = []
-    for run in runs:
-        for b in run.backends:
-            ver = run.pick(backend=b, op="verify")
-            if not ver:
-                check = "–"
-            elif all(v.get("ok") for v in ver):
-                check = f"ok ({ver[0].get('checked')} files)"
-            else:
-                first = (ver[0].get("first_bad") or ["?"])[0]
-                check = (f"**FAILED** ({ver[0].get('bad')} of {ver[0].get('checked')}; "
-                         f"{first[:160]})")
-            errs = run.errors(backend=b)
-            if errs:
-                check += f"; ⚠ {errs} read errors in the passes (those passes are left out)"
-            mount_err = [r for r in run.pick(backend=b, op="mount") if r.get("error")]
-            if mount_err:
-                check += f"; ⚠ {mount_err[0]['error']} ({len(mount_err)}x)"
-            lq = dict(backend=b, list="large.txt", op="read")
-            meta.append((run.idx, b, *(h.num(run.med("seconds", backend=b, op="walk", phase=ph),
-                                             3) for ph in ("cold", "warm")),
-                         *(h.num(run.med("files_per_s", backend=b, op="stat", phase=ph))
-                           for ph in ("cold", "warm")),
-                         *(h.num(run.med("MB_per_s", phase=ph, **lq)) for ph in ("cold", "warm")),
-                         check))
-    out += [h.table(["run", "backend", "walk cold s", "walk warm s", "stat cold /s",
-                     "stat warm /s", "large cold MB/s", "large warm MB/s", "spot check"], meta,
-                    "rl" + "r" * 6 + "l", "Metadata and large files"), ""]
+def _small(run: Run, wk: int) -> list[tuple]:
+    q, out = dict(list="small.txt", op="read", workers=wk), []
+    raw_c, raw_w = (run.med("files_per_s", backend="raw", phase=ph, **q)
+                    for ph in ("cold", "warm"))
+    for b in run.backends:
+        rows = run.pick(backend=b, **q)
+        if not rows:
+            continue
+        c, w = dict(q, backend=b, phase="cold"), dict(q, backend=b, phase="warm")
+        cf, wf = h.med(run.vals("files_per_s", **c)), h.med(run.vals("files_per_s", **w))
+        peer = peer_of(b) if is_fanstore(b) else None
+        pc, pw = (run.med("files_per_s", backend=peer, phase=ph, **q) if peer else None
+                  for ph in ("cold", "warm"))
+        flags = " ⚠ cut at time limit" if any(r.get("truncated") for r in rows) else ""
+        out.append((run.idx, (f"**{b}**" if is_fanstore(b) else b) + flags + h.err_tag(rows),
+                    wk, h.spread(run.vals("files_per_s", **c)), h.spread(run.vals("MB_per_s", **c)),
+                    h.spread(run.vals("files_per_s", **w)), h.spread(run.vals("MB_per_s", **w)),
+                    f"{h.num(run.med('lat_ms_p50', **c), 2)} / "
+                    f"{h.num(run.med('lat_ms_p99', **c), 1)}",
+                    h.num(run.med("cpu_busy_pct", **c)), h.ratio(cf, raw_c), h.ratio(wf, raw_w),
+                    h.ratio(cf, pc) if peer else "", h.ratio(wf, pw) if peer else ""))
+    return out
 
-    out += ["### Exact commands", "", "```"]
+
+def _spot_check(run: Run, b: str) -> str:
+    ver = run.pick(backend=b, op="verify")
+    if not ver:
+        check = "–"
+    elif all(v.get("ok") for v in ver):
+        check = f"ok ({ver[0].get('checked')} files)"
+    else:
+        first = (ver[0].get("first_bad") or ["?"])[0]
+        check = f"**FAILED** ({ver[0].get('bad')} of {ver[0].get('checked')}; {first[:160]})"
+    errs = run.errors(backend=b)
+    if errs:
+        check += f"; ⚠ {errs} read errors in the passes (those passes are left out)"
+    mount_err = [r for r in run.pick(backend=b, op="mount") if r.get("error")]
+    if mount_err:
+        check += f"; ⚠ {mount_err[0]['error']} ({len(mount_err)}x)"
+    return check
+
+
+def _meta(run: Run, b: str) -> tuple:
+    lq = dict(backend=b, list="large.txt", op="read")
+    return (run.idx, b, *(h.num(run.med("seconds", backend=b, op="walk", phase=ph), 3)
+                          for ph in ("cold", "warm")),
+            *(h.num(run.med("files_per_s", backend=b, op="stat", phase=ph))
+              for ph in ("cold", "warm")),
+            *(h.num(run.med("MB_per_s", phase=ph, **lq)) for ph in ("cold", "warm")),
+            _spot_check(run, b))
+
+
+def _commands(runs: list[Run]) -> list[str]:
+    out = ["### Exact commands", "", "```"]
     for run in runs:
         out.append(f"# ===== run {run.idx}: BACKENDS=\"{' '.join(run.backends)}\"")
         try:
@@ -246,7 +234,29 @@ def section(runs: list[Run], work: str, label: str, total_seconds: int | None) -
                 out += [line.rstrip("\n").replace(h.REPO + "/", "") for line in f]
         except OSError:
             out.append("# (command log missing)")
-    return "\n".join(out + ["```"])
+    return out + ["```"]
+
+
+def section(runs: list[Run], work: str, label: str, total_seconds: int | None) -> str:
+    summary = _summary(work)
+    total_bytes = summary.get("total_bytes")
+    out = _intro(runs, work, summary, label, total_seconds)
+    out += [h.table(["target", "FanStore", "compared with", "readers", "measured", "goal",
+                     "status"], _targets(runs, total_bytes), "lllrrrl", "The issue's targets"),
+            "",
+            h.table(["artifact", "used by", "built in", "build s", "size MB", "ratio",
+                     "mount s (median)"], _builds(runs, total_bytes), "llrrrrr",
+                    "Build (pack) cost and size"), "",
+            h.table(["run", "backend", "readers", "cold files/s", "cold MB/s", "warm files/s",
+                     "warm MB/s", "cold p50 / p99 ms", "cold CPU %", "cold vs raw",
+                     "warm vs raw", "cold vs sqfuse_ll", "warm vs sqfuse_ll"],
+                    [x for run in runs for wk in (1, 4) for x in _small(run, wk)],
+                    "rl" + "r" * 11, "Small-file reads (every small file once, shuffled)"), "",
+            h.table(["run", "backend", "walk cold s", "walk warm s", "stat cold /s",
+                     "stat warm /s", "large cold MB/s", "large warm MB/s", "spot check"],
+                    [_meta(run, b) for run in runs for b in run.backends],
+                    "rl" + "r" * 6 + "l", "Metadata and large files"), ""]
+    return "\n".join(out + _commands(runs))
 
 
 def _target(what, b, other, wk, mine, theirs, goal, op, fmt="{:.2f}x") -> tuple:
@@ -271,11 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [Run(i + 1, p) for i, p in enumerate(a.run)]
     label = a.label
     if not label:
-        try:
-            with open(os.path.join(a.work, "lists", "summary.json")) as f:
-                n_small = json.load(f).get("n_small", 0)
-        except (OSError, ValueError):
-            n_small = 0
+        n_small = _summary(a.work).get("n_small", 0)
         reps = max([int(r.get("rep", 0)) for run in runs for r in run.pick(phase="cold",
                                                                        list="small.txt")] or [0])
         if n_small < 20000 or reps < 3:

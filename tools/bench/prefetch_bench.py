@@ -267,8 +267,6 @@ class Cost:
                 "rss_peak": self.peak[0], "pss_peak": self.peak[1]}
 
 
-
-
 class PrefetchBench(h.Bench):
     name = "prefetch_bench"
 
@@ -544,14 +542,6 @@ class PrefetchBench(h.Bench):
         self.emit({"kind": "check", "results": results})
         h.log(f"correctness: {results}")
 
-    def cleanup(self) -> None:
-        super().cleanup()
-        for kind in ("sync", "prefetch"):
-            try:
-                os.rmdir(self.mnt(kind))
-            except OSError:
-                pass
-
 
 # ------------------------------------------------------------------------------ the section
 
@@ -560,47 +550,59 @@ def fx(f: float | None) -> str:
     return "–" if f is None else f"x{f:g}"
 
 
-def render(bench: PrefetchBench, label: str | None, argv: list[str]) -> str:
-    a, pick, vals, rows = bench.a, bench.pick, bench.vals, bench.rows
-    st = pick(kind="store")[0]
-    factors = bench.factors or [None]
-    tight = factors[0]
+def _reads_per_file(rs):
+    return med([((r.get("daemon") or {}).get("requests_by_op") or {}).get("read", 0)
+                / r["files"] for r in rs if r.get("files")])
 
-    def reads_per_file(rs):
-        return med([((r.get("daemon") or {}).get("requests_by_op") or {}).get("read", 0)
-                    / r["files"] for r in rs if r.get("files")])
 
-    def cpu_us(rs):
-        return med([r["fanstore_cpu_s"] / r["files"] * 1e6 for r in rs
-                    if r.get("fanstore_cpu_s") is not None and r.get("files")])
+def _cpu_us(rs):
+    return med([r["fanstore_cpu_s"] / r["files"] * 1e6 for r in rs
+                if r.get("fanstore_cpu_s") is not None and r.get("files")])
 
-    def reads(rs, mode=None):
-        return num(reads_per_file(rs), 3) if mode is None or mode in MOUNT_OF else "–"
 
-    def dmed(rs, key, scale=1.0):
-        return med([(r.get("daemon") or {}).get(key, 0) / scale for r in rs if r.get("daemon")])
+def _reads(rs, mode=None):
+    return num(_reads_per_file(rs), 3) if mode is None or mode in MOUNT_OF else "–"
 
-    targets = []
+
+def _dmed(rs, key, scale=1.0):
+    return med([(r.get("daemon") or {}).get(key, 0) / scale for r in rs if r.get("daemon")])
+
+
+def _memory_rows(bench: PrefetchBench) -> list[dict]:
+    """The rows of prefetch mounts with a memory reading."""
+    return [r for r in bench.rows if MOUNT_OF.get(r.get("mode")) == "prefetch"
+            and r.get("rss_peak") and r.get("kind") in ("pass", "serial", "dl")]
+
+
+def _stall_targets(bench: PrefetchBench) -> list[tuple]:
+    vals, factors = bench.vals, bench.factors or [None]
+    out = []
     for f in factors:
         for mode, ref in REF.items():
             s, s0 = (med(vals("stall_s", kind="dl", mode=m, factor=f)) for m in (mode, ref))
             if s is not None and s0:
-                targets.append((f"DataLoader, {'tight' if f == tight else 'input-bound'} "
-                                f"(compute {fx(f)}): {mode} stall <= {ref} stall",
-                                f"{s:.3f} s vs {s0:.3f} s ({s / s0:.2f}x)", "<= 1.00x",
-                                h.check(s <= s0)))
+                out.append((f"DataLoader, {'tight' if f == factors[0] else 'input-bound'} "
+                            f"(compute {fx(f)}): {mode} stall <= {ref} stall",
+                            f"{s:.3f} s vs {s0:.3f} s ({s / s0:.2f}x)", "<= 1.00x",
+                            h.check(s <= s0)))
     s_sync = med(vals("stall_s", kind="serial", mode="fuse-sync"))
     for mode in REF:
         s = med(vals("stall_s", kind="serial", mode=mode))
         if s is not None and s_sync:
-            targets.append((f"serial reader: {mode} removes >= 80% of the sync stall",
-                            f"{1 - s / s_sync:.0%} ({s:.2f} s vs {s_sync:.2f} s)", ">= 80%",
-                            h.check(1 - s / s_sync >= 0.8)))
+            out.append((f"serial reader: {mode} removes >= 80% of the sync stall",
+                        f"{1 - s / s_sync:.0%} ({s:.2f} s vs {s_sync:.2f} s)", ">= 80%",
+                        h.check(1 - s / s_sync >= 0.8)))
+    return out
+
+
+def _targets(bench: PrefetchBench, budget: float) -> list[tuple]:
+    pick, vals = bench.pick, bench.vals
+    targets = _stall_targets(bench)
     pre4 = pick(kind="pass", mode="fuse-prefetched", workers=4)
     sync4 = med(vals("files_per_s", kind="pass", mode="fuse-sync", workers=4))
     if pre4 and sync4:
         fps, share = med(vals("files_per_s", kind="pass", mode="fuse-prefetched",
-                              workers=4)), reads_per_file(pre4)
+                              workers=4)), _reads_per_file(pre4)
         targets += [("prefetched pass, 4 readers: files/s >= the sync mount's",
                      f"{fps / sync4:.2f}x ({fps:,.0f} vs {sync4:,.0f})", ">= 1.0x",
                      h.check(fps >= sync4)),
@@ -611,23 +613,8 @@ def render(bench: PrefetchBench, label: str | None, argv: list[str]) -> str:
         targets.append(("2 ranks, rank 0's prefetched epoch: stall <= 1.2x the 1-rank epoch",
                         f"{r2 / r1:.2f}x ({r2:.2f} s vs {r1:.2f} s)", "<= 1.2x",
                         h.check(r2 <= 1.2 * r1)))
-    model = (pick(kind="model") or [{}])[0]
-    comp_ms = {r.get("factor"): r["compute_ms"] for r in pick(kind="compute")}
-    predicted = []
-    x = model.get("files_per_s")
-    for f in factors:
-        q = dict(kind="dl", mode="fuse-prefetch", factor=f)
-        nb, nf, s = med(vals("batches", **q)), med(vals("files", **q)), med(vals("stall_s", **q))
-        if x and nb and nf and s is not None and comp_ms.get(f) is not None:
-            pred = max(0.0, nf / x - nb * comp_ms[f] / 1e3)
-            predicted.append((f"{num(comp_ms[f], 1)} ms ({fx(f)})", f"{pred:.2f}", f"{s:.2f}",
-                              num(med(vals("stall_after_first_s", **q)), 2)))
-            targets.append((f"`fanstore select --mode prefetch` ({x:,.0f} files/s) vs the "
-                            f"DataLoader, compute {fx(f)}: predicted vs measured stall",
-                            f"{pred:.2f} s vs {s:.2f} s", "–", "(info)"))
-    budget = st["prefetch_mb"] * 2**20
-    mem = [r for r in rows if MOUNT_OF.get(r.get("mode")) == "prefetch" and r.get("rss_peak")
-           and r.get("kind") in ("pass", "serial", "dl")]
+    targets += [t for t, _row in _predictions(bench)]
+    mem = _memory_rows(bench)
     if mem:
         w = max(mem, key=lambda r: r["rss_peak"] - r["rss_base"])
         over = w["rss_peak"] - w["rss_base"]
@@ -635,6 +622,30 @@ def render(bench: PrefetchBench, label: str | None, argv: list[str]) -> str:
                         f"base {w['rss_base'] / MB:,.0f} MB, peak {w['rss_peak'] / MB:,.0f} MB:"
                         f" +{over / MB:,.0f} MB (PSS +{(w['pss_peak'] - w['pss_base']) / MB:,.0f}"
                         f" MB)", f"<= +{budget * 1.1 / MB:,.0f} MB", h.check(over <= budget * 1.1)))
+    return targets
+
+
+def _predictions(bench: PrefetchBench) -> list[tuple[tuple, tuple]]:
+    """Per compute factor: (the target row, the predicted-stall row) of the select model."""
+    pick, vals = bench.pick, bench.vals
+    x = (pick(kind="model") or [{}])[0].get("files_per_s")
+    comp_ms = {r.get("factor"): r["compute_ms"] for r in pick(kind="compute")}
+    out = []
+    for f in bench.factors or [None]:
+        q = dict(kind="dl", mode="fuse-prefetch", factor=f)
+        nb, nf, s = med(vals("batches", **q)), med(vals("files", **q)), med(vals("stall_s", **q))
+        if x and nb and nf and s is not None and comp_ms.get(f) is not None:
+            pred = max(0.0, nf / x - nb * comp_ms[f] / 1e3)
+            out.append(((f"`fanstore select --mode prefetch` ({x:,.0f} files/s) vs the "
+                         f"DataLoader, compute {fx(f)}: predicted vs measured stall",
+                         f"{pred:.2f} s vs {s:.2f} s", "–", "(info)"),
+                        (f"{num(comp_ms[f], 1)} ms ({fx(f)})", f"{pred:.2f}", f"{s:.2f}",
+                         num(med(vals("stall_after_first_s", **q)), 2))))
+    return out
+
+
+def _passes(bench: PrefetchBench) -> list[tuple]:
+    a, pick, vals = bench.a, bench.pick, bench.vals
     passes = []
     for wk in a.workers:
         raw, sync = (med(vals("files_per_s", kind="pass", mode=m, workers=wk))
@@ -648,61 +659,84 @@ def render(bench: PrefetchBench, label: str | None, argv: list[str]) -> str:
                     num(med(vals("prefetch_s", **q)), 2) if mode == "fuse-prefetched" else "–"
                 passes.append((mode + h.err_tag(rs), wk, *bench.cells(
                     q, "spread:files_per_s", "spread:MB_per_s", "p:lat_ms", "med:cpu_busy_pct"),
-                    num(cpu_us(rs)), reads(rs, mode), extra, ratio(fps, raw), ratio(fps, sync)))
-    counters = []
+                    num(_cpu_us(rs)), _reads(rs, mode), extra, ratio(fps, raw),
+                    ratio(fps, sync)))
+    return passes
+
+
+def _counters(bench: PrefetchBench) -> list[tuple]:
+    a = bench.a
     groups = [("pass", m, {"workers": wk}, wk) for wk in a.workers for m in a.modes] + \
         [("serial", m, {}, 1) for m in a.serial_modes] + \
-        [("dl", m, {"factor": f}, fx(f)) for f in factors for m in a.dl_modes]
+        [("dl", m, {"factor": f}, fx(f)) for f in bench.factors or [None] for m in a.dl_modes]
+    counters = []
     for kind, mode, extra, shown in groups:
-        rs = [r for r in pick(kind=kind, mode=mode, **extra) if r.get("daemon") and r.get("files")]
+        rs = [r for r in bench.pick(kind=kind, mode=mode, **extra)
+              if r.get("daemon") and r.get("files")]
         if MOUNT_OF.get(mode) == "prefetch" and rs:
             counters.append((kind, mode, shown, *(num(med([r["daemon"].get(k, 0) / r["files"]
                                                            for r in rs]), 2) for k in (
                 "prefetch_pushed", "prefetch_buffered", "prefetch_served_from_buffer",
                 "prefetch_late", "prefetch_missed", "prefetch_skipped", "prefetch_listings")),
-                reads(rs), num(dmed(rs, "prefetch_bytes_evicted_unused", MB), 1)))
+                _reads(rs), num(_dmed(rs, "prefetch_bytes_evicted_unused", MB), 1)))
+    return counters
+
+
+def _serial(bench: PrefetchBench) -> list[tuple]:
+    s_sync = med(bench.vals("stall_s", kind="serial", mode="fuse-sync"))
     serial = []
-    for mode in a.serial_modes:
+    for mode in bench.a.serial_modes:
         q = dict(kind="serial", mode=mode)
-        rs, s = pick(**q), med(vals("stall_s", **q))
+        rs, s = bench.pick(**q), med(bench.vals("stall_s", **q))
         if rs:
             serial.append((mode, *bench.cells(q, "spread:epoch_s:2", "spread:stall_s:2",
-                                              "p:read_ms"), num(cpu_us(rs)), reads(rs, mode),
+                                              "p:read_ms"), num(_cpu_us(rs)), _reads(rs, mode),
                            f"{1 - s / s_sync:.0%}" if s is not None and s_sync else "–"))
-    loaders = []
+    return serial
+
+
+def _loader_table(bench: PrefetchBench, f: float | None) -> str:
+    pick, vals = bench.pick, bench.vals
+    lines = []
+    for mode in bench.a.dl_modes:
+        q = dict(kind="dl", mode=mode, factor=f)
+        rs = pick(**q)
+        if not rs:
+            continue
+        s, r0 = med(vals("stall_s", **q)), REF.get(mode)
+        s0 = med(vals("stall_s", kind="dl", mode=r0, factor=f)) if r0 else None
+        err = [r.get("first_error") for r in rs if r.get("errors")]
+        lines.append((mode + (" ⚠ " + str(err[0])[:80] if err else ""), HOW[mode],
+                      *bench.cells(q, "spread:epoch_s:2", "spread:stall_s:3",
+                                   "med:first_batch_s:3", "p:wait_ms:1:0", "med:cpu_busy_pct"),
+                      num(_cpu_us(rs)), _reads(rs, mode),
+                      f"{s / s0:.2f}x {r0}" if s is not None and s0 else "–"))
     calib = (pick(kind="compute") or [{}])[0].get("sync_per_batch_ms") or []
-    for f in factors if pick(kind="compute") else []:
-        lines = []
-        for mode in a.dl_modes:
-            q = dict(kind="dl", mode=mode, factor=f)
-            rs = pick(**q)
-            if not rs:
-                continue
-            s, r0 = med(vals("stall_s", **q)), REF.get(mode)
-            s0 = med(vals("stall_s", kind="dl", mode=r0, factor=f)) if r0 else None
-            err = [r.get("first_error") for r in rs if r.get("errors")]
-            lines.append((mode + (" ⚠ " + str(err[0])[:80] if err else ""), HOW[mode],
-                          *bench.cells(q, "spread:epoch_s:2", "spread:stall_s:3",
-                                       "med:first_batch_s:3", "p:wait_ms:1:0", "med:cpu_busy_pct"),
-                          num(cpu_us(rs)), reads(rs, mode),
-                          f"{s / s0:.2f}x {r0}" if s is not None and s0 else "–"))
-        nb, cm = med(vals("batches", kind="dl", factor=f)), comp_ms.get(f)
-        loaders.append(h.table(
-            ["mode", "dataset / reads", "epoch s", "stall s", "first batch s",
-             "wait p50 / p99 ms", "CPU %", "FanStore µs/file", "READs/file", "stall vs"], lines,
-            "ll" + "r" * 8, f"DataLoader, compute {num(cm, 1)} ms per batch ({fx(f)}"
-            + (", tight" if f == tight else "") + f"; calibration "
-            f"{', '.join(f'{c:.1f}' for c in calib)} ms/batch); ideal epoch "
-            f"{num((nb or 0) * (cm or 0) / 1e3, 2)} s"))
+    comp_ms = {r.get("factor"): r["compute_ms"] for r in pick(kind="compute")}
+    nb, cm = med(vals("batches", kind="dl", factor=f)), comp_ms.get(f)
+    return h.table(
+        ["mode", "dataset / reads", "epoch s", "stall s", "first batch s",
+         "wait p50 / p99 ms", "CPU %", "FanStore µs/file", "READs/file", "stall vs"], lines,
+        "ll" + "r" * 8, f"DataLoader, compute {num(cm, 1)} ms per batch ({fx(f)}"
+        + (", tight" if f == (bench.factors or [None])[0] else "") + f"; calibration "
+        f"{', '.join(f'{c:.1f}' for c in calib)} ms/batch); ideal epoch "
+        f"{num((nb or 0) * (cm or 0) / 1e3, 2)} s")
+
+
+def _ranks(bench: PrefetchBench) -> list[tuple]:
     ranks = []
     for n in (1, 2):
         q = dict(kind="ranks", ranks=n)
-        rs = pick(**q)
+        rs = bench.pick(**q)
         if rs:
             ranks.append((n, *bench.cells(q, "spread:epoch_s:2", "spread:stall_s:2", "p:read_ms"),
-                          num(dmed(rs, "remote_reads")), num(dmed(rs, "prefetch_pushed")),
-                          reads(rs), num(cpu_us(rs))))
-    memory = []
+                          num(_dmed(rs, "remote_reads")), num(_dmed(rs, "prefetch_pushed")),
+                          _reads(rs), num(_cpu_us(rs))))
+    return ranks
+
+
+def _memory(bench: PrefetchBench, budget: float) -> list[tuple]:
+    mem, memory = _memory_rows(bench), []
     for kind in ("pass", "serial", "dl"):
         for mode in ("fuse-prefetch", "fuse-prefetched", "api-prefetch"):
             rs = [r for r in mem if r["kind"] == kind and r["mode"] == mode]
@@ -713,34 +747,53 @@ def render(bench: PrefetchBench, label: str | None, argv: list[str]) -> str:
                 memory.append((kind, mode, m("rss_base"), m("rss_peak"), "+" + num(med(
                     [(r["rss_peak"] - r["rss_base"]) / MB for r in rs])), m("pss_base"),
                     m("pss_peak"), num(budget / MB)))
+    return memory
+
+
+def _checks(bench: PrefetchBench) -> list[str]:
+    rows = bench.rows
     checks = [f"- {mode}: {res['checked']} files compared with the raw files: "
               + (f"**error: {res['error']}**" if res.get("error") else
                  "all identical" if not res["differ"] else f"**{res['differ']} differ**")
-              for r in pick(kind="check") for mode, res in r["results"].items()]
+              for r in bench.pick(kind="check") for mode, res in r["results"].items()]
     errs = [r for r in rows if r.get("errors") and r.get("kind") in
             ("pass", "serial", "dl", "calib", "ranks")]
     checks.append(f"- passes or epochs with errors: {len(errs)}"
                   + (f" (first: {errs[0].get('first_error')})" if errs else ""))
-    checks += [f"- **the daemon died during {r['kind']} {r.get('mode')} rep {r.get('rep')}**"
-               for r in rows if r.get("daemon_died")]
-    p = st["params"]
-    caption = (f"{st['files']:,} files of {p['min_kb']}-{p['max_kb']} kB "
-               f"({st['raw_bytes'] / MB:,.0f} MB), `--partitions {p['partitions']} --codec "
-               f"{p['codec']}` ({(st.get('stored_bytes') or 0) / MB:,.0f} MB stored, ratio "
-               f"{st.get('ratio') or 0:.2f}); `--prefetch-mb {st['prefetch_mb']}` = "
-               f"{budget / max(1, st['raw_bytes']):.0%} of the dataset; serial compute "
-               f"{num(bench.serial_compute_ms, 3)} ms per file; model: `{model.get('chosen')}` "
-               f"chosen ({num(model.get('chosen_files_per_s'))} files/s), "
-               f"{num(x)} files/s for `{model.get('codec')}`.")
+    return checks + [f"- **the daemon died during {r['kind']} {r.get('mode')} rep "
+                     f"{r.get('rep')}**" for r in rows if r.get("daemon_died")]
+
+
+def _caption(bench: PrefetchBench, st: dict, budget: float) -> str:
+    p, model = st["params"], (bench.pick(kind="model") or [{}])[0]
+    return (f"{st['files']:,} files of {p['min_kb']}-{p['max_kb']} kB "
+            f"({st['raw_bytes'] / MB:,.0f} MB), `--partitions {p['partitions']} --codec "
+            f"{p['codec']}` ({(st.get('stored_bytes') or 0) / MB:,.0f} MB stored, ratio "
+            f"{st.get('ratio') or 0:.2f}); `--prefetch-mb {st['prefetch_mb']}` = "
+            f"{budget / max(1, st['raw_bytes']):.0%} of the dataset; serial compute "
+            f"{num(bench.serial_compute_ms, 3)} ms per file; model: `{model.get('chosen')}` "
+            f"chosen ({num(model.get('chosen_files_per_s'))} files/s), "
+            f"{num(model.get('files_per_s'))} files/s for `{model.get('codec')}`.")
+
+
+def render(bench: PrefetchBench, label: str | None, argv: list[str]) -> str:
+    a, st = bench.a, bench.pick(kind="store")[0]
+    budget = st["prefetch_mb"] * 2**20
+    serial, ranks, memory = _serial(bench), _ranks(bench), _memory(bench, budget)
+    predicted = [row for _t, row in _predictions(bench)]
+    loaders = [_loader_table(bench, f) for f in (bench.factors or [None])
+               if bench.pick(kind="compute")]
     return h.section(bench, label, argv, [
-        caption,
-        h.table(["target", "measured", "goal", "status"], targets, "llrl", "Targets"),
+        _caption(bench, st, budget),
+        h.table(["target", "measured", "goal", "status"], _targets(bench, budget), "llrl",
+                "Targets"),
         h.table(["mode", "readers", "files/s", "MB/s", "p50 / p99 ms", "CPU %",
                  "FanStore µs/file", "READs/file", "order s / prefetch s", "vs raw",
-                 "vs fuse-sync"], passes, title=f"Read passes ({a.reps} repetition(s), cold)"),
+                 "vs fuse-sync"], _passes(bench),
+                title=f"Read passes ({a.reps} repetition(s), cold)"),
         h.table(["phase", "mode", "readers / factor", "pushed", "buffered", "from buffer",
-                 "late", "missed", "skipped", "listed", "READs", "MB evicted unused"], counters,
-                "ll" + "r" * 10, "Prefetch counters per file read"),
+                 "late", "missed", "skipped", "listed", "READs", "MB evicted unused"],
+                _counters(bench), "ll" + "r" * 10, "Prefetch counters per file read"),
         h.table(["mode", "epoch s", "stall s", "read p50 / p99 ms", "FanStore µs/file",
                  "READs/file", "removed"], serial,
                 title=f"A reader that does not pipeline ({a.serial_reps} repetition(s))")
@@ -756,7 +809,7 @@ def render(bench: PrefetchBench, label: str | None, argv: list[str]) -> str:
         h.table(["phase", "mode", "base RSS MB", "peak RSS MB", "peak - base", "base PSS MB",
                  "peak PSS MB", "budget MB"], memory, "ll" + "r" * 6,
                 "Memory of the FanStore processes (prefetch mounts)") if memory else "",
-        "### Correctness and errors\n\n" + "\n".join(checks)])
+        "### Correctness and errors\n\n" + "\n".join(_checks(bench))])
 
 
 HOW = {"raw": "plain files, `open().read()`", "fuse-sync": "sync mount, `open().read()`",

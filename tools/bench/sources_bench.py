@@ -21,7 +21,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -39,25 +38,12 @@ from harness import (  # noqa: E402
     replace_section,
     spread,
     table,
+    timed,
 )
 
 PY = sys.executable
 FANSTORE = os.path.join(os.path.dirname(PY), "fanstore")
 PEER_GEN = os.path.join(os.path.dirname(REPO), "shared", "bench", "gen_dataset.py")
-
-
-def timed(cmd: list[str], env: dict | None = None) -> dict:
-    """Run ``cmd``; wall seconds and CPU seconds (user+sys of it and its children)."""
-    before = os.times()
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    wall = time.monotonic() - t0
-    after = os.times()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-2000:]}")
-    cpu = (after.children_user - before.children_user) + \
-        (after.children_system - before.children_system)
-    return {"wall": wall, "cpu": cpu, "stdout": proc.stdout}
 
 
 def generate(data: str, files: int) -> str:
@@ -84,7 +70,7 @@ def generate(data: str, files: int) -> str:
     return how
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--files", type=int, default=20000)
     ap.add_argument("--reps", type=int, default=2)
@@ -95,23 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-docs", action="store_true")
     ap.add_argument("--docs", default=DOCS, help="markdown file the section is written to")
     ap.add_argument("--results", default=os.path.join(RESULTS_DIR, "sources-bench.jsonl"))
-    a = ap.parse_args(argv)
-    os.makedirs(a.work, exist_ok=True)
-    data = os.path.join(a.work, "data")
-    how = generate(data, a.files)
-    root = os.path.join(data, "small") if os.path.isdir(os.path.join(data, "small")) else data
-    n_files = sum(len(f) for _, _, f in os.walk(root))
-    raw = sum(os.path.getsize(os.path.join(t, f)) for t, _, fs in os.walk(root) for f in fs)
-    archive = os.path.join(a.work, "data.tar")
-    if not os.path.exists(archive):
-        subprocess.run(["tar", "-C", root, "-cf", archive, "."], check=True)
-    pack_args = ["--codec", "zstd:3", "--partitions", "8", "--jobs", str(a.jobs),
-                 "--no-progress", "--force"]
-    rows: list[dict] = []
-    os.makedirs(os.path.dirname(os.path.abspath(a.results)), exist_ok=True)
+    return ap.parse_args(argv)
 
-    # ---- A. pack from the tar vs extract + pack (vs the tar by an earlier revision)
-    ways = ("tar", "extract") + (("before",) if a.before else ())
+
+def pack_ways(a: argparse.Namespace, archive: str, pack_args: list[str]) -> list[dict]:
+    """A. Pack from the tar vs extract + pack (vs the tar by an earlier revision)."""
+    rows, ways = [], ("tar", "extract") + (("before",) if a.before else ())
     if a.before:
         old_code = export_revision(a.before, a.work)
         old_cmd = [PY, "-c", "import sys; from fanstore.cli import main; sys.exit(main())"]
@@ -141,20 +116,27 @@ def main(argv: list[str] | None = None) -> int:
                              "pack_cpu": r2["cpu"], "dropped": dropped})
                 shutil.rmtree(ex, ignore_errors=True)
             log(f"A {way} rep {rep}: {rows[-1]['wall']:.1f} s wall, {rows[-1]['cpu']:.1f} s CPU")
-    same = subprocess.run([PY, "-c", (
+    return rows
+
+
+def same_trees(work: str) -> str:
+    """"True" when the tar's and the extracted tree's stores hold the same entries."""
+    return subprocess.run([PY, "-c", (
         "import sys\nfrom fanstore.format.index import read_index\n"
         "def t(s):\n i=read_index(s)\n return {i.path(k): (int(i.entries['kind'][k]), "
         "int(i.entries['mode'][k]) & 0o777, int(i.entries['size'][k]), "
         "int(i.entries['checksum'][k])) "
         "for k in range(1, i.n_entries)}\n"
         "print(t(sys.argv[1]) == t(sys.argv[2]))"),
-        os.path.join(a.work, "store-tar"), os.path.join(a.work, "store-extract")],
+        os.path.join(work, "store-tar"), os.path.join(work, "store-extract")],
         capture_output=True, text=True).stdout.strip()
 
-    # ---- B. stage-in from a local S3 endpoint, 1 vs 8 streams
+
+def stage_streams(a: argparse.Namespace, archive: str, pack_args: list[str]) -> list[dict]:
+    """B. Stage-in from a local S3 endpoint, 1 vs 8 streams."""
     from s3_helpers import MotoServer
 
-    server = MotoServer.start(a.work)
+    rows, server = [], MotoServer.start(a.work)
     try:
         env = dict(os.environ, **server.env)
         server.fs().mkdir("bench")
@@ -185,7 +167,26 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(local, ignore_errors=True)
     finally:
         server.stop()
+    return rows
 
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    os.makedirs(a.work, exist_ok=True)
+    data = os.path.join(a.work, "data")
+    how = generate(data, a.files)
+    root = os.path.join(data, "small") if os.path.isdir(os.path.join(data, "small")) else data
+    n_files = sum(len(f) for _, _, f in os.walk(root))
+    raw = sum(os.path.getsize(os.path.join(t, f)) for t, _, fs in os.walk(root) for f in fs)
+    archive = os.path.join(a.work, "data.tar")
+    if not os.path.exists(archive):
+        subprocess.run(["tar", "-C", root, "-cf", archive, "."], check=True)
+    pack_args = ["--codec", "zstd:3", "--partitions", "8", "--jobs", str(a.jobs),
+                 "--no-progress", "--force"]
+    os.makedirs(os.path.dirname(os.path.abspath(a.results)), exist_ok=True)
+    rows = pack_ways(a, archive, pack_args)
+    same = same_trees(a.work)
+    rows += stage_streams(a, archive, pack_args)
     with open(a.results, "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")

@@ -459,7 +459,6 @@ def render(bench: StageBench, label: str, shown: list[str]) -> str:
     return h.section(bench, label, shown, ["\n".join(w)])
 
 
-
 def main(argv: list[str] | None = None) -> int:
     raw_argv = list(sys.argv[1:] if argv is None else argv)
     if raw_argv[:1] == ["_rank"]:
