@@ -160,7 +160,17 @@ def make_special_tree(root) -> dict:
         os.chmod(p, mode)
         return str(p)
 
-    # Plain text files and modes.
+    _special_text_modes_empty(root, write, rng, info)
+    _special_names(root, write, info)
+    _special_big_dir_deep_chunks(root, write, rng, info)
+    _special_links(root, info)
+    info["big"] = write("large/big.bin", _big_bytes(BIG_SIZE))
+    info.update(_stamp_mtimes(root))
+    return info
+
+
+def _special_text_modes_empty(root: Path, write, rng: random.Random, info: dict) -> None:
+    """Plain text files and modes; empty files and directories."""
     info["small_files"] = [
         write("text/hello.txt", b"hello, world\n"),
         write("text/lorem.txt", b"lorem ipsum dolor sit amet\n" * 500),
@@ -174,15 +184,15 @@ def make_special_tree(root) -> dict:
     os.chmod(root / "modes/ro_dir", 0o555)
     (root / "modes/sticky").mkdir()
     os.chmod(root / "modes/sticky", 0o1777)
-
-    # Empty things.
     info["empty_file"] = write("empty/empty.txt", b"")
     write("empty/also-empty", b"")
     (root / "empty/empty_dir").mkdir()
     info["empty_dir"] = str(root / "empty/empty_dir")
     (root / "empty/nested/a/b/c").mkdir(parents=True)
 
-    # Names.
+
+def _special_names(root: Path, write, info: dict) -> None:
+    """Unicode, 255-byte (ASCII and UTF-8), spaced and non-UTF-8 names."""
     info["unicode"] = write("names/ünïcødé-文件.txt", "unicode content ✓\n".encode())
     write("names/emoji-😀/данные.txt", b"cyrillic\n")
     write("names/name with spaces.txt", b"spaces\n")
@@ -196,21 +206,20 @@ def make_special_tree(root) -> dict:
         f.write(b"latin-1 name\n")
     info["non_utf8"] = odd
 
-    # A big directory.
+
+def _special_big_dir_deep_chunks(root: Path, write, rng: random.Random, info: dict) -> None:
+    """A directory of BIG_DIR_ENTRIES files, a DEEP_LEVELS-deep path, files around the
+    default chunk size (1 MiB)."""
     big_dir = root / "big_dir"
     big_dir.mkdir()
     for i in range(BIG_DIR_ENTRIES):
         (big_dir / f"f{i:05d}.dat").write_bytes(b"%d\n" % i * (i % 7))
     info["big_dir"] = str(big_dir)
-
-    # A deep path.
     deep = root / "deep"
     for level in range(1, DEEP_LEVELS + 1):
         deep = deep / f"l{level:02d}"
     deep.mkdir(parents=True)
     info["deep_file"] = write(str((deep / "bottom.txt").relative_to(root)), b"the bottom\n")
-
-    # Chunk boundaries (default chunk size 1 MiB).
     info["chunk_files"] = [
         write("chunks/one_less.bin", rng.randbytes(MiB - 1)),
         write("chunks/exact.bin", bytes(MiB)),
@@ -218,7 +227,9 @@ def make_special_tree(root) -> dict:
         write("chunks/two_exact.bin", rng.randbytes(2 * MiB)),
     ]
 
-    # Symlinks (all relative and inside the tree: absolute ones are rewritten by pack).
+
+def _special_links(root: Path, info: dict) -> None:
+    """Symlinks, all relative and inside the tree (absolute ones are rewritten by pack)."""
     links = {
         "links/to_file": "../text/hello.txt",
         "links/to_dir": "../text",
@@ -233,10 +244,9 @@ def make_special_tree(root) -> dict:
     info["symlinks"] = [str(root / rel) for rel in links]
     info["dangling"] = str(root / "links/dangling")
 
-    # The big file.
-    info["big"] = write("large/big.bin", _big_bytes(BIG_SIZE))
 
-    # Deterministic, distinct nanosecond mtimes, children before parents.
+def _stamp_mtimes(root: Path) -> dict:
+    """Deterministic, distinct nanosecond mtimes, children before parents; the counts."""
     all_paths = [os.fsencode(root)]
     for dirpath, dirnames, filenames in os.walk(os.fsencode(root)):
         for name in filenames + dirnames:
@@ -253,8 +263,7 @@ def make_special_tree(root) -> dict:
         else:
             files += 1
             raw += st.st_size
-    info.update(files=files, dirs=dirs - 1, symlinks_count=links_n, raw_bytes=raw)
-    return info
+    return dict(files=files, dirs=dirs - 1, symlinks_count=links_n, raw_bytes=raw)
 
 
 def make_small_tree(root) -> dict[str, bytes]:
@@ -803,6 +812,7 @@ def reader_main(spec_json: str) -> None:
         mnt = mounts[rng.randrange(len(mounts))]
         direct = rng.random() < direct_share
         whole = rng.random() < 0.25
+        off = n = 0
         if not whole:
             off = rng.choice([0, rng.randrange(size + 1), max(0, size - 1), size,
                               size + rng.randrange(1, 3 * chunk),
@@ -810,46 +820,8 @@ def reader_main(spec_json: str) -> None:
             n = rng.choice([0, 1, 7, 4096, 65536, chunk - 1, chunk + 1, 3 * chunk + 5,
                             rng.randrange(1, 4 * chunk)])
         t0 = time.monotonic()
-        got_error = None
-        partial = b""  # what a short read returned before an error
-        try:
-            fd = os.open(os.path.join(mnt, rel), os.O_RDONLY | (os.O_DIRECT if direct else 0))
-        except OSError as exc:
-            got_error = exc
-        else:
-            try:
-                if whole:
-                    parts = []
-                    while True:
-                        block = os.read(fd, MiB)
-                        if not block:
-                            break
-                        parts.append(block)
-                    got, off, n = b"".join(parts), 0, size + 1
-                else:
-                    got = os.pread(fd, n, off)
-                    # A short read before EOF is legal (POSIX): when a daemon goes away in
-                    # the middle of a request the kernel returns what it had. Read on, as any
-                    # careful reader does: the next read reports the error.
-                    if 0 < len(got) < min(n, max(0, size - off)):
-                        out["short_reads"] += 1
-                        if len(out["short_samples"]) < 5:
-                            out["short_samples"].append([rel, size, off, n, len(got), direct])
-                        partial = got
-                        while len(got) < min(n, max(0, size - off)):
-                            more = os.pread(fd, n - len(got), off + len(got))
-                            if not more:
-                                break
-                            got += more
-                if not direct:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            except OSError as exc:
-                got_error = exc
-            finally:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        got, off, n, got_error, partial = _reader_read(os.path.join(mnt, rel), rel, size, off,
+                                                       n, direct, whole, out)
         out["max_latency"] = max(out["max_latency"], time.monotonic() - t0)
         out["ops"] += 1
         if got_error is not None:
@@ -888,6 +860,51 @@ def reader_main(spec_json: str) -> None:
     out["eio_files"] = sorted(eio_files)
     out["after_marker_ok_files"] = len(ok_after)
     print(_json.dumps(out))
+
+
+def _reader_read(path: str, rel: str, size: int, off: int, n: int, direct: bool,
+                 whole: bool, out: dict):
+    """One read of :func:`reader_main`: (bytes, offset, length, OSError or None, the bytes a
+    short read returned before an error)."""
+    got, got_error, partial = b"", None, b""
+    try:
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    except OSError as exc:
+        return got, off, n, exc, partial
+    try:
+        if whole:
+            parts = []
+            while True:
+                block = os.read(fd, MiB)
+                if not block:
+                    break
+                parts.append(block)
+            got, off, n = b"".join(parts), 0, size + 1
+        else:
+            got = os.pread(fd, n, off)
+            # A short read before EOF is legal (POSIX): when a daemon goes away in the
+            # middle of a request the kernel returns what it had. Read on, as any careful
+            # reader does: the next read reports the error.
+            if 0 < len(got) < min(n, max(0, size - off)):
+                out["short_reads"] += 1
+                if len(out["short_samples"]) < 5:
+                    out["short_samples"].append([rel, size, off, n, len(got), direct])
+                partial = got
+                while len(got) < min(n, max(0, size - off)):
+                    more = os.pread(fd, n - len(got), off + len(got))
+                    if not more:
+                        break
+                    got += more
+        if not direct:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError as exc:
+        got_error = exc
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    return got, off, n, got_error, partial
 
 
 def start_readers(n: int, mounts_for, src, sizes: dict[str, int], seconds: float,

@@ -142,12 +142,6 @@ def test_no_module_outgrows_its_job():
 
 #: A function that does one thing reads in one screen; a longer one is split at its seams.
 MAX_FUNCTION_LINES = 80
-#: Functions over the limit that wait for their file to be free of other work in flight
-#: ("path:name"); each is split when that work lands. Keep this empty otherwise.
-LONG_FOR_NOW = frozenset({
-    "tests/helpers.py:make_special_tree",  # tests/helpers.py: the test-isolation work (#36)
-    "tests/helpers.py:reader_main",
-})
 
 
 def python_files() -> list[Path]:
@@ -172,7 +166,7 @@ def test_no_function_outgrows_a_screen():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lines = node.end_lineno - node.lineno + 1
-                if lines > MAX_FUNCTION_LINES and f"{rel}:{node.name}" not in LONG_FOR_NOW:
+                if lines > MAX_FUNCTION_LINES:
                     long.append(f"{rel}:{node.lineno} {node.name} ({lines} lines)")
     assert long == []
 
