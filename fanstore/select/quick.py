@@ -3,8 +3,8 @@
 ``fanstore pack SRC DEST`` without ``--codec`` runs this instead of the full selector: a
 small seeded sample (:data:`SAMPLE_MB`, stratified by kind as :mod:`.sample` draws it), a
 short list of candidates per kind, each encoding the kind's whole sample. The rule, from
-the capacity study (``tools/bench/capacity_study.py``, docs/selection.md "The default of
-pack"):
+the capacity study (docs/selection.md "The default of pack"; the script is retired, its
+command and results are in docs/benchmarks.md, "Retired studies"):
 
     per kind, the best ratio among the candidates (the dictionary charged to its kind);
     ratios within 1% are a tie, won by the candidate earlier in :data:`READ_COST_ORDER`
