@@ -68,6 +68,20 @@ def pid_alive(pid: int | None) -> bool:
         return False
 
 
+def started_at(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch, to the clock tick), or None.
+    A pid is reused once the machine wraps its pid counter (32768 by default): a process
+    that started after a record naming its pid was written is not the one it names."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            ticks = int(f.read().rpartition(b")")[2].split()[19])
+        with open("/proc/stat", "rb") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def descendants(pid: int) -> list[int]:
     """``pid`` and every live process below it (a mount's daemon, its frontend process and
     workers), from ``/proc/PID/task/TID/children``."""

@@ -236,9 +236,8 @@ _SHARED_NAME = re.compile(r"fanstore-(\d+)-(\d+)-[0-9a-f]{16}\.\w+\Z")
 def sweep_shared(keep: set[str] | None = None) -> list[str]:
     """Remove this uid's shared-memory files whose daemon is gone (SIGKILLed daemons leave
     them behind); returns the paths removed. Only regular files owned by this uid with our
-    naming pattern are touched, never through a symlink."""
-    from fanstore.process import pid_alive
-
+    naming pattern are touched, never through a symlink. A pid in a name that a process
+    started after the file was written is not its daemon (pids are reused)."""
     shm = _shm_dir()
     if shm is None:
         return []
@@ -250,7 +249,7 @@ def sweep_shared(keep: set[str] | None = None) -> list[str]:
         return []
     for name in names:
         m = _SHARED_NAME.match(name)
-        if m is None or int(m.group(1)) != uid or pid_alive(int(m.group(2))):
+        if m is None or int(m.group(1)) != uid:
             continue
         path = os.path.join(shm, name)
         if keep and path in keep:
@@ -258,6 +257,8 @@ def sweep_shared(keep: set[str] | None = None) -> list[str]:
         try:
             st = os.lstat(path)
         except OSError:
+            continue
+        if _still_running({"pid": int(m.group(2)), "updated": st.st_mtime}):
             continue
         if stat.S_ISREG(st.st_mode) and st.st_uid == uid:
             _unlink(path)
@@ -283,8 +284,6 @@ def sweep_dead() -> list[str]:
 
 
 def _sweep_mount_dirs(root: str) -> list[str]:
-    from fanstore.process import pid_alive
-
     try:
         safeio.private_dir(root, create=False)
         names = os.listdir(root)
@@ -303,11 +302,26 @@ def _sweep_mount_dirs(root: str) -> list[str]:
                 continue
             if young:
                 continue
-        elif pid_alive(state.get("pid")):
+        elif _still_running(state):
             continue
         if _remove_mount_dir(path):
             removed.append(path)
     return removed
+
+
+def _still_running(state: dict[str, Any]) -> bool:
+    """Whether the daemon a state names is alive: its pid runs a process that started
+    before the state was last written (a later one reuses a dead daemon's pid; btime's
+    one-second resolution is allowed for)."""
+    from fanstore.process import pid_alive, started_at
+
+    pid = state.get("pid")
+    if not isinstance(pid, int) or not pid_alive(pid):
+        return False
+    start, updated = started_at(pid), state.get("updated")
+    if start is None or not isinstance(updated, (int, float)):
+        return True  # cannot tell: leave it
+    return start <= updated + 1.0
 
 
 def _remove_mount_dir(path: str) -> bool:

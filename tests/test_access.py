@@ -564,8 +564,8 @@ def _dead_pid() -> int:
 
 def test_a_sweep_removes_only_gone_daemons_runtime_directories(tmp_path, monkeypatch):
     """What a later mount or umount sweeps (fanstore.runtime.sweep_dead): the directory of
-    a daemon that is gone (killed, or failed and kept for ``fanstore wait``), and one with
-    no state that is older than a start-up; never a live daemon's, a young one, a name
+    a daemon that is gone (killed, or failed and kept for ``fanstore wait``, or whose pid
+    a later process has), and one with no state that is older than a start-up; never a live daemon's, a young one, a name
     that is not a mount's, or anything through a symlink."""
     from fanstore import runtime
 
@@ -589,7 +589,9 @@ def test_a_sweep_removes_only_gone_daemons_runtime_directories(tmp_path, monkeyp
     killed = mount_dir("0" * 16, {"pid": dead, "phase": "ready"})
     failed = mount_dir("1" * 16, {"pid": dead, "phase": "failed", "error": "x"})
     old = mount_dir("2" * 16, age=3600)
-    live = mount_dir("3" * 16, {"pid": os.getpid(), "phase": "ready"})
+    live = mount_dir("3" * 16, {"pid": os.getpid(), "phase": "ready", "updated": time.time()})
+    # a dead daemon's pid reused by a process that started after its state was written
+    reused = mount_dir("6" * 16, {"pid": os.getpid(), "phase": "ready", "updated": 1e9})
     young = mount_dir("4" * 16)
     other = mount_dir("not-a-mount", {"pid": dead})
     target = tmp_path / "target"
@@ -598,8 +600,8 @@ def test_a_sweep_removes_only_gone_daemons_runtime_directories(tmp_path, monkeyp
     (root / ("5" * 16)).symlink_to(target)
 
     removed = runtime.sweep_dead()
-    assert sorted(removed) == sorted(str(d) for d in (killed, failed, old))
-    assert not any(d.exists() for d in (killed, failed, old))
+    assert sorted(removed) == sorted(str(d) for d in (killed, failed, old, reused))
+    assert not any(d.exists() for d in (killed, failed, old, reused))
     assert all(d.is_dir() for d in (live, young, other))
     assert (target / "state.json").exists() and (root / ("5" * 16)).is_symlink()
 
