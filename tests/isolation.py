@@ -114,7 +114,17 @@ class Snapshot:
     @classmethod
     def take(cls, state: ModuleState, base: str) -> Snapshot:
         return cls(_mounts(base), _processes(state.root), _entries(str(state.root)),
-                   _entries(state.shm_dir, f"fanstore-{os.geteuid()}-"))
+                   _copies(state))
+
+
+def _copies(state: ModuleState) -> set[str]:
+    """This uid's index copies in the module's own directory. None are checked for a module
+    that keeps the machine's /dev/shm (``OWN_SHM = False``): another process of the suite
+    may run the same module on the other frontend at the same time, and its files there are
+    not this test's (they were once taken for this test's and removed under it)."""
+    if state.shm is None:
+        return set()
+    return _entries(state.shm_dir, f"fanstore-{os.geteuid()}-")
 
 
 def leftovers(before: Snapshot, state: ModuleState, base: str) -> list[str]:
@@ -142,7 +152,7 @@ def leftovers(before: Snapshot, state: ModuleState, base: str) -> list[str]:
         found.append(f"runtime directory {state.root / name} "
                      f"({', '.join(sorted(_entries(str(state.root / name))))})")
         shutil.rmtree(state.root / name, ignore_errors=True)
-    for name in sorted(_entries(state.shm_dir, f"fanstore-{os.geteuid()}-") - before.copies):
+    for name in sorted(_copies(state) - before.copies):
         found.append(f"index copy {state.shm_dir}/{name}")
         try:
             os.unlink(os.path.join(state.shm_dir, name))

@@ -42,7 +42,8 @@ from second_user import fuse_device_for_all, reachable_for_others, shared_test_d
 pytestmark = pytest.mark.fuse
 
 #: the index copies stay in the machine's /dev/shm: these tests are about that directory
-#: (another user's files there), not a directory of the suite's own (conftest)
+#: (another user's files there), not a directory of the suite's own (conftest); the leak
+#: check leaves index copies there to these tests, which assert their own
 OWN_SHM = False
 
 ROOT = os.geteuid() == 0
