@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from helpers import lazy_unmount, signal_ours
 
 #: names of the processes a FanStore mount runs (the daemon, its frontend and workers carry
 #: the ``fanstore`` command line they were forked from; MPI jobs add hydra's)
@@ -142,10 +145,10 @@ def leftovers(before: Snapshot, state: ModuleState, base: str) -> list[str]:
     for pid in sorted(alive):
         found.append(f"process {pid} ({_cmdline(pid)}) still alive {EXIT_DEADLINE:g} s "
                      "after the test")
-        _kill(pid)
+        signal_ours(pid, signal.SIGKILL)
     for mnt in sorted(_mounts(base) - before.mounts):
         found.append(f"FUSE mount {mnt}")
-        _lazy_unmount(mnt)
+        lazy_unmount(mnt)
     settings.reset()
     runtime.sweep_dead()
     for name in sorted(_entries(str(state.root)) - before.runtime_dirs):
@@ -167,18 +170,3 @@ def _cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
     except OSError:
         return "?"
-
-
-def _kill(pid: int) -> None:
-    import signal
-
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except OSError:
-        pass
-
-
-def _lazy_unmount(mnt: str) -> None:
-    import subprocess
-
-    subprocess.run(["fusermount3", "-u", "-z", mnt], capture_output=True, timeout=30)
