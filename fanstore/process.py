@@ -7,6 +7,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import signal
+import subprocess
 import sys
 from typing import Callable
 
@@ -112,6 +114,52 @@ def cpu_seconds(pids: list[int]) -> float:
             continue
         total += int(rest[11]) + int(rest[12])  # utime, stime (fields 14 and 15)
     return total / _CLK_TCK
+
+
+#: prctl(2) option: the signal a process gets when its parent thread ends.
+_PR_SET_PDEATHSIG = 1
+#: The environment variable a spawned worker finds its parent's pid in.
+_PARENT_ENV = "FANSTORE_WORKER_PARENT"
+
+
+def spawn_worker(module: str, fds: list[int], args: list = ()) -> subprocess.Popen:
+    """Start ``python -m module FD... ARG...``: a fresh interpreter that inherits only
+    ``fds`` (their numbers are its first arguments).
+
+    The child is created by fork-and-exec in C (``subprocess``: vfork where it can), which
+    is safe from a process with threads, unlike ``os.fork`` or multiprocessing's fork and
+    forkserver start methods: a fork copies a lock some other thread holds (in malloc, in
+    a codec, in the logging module, in s3fs' event loop) and the child blocks on it
+    forever. Nothing of the parent's ``__main__`` is run again (as multiprocessing's
+    spawn would). The child calls :func:`become_worker` first. Standard input is
+    /dev/null; output goes where ours goes."""
+    env = dict(os.environ)
+    env[_PARENT_ENV] = str(os.getpid())
+    argv = [sys.executable, "-m", module, *map(str, fds), *map(str, args)]
+    return subprocess.Popen(argv, pass_fds=fds,
+                            stdin=subprocess.DEVNULL, close_fds=True, env=env)
+
+
+def become_worker() -> None:
+    """The first call of a worker started by :func:`spawn_worker`: die with the parent
+    (``PR_SET_PDEATHSIG``: SIGKILL of the parent ends the worker at once, whatever it is
+    doing; a parent already gone before the call is caught by the pid check after it),
+    leave ^C to the parent, and keep codec libraries to one thread (the parent runs one
+    worker per core)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the command pipe's EOF ends the worker
+        pass
+    parent = os.environ.pop(_PARENT_ENV, "")
+    if parent.isdigit() and os.getppid() != int(parent):
+        os._exit(1)  # the parent died before the death signal was armed
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import blosc2
+
+        blosc2.set_nthreads(1)
+    except Exception:  # noqa: BLE001 - blosc2 is optional
+        pass
 
 
 def setup_logging(debug: bool = False, stream=None, fmt: str | None = None) -> None:

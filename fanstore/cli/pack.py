@@ -136,11 +136,15 @@ def cmd_pack(args) -> int:
         if summary is None:
             return 0
     elif kind == "directory" and not storage.is_url(args.dest):
-        from fanstore.pack.write import check_arguments
+        from fanstore.pack.pool import WorkerPool
+        from fanstore.pack.write import check_arguments, pack_workers
 
         check_arguments(args.src, args.dest, options)  # before a selection takes seconds
-        policy = make_policy()
-        summary = pack(args.src, args.dest, policy, options, scan=scanned.get("scan"))
+        with WorkerPool(pack_workers(options)) as pool:
+            pool.start()  # the workers' interpreters start while this one selects
+            policy = make_policy()
+            summary = pack(args.src, args.dest, policy, options, scan=scanned.get("scan"),
+                           pool=pool)
     else:
         summary = pack_any(args.src, args.dest, make_policy(), options)
     for line in summary.lines():

@@ -13,25 +13,25 @@ pack of the same tree.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import shutil
-import struct
 from typing import Any, Callable
-
-import numpy as np
 
 from fanstore.daemon.world import World
 from fanstore.errors import FanStoreError, PackError
 from fanstore.pack.options import PackOptions, PackSummary
-from fanstore.pack.worker import PartResult, PartTask, run_tasks
-from fanstore.pack.write import finish, prepare
+from fanstore.pack.pool import WorkerPool
+from fanstore.pack.wire import decode_results, decode_tasks, encode_results, encode_tasks
+from fanstore.pack.worker import PartResult, run_tasks
+from fanstore.pack.write import finish, pack_workers, prepare
 
 log = logging.getLogger(__name__)
 
-_LEN = struct.Struct("<Q")
-_RESULT_ARRAYS = ("entries", "file_sums", "chunk_counts", "chunk_firsts", "data_offsets")
+#: Seconds MPI_Init may take (every rank of the job must start); the plan and the
+#: compression then take as long as the data needs: a rank that is lost ends the job
+#: through its launcher (hydra ends every rank at once; under Slurm, srun
+#: --kill-on-bad-exit, docs/slurm.md).
+START_TIMEOUT = 120.0
 
 
 class QuietPackError(FanStoreError):
@@ -40,83 +40,17 @@ class QuietPackError(FanStoreError):
     quiet = True
 
 
-def encode_tasks(tasks: list[PartTask]) -> bytes:
-    doc = {
-        "codecs": tasks[0].codecs if tasks else [],
-        "tasks": [
-            {"number": t.number, "path": t.path, "chunk_size": t.chunk_size,
-             "files": [[e, os.fsdecode(p), size, slot, solid, group]
-                       for e, p, size, slot, solid, group in t.files]}
-            for t in tasks
-        ],
-    }
-    return json.dumps(doc).encode()
-
-
-def decode_tasks(data: bytes) -> list[PartTask]:
-    doc = json.loads(data)
-    codecs = doc["codecs"]
-    return [
-        PartTask(t["number"], t["path"],
-                  [(e, os.fsencode(p), size, slot, solid, group)
-                   for e, p, size, slot, solid, group in t["files"]],
-                  codecs, t["chunk_size"])
-        for t in doc["tasks"]
-    ]
-
-
-def encode_results(results: list[PartResult]) -> bytes:
-    out = bytearray()
-    for r in results:
-        arrays: list[tuple[str, np.ndarray]] = []
-        if r.error is None:
-            arrays = [(name, getattr(r, name)) for name in _RESULT_ARRAYS]
-            arrays += [("c_" + name, arr) for name, arr in r.chunks.items()]
-        header = {
-            "number": r.number, "size": r.size, "checksum": r.checksum,
-            "raw_bytes": r.raw_bytes, "error": r.error,
-            "arrays": [[name, arr.dtype.str, int(arr.shape[0])] for name, arr in arrays],
-        }
-        head = json.dumps(header).encode()
-        out += _LEN.pack(len(head)) + head
-        for _name, arr in arrays:
-            out += np.ascontiguousarray(arr).tobytes()
-    return bytes(out)
-
-
-def decode_results(data: bytes) -> list[PartResult]:
-    results = []
-    pos = 0
-    view = memoryview(data)
-    while pos < len(data):
-        (n,) = _LEN.unpack_from(data, pos)
-        pos += _LEN.size
-        header = json.loads(bytes(view[pos : pos + n]))
-        pos += n
-        r = PartResult(header["number"], header["size"], header["checksum"])
-        r.raw_bytes = header["raw_bytes"]
-        r.error = header["error"]
-        chunks: dict[str, np.ndarray] = {}
-        for name, dtype, count in header["arrays"]:
-            nbytes = np.dtype(dtype).itemsize * count
-            arr = np.frombuffer(bytes(view[pos : pos + nbytes]), dtype=dtype, count=count)
-            pos += nbytes
-            if name.startswith("c_"):
-                chunks[name[2:]] = arr
-            else:
-                setattr(r, name, arr)
-        if r.error is None:
-            r.chunks = chunks
-        results.append(r)
-    return results
-
-
 def pack_mpi(src: str, dest: str, policy_factory: Callable[[], Any], options: PackOptions,
              world: World | None = None) -> PackSummary | None:
     """Pack with every rank of the job; returns the summary on rank 0, None elsewhere."""
     if world is not None:
         return _pack_ranks(src, dest, policy_factory, options, world)
-    world = World.from_mpi(ranks_per_node=1)  # every rank packs: each a node of its own
+    from fanstore.daemon import launcher
+
+    # every rank packs: each a node of its own
+    world = World.from_mpi(ranks_per_node=1, timeout=START_TIMEOUT,
+                           alive=launcher.launcher_alive)
+    world.timeout = None  # (see START_TIMEOUT)
     try:
         summary = _pack_ranks(src, dest, policy_factory, options, world)
     except FanStoreError:  # reported to every rank through the same collectives
@@ -128,12 +62,19 @@ def pack_mpi(src: str, dest: str, policy_factory: Callable[[], Any], options: Pa
 
 def _pack_ranks(src: str, dest: str, policy_factory: Callable[[], Any], options: PackOptions,
                 world: World) -> PackSummary | None:
+    with WorkerPool(pack_workers(options)) as pool:
+        pool.start()  # the workers start while rank 0 plans
+        return _pack_share(src, dest, policy_factory, options, world, pool)
+
+
+def _pack_share(src: str, dest: str, policy_factory: Callable[[], Any], options: PackOptions,
+                world: World, pool: WorkerPool) -> PackSummary | None:
     rank, size = world.rank, world.size
     plan = None
     error = ""
     if rank == 0:
         try:
-            plan = prepare(src, dest, policy_factory(), options)
+            plan = prepare(src, dest, policy_factory(), options, pool=pool)
             payload = encode_tasks(plan.tasks)
         except FanStoreError as exc:
             error = str(exc)
@@ -148,7 +89,7 @@ def _pack_ranks(src: str, dest: str, policy_factory: Callable[[], Any], options:
     tasks = decode_tasks(payload)
     mine = [t for t in tasks if t.number % size == rank]
     try:
-        results = run_tasks(mine, options, sum(f[2] for t in mine for f in t.files))
+        results = run_tasks(mine, options, sum(f[2] for t in mine for f in t.files), pool)
     except FanStoreError as exc:
         results = [PartResult(t.number, error=f"rank {rank}: {exc}") for t in mine]
     gathered = world.gather_bytes(encode_results(results))

@@ -19,10 +19,11 @@ How a duplicate is found, reading as little as it can:
    dataset may come from anyone), the bytes are. A file that turns out different starts a
    copy of its own.
 
-The digests of step 2 are computed by ``jobs`` processes, each reading its share of the
-files: on a tree of small files nearly every file has a namesake in size, so this pass
-reads the whole tree once (the pack's own reads then find it in the page cache); one
-process reading 60,000 cold files one after the other took 10 of a 22-second pack.
+The digests of step 2 are computed by the pack's worker processes (``fanstore.pack.pool``),
+each reading its share of the files: on a tree of small files nearly every file has a
+namesake in size, so this pass reads the whole tree once (the pack's own reads then find it
+in the page cache); one process reading 60,000 cold files one after the other took 10 of a
+22-second pack.
 
 The first copy is the file earliest in scan order (the smallest entry number): the choice
 does not depend on ``--jobs``, timing or which worker packs what, so a pack stays
@@ -32,14 +33,18 @@ packs it reports the error).
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import xxhash
 
+from fanstore.pack import wire
 from fanstore.pack.scan import ScanEntry
+
+if TYPE_CHECKING:
+    from fanstore.pack.pool import WorkerPool
 
 #: Bytes of a file hashed first: files whose heads differ are never read further.
 HEAD = 64 << 10
@@ -61,10 +66,10 @@ class Duplicates:
 
 
 def find_duplicates(root: bytes, entries: Sequence[ScanEntry], files: Iterable[int],
-                    classes: Iterable[int], jobs: int = 1) -> Duplicates:
+                    classes: Iterable[int], pool: WorkerPool | None = None) -> Duplicates:
     """The duplicates among ``files`` (entry numbers; ``classes``: one key per file, only
-    files of one class are compared) of the tree scanned at ``root``, hashed by ``jobs``
-    processes."""
+    files of one class are compared) of the tree scanned at ``root``, hashed by the
+    workers of ``pool`` (None: in this process)."""
     by_size: dict[tuple[int, int], list[int]] = {}
     for entry, cls in zip(files, classes):
         size = entries[entry].size
@@ -72,11 +77,11 @@ def find_duplicates(root: bytes, entries: Sequence[ScanEntry], files: Iterable[i
             by_size.setdefault((cls, size), []).append(entry)
     groups = [(key, sorted(g)) for key, g in sorted(by_size.items()) if len(g) > 1]
     paths = {e: os.path.join(root, entries[e].rel) for _, g in groups for e in g}
-    heads = _digests(paths, [e for _, g in groups for e in g], HEAD, jobs)
+    heads = _digests(paths, [e for _, g in groups for e in g], HEAD, pool)
     same = [(size, g) for (_, size), group in groups for g in _grouped(group, heads)]
     # Files larger than the head whose heads agree: their whole content decides.
     rest = [e for size, g in same if size > HEAD for e in g]
-    wholes = _digests(paths, rest, None, jobs)
+    wholes = _digests(paths, rest, None, pool)
     found = Duplicates()
     for size, group in same:
         for candidates in (_grouped(group, wholes) if size > HEAD else [group]):
@@ -98,22 +103,26 @@ def _grouped(group: list[int], digests: dict[int, bytes | None]) -> list[list[in
 
 
 def _digests(paths: dict[int, bytes], todo: list[int], limit: int | None,
-             jobs: int) -> dict[int, bytes | None]:
-    """The digest (:func:`_digest`) of each entry of ``todo``, by ``jobs`` processes reading
-    contiguous shares of it."""
+             pool: WorkerPool | None) -> dict[int, bytes | None]:
+    """The digest (:func:`_digest`) of each entry of ``todo``, by the workers of ``pool``
+    reading contiguous shares of it."""
     if not todo:
         return {}
     names = [paths[e] for e in todo]
-    if jobs <= 1 or len(todo) < POOL_FROM:
-        return dict(zip(todo, _digest_all(names, limit)))
-    step = -(-len(names) // (4 * jobs))  # a few shares per process: they finish together
-    shares = [(names[i:i + step], limit) for i in range(0, len(names), step)]
-    with mp.get_context("fork").Pool(jobs) as pool:
-        out = [d for part in pool.starmap(_digest_all, shares) for d in part]
+    if pool is None or pool.jobs <= 1 or len(todo) < POOL_FROM:
+        return dict(zip(todo, digest_all(names, limit)))
+    from fanstore.pack.pool import DIGEST
+
+    step = -(-len(names) // (4 * pool.jobs))  # a few shares per worker: they end together
+    shares = [names[i:i + step] for i in range(0, len(names), step)]
+    bodies = pool.run(DIGEST, [wire.encode_paths(share, limit) for share in shares],
+                      [f"reading files to find duplicates (e.g. {os.fsdecode(share[0])})"
+                       for share in shares])
+    out = [d for body in bodies for d in wire.decode_digests(body)]
     return dict(zip(todo, out))
 
 
-def _digest_all(names: list[bytes], limit: int | None) -> list[bytes | None]:
+def digest_all(names: list[bytes], limit: int | None) -> list[bytes | None]:
     return [_digest(p, limit) for p in names]
 
 

@@ -7,8 +7,8 @@ Python around the codecs would otherwise hold the GIL the reader needs.
 
 Bytes never travel through a pipe:
 
-- **One ring of shared memory** (an anonymous shared ``mmap`` made before the workers are
-  forked). The packer reserves a contiguous region for each chunk (``reserve``), reads
+- **One ring of shared memory** (a ``memfd`` that every worker maps: the workers are
+  fresh interpreters, started by fork-and-exec, which is safe from this threaded process). The packer reserves a contiguous region for each chunk (``reserve``), reads
   the chunk's bytes straight into it, and submits it. Regions are handed out and given
   back in order (FIFO), so the ring needs only a head and a tail.
 - **A worker compresses in place**: it hashes the region, compresses it, and when the
@@ -25,20 +25,22 @@ submitted, whatever worker did them and whenever it finished; the ring is freed 
 it. Writing thus overlaps reading the source. A chunk of codec slot 0 ("none") is only
 hashed by its worker.
 
-Workers are forked before the packer starts any thread and run only this module's loop
-(codecs, xxhash, the ring, two pipes); they ignore SIGINT (the packer handles ^C), end
-when their command pipe closes, and are killed by ``close`` if they do not.
+Workers run only this module's loop (``python -m fanstore.pack.encoders``: codecs,
+xxhash, the ring, two pipes); they ignore SIGINT (the packer handles ^C), die with the
+packer (a death signal), end when their command pipe closes, and are killed by ``close``
+if they do not. A worker that dies closes its result pipe: the collector raises at once,
+naming it and the signal that ended it.
 """
 
 from __future__ import annotations
 
 import json
 import mmap
-import multiprocessing as mp
 import os
 import select
-import signal
 import struct
+import subprocess
+import sys
 import threading
 from collections import deque
 from typing import Any, Callable
@@ -47,6 +49,8 @@ import xxhash
 
 from compressors import CodecError, DeclinedError, get_codec
 from fanstore.errors import PackError
+from fanstore.pack.pool import death_message
+from fanstore.process import become_worker, spawn_worker
 
 # packer -> worker: kind, slot, n, pos
 _CMD = struct.Struct("<BxHIQ")
@@ -59,22 +63,9 @@ _DONE, _ERROR = 1, 2
 MAX_QUEUED = 1024
 
 
-def _worker_main(ring: mmap.mmap, cmd_fd: int, res_fd: int, close_fds: list[int],
-                 configs: dict[int, dict[str, Any]]) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the packer handles ^C and ends us
-    for fd in close_fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    try:
-        import blosc2
-
-        blosc2.set_nthreads(1)
-    except Exception:  # noqa: BLE001 - optional
-        pass
+def _worker_main(ring: mmap.mmap, cmd_fd: int, res_fd: int) -> None:
     view = memoryview(ring)
-    codecs = {slot: get_codec(cfg) for slot, cfg in configs.items()}
+    codecs: dict[int, Any] = {}
     pending = b""
     out = bytearray()
     hash64 = xxhash.xxh3_64_intdigest
@@ -136,19 +127,21 @@ def _write_all(fd: int, data) -> None:
         view = view[os.write(fd, view):]
 
 
-def _run_worker(ring, cmd_fd, res_fd, close_fds, configs) -> None:
-    """A worker process's body (forked): the loop, then exit without the parent's
-    clean-up (atexit handlers, buffered files, finalizers are the parent's)."""
-    code = 0
+def _run_worker(argv: list[str]) -> int:
+    """A worker process's body: ``python -m fanstore.pack.encoders CMD RES RING SIZE``."""
+    become_worker()
+    cmd_fd, res_fd, ring_fd, size = (int(a) for a in argv)
     try:
-        _worker_main(ring, cmd_fd, res_fd, close_fds, configs)
+        ring = mmap.mmap(ring_fd, size)
+        os.close(ring_fd)
+        _worker_main(ring, cmd_fd, res_fd)
     except BaseException as exc:  # noqa: BLE001 - reported to the packer, then exit
         try:
             _send_error(res_fd, bytearray(), f"{type(exc).__name__}: {exc}")
         except OSError:
             pass
-        code = 1
-    os._exit(code)
+        return 1
+    return 0
 
 
 class _Worker:
@@ -201,7 +194,9 @@ class EncoderPool:
         self.label = label  # what messages name (the source)
         self.size = ring_size
         self.sink = sink
-        self.ring = mmap.mmap(-1, ring_size)
+        self._ring_fd = os.memfd_create("fanstore-pack-ring", os.MFD_CLOEXEC)
+        os.ftruncate(self._ring_fd, ring_size)
+        self.ring = mmap.mmap(self._ring_fd, ring_size)
         self.view = memoryview(self.ring)
         self.head = 0  # next free byte (absolute; the packer's thread)
         self.tail = 0  # first byte still in use (absolute; the collector)
@@ -219,26 +214,25 @@ class EncoderPool:
 
     # ------------------------------------------------------------------ life cycle
     def start(self, configs: dict[int, dict[str, Any]]) -> None:
-        """Fork the workers, knowing the codecs of ``configs`` (slot -> config), then
-        start the collector thread."""
-        self.configs = dict(configs)
-        ctx = mp.get_context("fork")  # before our threads exist: the collector starts after
-        pipes = [(os.pipe(), os.pipe()) for _ in range(self.jobs)]
-        every = [fd for (a, b) in pipes for fd in (*a, *b)]
-        try:
-            for k, ((cr, cw), (rr, rw)) in enumerate(pipes):
-                others = [fd for fd in every if fd not in (cr, rw)]
-                proc = ctx.Process(target=_run_worker, name=f"fanstore-pack-encode-{k}",
-                                   args=(self.ring, cr, rw, others, self.configs),
-                                   daemon=True)
-                proc.start()
-                self.workers.append(_Worker(k, proc, cw, rr))
-        finally:
-            started = {fd for w in self.workers for fd in (w.cmd, w.res)}
-            for (cr, cw), (rr, rw) in pipes:
-                for fd in (cr, rw, cw, rr):
-                    if fd not in started:
-                        os.close(fd)
+        """Start the workers, telling them the codecs of ``configs`` (slot -> config),
+        then the collector thread."""
+        for k in range(self.jobs):
+            cmd_r, cmd_w = os.pipe()
+            res_r, res_w = os.pipe()
+            try:
+                proc = spawn_worker("fanstore.pack.encoders", [cmd_r, res_w, self._ring_fd],
+                                    args=[self.size])
+            except BaseException:
+                for fd in (cmd_r, cmd_w, res_r, res_w):
+                    os.close(fd)
+                raise
+            os.close(cmd_r)
+            os.close(res_w)
+            self.workers.append(_Worker(k, proc, cmd_w, res_r))
+        os.close(self._ring_fd)  # the workers have their own
+        self._ring_fd = -1
+        for slot, config in sorted(configs.items()):
+            self.add_codec(slot, config)
         for w in self.workers:
             self._poll.register(w.res, select.POLLIN)
             self._by_fd[w.res] = w
@@ -271,11 +265,15 @@ class EncoderPool:
             except OSError:
                 pass
         for w in self.workers:
-            w.proc.join(timeout=10)
-            if w.proc.is_alive():
+            try:
+                w.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
                 w.proc.kill()
-                w.proc.join()
+                w.proc.wait()
             os.close(w.res)
+        if self._ring_fd >= 0:
+            os.close(self._ring_fd)
+            self._ring_fd = -1
         self.workers = []
         for fd in (self._wake_r, self._wake_w):
             if fd >= 0:
@@ -396,8 +394,18 @@ class EncoderPool:
         del buf[:i]
 
     def _gone(self, w: _Worker) -> PackError:
-        w.proc.join(timeout=5)
-        code = w.proc.exitcode
-        how = f"was killed by signal {-code}" if code is not None and code < 0 else \
-            f"exited with status {code}"
-        return PackError(f"compression worker {w.number} {how} (out of memory?)")
+        try:
+            code = w.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # closed its pipe but lives on: end it
+            w.proc.kill()
+            code = w.proc.wait()
+        what = f"compressing {self.label}" if self.label else None
+        return PackError(death_message(f"compression worker {w.number} (pid {w.proc.pid})",
+                                       code, what))
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(_run_worker(sys.argv[1:]))
+    except (BrokenPipeError, KeyboardInterrupt):
+        os._exit(1)

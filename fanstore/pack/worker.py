@@ -6,21 +6,16 @@ them), appends to its partition file and returns only the chunk rows (a
 :class:`PartResult`). Nothing bulky crosses the process boundary. Files for solid blocks
 are appended to an open block per (codec, block size, kind) and the block is compressed as
 one chunk when the next file would not fit (format v2). :func:`run_tasks` runs the tasks on
-a pool (``--jobs``) with a progress bar on a terminal; an MPI pack runs each rank's share
-the same way (``fanstore.daemon.mpipack``).
+worker processes (``fanstore.pack.pool``, ``--jobs``) with a progress bar on a terminal;
+an MPI pack runs each rank's share the same way (``fanstore.daemon.mpipack``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import multiprocessing as mp
 import os
-import signal
 import sys
-import time
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import xxhash
@@ -28,50 +23,12 @@ import xxhash
 from compressors import CodecError, DeclinedError, get_codec
 from fanstore.errors import FanStoreError, PackError
 from fanstore.format.partition import PartitionWriter
+from fanstore.pack import wire
 from fanstore.pack.access import PRIVATE_FILE_MODE
 from fanstore.pack.options import PackOptions
+from fanstore.pack.pool import PART, WorkerPool
+from fanstore.pack.wire import PartResult, PartTask
 from fanstore.pack.scan import show
-
-# Set in each worker by the pool initializer.
-_progress: Any = None
-
-
-def _init_worker(progress) -> None:
-    global _progress
-    _progress = progress
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles ^C and terminates us
-    with contextlib.suppress(Exception):  # blosc2 is optional
-        import blosc2
-
-        blosc2.set_nthreads(1)
-
-
-@dataclass
-class PartTask:
-    number: int
-    path: str
-    #: (entry, abs path, size, codec slot, solid block size or 0, block group). Files with a
-    #: block size go into solid blocks: one open block per (slot, block size, group), where
-    #: the group is the file's kind (similar files compress best together).
-    files: list[tuple[int, bytes, int, int, int, int]]
-    codecs: list[dict[str, Any]]  # codec table (slot -> config); slot 0 is "none"
-    chunk_size: int
-
-
-@dataclass
-class PartResult:
-    number: int
-    size: int = 0
-    checksum: str = ""
-    entries: np.ndarray | None = None  # entry id per file, in partition order
-    file_sums: np.ndarray | None = None
-    chunk_counts: np.ndarray | None = None
-    chunk_firsts: np.ndarray | None = None  # first chunk of each file (partition-relative)
-    data_offsets: np.ndarray | None = None  # offset in the first chunk (solid blocks)
-    chunks: dict[str, np.ndarray] | None = None
-    raw_bytes: int = 0
-    error: str | None = None
-
 
 class _WriteError(OSError):
     """An OSError from writing a partition (reported as such, not as a source read error)."""
@@ -117,17 +74,13 @@ class _Rows:
         return row
 
 
-def _progress_add(n: int) -> None:
-    if _progress is not None:
-        with _progress.get_lock():
-            _progress.value += n
-
-
-def _pack_partition(task: PartTask) -> PartResult:
+def pack_partition(task: PartTask, progress: Callable[[int], None] = lambda n: None
+                   ) -> PartResult:
+    """Pack one partition (in a worker process); ``progress(n)``: n more bytes packed."""
     codecs = [get_codec(cfg) for cfg in task.codecs]
     res = PartResult(task.number)
     writer = PartitionWriter(task.path, task.number, mode=PRIVATE_FILE_MODE)
-    packer = _PartitionPacker(task, codecs, writer, res)
+    packer = _PartitionPacker(task, codecs, writer, res, progress)
     try:
         packer.pack_files()
         res.checksum = writer.close()
@@ -155,10 +108,10 @@ class _PartitionPacker:
     """The files of one partition task going into its partition: the chunk rows, one row of
     the per-file columns for each file (in task order), and the open solid blocks."""
 
-    def __init__(
-        self, task: PartTask, codecs: list, writer: PartitionWriter, result: PartResult
-    ) -> None:
+    def __init__(self, task: PartTask, codecs: list, writer: PartitionWriter,
+                 result: PartResult, progress: Callable[[int], None]) -> None:
         self.task = task
+        self.progress = progress
         self.codecs = codecs
         self.result = result  # counts raw_bytes as files are packed
         n_files = len(task.files)
@@ -200,7 +153,7 @@ class _PartitionPacker:
         members.append((file_no, data))
         fill[0] += size
         self.result.raw_bytes += size
-        _progress_add(size)
+        self.progress(size)
 
     def _flush(self, key: tuple[int, int, int]) -> None:
         """Compress the open block ``key`` as one chunk; its files point into it."""
@@ -263,7 +216,7 @@ class _PartitionPacker:
                 whole.update(raw)
                 self.rows.add(raw, slot, codec)
                 self.counts[file_no] += 1
-                _progress_add(filled)
+                self.progress(filled)
                 if filled < len(buf):
                     break
         return got, whole
@@ -291,52 +244,37 @@ def _read_small(path: bytes, size: int, limit: int) -> bytes:
     return data
 
 
-def run_tasks(tasks: list[PartTask], options: PackOptions, total: int) -> list[PartResult]:
-    """Compress ``tasks`` with a pool of worker processes (one partition per task)."""
+def run_tasks(tasks: list[PartTask], options: PackOptions, total: int,
+              pool: WorkerPool | None = None) -> list[PartResult]:
+    """Compress ``tasks`` on worker processes (one partition per task; ``pool``, else a
+    pool of ``options.jobs`` made here), with a progress bar on a terminal."""
     if not tasks:
         return []
-    jobs = options.jobs or len(os.sched_getaffinity(0))
-    jobs = max(1, min(jobs, len(tasks)))
+    if pool is None:
+        with WorkerPool(worker_count(options, len(tasks))) as own:
+            return run_tasks(tasks, options, total, own)
     show_bar = sys.stderr.isatty() if options.progress is None else options.progress
-    ctx = mp.get_context("fork")  # before any thread exists: the bar starts after the pool
-    progress = ctx.Value("q", 0)
     # Biggest partitions first so the workers finish together.
     order = sorted(tasks, key=lambda t: -sum(f[2] for f in t.files))
-    pool = ctx.Pool(jobs, initializer=_init_worker, initargs=(progress,))
     bar = None
-    try:
-        pending = [pool.apply_async(_pack_partition, (t,)) for t in order]
-        if show_bar:
-            from tqdm import tqdm
+    if show_bar:
+        from tqdm import tqdm
 
-            tqdm.monitor_interval = 0
-            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000,
-                       desc="packing", file=sys.stderr, smoothing=0.1)
-        results = []
-        last = 0
-        while pending:
-            still = []
-            for r in pending:
-                if r.ready():
-                    results.append(r.get())
-                else:
-                    still.append(r)
-            pending = still
-            if bar is not None:
-                now = progress.value
-                bar.update(now - last)
-                last = now
-            if pending:
-                time.sleep(0.1)
-        if bar is not None:
-            bar.update(progress.value - last)
-        pool.close()
-        pool.join()
-    except BaseException:
-        pool.terminate()
-        pool.join()
-        raise
+        tqdm.monitor_interval = 0  # no monitor thread
+        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000,
+                   desc="packing", file=sys.stderr, smoothing=0.1)
+    try:
+        bodies = pool.run(PART, [wire.encode_task(t) for t in order],
+                          [f"compressing partition {t.number}" for t in order],
+                          bar.update if bar is not None else None)
     finally:
         if bar is not None:
             bar.close()
-    return sorted(results, key=lambda r: r.number)
+    return sorted((wire.decode_result(b)[0] for b in bodies), key=lambda r: r.number)
+
+
+def worker_count(options: PackOptions, tasks: int) -> int:
+    """The workers of a pack: ``--jobs`` (0: the CPUs this process may run on), at most
+    one per task."""
+    jobs = options.jobs or len(os.sched_getaffinity(0))
+    return max(1, min(jobs, tasks))

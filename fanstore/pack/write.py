@@ -37,7 +37,8 @@ from fanstore.pack.indexing import build_index
 from fanstore.pack.options import PackOptions, PackSummary, check_options, report_problems
 from fanstore.pack.plan import CodecPolicy, CodecTable, in_dir, plan_partitions
 from fanstore.pack.scan import ScanResult, scan_tree
-from fanstore.pack.worker import PartResult, PartTask, run_tasks
+from fanstore.pack.pool import WorkerPool
+from fanstore.pack.worker import PartResult, PartTask, run_tasks, worker_count
 
 # --------------------------------------------------------------------------- arguments
 
@@ -61,6 +62,12 @@ def _open_checked(src: str, dest: str, options: PackOptions):
 
 
 # --------------------------------------------------------------------------- driver
+
+
+def pack_workers(options: PackOptions) -> int:
+    """The worker processes a pack of a directory needs: ``--jobs`` (0: every CPU), at most
+    one per partition."""
+    return worker_count(options, options.partitions + (1 if options.broadcast else 0))
 
 
 @dataclass
@@ -88,8 +95,10 @@ def prepare(
     policy: CodecPolicy | None = None,
     options: PackOptions | None = None,
     scan: ScanResult | None = None,
+    pool: WorkerPool | None = None,
 ) -> PackPlan:
-    """Check the arguments, scan the source, plan partitions and codecs, create the temp dir.
+    """Check the arguments, scan the source, plan partitions and codecs, create the temp dir
+    (``pool``: the workers that find duplicates; None: this process alone).
 
     The caller must run the plan's tasks and call :func:`finish`, or
     ``plan.target.discard()``.
@@ -116,8 +125,7 @@ def prepare(
             raise UsageError(f"--broadcast {os.fsdecode(b)}: no such directory in the source")
     is_bcast = [any(in_dir(entries[i].rel, b) for b in bcast_dirs) for i in files]
     # A broadcast file's first copy stays in a broadcast partition (class 1), and so on.
-    dups = (find_duplicates(scan.root, entries, files, is_bcast,
-                           options.jobs or len(os.sched_getaffinity(0)))
+    dups = (find_duplicates(scan.root, entries, files, is_bcast, pool)
             if options.dedup else Duplicates())
     normal = [i for i, bc in zip(files, is_bcast) if not bc and i not in dups.of]
     bcast = [i for i, bc in zip(files, is_bcast) if bc and i not in dups.of]
@@ -204,12 +212,18 @@ def pack(
     policy: CodecPolicy | None = None,
     options: PackOptions | None = None,
     scan: ScanResult | None = None,
+    pool: WorkerPool | None = None,
 ) -> PackSummary:
-    """Pack ``src`` into a store at ``dest``. Raises FanStoreError subclasses on failure."""
+    """Pack ``src`` into a store at ``dest`` with the worker processes of ``pool`` (None: a
+    pool of ``options.jobs`` made here). Raises FanStoreError subclasses on failure."""
     options = options or PackOptions()
-    plan = prepare(src, dest, policy, options, scan)
+    if pool is None:
+        with WorkerPool(pack_workers(options)) as own:
+            own.start()  # the interpreters start while this one scans and plans
+            return pack(src, dest, policy, options, scan, own)
+    plan = prepare(src, dest, policy, options, scan, pool)
     try:
-        results = run_tasks(plan.tasks, options, plan.scan.raw_bytes)
+        results = run_tasks(plan.tasks, options, plan.scan.raw_bytes, pool)
         return finish(plan, results, options)
     except BaseException:
         plan.target.discard()

@@ -29,6 +29,7 @@ from fanstore.storage.location import (
 )
 from fanstore.storage.options import (
     default_options,
+    explicit_options,
     exposure_warnings,
     parse_storage_options,
     secret_names,
@@ -40,6 +41,7 @@ __all__ = [
     "LocalLocation",
     "Location",
     "default_options",
+    "explicit_options",
     "exposure_warnings",
     "is_url",
     "open_location",

@@ -120,9 +120,15 @@ def exposure_warnings(text: str | None, options: dict[str, Any],
 
 def set_default_options(options: dict[str, Any] | None) -> None:
     """Storage options for every location opened without explicit ones (the CLI sets them
-    once; forked workers and daemons inherit them)."""
+    once; forked daemons inherit them, pack workers are sent them)."""
     global _default_options
     _default_options = dict(options) if options else None
+
+
+def explicit_options() -> dict[str, Any] | None:
+    """The options :func:`set_default_options` set (None: none), for a worker process to
+    set in turn (it is a fresh interpreter: it inherits the environment, not these)."""
+    return None if _default_options is None else dict(_default_options)
 
 
 def default_options() -> dict[str, Any]:

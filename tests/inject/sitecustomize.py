@@ -1,0 +1,67 @@
+"""Fault injection for the pack's worker processes (tests only): put this directory first
+on PYTHONPATH and set ``FANSTORE_TEST_WORKER_FAULT`` to
+
+- ``stall``: a worker reports one byte of progress, then sleeps (a test can then kill it
+  while it holds a partition, however fast or busy the machine);
+- ``segv``: a worker crashes (a read of address 0) as it starts a partition;
+- ``digest-stall``: as ``stall``, in the duplicate search.
+
+A stalled worker first creates the file ``$FANSTORE_TEST_FAULT_MARK.<its pid>`` (when that
+variable is set): the test knows which worker holds a task. Every process started with it
+imports this module; only worker processes call what it
+replaces (``fanstore.pack.worker.pack_partition``, ``fanstore.pack.dedup.digest_all``), so
+the pack's own process runs unchanged. A site's own sitecustomize, if any, is not run.
+"""
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+_FAULT = os.environ.get("FANSTORE_TEST_WORKER_FAULT", "")
+_TARGETS = {"fanstore.pack.worker": ("pack_partition", ("stall", "segv")),
+            "fanstore.pack.dedup": ("digest_all", ("digest-stall",))}
+
+
+def _fault(progress=None):
+    if _FAULT == "segv":
+        import ctypes
+
+        ctypes.string_at(0)
+    if progress is not None:
+        progress(1)
+    mark = os.environ.get("FANSTORE_TEST_FAULT_MARK")
+    if mark:
+        with open(f"{mark}.{os.getpid()}", "w"):
+            pass
+    import time
+
+    time.sleep(3600)
+
+
+class _Hook(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name not in _TARGETS or _FAULT not in _TARGETS[name][1]:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        attr = _TARGETS[name][0]
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+
+            def faulty(first, second=None, *rest):
+                _fault(second if attr == "pack_partition" else None)
+
+            setattr(module, attr, faulty)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if _FAULT:
+    sys.meta_path.insert(0, _Hook())
