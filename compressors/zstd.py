@@ -32,8 +32,9 @@ class ZstdCodec(LeveledCodec):
         self._dict_id = self._dict and zstd.ZstdCompressionDict(self._dict).dict_id()
         # zstd contexts must not be used by two threads at once: one of each per thread.
         self._cctx = PerThread(lambda: zstd.ZstdCompressor(
-            level=self._level, dict_data=self._zdict(), write_checksum=False,
-            write_content_size=True))
+            level=self._level, write_checksum=False, write_content_size=True))
+        #: with a dictionary: per thread, a context per input size class (see _dict_cctx)
+        self._dict_cctxs: PerThread[dict[int, Any]] = PerThread(dict)
         self._dctx = PerThread(lambda: zstd.ZstdDecompressor(dict_data=self._zdict()))
 
     dict_data = property(lambda self: self._dict, doc="Dictionary bytes or None.")
@@ -43,10 +44,41 @@ class ZstdCodec(LeveledCodec):
         return self._dict and self._zstd.ZstdCompressionDict(self._dict)
 
     def encode(self, buf: BytesLike) -> bytes:
+        view = as_view(buf)
         try:
-            return self._cctx.get().compress(as_view(buf))
+            if self._dict is None:
+                return self._cctx.get().compress(view)
+            return self._dict_cctx(len(view)).compress(view)
         except self._zstd.ZstdError as exc:
             raise CodecError(f"zstd: encode failed: {exc}") from exc
+
+    def _dict_cctx(self, size: int) -> Any:
+        """This thread's context for inputs of about ``size`` bytes, with the dictionary
+        digested for them.
+
+        Without a dictionary zstd picks its parameters (window, search depth, minimum
+        match) for the input's size by itself. A dictionary is digested once, with the
+        parameters of the level for an input of unknown size, and a small input then
+        searches it with those: at zstd:13 on 32 KiB blocks of small text files with 110 KB
+        dictionaries that stored 40.90 MB where zstd's own parameters for 32 KiB store
+        39.53 MB (btopt with a minimum match of 4 instead of 5, for 22% more CPU). So the dictionary is digested per size class
+        (the next power of two, 4 KiB at least) with the level's parameters for that
+        size, as zstd would choose them. The frame leaves out the dictionary's id (4
+        bytes a chunk: the codec's config names the dictionary); what the decoder needs is
+        unchanged."""
+        size_class = max(4096, 1 << max(0, size - 1).bit_length())
+        cctxs = self._dict_cctxs.get()
+        cctx = cctxs.get(size_class)
+        if cctx is None:
+            zstd = self._zstd
+            params = zstd.ZstdCompressionParameters.from_level(
+                self._level, source_size=size_class, dict_size=len(self._dict),
+                write_checksum=False, write_content_size=True, write_dict_id=False)
+            digested = zstd.ZstdCompressionDict(self._dict)
+            digested.precompute_compress(compression_params=params)
+            cctx = cctxs[size_class] = zstd.ZstdCompressor(dict_data=digested,
+                                                           compression_params=params)
+        return cctx
 
     def decode(self, buf: BytesLike, raw_size: int) -> bytes:
         raw_size, buf, zstd = check_raw_size(raw_size), as_view(buf), self._zstd
