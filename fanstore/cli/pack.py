@@ -37,7 +37,7 @@ def add_parsers(sub, common) -> None:
                         "trained per kind of small files; +solidNk: as --solid-kb N; "
                         "'auto': the full selector. Default: a quick selection per file "
                         "kind (a few seconds on a small sample, reported in one line; "
-                        "small files in solid blocks of 32 KiB at zstd:15)")
+                        "small files in solid blocks of 32 KiB at zstd:13)")
     s.add_argument("--kind-codec", action="append", metavar="KIND=SPEC",
                    help="files of one kind (EXT/BAND as 'fanstore select --per-kind' names "
                         "kinds, e.g. json/tiny; bands tiny, small, medium, large, huge) get "
@@ -84,12 +84,11 @@ def cmd_pack(args) -> int:
     from fanstore import storage
     from fanstore.pack import PackOptions, pack, pack_any
     from fanstore.pack.options import Symlinks
-    from fanstore.select.packpolicy import PolicyRequest, plan_policy
+    from fanstore.select.packpolicy import AUTO, PolicyRequest, plan_policy
     from fanstore.pack.sources import detect
 
     storage_setup(args)
     extra: dict[str, Any] = {}
-    scanned: dict[str, Any] = {}
     kind = detect(args.src)[0]
     symlinks = Symlinks(args.symlinks)
     request = PolicyRequest(codec=args.codec, solid_kb=args.solid_kb,
@@ -98,12 +97,11 @@ def cmd_pack(args) -> int:
                             seed=args.seed, kind_codecs=_kind_codecs(args.kind_codec),
                             selection=lambda: _selection_options(args), notify=say)
 
-    def make_policy():
-        plan = plan_policy(args.src, request, kind)
+    def make_policy(scan=None):
+        plan = plan_policy(args.src, request, kind, scan)
         if plan.summary is not None:
             print(f"codec selection: {plan.summary}", file=sys.stderr)
         extra.update(plan.meta)
-        scanned["scan"] = plan.scan
         return plan.policy
 
     options = PackOptions(
@@ -141,10 +139,11 @@ def cmd_pack(args) -> int:
 
         check_arguments(args.src, args.dest, options)  # before a selection takes seconds
         with WorkerPool(pack_workers(options)) as pool:
-            pool.start()  # the workers' interpreters start while this one selects
-            policy = make_policy()
-            summary = pack(args.src, args.dest, policy, options, scan=scanned.get("scan"),
-                           pool=pool)
+            pool.start()  # the workers' interpreters start while this one scans
+            # the quick selection runs on the scan while the workers look for duplicates;
+            # the full selector (auto) times trial packs: alone, before the pack starts
+            policy = make_policy() if args.codec == AUTO else make_policy
+            summary = pack(args.src, args.dest, policy, options, pool=pool)
     else:
         summary = pack_any(args.src, args.dest, make_policy(), options)
     for line in summary.lines():

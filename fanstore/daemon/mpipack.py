@@ -40,7 +40,7 @@ class QuietPackError(FanStoreError):
     quiet = True
 
 
-def pack_mpi(src: str, dest: str, policy_factory: Callable[[], Any], options: PackOptions,
+def pack_mpi(src: str, dest: str, policy_factory: Callable[[Any], Any], options: PackOptions,
              world: World | None = None) -> PackSummary | None:
     """Pack with every rank of the job; returns the summary on rank 0, None elsewhere."""
     if world is not None:
@@ -60,21 +60,21 @@ def pack_mpi(src: str, dest: str, policy_factory: Callable[[], Any], options: Pa
     return summary
 
 
-def _pack_ranks(src: str, dest: str, policy_factory: Callable[[], Any], options: PackOptions,
+def _pack_ranks(src: str, dest: str, policy_factory: Callable[[Any], Any], options: PackOptions,
                 world: World) -> PackSummary | None:
     with WorkerPool(pack_workers(options)) as pool:
         pool.start()  # the workers start while rank 0 plans
         return _pack_share(src, dest, policy_factory, options, world, pool)
 
 
-def _pack_share(src: str, dest: str, policy_factory: Callable[[], Any], options: PackOptions,
+def _pack_share(src: str, dest: str, policy_factory: Callable[[Any], Any], options: PackOptions,
                 world: World, pool: WorkerPool) -> PackSummary | None:
     rank, size = world.rank, world.size
     plan = None
     error = ""
     if rank == 0:
         try:
-            plan = prepare(src, dest, policy_factory(), options, pool=pool)
+            plan = prepare(src, dest, policy_factory, options, pool=pool)
             payload = encode_tasks(plan.tasks)
         except FanStoreError as exc:
             error = str(exc)

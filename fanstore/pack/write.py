@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from compressors import parse_spec
 from fanstore.errors import PackError, UsageError
@@ -92,19 +94,21 @@ class PackPlan:
 def prepare(
     src: str,
     dest: str,
-    policy: CodecPolicy | None = None,
+    policy: CodecPolicy | Callable[[ScanResult], CodecPolicy] | None = None,
     options: PackOptions | None = None,
     scan: ScanResult | None = None,
     pool: WorkerPool | None = None,
 ) -> PackPlan:
     """Check the arguments, scan the source, plan partitions and codecs, create the temp dir
-    (``pool``: the workers that find duplicates; None: this process alone).
+    (``pool``: the workers that find duplicates; None: this process alone). ``policy`` may
+    be a function of the scan: it then runs while the workers look for duplicates (a
+    quick selection and the duplicate search each take seconds on a large tree, one in
+    this process, one in the workers).
 
     The caller must run the plan's tasks and call :func:`finish`, or
     ``plan.target.discard()``.
     """
     options = options or PackOptions()
-    policy = policy or CodecPolicy(parse_spec("zstd:3"))
     t0 = time.monotonic()
     destination = _open_checked(src, dest, options)
     destination.prepare(src, options.force)
@@ -125,8 +129,7 @@ def prepare(
             raise UsageError(f"--broadcast {os.fsdecode(b)}: no such directory in the source")
     is_bcast = [any(in_dir(entries[i].rel, b) for b in bcast_dirs) for i in files]
     # A broadcast file's first copy stays in a broadcast partition (class 1), and so on.
-    dups = (find_duplicates(scan.root, entries, files, is_bcast, pool)
-            if options.dedup else Duplicates())
+    dups, policy = _duplicates_and_policy(scan, is_bcast, policy, options, pool)
     normal = [i for i, bc in zip(files, is_bcast) if not bc and i not in dups.of]
     bcast = [i for i, bc in zip(files, is_bcast) if bc and i not in dups.of]
 
@@ -169,6 +172,27 @@ def prepare(
                     destination.tmp, skipped, t0, destination, access, dups)
 
 
+def _duplicates_and_policy(scan: ScanResult, is_bcast: list[bool], policy, options: PackOptions,
+                           pool: WorkerPool | None) -> tuple[Duplicates, CodecPolicy]:
+    """The duplicates of the scanned tree (``options.dedup``) and the codec policy (a
+    function of the scan is called while a thread of this process drives the search on
+    the workers; the thread is always waited for)."""
+    if not callable(policy):
+        dups = (find_duplicates(scan.root, scan.entries, scan.files, is_bcast, pool)
+                if options.dedup else Duplicates())
+        return dups, policy or CodecPolicy(parse_spec("zstd:3"))
+    if not options.dedup:
+        return Duplicates(), policy(scan)
+    with ThreadPoolExecutor(1, thread_name_prefix="pack-dedup") as search:
+        found = search.submit(find_duplicates, scan.root, scan.entries, scan.files, is_bcast,
+                              pool)
+        try:
+            chosen = policy(scan)
+        finally:
+            futures.wait([found])
+    return found.result(), chosen
+
+
 def finish(plan: PackPlan, results: list[PartResult], options: PackOptions) -> PackSummary:
     """Check the workers' results, write the index, install the store atomically."""
     errors = [r.error for r in results if r.error]
@@ -209,13 +233,14 @@ def finish(plan: PackPlan, results: list[PartResult], options: PackOptions) -> P
 def pack(
     src: str,
     dest: str,
-    policy: CodecPolicy | None = None,
+    policy: CodecPolicy | Callable[[ScanResult], CodecPolicy] | None = None,
     options: PackOptions | None = None,
     scan: ScanResult | None = None,
     pool: WorkerPool | None = None,
 ) -> PackSummary:
     """Pack ``src`` into a store at ``dest`` with the worker processes of ``pool`` (None: a
-    pool of ``options.jobs`` made here). Raises FanStoreError subclasses on failure."""
+    pool of ``options.jobs`` made here); ``policy``: a codec policy, or a function of the
+    scan that makes one (see :func:`prepare`). Raises FanStoreError subclasses on failure."""
     options = options or PackOptions()
     if pool is None:
         with WorkerPool(pack_workers(options)) as own:

@@ -105,10 +105,11 @@ class PolicyPlan:
     summary: str | None = None
 
 
-def plan_policy(src: str, request: PolicyRequest,
-                source_kind: str = "directory") -> PolicyPlan:
+def plan_policy(src: str, request: PolicyRequest, source_kind: str = "directory",
+                scan: ScanResult | None = None) -> PolicyPlan:
     """The policy for packing ``src`` (a ``source_kind`` of ``fanstore.pack.sources``) as
-    ``request`` asks. Raises :class:`UsageError` for a spec that is not one or does not go
+    ``request`` asks; ``scan``: the directory's scan when the caller made it (else it is
+    made here when needed, and returned in the plan for pack to reuse). Raises :class:`UsageError` for a spec that is not one or does not go
     with the source, :class:`BudgetNotMetError` when ``--codec auto`` finds no codec fast
     enough."""
     check_symlinks(request.symlinks, source_kind)
@@ -136,7 +137,8 @@ def plan_policy(src: str, request: PolicyRequest,
         plan = _auto(src, request)
     elif spec is None or spec.dictionary:
         # (else pack reports the source)
-        scan = scan_tree(src, symlinks=request.symlinks) if os.path.isdir(src) else None
+        if scan is None and os.path.isdir(src):
+            scan = scan_tree(src, symlinks=request.symlinks)
         if scan is not None and scan.problems and not request.skip_unreadable:
             # pack lists the problems and stops before any codec is used
             return PolicyPlan(CodecPolicy(parse_spec(STREAM_DEFAULT)), scan=scan)
@@ -152,6 +154,8 @@ def plan_policy(src: str, request: PolicyRequest,
         block = solid_kb * 1024
         plan.policy.solid = block
         plan.policy.solid_by_kind = {kind: block for kind in plan.policy.by_kind}
+    if plan.scan is None:
+        plan.scan = scan
     if request.kind_codecs:
         _kind_codecs(src, plan, request)
     return plan

@@ -45,9 +45,10 @@ from fanstore.select.sample import SourceFile, draw_sample
 log = logging.getLogger(__name__)
 
 MB = 1e6
-#: Sample size and dictionary training data (bytes).
-SAMPLE_MB = 8
-TRAIN_BYTES = 2 << 20
+#: Sample size and dictionary training data (bytes): the training makes dictionaries large
+#: enough for the smaller kinds at SOLID_LEVEL (docs/selection.md §11).
+SAMPLE_MB = 4
+TRAIN_BYTES = 4 << 20
 #: Kinds chosen for, the largest by bytes (ties by name); the others keep FALLBACK.
 MAX_KINDS = 64
 #: The size bands whose files go into solid blocks (fanstore.kinds: below 64 KiB).
@@ -56,9 +57,10 @@ FALLBACK = "zstd:3"
 _BASE = ("none", "lz4", "zstd:3", "zstd:9")
 _DICT_LEVELS = (3, 9)
 #: Kinds of small files are also measured in solid blocks of this size at this level, with
-#: the kind's dictionary when it has one (see "Solid blocks" above).
+#: the kind's dictionary when it has one: level 13 is zstd's btopt for a 32 KiB block
+#: (docs/selection.md §11 has the levels measured).
 SOLID_BLOCK = 32 << 10
-SOLID_LEVEL = 15
+SOLID_LEVEL = 13
 _BLOSC = ("blosc2:zstd:5:shuffle:{t}", "blosc2:lz4:5:shuffle:{t}")
 #: Ties go to the earlier: the order of read CPU per byte found by the capacity study
 #: (none a copy; lz4 and blosc2 lz4 a fraction of zstd; a dictionary decodes small files
