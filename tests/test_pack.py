@@ -343,7 +343,9 @@ def test_pack_summary_lines(small_tree, tmp_path):
     assert m.group(4) == f"{raw / stored:.2f}"
     index_size = os.path.getsize(dest / "fanstore.idx")
     assert m.group(5) == f"{raw / (stored + index_size):.2f}"
-    assert re.fullmatch(r"time \d+\.\d s, \d+ MB/s", lines[2]), lines[2]
+    assert re.fullmatch(r"time \d+\.\d s, \d+ MB/s \(scan \d+\.\d s, "
+                        r"(selection and )?duplicates \d+\.\d s, compression \d+\.\d s, "
+                        r"index and install \d+\.\d s\)", lines[2]), lines[2]
     assert proc.stderr == ""  # no progress bar, no warnings
 
 

@@ -73,6 +73,8 @@ class PackSummary:
     saved_bytes: int = 0
     #: files a codec of some inputs only (jpegxl) declined: stored raw (pack.fallback)
     fallbacks: Any = None
+    #: where the time went: (phase, seconds) in order (a directory's pack)
+    phases: list[tuple[str, float]] = field(default_factory=list)
 
     @property
     def ratio(self) -> float:
@@ -95,7 +97,9 @@ class PackSummary:
             (f"raw {_mb(self.raw_bytes)}, stored {_mb(self.stored_bytes)} "
              f"(+ index {_mb(self.index_bytes)}), ratio {self.ratio:.2f}x "
              f"({self.ratio_with_index:.2f}x with the index)"),
-            f"time {self.seconds:.1f} s, {mb_s:.0f} MB/s",
+            f"time {self.seconds:.1f} s, {mb_s:.0f} MB/s" + (
+                " (" + ", ".join(f"{name} {t:.1f} s" for name, t in self.phases) + ")"
+                if self.phases else ""),
         ] + self._dedup_lines() + (self.fallbacks.lines() if self.fallbacks else []) + (
             [f"skipped {len(self.skipped)} entries (--skip-unreadable)"] if self.skipped else [])
 

@@ -89,6 +89,15 @@ class PackPlan:
     access: Access = field(default_factory=lambda: Access(False))
     #: files stored once: duplicates are in no task, their entries get the first copy's run
     duplicates: Duplicates = field(default_factory=Duplicates)
+    #: where the time went so far: (phase, seconds), see PackSummary.phases
+    phases: list[tuple[str, float]] = field(default_factory=list)
+    _mark: float = 0.0
+
+    def lap(self, phase: str) -> None:
+        """The time since the last phase ended goes to ``phase``."""
+        now = time.monotonic()
+        self.phases.append((phase, now - (self._mark or self.t0)))
+        self._mark = now
 
 
 def prepare(
@@ -110,11 +119,13 @@ def prepare(
     """
     options = options or PackOptions()
     t0 = time.monotonic()
+    policy_in = policy
     destination = _open_checked(src, dest, options)
     destination.prepare(src, options.force)
 
     if scan is None:
         scan = scan_tree(src, symlinks=options.symlinks)
+    t_scan = time.monotonic()
     skipped = report_problems(scan.problems, options)
     access = decide_tree(src, scan.entries, options.shared)
     if access.private:
@@ -168,8 +179,12 @@ def prepare(
                                solid, group))
     for t in tasks:
         t.files.sort(key=lambda f: f[0])  # scan (breadth-first) order: neighbours together
-    return PackPlan(os.path.abspath(src), destination.url, scan, tasks, configs, n_normal,
+    plan = PackPlan(os.path.abspath(src), destination.url, scan, tasks, configs, n_normal,
                     destination.tmp, skipped, t0, destination, access, dups)
+    plan.phases.append(("scan", t_scan - t0))
+    plan._mark = t_scan
+    plan.lap("selection and duplicates" if callable(policy_in) else "duplicates")
+    return plan
 
 
 def _duplicates_and_policy(scan: ScanResult, is_bcast: list[bool], policy, options: PackOptions,
@@ -204,12 +219,14 @@ def finish(plan: PackPlan, results: list[PartResult], options: PackOptions) -> P
     results = sorted(results, key=lambda r: r.number)
     if [r.number for r in results] != list(range(len(plan.tasks))):
         raise PackError("internal error: partitions missing from the workers' results")
+    plan.lap("compression")
     fallbacks = count_tasks(plan.configs, plan.tasks, results)
     data, stored = build_index(plan.scan, results, plan.configs, options, plan.n_normal,
                                plan.src, access=plan.access.value,
                                duplicates=plan.duplicates.of)
     plan.target.write_index(data)
     plan.target.install(shared=not plan.access.private)
+    plan.lap("index and install")
     index_bytes = len(data)
     kinds = [e.kind for e in plan.scan.entries]
     return PackSummary(
@@ -227,6 +244,7 @@ def finish(plan: PackPlan, results: list[PartResult], options: PackOptions) -> P
         duplicates=len(plan.duplicates),
         saved_bytes=plan.duplicates.saved_bytes,
         fallbacks=fallbacks,
+        phases=plan.phases,
     )
 
 
