@@ -8,6 +8,7 @@ import ctypes
 import logging
 import os
 import signal
+import struct
 import subprocess
 import sys
 from typing import Callable
@@ -160,6 +161,39 @@ def become_worker() -> None:
         blosc2.set_nthreads(1)
     except Exception:  # noqa: BLE001 - blosc2 is optional
         pass
+
+
+#: A message between a process and a worker it started: ``<B Q`` (kind, body length), then
+#: the body (whose encoding is the caller's: never pickle).
+FRAME = struct.Struct("<BQ")
+
+
+def write_frame(fd: int, kind: int, body: bytes = b"") -> None:
+    """One whole frame to the pipe ``fd`` (blocking)."""
+    view = memoryview(FRAME.pack(kind, len(body)) + body)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def read_frame(fd: int) -> tuple[int, bytes] | None:
+    """The next frame from the pipe ``fd`` (blocking); None at EOF (the writer is gone)."""
+    head = _read_exact(fd, FRAME.size)
+    if head is None:
+        return None
+    kind, n = FRAME.unpack(head)
+    body = _read_exact(fd, n) if n else b""
+    return None if body is None else (kind, body)
+
+
+def _read_exact(fd: int, n: int) -> bytes | None:
+    parts, got = [], 0
+    while got < n:
+        data = os.read(fd, min(n - got, 1 << 20))
+        if not data:
+            return None
+        parts.append(data)
+        got += len(data)
+    return b"".join(parts)
 
 
 def setup_logging(debug: bool = False, stream=None, fmt: str | None = None) -> None:

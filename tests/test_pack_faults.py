@@ -285,3 +285,31 @@ def test_no_fork_while_s3fs_runs(s3_server, tmp_path):
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["forks"] == [] and got["files"] == 20
+
+
+_PASS_PROBE = r"""
+import json, os, sys, threading
+forks = []
+os.register_at_fork(before=lambda: forks.append(threading.active_count()))
+stop = threading.Event()
+threading.Thread(target=stop.wait, daemon=True).start()
+from fanstore.select.epoch import Target, run_pass
+root = sys.argv[1]
+rels = sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+result = run_pass(Target("mount", root), rels, readers=2, timeout=120)
+stop.set()
+print(json.dumps({"forks": forks, "files": result.files, "bytes": result.bytes,
+                  "errors": result.errors}))
+"""
+
+
+def test_a_measured_pass_of_select_does_not_fork(tmp_path):
+    """``fanstore select`` measures passes with reader processes: started from a caller
+    with threads, none of them is a fork, and they read every byte."""
+    src = _tree(tmp_path / "src", files=30, size=5000)
+    total = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
+    proc = subprocess.run([sys.executable, "-c", _PASS_PROBE, str(src)], capture_output=True,
+                          text=True, timeout=300, env=_env())
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"forks": [], "files": 30, "bytes": total, "errors": 0}

@@ -16,7 +16,8 @@ import os
 
 import numpy as np
 import pytest
-from helpers import assert_cli_error, assert_no_traceback, cleanup_mount, mount_store, run_cli
+from helpers import (TESTS_DIR, assert_cli_error, assert_no_traceback, cleanup_mount,
+                     mount_store, run_cli)
 
 from fanstore.select import finalists
 from fanstore.select.calibrate import reader_cost
@@ -421,32 +422,20 @@ def test_a_finalist_whose_trial_fails_is_left_out_and_said(tmp_path, monkeypatch
     assert [p for p in os.listdir(tmp_path) if p.startswith("fanstore-select-")] == []
 
 
-def _readers_fail_in(monkeypatch, failing, how: str) -> None:
-    """The trial rounds' readers (forked processes) die with exit status 9, or hang past
-    the round's timeout, in the trial stores ``failing(store)`` names: what a reader killed
-    by the OOM killer, or stuck on a dead mount, does. The parent's run_pass, the trial's
-    clean-up and the selector run as they do; only the readers are made to fail."""
-    import time
+def _readers_fail_in(monkeypatch, where: str, how: str) -> None:
+    """The trial rounds' readers (processes of their own) exit with status 9, or hang past
+    the round's timeout, in the trial stores whose path matches the regular expression
+    ``where``: what a reader killed by the OOM killer, or stuck on a dead mount, does. The
+    parent's run_pass, the trial's clean-up and the selector run as they do; only the
+    readers are made to fail (``tests/inject/sitecustomize.py``, which every reader this
+    process starts imports)."""
+    from fanstore.select import trial
 
-    from fanstore.select import epoch, trial
-
-    real = epoch._reader
-
-    def reader(target, rels, slot, step, barrier, results, warmup=()):
-        if failing(target.root):
-            barrier.wait(60)
-            if how == "dies":
-                os._exit(9)
-            time.sleep(120)  # the round's timeout ends it
-        return real(target, rels, slot, step, barrier, results, warmup)
-
-    monkeypatch.setattr(epoch, "_reader", reader)
+    monkeypatch.setenv("FANSTORE_TEST_WORKER_FAULT", f"reader-{how}")
+    monkeypatch.setenv("FANSTORE_TEST_FAULT_WHERE", where)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (os.path.join(TESTS_DIR, "inject"), os.environ.get("PYTHONPATH")) if p))
     monkeypatch.setattr(trial, "TIMEOUT", 8.0)  # a round here takes well under 1 s
-
-
-def _trial_no(store: str) -> int:
-    """N of a trial store's path (``.../trial-N/store``); trial 1 is ``none``'s."""
-    return int(os.path.basename(os.path.dirname(store)).rpartition("-")[2])
 
 
 @pytest.mark.parametrize("how, why", [("dies", "a reader died (exit status 9)"),
@@ -459,7 +448,7 @@ def test_a_finalist_whose_reader_dies_or_hangs_is_not_measured_and_said(tmp_path
     from fanstore.select import SelectionOptions, run_selection
     from fanstore.select.report import table, to_json
 
-    _readers_fail_in(monkeypatch, lambda store: _trial_no(store) == 2, how)
+    _readers_fail_in(monkeypatch, r"/trial-2/", how)
     src = _npy_tree(tmp_path / "d", n=20)
     res = run_selection(src, SelectionOptions(
         mode="sync", mb_per_sec=1.0, cores=2, sample_mb=2.0, reader="api", trials=4,
@@ -485,7 +474,7 @@ def test_a_per_kind_mix_whose_reader_dies_is_not_chosen_and_said(tmp_path, monke
     from fanstore.select.report import pack_command, table, to_json
 
     trials = 3
-    _readers_fail_in(monkeypatch, lambda store: _trial_no(store) > trials, "dies")
+    _readers_fail_in(monkeypatch, rf"/trial-([{trials + 1}-9]|\d\d+)/", "dies")
     src = _npy_tree(tmp_path / "d", n=20)
     rng = np.random.default_rng(5)
     for i in range(10):  # random bytes: kept raw, where the arrays want a shuffle filter
@@ -512,7 +501,7 @@ def test_no_finalist_measured_is_one_error_and_a_nonzero_exit(tmp_path, monkeypa
 
     from fanstore.cli import main
 
-    _readers_fail_in(monkeypatch, lambda store: _trial_no(store) > 1, "dies")
+    _readers_fail_in(monkeypatch, r"/trial-([2-9]|\d\d+)/", "dies")
     src = _npy_tree(tmp_path / "d", n=20)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the trials go ($TMPDIR)
     code = main(["select", src, "--reader", "api", "--mode", "sync", "--mb-per-sec", "1",

@@ -31,8 +31,7 @@ from typing import Callable
 
 from fanstore import storage
 from fanstore.errors import PackError
-from fanstore.pack.wire import FRAME
-from fanstore.process import spawn_worker
+from fanstore.process import FRAME, spawn_worker
 
 #: Task kinds (pool -> worker); SETUP comes first, once: the settings a worker cannot
 #: inherit (a fresh interpreter has our environment, not what the command line set).

@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from fanstore.process import become_worker
+from fanstore.process import become_worker, read_frame, write_frame
 
 #: Bytes packed between two progress reports, at most (and at most 0.25 s apart).
 _REPORT_BYTES = 4 << 20
@@ -24,19 +24,15 @@ class _Out:
 
     def __init__(self, fd: int) -> None:
         from fanstore.pack.pool import PROGRESS, PROGRESS_BODY
-        from fanstore.pack.wire import FRAME
 
         self.fd = fd
-        self._frame = FRAME
         self._progress_kind = PROGRESS
         self._progress_body = PROGRESS_BODY
         self.pending = 0
         self.last = time.monotonic()
 
     def send(self, kind: int, body: bytes = b"") -> None:
-        data = memoryview(self._frame.pack(kind, len(body)) + body)
-        while data:
-            data = data[os.write(self.fd, data):]
+        write_frame(self.fd, kind, body)
 
     def progress(self, n: int) -> None:
         self.pending += n
@@ -49,20 +45,6 @@ class _Out:
             self.send(self._progress_kind, self._progress_body.pack(self.pending))
             self.pending = 0
         self.last = time.monotonic() if now is None else now
-
-
-def _read_exact(fd: int, n: int) -> bytes | None:
-    """``n`` bytes from ``fd``; None at EOF before the first byte (the pool is done)."""
-    parts, got = [], 0
-    while got < n:
-        data = os.read(fd, min(n - got, 1 << 20))
-        if not data:
-            if got:
-                raise EOFError("the command pipe closed inside a message")
-            return None
-        parts.append(data)
-        got += len(data)
-    return b"".join(parts)
 
 
 def _run(kind: int, body: bytes, out: _Out) -> bytes | None:
@@ -93,18 +75,14 @@ def main(argv: list[str]) -> int:
     cmd_fd, res_fd = int(argv[0]), int(argv[1])
     from fanstore.errors import FanStoreError
     from fanstore.pack.pool import FAILED, HELLO, RESULT
-    from fanstore.pack.wire import FRAME
 
     out = _Out(res_fd)
     out.send(HELLO)
     while True:
-        head = _read_exact(cmd_fd, FRAME.size)
-        if head is None:
-            return 0
-        kind, n = FRAME.unpack(head)
-        body = _read_exact(cmd_fd, n) if n else b""
-        if body is None:
-            return 1
+        got = read_frame(cmd_fd)
+        if got is None:
+            return 0  # the pool is done (or gone)
+        kind, body = got
         try:
             reply = _run(kind, body, out)
         except FanStoreError as exc:

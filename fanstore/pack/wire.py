@@ -8,7 +8,7 @@ one NUL-separated byte string (a path cannot hold a NUL). The same encoding carr
 pack's tasks and results between the pack and its worker processes (``fanstore.pack.pool``)
 and between MPI ranks (``fanstore.daemon.mpipack``).
 
-Over a pipe, each message is framed as ``<B Q`` (kind, body length) and its body.
+Over a pipe, each message is a frame of ``fanstore.process`` (kind, length, body).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import numpy as np
 from fanstore.errors import PackError
 
 _LEN = struct.Struct("<Q")
-FRAME = struct.Struct("<BQ")
 _RESULT_ARRAYS = ("entries", "file_sums", "chunk_counts", "chunk_firsts", "data_offsets")
 #: Columns of a task's file list: (name, dtype) in PartTask.files order, the path apart.
 _FILE_COLUMNS = (("entry", "<u4"), ("size", "<u8"), ("slot", "<u2"), ("solid", "<u4"),

@@ -141,6 +141,22 @@ def prepare(
     is_bcast = [any(in_dir(entries[i].rel, b) for b in bcast_dirs) for i in files]
     # A broadcast file's first copy stays in a broadcast partition (class 1), and so on.
     dups, policy = _duplicates_and_policy(scan, is_bcast, policy, options, pool)
+    destination.create_tmp()
+    tasks, configs = _tasks(scan, is_bcast, dups, policy, options, destination)
+    plan = PackPlan(os.path.abspath(src), destination.url, scan, tasks, configs,
+                    options.partitions, destination.tmp, skipped, t0, destination, access, dups)
+    plan.phases.append(("scan", t_scan - t0))
+    plan._mark = t_scan
+    plan.lap("selection and duplicates" if callable(policy_in) else "duplicates")
+    return plan
+
+
+def _tasks(scan: ScanResult, is_bcast: list[bool], dups: Duplicates, policy: CodecPolicy,
+           options: PackOptions, destination) -> tuple[list[PartTask], list[dict[str, Any]]]:
+    """The partition tasks (``options.partitions``, then the broadcast ones) of the files
+    that are no duplicate, with their codecs and solid blocks; and the codec table."""
+    entries = scan.entries
+    files = scan.files
     normal = [i for i, bc in zip(files, is_bcast) if not bc and i not in dups.of]
     bcast = [i for i, bc in zip(files, is_bcast) if bc and i not in dups.of]
 
@@ -155,17 +171,11 @@ def prepare(
         n_bcast = max(1, min(len(bcast), -(-bcast_bytes // target)))
         assign_bcast = [n_normal + p for p in plan_partitions(
             [entries[i].size for i in bcast], n_bcast)]
-    n_parts = n_normal + n_bcast
 
     codecs = CodecTable()
-    configs = codecs.configs
     slot = codecs.slot
-
-    destination.create_tmp()
-    tasks = [
-        PartTask(p, destination.partition_path(partition_name(p)), [], configs, options.chunk_size)
-        for p in range(n_parts)
-    ]
+    tasks = [PartTask(p, destination.partition_path(partition_name(p)), [], codecs.configs,
+                      options.chunk_size) for p in range(n_normal + n_bcast)]
     groups: dict[str, int] = {}
     for i, p in zip(normal + bcast, assign_normal + assign_bcast):
         e = entries[i]
@@ -179,12 +189,7 @@ def prepare(
                                solid, group))
     for t in tasks:
         t.files.sort(key=lambda f: f[0])  # scan (breadth-first) order: neighbours together
-    plan = PackPlan(os.path.abspath(src), destination.url, scan, tasks, configs, n_normal,
-                    destination.tmp, skipped, t0, destination, access, dups)
-    plan.phases.append(("scan", t_scan - t0))
-    plan._mark = t_scan
-    plan.lap("selection and duplicates" if callable(policy_in) else "duplicates")
-    return plan
+    return tasks, codecs.configs
 
 
 def _duplicates_and_policy(scan: ScanResult, is_bcast: list[bool], policy, options: PackOptions,

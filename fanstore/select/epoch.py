@@ -4,10 +4,11 @@
 :mod:`.calibrate`) and ``fanstore select --check`` validates a choice with it, so that a
 prediction and its check read the same way:
 
-* ``readers`` processes are forked; each opens what it reads through (nothing for a mount,
-  ``fanstore.open_store`` for the Python API) and waits on a barrier. The clock starts
-  when the barrier releases them and stops when the last one is done: process start-up
-  and index loads are never timed.
+* ``readers`` processes are started (fresh interpreters, ``fanstore.select.epochreader``,
+  by fork-and-exec: the caller may have threads); each opens what it reads through
+  (nothing for a mount, ``fanstore.open_store`` for the Python API), says it is ready and
+  waits. The clock starts when all are told to go and stops when the last one is done:
+  process start-up and index loads are never timed.
 * Reader ``i`` takes files ``i, i+n, i+2n, ...`` of the list, in list order (DataLoader
   workers deal an epoch's batches the same way); the list is the epoch's order, shuffled
   by the caller.
@@ -34,12 +35,12 @@ own.
 from __future__ import annotations
 
 import ctypes
-import gc
+import json
 import logging
 import mmap
-import multiprocessing as mp
 import os
-import queue as _queue
+import select
+import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -118,10 +119,20 @@ class PassResult:
         return total / self.seconds if self.seconds > 0 and total > 0 else float(self.readers)
 
 
-# --------------------------------------------------------------------------- readers
+# --------------------------------------------------------------------------- a pass
+
+#: The frames between a pass and its readers (``fanstore.select.epochreader``, which
+#: imports them from here; ``fanstore.process.write_frame``): pass -> reader JOB, GO;
+#: reader -> pass READY, RESULT, FAILED.
+JOB, GO, READY, RESULT, FAILED = 1, 2, 3, 4, 5
 
 
-def _read_mount(path: str, buf: bytearray) -> int:
+# --------------------------------------------------------------------------- a reader
+# (run in the reader processes, ``fanstore.select.epochreader``)
+
+
+def read_mount(path: str, buf: bytearray) -> int:
+    """Read a file whole through the mount (buffered, as training code opens files)."""
     n = 0
     with open(path, "rb") as f:
         while True:
@@ -131,33 +142,20 @@ def _read_mount(path: str, buf: bytearray) -> int:
             n += k
 
 
-def _reader(target: Target, rels: Sequence[str], slot: int, step: int, barrier,
-            results, warmup: Sequence[str] = ()) -> None:
-    """One reader process: files ``slot, slot+step, ...`` of ``rels`` (after its share of
-    ``warmup``, untimed)."""
-    gc.disable()  # a collection would walk (and copy) the parent's heap: see run_pass
-    store = None
-    try:
-        if target.reader == "api":
-            from fanstore.api import open_store  # the reader users call
+def open_target(job: dict):
+    """What a reader of ``job`` reads through: None for a mount (plain files), an open
+    store for the Python API."""
+    if job["reader"] == "api":
+        from fanstore.api import open_store  # the reader users call
 
-            store = open_store(target.root, cache_mb=target.cache_mb)
-        buf = bytearray(READ_BYTES)
-        view = memoryview(buf)
-        root = target.root
-        for i in range(slot, len(warmup), step):
-            if store is None:
-                _read_mount(os.path.join(root, warmup[i]), buf)
-            else:
-                store.read(warmup[i])
-        barrier.wait(TIMEOUT)
-    except Exception as exc:  # noqa: BLE001 - reported by the parent
-        results.put({"slot": slot, "setup_error": f"{type(exc).__name__}: {exc}"})
-        try:
-            barrier.abort()
-        except Exception:  # noqa: BLE001
-            pass
-        return
+        return open_store(job["root"], cache_mb=job["cache_mb"])
+    return None
+
+
+def read_share(job: dict, store, buf: bytearray) -> dict:
+    """A reader's timed share of a pass: files ``slot, slot+step, ...`` of the list."""
+    rels, slot, step, root = job["rels"], job["slot"], job["step"], job["root"]
+    view = memoryview(buf)
     clock = time.perf_counter
     cpu0 = time.process_time()
     lat: list[float] = []
@@ -169,7 +167,7 @@ def _reader(target: Target, rels: Sequence[str], slot: int, step: int, barrier,
         t = clock()
         try:
             if store is None:
-                nbytes += _read_mount(os.path.join(root, rel), buf)
+                nbytes += read_mount(os.path.join(root, rel), buf)
             else:
                 with store.open(rel) as f:
                     while True:
@@ -182,15 +180,11 @@ def _reader(target: Target, rels: Sequence[str], slot: int, step: int, barrier,
             if first_error is None:
                 first_error = f"{rel}: {exc}"
         lat.append(clock() - t)
-    end = clock()
-    results.put({"slot": slot, "lat": lat, "bytes": nbytes, "errors": errors,
-                 "first_error": first_error, "start": start, "end": end,
-                 "cpu": time.process_time() - cpu0})
-    if store is not None:
-        store.close()
+    return {"lat": lat, "bytes": nbytes, "errors": errors, "first_error": first_error,
+            "start": start, "end": clock(), "cpu": time.process_time() - cpu0}
 
 
-# --------------------------------------------------------------------------- a pass
+# --------------------------------------------------------------------------- the pass
 
 
 def mount_pids(mountpoint: str) -> list[int]:
@@ -215,65 +209,34 @@ def run_pass(target: Target, rels: Sequence[str], readers: int,
              warmup: Sequence[str] = ()) -> PassResult:
     """Read ``rels`` (relative to ``target.root``, in this order) with ``readers``
     processes; see the module docstring. ``watch``: a mount point whose processes' CPU is
-    counted (None: none). Raises :class:`PassError` if a reader cannot start or dies; files
-    that fail to read are counted in the result (``errors``, ``first_error``)."""
+    counted (None: none). Raises :class:`PassError` if a reader cannot start, dies or the
+    pass takes longer than ``timeout``; files that fail to read are counted in the result
+    (``errors``, ``first_error``)."""
     from fanstore.process import cpu_seconds
 
     rels = list(rels)
     if not rels:
         raise PassError("nothing to read")
     n = max(1, min(int(readers), len(rels)))
-    ctx = mp.get_context("fork")
-    barrier = ctx.Barrier(n + 1)
-    results = ctx.Queue()
     pids = mount_pids(watch) if watch else []
-    procs = [ctx.Process(target=_reader, args=(target, rels, i, n, barrier, results, list(warmup)),
-                         daemon=True) for i in range(n)]
-    got: list[dict] = []
-    order_s = None
-    # The readers are forked from the caller, whose heap can be large (a selection holds
-    # its sample and every candidate's measurements): a garbage collection in a reader
-    # walks every object it inherited, copying their pages. Frozen objects are not walked,
-    # and the readers collect nothing anyway. Without it, the trials of a selection read
-    # 60,000 small files at 9,000-11,000 files/s, where the same trial from a small
-    # process read them at 17,000-19,000 and the whole set at 15,000-17,000.
-    gc.freeze()
+    group = _Readers(time.monotonic() + timeout, timeout)
     try:
-        for p in procs:
-            p.start()
-        try:
-            barrier.wait(timeout)
-        except Exception:  # noqa: BLE001 - a reader failed to start: its message follows
-            raise PassError(_setup_error(results) or "a reader failed to start") from None
+        for i in range(n):
+            group.start({"reader": target.reader, "root": target.root,
+                         "cache_mb": target.cache_mb, "rels": rels, "slot": i, "step": n,
+                         "warmup": list(warmup)[i::n]})
+        group.collect(READY, "get ready")
         cpu0 = cpu_seconds(pids) if pids else None
         t0 = time.perf_counter()
-        if target.order_to is not None:
-            order_s = _send_order(target, rels)
-        deadline = time.monotonic() + timeout
-        while len(got) < n:
-            try:
-                got.append(results.get(timeout=0.5))
-            except _queue.Empty:
-                if time.monotonic() > deadline:
-                    raise PassError(f"the readers did not finish in {timeout:.0f} s") from None
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise PassError(f"a reader died (exit status {dead[0].exitcode})") from None
+        group.go()
+        order_s = _send_order(target, rels) if target.order_to is not None else None
+        got = [json.loads(body) for body in group.collect(RESULT, "finish")]
         cpu1 = cpu_seconds(pids) if pids else None
     finally:
-        gc.unfreeze()
-        for p in procs:
-            if p.is_alive() and len(got) < n:
-                p.kill()
-            p.join(5)
-        results.close()
-    setup = [r["setup_error"] for r in got if "setup_error" in r]
-    if setup:
-        raise PassError(f"a reader could not start: {setup[0]}")
-    got.sort(key=lambda r: r["slot"])
+        group.close()
     latency = [0.0] * len(rels)
-    for r in got:
-        latency[r["slot"]::n] = r["lat"]
+    for slot, r in enumerate(got):
+        latency[slot::n] = r["lat"]
     start = min([t0] + [r["start"] for r in got])
     seconds = max(max(r["end"] for r in got) - start, 1e-9)
     return PassResult(
@@ -285,12 +248,88 @@ def run_pass(target: Target, rels: Sequence[str], readers: int,
         order_seconds=order_s)
 
 
-def _setup_error(results) -> str | None:
-    try:
-        r = results.get(timeout=5)
-    except _queue.Empty:
-        return None
-    return r.get("setup_error")
+class _Readers:
+    """The reader processes of a pass (``fanstore.select.epochreader``), each with a pipe
+    of its own each way: nothing shared that a dying reader could leave locked, and a
+    reader's death is its pipe closing. Every wait ends by ``deadline`` (``timeout`` seconds
+    after the pass began)."""
+
+    def __init__(self, deadline: float, timeout: float) -> None:
+        self.deadline = deadline
+        self.timeout = timeout
+        self.procs: list[subprocess.Popen] = []
+        self.cmds: list[int] = []
+        self.results: list[int] = []
+
+    def start(self, job: dict) -> None:
+        from fanstore.process import spawn_worker, write_frame
+
+        cmd_r, cmd_w = os.pipe()
+        res_r, res_w = os.pipe()
+        try:
+            proc = spawn_worker("fanstore.select.epochreader", [cmd_r, res_w])
+        finally:
+            os.close(cmd_r)
+            os.close(res_w)
+        self.procs.append(proc)
+        self.cmds.append(cmd_w)
+        self.results.append(res_r)
+        try:
+            write_frame(cmd_w, JOB, json.dumps(job).encode())
+        except BrokenPipeError:
+            raise PassError(self._gone(len(self.procs) - 1)) from None
+
+    def collect(self, kind: int, what: str) -> list[bytes]:
+        """One frame of ``kind`` from every reader, in reader order."""
+        from fanstore.process import read_frame
+
+        out = []
+        for i, fd in enumerate(self.results):
+            left = self.deadline - time.monotonic()
+            ready, _, _ = select.select([fd], [], [], max(0.0, left))
+            if not ready:
+                raise PassError(f"the readers did not {what} in {self.timeout:.0f} s")
+            got = read_frame(fd)
+            if got is None:
+                raise PassError(self._gone(i))
+            if got[0] == FAILED:
+                raise PassError(f"a reader could not start: "
+                                f"{got[1].decode('utf-8', 'replace')}")
+            if got[0] != kind:
+                raise PassError(f"internal error: reader {i} sent frame {got[0]}")
+            out.append(got[1])
+        return out
+
+    def go(self) -> None:
+        from fanstore.process import write_frame
+
+        for i, fd in enumerate(self.cmds):
+            try:
+                write_frame(fd, GO)
+            except BrokenPipeError:
+                raise PassError(self._gone(i)) from None
+
+    def _gone(self, i: int) -> str:
+        try:
+            code = self.procs[i].wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        how = (f"killed by signal {-code}" if code is not None and code < 0 else
+               f"exit status {code}")
+        return f"a reader died ({how})"
+
+    def close(self) -> None:
+        for fd in self.cmds:
+            os.close(fd)  # a reader still waiting for the start ends
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for fd in self.results:
+            os.close(fd)
+        self.procs, self.cmds, self.results = [], [], []
 
 
 def _send_order(target: Target, rels: list[str]) -> float:

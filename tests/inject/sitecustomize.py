@@ -4,7 +4,11 @@ on PYTHONPATH and set ``FANSTORE_TEST_WORKER_FAULT`` to
 - ``stall``: a worker reports one byte of progress, then sleeps (a test can then kill it
   while it holds a partition, however fast or busy the machine);
 - ``segv``: a worker crashes (a read of address 0) as it starts a partition;
-- ``digest-stall``: as ``stall``, in the duplicate search.
+- ``digest-stall``: as ``stall``, in the duplicate search;
+- ``reader-dies`` / ``reader-hangs``: a reader of a measured pass (``fanstore select``)
+  whose target root matches the regular expression ``$FANSTORE_TEST_FAULT_WHERE`` exits
+  with status 9 (what the OOM killer's victim shows as a pid gone) or sleeps, once it has
+  been told to start reading.
 
 A stalled worker first creates the file ``$FANSTORE_TEST_FAULT_MARK.<its pid>`` (when that
 variable is set): the test knows which worker holds a task. Every process started with it
@@ -20,7 +24,8 @@ import sys
 
 _FAULT = os.environ.get("FANSTORE_TEST_WORKER_FAULT", "")
 _TARGETS = {"fanstore.pack.worker": ("pack_partition", ("stall", "segv")),
-            "fanstore.pack.dedup": ("digest_all", ("digest-stall",))}
+            "fanstore.pack.dedup": ("digest_all", ("digest-stall",)),
+            "fanstore.select.epoch": ("read_share", ("reader-dies", "reader-hangs"))}
 
 
 def _fault(progress=None):
@@ -39,6 +44,17 @@ def _fault(progress=None):
     time.sleep(3600)
 
 
+def _reader_fault(real, job, *rest):
+    import re
+    import time
+
+    if not re.search(os.environ.get("FANSTORE_TEST_FAULT_WHERE", "^$"), job["root"]):
+        return real(job, *rest)
+    if _FAULT == "reader-dies":
+        os._exit(9)
+    time.sleep(120)  # the pass's time limit ends it
+
+
 class _Hook(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
         if name not in _TARGETS or _FAULT not in _TARGETS[name][1]:
@@ -53,8 +69,11 @@ class _Hook(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
+            real = getattr(module, attr)
 
             def faulty(first, second=None, *rest):
+                if attr == "read_share":
+                    return _reader_fault(real, first, second, *rest)
                 _fault(second if attr == "pack_partition" else None)
 
             setattr(module, attr, faulty)
