@@ -37,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import select
 import signal
 import socket
 import sys
@@ -187,11 +188,16 @@ def frontend_main(spec_fd: int) -> int:
         return exc.exit_code
     share, ready_fd = start.share, start.ready_fd
     setup_logging(start.debug, sys.stderr, fmt=start.log_format or None)
-    # Die with the daemon: its SIGKILL must not leave an unsupervised mount behind.
+    # End with the daemon, whatever ends it (SIGKILL included): a pidfd on it is watched
+    # while serving (DaemonWatch), and PR_SET_PDEATHSIG sends SIGTERM, which unmounts, for
+    # the moments before that watch runs. Never SIGKILL: the workers and the mount would
+    # outlive this process (issue 44: orphaned workers held the mount and the launcher's
+    # output pipes for good).
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != start.daemon_pid:
         return 1
+    daemon = DaemonWatch(start.daemon_pid)
 
     def report(text: str) -> None:
         try:
@@ -216,7 +222,12 @@ def frontend_main(spec_fd: int) -> int:
             report("ready\n")
             os.close(ready_fd)  # the daemon stops reading here; EOF if we die before
 
-        reason = _serve(start, index, fs, session, on_ready)
+        reason = _serve(start, index, fs, session, on_ready, daemon)
+        if daemon.gone():
+            session.close()  # unmount before the daemon's files go
+            session = None
+            log.error("kernel frontend: %s", daemon.clean_up(share, start.counters_path))
+            return 1
         log.info("kernel frontend: %s", reason)
         return 0
     except FanStoreError as exc:
@@ -247,12 +258,52 @@ def engine_options(spec: MountSpec) -> tuple[engine.MountOptions, engine.InitOpt
     return mount, init
 
 
-def _serve(start: FrontendStart, index, fs: FsOps, session, on_ready) -> str:
+class DaemonWatch:
+    """The node daemon, watched through a pidfd by the supervisor's poll: when it ends,
+    whatever ended it, the mount stops (:meth:`on_gone`), and the frontend removes what
+    the daemon can no longer remove (:meth:`clean_up`)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.fd = os.pidfd_open(pid)
+        os.set_inheritable(self.fd, False)  # not into the forked workers' exec'd children
+        self.session = None
+
+    def gone(self) -> bool:
+        ready, _, _ = select.select([self.fd], [], [], 0)
+        return bool(ready)
+
+    def on_gone(self) -> bool:
+        """The supervisor's watch callback: the daemon has exited; stop serving."""
+        log.warning("kernel frontend: the node's daemon (pid %d) is gone; unmounting",
+                    self.pid)
+        if self.session is not None:
+            self.session.stop()
+        return False
+
+    def clean_up(self, share: NodeShare, counters_path: str) -> str:
+        """After the unmount: the node's index copy and the mount's runtime directory (if
+        its state still names this daemon). Returns the one line to log."""
+        from fanstore import runtime
+
+        runtime.remove_shared(share.index_copy)
+        rundir = os.path.dirname(counters_path)
+        removed = runtime.remove_after_daemon(rundir, self.pid)
+        return (f"the node's daemon (pid {self.pid}) died; unmounted {share.mountpoint}, "
+                f"removed the index copy{' and the runtime directory' if removed else ''}")
+
+
+def _serve(start: FrontendStart, index, fs: FsOps, session, on_ready,
+           daemon: DaemonWatch | None = None) -> str:
     """Serve the mounted session with forked workers or the node's worker ranks, with
-    prefetch mode's order relay and shared window when asked."""
+    prefetch mode's order relay and shared window when asked, until it is unmounted,
+    stopped, or the node's ``daemon`` is gone."""
     share = start.share
     window = relay = None
     watch: dict[int, Any] = {}
+    if daemon is not None:
+        daemon.session = session
+        watch[daemon.fd] = daemon.on_gone
     if share.spec.prefetch:  # (the start holds the order channel and the window then)
         from fanstore.fuse.kernelfs.orders import OrderRelay
         from fanstore.read.window import SharedWindow
