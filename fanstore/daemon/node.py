@@ -37,17 +37,18 @@ from fanstore.daemon import nodestats
 from fanstore.daemon import placement as pl
 from fanstore.daemon import protocol as P
 from fanstore.daemon.jobenv import node_name, substitute
+from fanstore.daemon import launcher
 from fanstore.daemon.launcher import launcher_alive, shim_gone
 from fanstore.daemon.nodeend import NodeEnd
 from fanstore.daemon.nodegroup import LeaderSide
-from fanstore.daemon.peerwatch import PeerWatch, dead_in
+from fanstore.daemon.peerwatch import PeerWatch, dead_in, lost_partitions
 from fanstore.daemon.replicas import decide as decide_replicas
-from fanstore.process import release_free_memory
+from fanstore.process import pid_alive, release_free_memory
 from fanstore.daemon.routing import PeerSource
 from fanstore.daemon.service import OWNER_OPS
 from fanstore.daemon.world import World
 from fanstore.errors import FanStoreError, FormatError, MountError
-from fanstore.frontend import FrontendFactory, MountContext
+from fanstore.frontend import UNMOUNTED, FrontendFactory, MountContext
 from fanstore.mountspec import MountSpec, NodeShare
 from fanstore.namespace import Namespace
 from fanstore.read import ChunkReader, LocalPartitions, ReadStats, RoutedSource
@@ -104,6 +105,12 @@ class Node(NodeEnd):
                                spec.remote_timeout, self.who, alive=launcher_alive)
         self._serving = threading.Event()
         self._sig_r = self._sig_w = -1
+        self.table: list[list[int]] | None = None  # placement: partition -> nodes
+        #: the nodes this one has found dead while serving (each acted on once)
+        self.known_dead: set[int] = set()
+        self._shim_lost = False  # the launcher ended this rank's hydra shim
+        #: the status this node exits with: 1 once a death ended the job
+        self.exit_status = 0
 
     # ------------------------------------------------------------------ signals
     def catch_signals(self) -> None:
@@ -187,6 +194,57 @@ class Node(NodeEnd):
                     for r in self.peers.ranks_of(dead):
                         self.peers.mark_dead(r, "node 0 found its node dead")
             self.peers.done.update(n for n in range(self.size) if n != self.rank)
+
+    def end_job(self, reason: str) -> None:
+        """A process of the job died: stop every node, naming it (one error line)."""
+        if self.stopping is None:
+            log.error("%s: ending the job on every node: %s", self.who, reason)
+        self.exit_status = 1
+        self.request_stop(reason, everywhere=self.world.is_mpi)
+
+    def check_deaths(self) -> None:
+        """While serving (the probe thread, every second): act on what died.
+
+        - one of this node's worker ranks: the job ends on every node;
+        - this rank's hydra shim (the launcher ended it: a process of the job died, or the
+          launcher was told to stop and cleaned up with SIGKILL, which no longer reaches
+          this daemon): probe every node at once;
+        - another node (every rank of it marked dead, confirmed by a second ping): the job
+          ends on every node, naming it, when a partition has no live holder left;
+          with ``--replicas`` covering it, the node goes on serving (logged once);
+        - the shim gone with no node dead: the launcher stopped the job, so it ends.
+        """
+        if self.stopping is not None:
+            return
+        if self.job is not None:
+            for rank, pid in zip(self.job.workers_of(self.job.node), self.group.worker_pids):
+                if not pid_alive(pid):
+                    self.end_job(f"node {self.rank}: its worker rank {rank} (pid {pid}) died")
+                    return
+        if not self._shim_lost and shim_gone():
+            self._shim_lost = True
+            log.warning("%s: the MPI launcher ended this rank's process (shim pid %s); "
+                        "probing every node", self.who, launcher.shim_pid)
+            self.watch.probe()
+        if self.peers is None or self.table is None:
+            return
+        new = [n for n in self.peers.dead_nodes() if n not in self.known_dead]
+        if new:
+            self.watch.probe(only_dead=True)  # a busy node answers now and is revived
+            new = [n for n in self.peers.dead_nodes() if n not in self.known_dead]
+        if new:
+            self.known_dead.update(new)
+            names = ", ".join(f"node {n}" for n in new)
+            lost = lost_partitions(self.table, self.known_dead)
+            if lost:
+                self.end_job(f"{names} died (no answer to pings); {len(lost)} partitions "
+                             "have no live copy")
+                return
+            log.warning("%s: %s died (no answer to pings); its partitions are served from "
+                        "replicas", self.who, names)
+        if self._shim_lost and not self.known_dead:
+            self.end_job("the MPI launcher ended the job (this rank's shim is gone and "
+                         "every node answers)")
 
     def _send_shutdown(self, ranks: list[int], reason: str) -> None:
         # In a thread: the caller may be a frontend or the transport's own thread, which
@@ -273,10 +331,15 @@ class Node(NodeEnd):
                 on_ready()
             self._serving.set()
             if self.world.is_mpi:
-                threading.Thread(target=self.watch.watch, args=(self._serving, self.request_stop),
+                threading.Thread(target=self.watch.watch,
+                                 args=(self._serving, self.request_stop, self.check_deaths),
                                  name="fanstore-probe", daemon=True).start()
             reason = self.frontend.serve()
             self._serving.clear()
+            if self.stopping is None and reason != UNMOUNTED:
+                # the frontend died (SIGKILL, a crash): not this node's own stop, so the
+                # job ends on every node, as for a dead daemon
+                self.end_job(f"node {self.rank}: {reason}")
             if self.stopping is None:
                 self.stopping = reason
             log.info("%s: unmounted (%s)", self.who, self.stopping)
@@ -298,7 +361,7 @@ class Node(NodeEnd):
         self._cleanup()
         self._finish_mpi(clean)
         self.runtime.write_state(phase="stopped")
-        return 0
+        return self.exit_status
 
     def _start(self, early: FanStoreError | None = None):
         """Index, placement, staging and the node's index copy: each node's own work,
@@ -373,6 +436,7 @@ class Node(NodeEnd):
                                     ranks_of=self.job.servers_of if self.job else None,
                                     me=self.job.rank if self.job else None)
             self.watch.attach(self.transport, self.peers)
+        self.table = table
         reader = ChunkReader(index, RoutedSource(self.parts, self.peers),
                              cache_bytes=spec.cache_mb << 20, stats=self.stats)
         self.stats.extra.update(nodestats.static_stats(self, index, mine))

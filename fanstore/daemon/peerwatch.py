@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 DRAIN_GRACE = 2.0
 #: Seconds between probes of peers marked dead while serving.
 PROBE_INTERVAL = 5.0
+#: Seconds between the serving node's checks of what died (its shim, its worker ranks,
+#: peers marked dead): a death is acted on within this plus a ping's timeout.
+CHECK_INTERVAL = 1.0
 
 
 class PeerWatch:
@@ -63,20 +66,28 @@ class PeerWatch:
             self.everyone = True
         self.now.set()
 
-    def watch(self, serving: threading.Event, request_stop: Callable[[str], None]) -> None:
+    def watch(self, serving: threading.Event, request_stop: Callable[[str], None],
+              check: Callable[[], None] = lambda: None) -> None:
         """While ``serving``: re-probe unreachable peers every few seconds, probe every peer
-        when the launcher reports a dead process, stop if the launcher is gone."""
+        when the launcher reports a dead process, stop if the launcher is gone; ``check()``
+        (the node's verdict on what died: fanstore.daemon.node) runs every
+        ``CHECK_INTERVAL`` seconds and after every probe."""
+        last_probe = time.monotonic()
         while serving.is_set():
             if not self.alive():
                 request_stop("the MPI launcher is gone")
                 return
-            self.now.wait(PROBE_INTERVAL)
+            check()
+            alarmed = self.now.wait(CHECK_INTERVAL)
             if not serving.is_set():
                 return
+            if not alarmed and time.monotonic() - last_probe < PROBE_INTERVAL:
+                continue
             everyone = self.now.is_set() and self.everyone
             self.now.clear()
             self.everyone = False
             self.probe(only_dead=not everyone)
+            last_probe = time.monotonic()
 
     def probe(self, only_dead: bool = False, deadline: float | None = None) -> None:
         """Ping the ranks of the other nodes (only those marked dead, or all); no ping
@@ -170,3 +181,9 @@ def dead_in(reason: str) -> list[int]:
     if not reason.startswith("dead "):
         return []
     return [int(x) for x in reason[5:].split() if x.isdigit()]
+
+
+def lost_partitions(table, dead: set[int]) -> list[int]:
+    """The partitions of placement ``table`` (partition -> the nodes holding it) whose
+    every holder is in ``dead``: data no live node can serve."""
+    return [p for p, holders in enumerate(table) if holders and set(holders) <= dead]

@@ -26,7 +26,7 @@ import numpy as np
 from fanstore import strictjson
 from fanstore.errors import FanStoreError, MountError
 from fanstore.format.index import KIND_FILE
-from fanstore.frontend import MountContext
+from fanstore.frontend import UNMOUNTED, MountContext
 from fanstore.fuse.engine import RequestCounters
 from fanstore.fuse.kernelfs.start import FrontendStart
 from fanstore.fuse.kernelfs.stats import summed_stats
@@ -131,7 +131,7 @@ class KernelFrontend:
         if self._reason is not None:
             return self._reason
         if code == 0:
-            return "unmounted from outside"
+            return UNMOUNTED
         why = f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
         log.error("%s: the kernel frontend ended with %s", self.ctx.mountpoint, why)
         return f"the kernel frontend failed ({why})"
