@@ -41,7 +41,8 @@ from fanstore.daemon import launcher
 from fanstore.daemon.launcher import launcher_alive, shim_gone
 from fanstore.daemon.nodeend import NodeEnd
 from fanstore.daemon.nodegroup import LeaderSide
-from fanstore.daemon.peerwatch import PeerWatch, dead_in, lost_partitions
+from fanstore.daemon.peerwatch import (PeerWatch, dead_in, death_reason, is_death,
+                                       lost_partitions)
 from fanstore.daemon.replicas import decide as decide_replicas
 from fanstore.process import pid_alive, release_free_memory
 from fanstore.daemon.routing import PeerSource
@@ -181,6 +182,8 @@ class Node(NodeEnd):
         if msg.kind == P.Control.SHUTDOWN:
             log.info("node %d asks every node to stop: %s", node, msg.reason)
             self.job_stopping = True
+            if is_death(msg.reason):
+                self.exit_status = 1  # a rank is dead: no MPI_Finalize (it would wait)
             if self.rank == 0 and not self._relayed:  # node 0 tells every node, once
                 self._relayed = True
                 self._send_shutdown([r for r in self.watch.others if r != msg.rank],
@@ -200,7 +203,15 @@ class Node(NodeEnd):
         if self.stopping is None:
             log.error("%s: ending the job on every node: %s", self.who, reason)
         self.exit_status = 1
-        self.request_stop(reason, everywhere=self.world.is_mpi)
+        self.request_stop(death_reason(reason), everywhere=self.world.is_mpi)
+
+    def _dead_worker(self) -> str | None:
+        """Why this node's worker ranks cannot go on: one of them has died."""
+        if self.job is not None:
+            for rank, pid in zip(self.job.workers_of(self.job.node), self.group.worker_pids):
+                if not pid_alive(pid):
+                    return f"worker rank {rank} (pid {pid}) of node {self.rank} died"
+        return None
 
     def check_deaths(self) -> None:
         """While serving (the probe thread, every second): act on what died.
@@ -216,11 +227,10 @@ class Node(NodeEnd):
         """
         if self.stopping is not None:
             return
-        if self.job is not None:
-            for rank, pid in zip(self.job.workers_of(self.job.node), self.group.worker_pids):
-                if not pid_alive(pid):
-                    self.end_job(f"node {self.rank}: its worker rank {rank} (pid {pid}) died")
-                    return
+        dead_worker = self._dead_worker()
+        if dead_worker:
+            self.end_job(dead_worker)
+            return
         if not self._shim_lost and shim_gone():
             self._shim_lost = True
             log.warning("%s: the MPI launcher ended this rank's process (shim pid %s); "
@@ -243,8 +253,8 @@ class Node(NodeEnd):
             log.warning("%s: %s died (no answer to pings); its partitions are served from "
                         "replicas", self.who, names)
         if self._shim_lost and not self.known_dead:
-            self.end_job("the MPI launcher ended the job (this rank's shim is gone and "
-                         "every node answers)")
+            self.end_job(f"the MPI launcher ended rank {self.rank}'s process (its shim); "
+                         "every node answers")
 
     def _send_shutdown(self, ranks: list[int], reason: str) -> None:
         # In a thread: the caller may be a frontend or the transport's own thread, which
@@ -337,9 +347,9 @@ class Node(NodeEnd):
             reason = self.frontend.serve()
             self._serving.clear()
             if self.stopping is None and reason != UNMOUNTED:
-                # the frontend died (SIGKILL, a crash): not this node's own stop, so the
-                # job ends on every node, as for a dead daemon
-                self.end_job(f"node {self.rank}: {reason}")
+                # the frontend died (SIGKILL, a crash; or it lost its worker ranks): not
+                # this node's own stop, so the job ends on every node, as for a dead daemon
+                self.end_job(self._dead_worker() or reason)
             if self.stopping is None:
                 self.stopping = reason
             log.info("%s: unmounted (%s)", self.who, self.stopping)
@@ -355,7 +365,9 @@ class Node(NodeEnd):
             self._finish_mpi(clean)
             raise
         self._drain()
-        clean = not (self.peers and self.peers.dead) and not self.drain_incomplete
+        # (a job ended by a death has a dead rank that no finalize would wait for)
+        clean = not (self.peers and self.peers.dead) and not self.drain_incomplete \
+            and not self.exit_status
         # the worker ranks stop serving peers and finalize with us (not if one is gone)
         clean = self.group.exit(clean) and clean
         self._cleanup()

@@ -187,3 +187,17 @@ def lost_partitions(table, dead: set[int]) -> list[int]:
     """The partitions of placement ``table`` (partition -> the nodes holding it) whose
     every holder is in ``dead``: data no live node can serve."""
     return [p for p, holders in enumerate(table) if holders and set(holders) <= dead]
+
+
+#: how a SHUTDOWN's reason says that a process of the job died (relays prefix "node N: ")
+DEATH = "a process of the job died: "
+
+
+def death_reason(text: str) -> str:
+    """A SHUTDOWN reason saying a process of the job died (the ranks that get it exit
+    without MPI_Finalize, which would wait for the dead one)."""
+    return DEATH + text
+
+
+def is_death(reason: str) -> bool:
+    return DEATH in reason

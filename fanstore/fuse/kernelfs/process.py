@@ -270,6 +270,11 @@ class DaemonWatch:
         self.session = None
 
     def gone(self) -> bool:
+        # The parent check first: PDEATHSIG's SIGTERM comes once we are reparented, which
+        # can be before the pidfd reports the exit (seen: a SIGTERM-stopped session whose
+        # daemon's pidfd was not readable yet, and its runtime directory left).
+        if os.getppid() != self.pid:
+            return True
         ready, _, _ = select.select([self.fd], [], [], 0)
         return bool(ready)
 
