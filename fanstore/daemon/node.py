@@ -220,7 +220,7 @@ class Node(NodeEnd):
         - this rank's hydra shim (the launcher ended it: a process of the job died, or the
           launcher was told to stop and cleaned up with SIGKILL, which no longer reaches
           this daemon): probe every node at once;
-        - another node (every rank of it marked dead, confirmed by a second ping): the job
+        - another node (every rank of it marked dead, by a ping or confirmed by one): the job
           ends on every node, naming it, when a partition has no live holder left;
           with ``--replicas`` covering it, the node goes on serving (logged once);
         - the shim gone with no node dead: the launcher stopped the job, so it ends.
@@ -239,8 +239,9 @@ class Node(NodeEnd):
         if self.peers is None or self.table is None:
             return
         new = [n for n in self.peers.dead_nodes() if n not in self.known_dead]
-        if new:
-            self.watch.probe(only_dead=True)  # a busy node answers now and is revived
+        if any(r not in self.watch.pinged_dead for n in new for r in self.peers.ranks_of(n)):
+            # marked dead by a read that timed out: ping first (a busy node answers now)
+            self.watch.probe(only_dead=True)
             new = [n for n in self.peers.dead_nodes() if n not in self.known_dead]
         if new:
             self.known_dead.update(new)

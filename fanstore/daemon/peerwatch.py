@@ -55,6 +55,9 @@ class PeerWatch:
         #: DONE was sent to every node directly (node 0 is dead: nobody relays)
         self.direct = False
         self.everyone = False
+        #: ranks a ping of ours found dead (not only a read that timed out): no need to
+        #: ping them again before acting on their death
+        self.pinged_dead: set[int] = set()
 
     def attach(self, transport, peers) -> None:
         self.transport = transport
@@ -108,6 +111,7 @@ class PeerWatch:
                         return
                 if self.transport.ping(r, wait):
                     self.peers.revive(r)
+                    self.pinged_dead.discard(r)
                 elif node in self.peers.done:
                     # it said DONE while we waited: its ranks stopped serving on purpose
                     # (a rank that ends its service does not answer pings; not a death)
@@ -116,6 +120,7 @@ class PeerWatch:
                     return  # cut short by the deadline: no verdict
                 else:
                     self.peers.mark_dead(r, f"no answer to a ping within {timeout:g} s")
+                    self.pinged_dead.add(r)
 
     def say_done(self) -> None:
         """Tell node 0 that this node has unmounted (DONE); node 0 tells every node once
