@@ -258,6 +258,10 @@ def engine_options(spec: MountSpec) -> tuple[engine.MountOptions, engine.InitOpt
     return mount, init
 
 
+#: seconds the frontend waits for a daemon that is dying to have exited
+EXIT_WAIT = 5.0
+
+
 class DaemonWatch:
     """The node daemon, watched through a pidfd by the supervisor's poll: when it ends,
     whatever ended it, the mount stops (:meth:`on_gone`), and the frontend removes what
@@ -291,6 +295,9 @@ class DaemonWatch:
         its state still names this daemon). Returns the one line to log."""
         from fanstore import runtime
 
+        # Reparented (PDEATHSIG) comes before the daemon is a zombie: until it is, its
+        # state names a live process, and the directory would be left (seen, 1 run of 2)
+        select.select([self.fd], [], [], EXIT_WAIT)
         runtime.remove_shared(share.index_copy)
         rundir = os.path.dirname(counters_path)
         removed = runtime.remove_after_daemon(rundir, self.pid)
