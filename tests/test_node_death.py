@@ -183,10 +183,10 @@ def wait_until_deadline(pred, deadline: float, interval: float = 0.2) -> bool:
         time.sleep(interval)
 
 
-def test_a_read_of_the_dead_nodes_data_is_eio_not_a_hang(dataset, tmp_path):
+def test_a_read_of_the_dead_nodes_data_fails_not_hangs(dataset, tmp_path):
     """``--remote-timeout 3``: a read, on node 0, of a file only node 1 held, started right
-    after node 1's daemon is SIGKILLed, fails with EIO within the timeout (plus the
-    reader's own start), before the job ends."""
+    after node 1's daemon is SIGKILLed, fails within the timeout (plus slack): EIO, or the
+    mount's end when the job's end (a 3 s ping) comes first; then the job ends."""
     src, store, sizes = dataset
     from fanstore.daemon.placement import owners
 
@@ -207,7 +207,7 @@ def test_a_read_of_the_dead_nodes_data_is_eio_not_a_hang(dataset, tmp_path):
         except OSError as exc:
             got = exc.errno
         took = time.monotonic() - t0
-        assert got in (errno.EIO, errno.ENOENT, errno.ENOTCONN), got
+        assert got in (errno.EIO, errno.ENOENT, errno.ENOTCONN, errno.ECONNABORTED), got
         assert took < 3 + 10, took
         assert wait_until_deadline(
             lambda: job.proc.poll() is not None and not any(job_leftovers(job, before).values()),

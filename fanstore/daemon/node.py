@@ -17,6 +17,13 @@
    :mod:`fanstore.daemon.peerwatch`); MPI_Finalize is called only when no peer died
    (finalizing with a dead peer hangs or aborts): ``skip_finalize`` tells the caller to
    exit without it.
+6. A death while serving (:meth:`Node.check_deaths`, every second): a node whose every
+   rank is dead ends the job on every node, named, when a partition has no live holder
+   left (with ``--replicas`` covering it the others go on serving); a dead worker rank of
+   this node, a frontend that died, or this rank's hydra shim ended by the launcher with
+   every node alive end the job too. The dead node's frontend cleans up after its daemon
+   (:mod:`fanstore.fuse.kernelfs.process`). docs/reliability.md, "A process of a serving
+   job killed".
 
 The node knows nothing of FUSE: it is given a frontend factory (:mod:`fanstore.frontend`).
 """
@@ -110,6 +117,9 @@ class Node(NodeEnd):
         #: the nodes this one has found dead while serving (each acted on once)
         self.known_dead: set[int] = set()
         self._shim_lost = False  # the launcher ended this rank's hydra shim
+        #: the launcher said a process of the job died (hydra's SIGUSR1, or our shim
+        #: ended): only then is a node that does not answer taken for dead, not hung
+        self.launcher_saw_death = False
         #: the status this node exits with: 1 once a death ended the job
         self.exit_status = 0
 
@@ -146,6 +156,7 @@ class Node(NodeEnd):
                         self.peer_died = True
                         continue
                     log.warning("the MPI launcher reports a dead process; probing peers")
+                    self.launcher_saw_death = True
                     self.watch.alarm(everyone=True)
                     continue
                 self.terminated = signum
@@ -220,9 +231,11 @@ class Node(NodeEnd):
         - this rank's hydra shim (the launcher ended it: a process of the job died, or the
           launcher was told to stop and cleaned up with SIGKILL, which no longer reaches
           this daemon): probe every node at once;
-        - another node (every rank of it marked dead, by a ping or confirmed by one): the job
-          ends on every node, naming it, when a partition has no live holder left;
-          with ``--replicas`` covering it, the node goes on serving (logged once);
+        - another node (every rank of it marked dead, by a ping or confirmed by one), once
+          the launcher has said a process died (SIGUSR1, or the shim gone; without that it
+          may be hung, and is re-probed and revived when it answers again): the job ends
+          on every node, naming it, when a partition has no live holder left; with
+          ``--replicas`` covering it, the node goes on serving (logged once);
         - the shim gone with no node dead: the launcher stopped the job, so it ends.
         """
         if self.stopping is not None:
@@ -233,11 +246,12 @@ class Node(NodeEnd):
             return
         if not self._shim_lost and shim_gone():
             self._shim_lost = True
+            self.launcher_saw_death = True
             log.warning("%s: the MPI launcher ended this rank's process (shim pid %s); "
                         "probing every node", self.who, launcher.shim_pid)
             self.watch.probe()
-        if self.peers is None or self.table is None:
-            return
+        if self.peers is None or self.table is None or not self.launcher_saw_death:
+            return  # a node that does not answer may be hung: EIO, re-probed, revived
         new = [n for n in self.peers.dead_nodes() if n not in self.known_dead]
         if any(r not in self.watch.pinged_dead for n in new for r in self.peers.ranks_of(n)):
             # marked dead by a read that timed out: ping first (a busy node answers now)

@@ -5,8 +5,9 @@ The daemon never forks after MPI_Init: :meth:`KernelFrontend.mount` starts the f
 process (:mod:`fanstore.fuse.kernelfs.process`) with ``subprocess`` (fork + exec at once, the
 environment cleaned of PMI variables), hands it a :class:`~fanstore.fuse.kernelfs.start.
 FrontendStart` (the node's share of the mount, as it is) through a pipe and waits for
-"ready" (or the error) on another. The frontend process and its workers die with the daemon
-(PR_SET_PDEATHSIG).
+"ready" (or the error) on another. The frontend process ends with the daemon and cleans up
+after it (``process.DaemonWatch``); if the frontend dies first, :meth:`KernelFrontend.serve`
+says so and the node ends the job (fanstore.daemon.node).
 """
 
 from __future__ import annotations

@@ -15,11 +15,13 @@ Process model (one node)::
                                                      for other nodes' chunks (NodeSource)
 
 The daemon never forks after MPI_Init: it starts this process with ``subprocess`` (fork +
-exec at once), and this process, which never initialises MPI, forks the workers. It and its
-workers die with the daemon (PR_SET_PDEATHSIG: SIGKILL of the daemon leaves a stale mount
-that the next ``fanstore mount`` or ``umount`` cleans, exactly as with the pyfuse3
-frontend); SIGTERM to it unmounts and stops every worker; an unmount from outside ends them
-all. With worker ranks (:mod:`fanstore.workerrank`) it forks none: the ranks join it through
+exec at once), and this process, which never initialises MPI, forks the workers. It ends
+with the daemon, whatever ends the daemon (:class:`DaemonWatch`: a pidfd in the supervisor's
+poll, PR_SET_PDEATHSIG(SIGTERM) as a backstop): it unmounts, its workers end, and it removes
+the node's index copy and the mount's runtime directory, logging one line (issue 44: with
+PDEATHSIG(SIGKILL) its forked workers outlived it, holding the mount and the launcher's
+output pipes). SIGTERM to it unmounts and stops every worker; an unmount from outside ends
+them all. With worker ranks (:mod:`fanstore.workerrank`) it forks none: the ranks join it through
 the handoff socket and serve with :func:`serve_worker`.
 
 What the kernel is offered (see :mod:`fanstore.fuse.engine`): zero-message open and opendir,
