@@ -213,9 +213,27 @@ def job_leftovers(job: MpiJob, before: dict[str, set[str]], exclude=()) -> dict[
     return {
         "processes": [p for p in job_pids(job.tmp) if p not in set(exclude)],
         "mounts": [r for r in range(job.ranks) if is_mounted(job.mnt(r))],
-        "runtime_dirs": sorted(now["runtime_dirs"] - before["runtime_dirs"]),
+        "runtime_dirs": [_described(n) for n in sorted(now["runtime_dirs"]
+                                                       - before["runtime_dirs"])],
         "copies": sorted(now["copies"] - before["copies"]),
     }
+
+
+def _described(name: str) -> str:
+    """A runtime directory's name with what its state says (rank, pid, phase, error) and
+    its files, for a failing test's message."""
+    path = os.path.join(os.environ.get("FANSTORE_RUNTIME_DIR", ""), name)
+    try:
+        with open(os.path.join(path, "state.json")) as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        state = {}
+    keep = {k: state[k] for k in ("rank", "pid", "phase", "error") if k in state}
+    try:
+        files = sorted(os.listdir(path))
+    except OSError:
+        files = []
+    return f"{name} {keep} {files}"
 
 
 def read_tree_bytes(src: Path, mnt: Path) -> tuple[int, list[str], list[str]]:

@@ -211,7 +211,7 @@ def test_a_read_of_the_dead_nodes_data_fails_not_hangs(dataset, tmp_path):
         assert took < 3 + 10, took
         assert wait_until_deadline(
             lambda: job.proc.poll() is not None and not any(job_leftovers(job, before).values()),
-            t0 + END_WITHIN), job_leftovers(job, before)
+            t0 + END_WITHIN), (job_leftovers(job, before), job.output()[-4000:])
         print(f"\nread of a file only node {VICTIM} held: {errno.errorcode.get(got)} after "
               f"{took:.1f} s")
     finally:
