@@ -16,12 +16,13 @@ Process model (one node)::
 
 The daemon never forks after MPI_Init: it starts this process with ``subprocess`` (fork +
 exec at once), and this process, which never initialises MPI, forks the workers. It ends
-with the daemon, whatever ends the daemon (:class:`DaemonWatch`: a pidfd in the supervisor's
-poll, PR_SET_PDEATHSIG(SIGTERM) as a backstop): it unmounts, its workers end, and it removes
-the node's index copy and the mount's runtime directory, logging one line (issue 44: with
-PDEATHSIG(SIGKILL) its forked workers outlived it, holding the mount and the launcher's
-output pipes). SIGTERM to it unmounts and stops every worker; an unmount from outside ends
-them all. With worker ranks (:mod:`fanstore.workerrank`) it forks none: the ranks join it through
+with the daemon, whatever ends the daemon (:class:`DaemonWatch`: a pidfd in the
+supervisor's poll, and PR_SET_PDEATHSIG with a signal of its own): it unmounts, its
+workers end, and it removes the node's index copy and the mount's runtime directory,
+logging one line (issue 44: with PDEATHSIG(SIGKILL) its forked workers outlived it, holding
+the mount and the launcher's output pipes). SIGTERM to it unmounts and stops every worker;
+an unmount from outside ends them all. With worker ranks (:mod:`fanstore.workerrank`) it
+forks none: the ranks join it through
 the handoff socket and serve with :func:`serve_worker`.
 
 What the kernel is offered (see :mod:`fanstore.fuse.engine`): zero-message open and opendir,
@@ -191,15 +192,14 @@ def frontend_main(spec_fd: int) -> int:
     share, ready_fd = start.share, start.ready_fd
     setup_logging(start.debug, sys.stderr, fmt=start.log_format or None)
     # End with the daemon, whatever ends it (SIGKILL included): a pidfd on it is watched
-    # while serving (DaemonWatch), and PR_SET_PDEATHSIG sends SIGTERM, which unmounts, for
-    # the moments before that watch runs. Never SIGKILL: the workers and the mount would
-    # outlive this process (issue 44: orphaned workers held the mount and the launcher's
-    # output pipes for good).
+    # while serving, and PR_SET_PDEATHSIG sends DaemonWatch.SIGNAL (see there). Never
+    # SIGKILL: the workers and the mount would outlive this process (issue 44: orphaned
+    # workers held the mount and the launcher's output pipes for good).
+    daemon = DaemonWatch(start.daemon_pid)
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    libc.prctl(_PR_SET_PDEATHSIG, DaemonWatch.SIGNAL)
     if os.getppid() != start.daemon_pid:
         return 1
-    daemon = DaemonWatch(start.daemon_pid)
 
     def report(text: str) -> None:
         try:
@@ -265,21 +265,32 @@ EXIT_WAIT = 5.0
 
 
 class DaemonWatch:
-    """The node daemon, watched through a pidfd by the supervisor's poll: when it ends,
-    whatever ended it, the mount stops (:meth:`on_gone`), and the frontend removes what
-    the daemon can no longer remove (:meth:`clean_up`)."""
+    """The node daemon, watched through a pidfd by the supervisor's poll and by
+    PR_SET_PDEATHSIG: when it ends, whatever ended it, the mount stops (:meth:`on_gone`),
+    and the frontend removes what the daemon can no longer remove (:meth:`clean_up`).
+
+    PDEATHSIG is a signal of its own (``SIGNAL``), not SIGTERM: it fires when the daemon's
+    *thread* that started us exits, which under SIGKILL can be before the daemon is
+    reparented away from us or its pidfd readable; a SIGTERM then looked like the daemon's
+    own "stop" and the dead daemon's runtime directory was left (1 run of ~12)."""
+
+    SIGNAL = signal.SIGUSR2
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.fd = os.pidfd_open(pid)
         os.set_inheritable(self.fd, False)  # not into the forked workers' exec'd children
         self.session = None
+        self.signalled = False
+        signal.signal(self.SIGNAL, self._on_signal)
+
+    def _on_signal(self, _signum, _frame) -> None:
+        self.signalled = True
+        if self.session is not None:
+            self.session.stop()  # signal-safe
 
     def gone(self) -> bool:
-        # The parent check first: PDEATHSIG's SIGTERM comes once we are reparented, which
-        # can be before the pidfd reports the exit (seen: a SIGTERM-stopped session whose
-        # daemon's pidfd was not readable yet, and its runtime directory left).
-        if os.getppid() != self.pid:
+        if self.signalled or os.getppid() != self.pid:
             return True
         ready, _, _ = select.select([self.fd], [], [], 0)
         return bool(ready)
@@ -297,9 +308,12 @@ class DaemonWatch:
         its state still names this daemon). Returns the one line to log."""
         from fanstore import runtime
 
-        # Reparented (PDEATHSIG) comes before the daemon is a zombie: until it is, its
-        # state names a live process, and the directory would be left (seen, 1 run of 2)
-        select.select([self.fd], [], [], EXIT_WAIT)
+        # PDEATHSIG comes before the daemon is a zombie: until it is, its state names a
+        # live process, and the directory would be left (seen, 1 run of 2)
+        ready, _, _ = select.select([self.fd], [], [], EXIT_WAIT)
+        if not ready and os.getppid() == self.pid:  # its thread ended, not the daemon
+            return (f"the node's daemon (pid {self.pid}) still runs after the end of the "
+                    f"thread that started this frontend; unmounted {share.mountpoint}")
         runtime.remove_shared(share.index_copy)
         rundir = os.path.dirname(counters_path)
         removed = runtime.remove_after_daemon(rundir, self.pid)
