@@ -92,15 +92,32 @@ class DeathBench(h.Bench):
             time.sleep(0.1)
             left = leftovers(job, rundir, shm)
         took = time.monotonic() - t0
+        try:  # (the last check may have seen mpiexec exit after its poll)
+            job.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
         out = job.output()
         row = {"nodes": nodes, "fault": fault, "rep": rep, "ready_s": job.ready_seconds,
                "gone_s": None if any(left.values()) else took,
                "left": {k: len(v) for k, v in left.items() if v},
-               "named": f"node {VICTIM}" in out or f"fanstore[node {VICTIM}/" in out,
+               "named": named(out, what, nodes),
                "mpiexec_status": job.proc.returncode}
         h.log(f"{tag}: {'nothing left after %.1f s' % took if row['gone_s'] else left}")
         self.emit(row)
         job.stop()
+
+
+def named(out: str, what: str, nodes: int) -> bool:
+    """Whether the job's log names node 1 as the one whose process died (every line of
+    node 1 carries "fanstore[node 1/N]": that alone says nothing)."""
+    mine = f"fanstore[node {VICTIM}/{nodes}] ERROR: "
+    if what == "daemon":
+        return f"node {VICTIM} died" in out or f"{mine}kernel frontend: the node's daemon" in out
+    if what == "shim":
+        return f"the MPI launcher ended rank {VICTIM}'s process" in out
+    if what == "frontend":
+        return f"{mine}rank {VICTIM} (" in out and "the kernel frontend failed" in out
+    return f"of node {VICTIM} died" in out
 
 
 def victim(job: h.Job, what: str, rundir: str) -> int:
