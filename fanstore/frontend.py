@@ -45,6 +45,12 @@ class MountContext:
         return self.share.spec
 
 
+#: what :meth:`Frontend.serve` returns when the mount was removed from outside (``umount``,
+#: ``fusermount3 -u``): this node's own stop; any other end nobody asked for is a failure
+#: that ends the job on every node (fanstore.daemon.node)
+UNMOUNTED = "unmounted from outside"
+
+
 class Frontend(Protocol):
     def mount(self) -> None:
         """Mount the file system (not yet serving); MountError on failure."""

@@ -283,6 +283,17 @@ def sweep_dead() -> list[str]:
     return removed
 
 
+def remove_after_daemon(path: str, daemon_pid: int) -> bool:
+    """Remove the mount directory ``path`` of a daemon that is gone (its kernel frontend
+    outlived it: fanstore.fuse.kernelfs.process): only when its state still names
+    ``daemon_pid`` and that daemon no longer runs (a new daemon of the same mount point
+    may have taken the directory over). Returns whether it is gone."""
+    state = _read_state_file(os.path.join(path, "state.json"))
+    if state is not None and (state.get("pid") != daemon_pid or _still_running(state)):
+        return False
+    return _remove_mount_dir(path)
+
+
 def _sweep_mount_dirs(root: str) -> list[str]:
     try:
         safeio.private_dir(root, create=False)

@@ -480,6 +480,18 @@ def process_tree(pid: int) -> list[int]:
     return descendants(pid)
 
 
+def kill_tree(pid: int) -> list[int]:
+    """SIGKILL ``pid`` and every process below it at once (what the OOM killer or a job's
+    cgroup does to a whole mount): each is stopped first, so that none acts on another's
+    death (a kernel frontend cleans up after a daemon that dies alone). Returns the pids."""
+    pids = process_tree(pid)
+    for p in pids:
+        os.kill(p, signal.SIGSTOP)
+    for p in pids:
+        os.kill(p, signal.SIGKILL)
+    return pids
+
+
 def pid_alive(pid: int | None) -> bool:
     from fanstore import process
 

@@ -169,6 +169,73 @@ class MpiJob:
         self.stop()
 
 
+def job_pids(tmp) -> list[int]:
+    """Live processes whose command line names a path under ``tmp`` (a job's daemons,
+    shims, worker ranks, kernel-frontend processes and its ``mpiexec``)."""
+    found = []
+    needle = os.fsencode(os.fspath(tmp))
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv = f.read()
+        except OSError:
+            continue
+        if needle in argv and pid_alive(int(name)):
+            found.append(int(name))
+    return found
+
+
+def _names(path: str | None, pattern: str) -> set[str]:
+    import re
+
+    try:
+        return {n for n in os.listdir(path) if re.fullmatch(pattern, n)} if path else set()
+    except OSError:
+        return set()
+
+
+def job_snapshot() -> dict[str, set[str]]:
+    """The runtime directories and index copies of this user that exist now (the test
+    module's own, tests/isolation.py), to tell a job's from others'."""
+    return {"runtime_dirs": _names(os.environ.get("FANSTORE_RUNTIME_DIR"), r"[0-9a-f]{16}"),
+            "copies": _names(os.environ.get("FANSTORE_SHM_DIR", "/dev/shm"),
+                             rf"fanstore-{os.geteuid()}-\d+-[0-9a-f]{{16}}\.\w+")}
+
+
+def job_leftovers(job: MpiJob, before: dict[str, set[str]], exclude=()) -> dict[str, list]:
+    """What of ``job`` is still there: processes, FUSE mounts, runtime directories and
+    index copies made since ``before`` (:func:`job_snapshot`). Nothing is swept first:
+    a dead daemon's directory counts (the next mount would sweep it; the job must not
+    leave it). ``exclude``: pids that are the test's own (readers)."""
+    now = job_snapshot()
+    return {
+        "processes": [p for p in job_pids(job.tmp) if p not in set(exclude)],
+        "mounts": [r for r in range(job.ranks) if is_mounted(job.mnt(r))],
+        "runtime_dirs": [_described(n) for n in sorted(now["runtime_dirs"]
+                                                       - before["runtime_dirs"])],
+        "copies": sorted(now["copies"] - before["copies"]),
+    }
+
+
+def _described(name: str) -> str:
+    """A runtime directory's name with what its state says (rank, pid, phase, error) and
+    its files, for a failing test's message."""
+    path = os.path.join(os.environ.get("FANSTORE_RUNTIME_DIR", ""), name)
+    try:
+        with open(os.path.join(path, "state.json")) as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        state = {}
+    keep = {k: state[k] for k in ("rank", "pid", "phase", "error") if k in state}
+    try:
+        files = sorted(os.listdir(path))
+    except OSError:
+        files = []
+    return f"{name} {keep} {files}"
+
+
 def read_tree_bytes(src: Path, mnt: Path) -> tuple[int, list[str], list[str]]:
     """Read every regular file of ``src`` through ``mnt``; return (ok, wrong, errors)."""
     ok, wrong, errors = 0, [], []

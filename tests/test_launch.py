@@ -28,7 +28,7 @@ from helpers import (
     run_cli,
     wait_until,
 )
-from mpi_helpers import MPIEXEC, MpiJob, mpi_available
+from mpi_helpers import MPIEXEC, MpiJob, job_pids, mpi_available
 
 _fuse_ok, _fuse_why = fuse_available()
 _mpi_ok, _mpi_why = mpi_available()
@@ -54,22 +54,7 @@ def dataset(tmp_path_factory):
     return src, store
 
 
-def _fanstore_pids(tmp) -> list[int]:
-    """Live processes whose command line names a path under ``tmp`` (daemons, shims,
-    worker ranks, kernel-frontend processes)."""
-    found = []
-    needle = str(tmp).encode()
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                argv = f.read()
-        except OSError:
-            continue
-        if needle in argv and pid_alive(int(name)):
-            found.append(int(name))
-    return found
+_fanstore_pids = job_pids
 
 
 def _leftovers(job: MpiJob, nodes: int, copies_before: set[str]) -> dict:

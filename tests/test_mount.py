@@ -27,6 +27,7 @@ from fanstore.format.index import INDEX_NAME, read_index
 from fanstore.format.partition import partition_name
 from helpers import (
     OUTSIDE_BYTES,
+    kill_tree,
     process_tree,
     BIG_DIR_ENTRIES,
     BIG_SIZE,
@@ -612,21 +613,43 @@ def test_sigterm_unmounts_cleanly(mounted, small_store, tmp_path):
 
 
 def _crash(m) -> None:
-    """SIGKILL the daemon of ``m`` after the kernel has cached the root's attributes (as
-    any use of a mount does); every process serving the mount dies with it."""
+    """SIGKILL every process of the mount of ``m`` at once (a daemon killed alone is cleaned
+    up after by its frontend: test_a_daemon_killed_alone_…) after the kernel has cached the
+    root's attributes (as any use of a mount does)."""
     os.stat(m)
     os.listdir(m)
-    pid = daemon_pid(m)
-    serving = process_tree(pid)
-    os.kill(pid, signal.SIGKILL)
+    serving = kill_tree(daemon_pid(m))
     assert wait_until(lambda: not any(pid_alive(p) for p in serving), 10), \
-        "a frontend process or worker outlived its daemon"
+        "a process of the mount outlived its SIGKILL"
     assert is_mounted(m)  # the kernel mount outlives its daemon
     assert os_error(os.statvfs, m) in (errno.ENOTCONN, errno.ECONNABORTED)
     # (a listing the kernel has cached, as the kernel frontend lets it, is still answered)
     assert os_error(os.listdir, m) in (errno.ENOTCONN, errno.ECONNABORTED, None)
     assert os_error(os.listdir, os.path.join(m, "sub")) in (errno.ENOTCONN,
                                                              errno.ECONNABORTED)
+
+
+@pytest.mark.frontends("kernel")  # pyfuse3 serves from the daemon's own process
+def test_a_daemon_killed_alone_is_cleaned_up_after_by_its_frontend(mounted, small_store):
+    """SIGKILL of the daemon alone (issue 44): its kernel frontend notices (a pidfd), and
+    within seconds the mount, the index copy and the runtime directory are gone, and every
+    process of the mount has exited."""
+    from fanstore import runtime
+
+    m = mounted(small_store)
+    os.listdir(m)
+    state = runtime.read_state(str(m)) or {}
+    rt = runtime.MountRuntime.find(str(m))
+    pid = daemon_pid(m)
+    serving = process_tree(pid)
+    assert len(serving) >= 2 and state.get("index_copy")
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: not any(pid_alive(p) for p in serving), 15), \
+        "a frontend process or worker outlived its daemon"
+    assert wait_until(lambda: not is_mounted(m), 10)
+    assert not os.path.exists(state["index_copy"])
+    assert not os.path.exists(rt.path), os.listdir(rt.path)
+    assert os.listdir(m) == []
 
 
 @pytest.mark.frontends("kernel")  # the pyfuse3 frontend has no worker processes

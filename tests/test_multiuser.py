@@ -18,7 +18,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import socket
 import stat
 import sys
@@ -33,7 +32,7 @@ from helpers import (
     daemon_pid,
     is_mounted,
     pid_alive,
-    process_tree,
+    kill_tree,
     run_cli,
     wait_until,
 )
@@ -284,8 +283,7 @@ def test_index_copy_is_private_unpredictable_and_removed_after_sigkill(other_use
         assert open(old, "rb").read() == b"junk"  # theirs, untouched
         # SIGKILL every process of the daemon: the copy stays behind ...
         pid = daemon_pid(m)
-        for p in process_tree(pid):
-            os.kill(p, signal.SIGKILL)
+        kill_tree(pid)
         assert wait_until(lambda: not pid_alive(pid), 10)
         assert os.path.exists(copy)
         # ... until the owner's umount cleans up after the dead daemon.
@@ -311,8 +309,7 @@ def test_the_next_mount_removes_a_killed_daemons_index_copy(small_store, small_t
     live_copy = (runtime.read_state(str(live)) or {}).get("index_copy")
     assert dead_copy and live_copy and os.path.exists(dead_copy)
     pid = daemon_pid(first)
-    for p in process_tree(pid):
-        os.kill(p, signal.SIGKILL)
+    kill_tree(pid)
     assert wait_until(lambda: not pid_alive(pid), 10)
     assert os.path.exists(dead_copy)
     m = mounted(small_store, mnt=tmp_path / "c")

@@ -363,6 +363,63 @@ def test_probes_stop_at_the_drain_deadline_and_a_cut_ping_is_no_death():
     assert watch.peers.dead == set()
 
 
+def test_a_death_is_judged_by_the_partitions_it_leaves_without_a_live_holder():
+    """issue 44: a dead node ends the job only when some partition has no live holder; a
+    SHUTDOWN's reason says a death however often node 0 relays it."""
+    from fanstore.daemon.peerwatch import death_reason, is_death, lost_partitions
+
+    one_copy = [[0], [1], [2], [3], [0], [1], [2], [3]]
+    two_copies = [[0, 1], [1, 2], [2, 3], [3, 0]]
+    assert lost_partitions(one_copy, {1}) == [1, 5]
+    assert lost_partitions(two_copies, {1}) == []
+    assert lost_partitions(two_copies, {1, 2}) == [1]
+    assert lost_partitions(two_copies, set()) == []
+    reason = death_reason("node 1 died (no answer to pings)")
+    assert is_death(reason) and is_death(f"node 0: node 3: {reason}")
+    assert not is_death("signal SIGTERM")
+
+
+def test_the_serving_watch_checks_every_second_and_probes_on_alarm():
+    """PeerWatch.watch runs the node's check about once a CHECK_INTERVAL and probes at an
+    alarm without waiting for PROBE_INTERVAL; it ends when serving ends."""
+    import threading
+    import time
+
+    from fanstore.daemon import peerwatch
+    from fanstore.daemon.peerwatch import PeerWatch
+
+    hub = LocalHub()
+    mine = LocalTransport(hub, 0, 2, None, max_wait=10.0)
+    peer = LocalTransport(hub, 1, 2, None)
+    peer.start()
+    pinged, checks = [], []
+    ping = mine.ping
+    mine.ping = lambda r, t: pinged.append(r) or ping(r, t)
+    watch = PeerWatch(0, 2, [1], timeout=30.0, who="rank 0 (t)")
+    watch.attach(mine, PeerSource(mine, [[0], [1]], node=0, nodes=2, timeout=30.0,
+                                  stats=None))
+    serving = threading.Event()
+    serving.set()
+    t = threading.Thread(target=watch.watch,
+                         args=(serving, lambda why: None, lambda: checks.append(1)))
+    t.start()
+    try:
+        time.sleep(2.5 * peerwatch.CHECK_INTERVAL)
+        assert 1 <= len(checks) <= 4 and pinged == []  # not a spin, and not only at alarms
+        watch.alarm(everyone=True)
+        deadline = time.monotonic() + 5
+        while not pinged and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pinged == [1]
+        assert watch.peers.dead == set()
+    finally:
+        serving.clear()
+        watch.alarm()
+        t.join(5)
+        peer.stop()
+    assert not t.is_alive()
+
+
 def test_the_end_of_a_job_is_relayed_by_node_0_in_2n_messages():
     """Each node tells node 0 it is done (DONE); node 0, done too, tells every node at once
     (ALL_DONE): 2(N-1) control messages for the job's end, not N(N-1); every drain ends."""

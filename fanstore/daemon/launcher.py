@@ -10,7 +10,10 @@ So under hydra the process hydra started (the "shim") forks the real daemon into
 group of its own, forwards every signal it gets to it (SIGUSR1 included: the daemon
 probes its peers), and exits with the daemon's status. A broadcast SIGKILL then ends only
 the shim. The daemon watches the launcher (hydra's proxy) and stops its node if the
-launcher goes away, so it cannot outlive the job. The daemon does MPI_Init itself: the
+launcher goes away, so it cannot outlive the job; while serving it also watches its shim
+(:func:`shim_gone`): once hydra has ended the shim no signal of the launcher reaches the
+daemon any more, so its node probes every peer and ends the job unless replicas carry it
+(``Node.check_deaths``). The daemon does MPI_Init itself: the
 shim never touches MPI, so the PMI connection it inherits is unused until then.
 
 ``srun`` tracks a step's processes by itself (cgroups or the process tree), so no shim is

@@ -17,6 +17,13 @@
    :mod:`fanstore.daemon.peerwatch`); MPI_Finalize is called only when no peer died
    (finalizing with a dead peer hangs or aborts): ``skip_finalize`` tells the caller to
    exit without it.
+6. A death while serving (:meth:`Node.check_deaths`, every second): a node whose every
+   rank is dead ends the job on every node, named, when a partition has no live holder
+   left (with ``--replicas`` covering it the others go on serving); a dead worker rank of
+   this node, a frontend that died, or this rank's hydra shim ended by the launcher with
+   every node alive end the job too. The dead node's frontend cleans up after its daemon
+   (:mod:`fanstore.fuse.kernelfs.process`). docs/reliability.md, "A process of a serving
+   job killed".
 
 The node knows nothing of FUSE: it is given a frontend factory (:mod:`fanstore.frontend`).
 """
@@ -40,14 +47,14 @@ from fanstore.daemon.jobenv import node_name, substitute
 from fanstore.daemon.launcher import launcher_alive, shim_gone
 from fanstore.daemon.nodeend import NodeEnd
 from fanstore.daemon.nodegroup import LeaderSide
-from fanstore.daemon.peerwatch import PeerWatch, dead_in
+from fanstore.daemon.peerwatch import PeerWatch, dead_in, is_death
 from fanstore.daemon.replicas import decide as decide_replicas
 from fanstore.process import release_free_memory
 from fanstore.daemon.routing import PeerSource
 from fanstore.daemon.service import OWNER_OPS
 from fanstore.daemon.world import World
 from fanstore.errors import FanStoreError, FormatError, MountError
-from fanstore.frontend import FrontendFactory, MountContext
+from fanstore.frontend import UNMOUNTED, FrontendFactory, MountContext
 from fanstore.mountspec import MountSpec, NodeShare
 from fanstore.namespace import Namespace
 from fanstore.read import ChunkReader, LocalPartitions, ReadStats, RoutedSource
@@ -104,6 +111,15 @@ class Node(NodeEnd):
                                spec.remote_timeout, self.who, alive=launcher_alive)
         self._serving = threading.Event()
         self._sig_r = self._sig_w = -1
+        self.table: list[list[int]] | None = None  # placement: partition -> nodes
+        #: the nodes this one has found dead while serving (each acted on once)
+        self.known_dead: set[int] = set()
+        self._shim_lost = False  # the launcher ended this rank's hydra shim
+        #: the launcher said a process of the job died (hydra's SIGUSR1, or our shim
+        #: ended): only then is a node that does not answer taken for dead, not hung
+        self.launcher_saw_death = False
+        #: the status this node exits with: 1 once a death ended the job
+        self.exit_status = 0
 
     # ------------------------------------------------------------------ signals
     def catch_signals(self) -> None:
@@ -138,6 +154,7 @@ class Node(NodeEnd):
                         self.peer_died = True
                         continue
                     log.warning("the MPI launcher reports a dead process; probing peers")
+                    self.launcher_saw_death = True
                     self.watch.alarm(everyone=True)
                     continue
                 self.terminated = signum
@@ -174,6 +191,8 @@ class Node(NodeEnd):
         if msg.kind == P.Control.SHUTDOWN:
             log.info("node %d asks every node to stop: %s", node, msg.reason)
             self.job_stopping = True
+            if is_death(msg.reason):
+                self.exit_status = 1  # a rank is dead: no MPI_Finalize (it would wait)
             if self.rank == 0 and not self._relayed:  # node 0 tells every node, once
                 self._relayed = True
                 self._send_shutdown([r for r in self.watch.others if r != msg.rank],
@@ -273,10 +292,15 @@ class Node(NodeEnd):
                 on_ready()
             self._serving.set()
             if self.world.is_mpi:
-                threading.Thread(target=self.watch.watch, args=(self._serving, self.request_stop),
+                threading.Thread(target=self.watch.watch,
+                                 args=(self._serving, self.request_stop, self.check_deaths),
                                  name="fanstore-probe", daemon=True).start()
             reason = self.frontend.serve()
             self._serving.clear()
+            if self.stopping is None and reason != UNMOUNTED:
+                # the frontend died (SIGKILL, a crash; or it lost its worker ranks): not
+                # this node's own stop, so the job ends on every node, as for a dead daemon
+                self.end_job(self._dead_worker() or reason)
             if self.stopping is None:
                 self.stopping = reason
             log.info("%s: unmounted (%s)", self.who, self.stopping)
@@ -292,13 +316,15 @@ class Node(NodeEnd):
             self._finish_mpi(clean)
             raise
         self._drain()
-        clean = not (self.peers and self.peers.dead) and not self.drain_incomplete
+        # (a job ended by a death has a dead rank that no finalize would wait for)
+        clean = not (self.peers and self.peers.dead) and not self.drain_incomplete \
+            and not self.exit_status
         # the worker ranks stop serving peers and finalize with us (not if one is gone)
         clean = self.group.exit(clean) and clean
         self._cleanup()
         self._finish_mpi(clean)
         self.runtime.write_state(phase="stopped")
-        return 0
+        return self.exit_status
 
     def _start(self, early: FanStoreError | None = None):
         """Index, placement, staging and the node's index copy: each node's own work,
@@ -373,6 +399,7 @@ class Node(NodeEnd):
                                     ranks_of=self.job.servers_of if self.job else None,
                                     me=self.job.rank if self.job else None)
             self.watch.attach(self.transport, self.peers)
+        self.table = table
         reader = ChunkReader(index, RoutedSource(self.parts, self.peers),
                              cache_bytes=spec.cache_mb << 20, stats=self.stats)
         self.stats.extra.update(nodestats.static_stats(self, index, mine))

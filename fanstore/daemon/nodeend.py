@@ -1,5 +1,6 @@
-"""How a node daemon ends: its clean-up, MPI's end, and the clean-up of a daemon whose
-launcher is gone (:class:`NodeEnd`, the last part of :class:`fanstore.daemon.node.Node`)."""
+"""How a node daemon ends: a death in the job while it serves (issue 44), its clean-up,
+MPI's end, and the clean-up of a daemon whose launcher is gone (:class:`NodeEnd`, the last
+part of :class:`fanstore.daemon.node.Node`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import logging
 import shutil
 
 from fanstore import mounttable, runtime
+from fanstore.daemon import launcher
+from fanstore.daemon.peerwatch import death_reason, lost_partitions
+from fanstore.process import pid_alive
 
 log = logging.getLogger("fanstore.daemon.node")
 
@@ -14,6 +18,68 @@ log = logging.getLogger("fanstore.daemon.node")
 class NodeEnd:
     """The end of a :class:`~fanstore.daemon.node.Node` (a mixin: the attributes are the
     node's)."""
+
+    def end_job(self, reason: str) -> None:
+        """A process of the job died: stop every node, naming it (one error line)."""
+        if self.stopping is None:
+            log.error("%s: ending the job on every node: %s", self.who, reason)
+        self.exit_status = 1
+        self.request_stop(death_reason(reason), everywhere=self.world.is_mpi)
+
+    def _dead_worker(self) -> str | None:
+        """Why this node's worker ranks cannot go on: one of them has died."""
+        if self.job is not None:
+            for rank, pid in zip(self.job.workers_of(self.job.node), self.group.worker_pids):
+                if not pid_alive(pid):
+                    return f"worker rank {rank} (pid {pid}) of node {self.rank} died"
+        return None
+
+    def check_deaths(self) -> None:
+        """While serving (the probe thread, every second): act on what died.
+
+        - one of this node's worker ranks: the job ends on every node;
+        - this rank's hydra shim (the launcher ended it: a process of the job died, or the
+          launcher was told to stop and cleaned up with SIGKILL, which no longer reaches
+          this daemon): probe every node at once;
+        - another node (every rank of it marked dead, by a ping or confirmed by one), once
+          the launcher has said a process died (SIGUSR1, or the shim gone; without that it
+          may be hung, and is re-probed and revived when it answers again): the job ends
+          on every node, naming it, when a partition has no live holder left; with
+          ``--replicas`` covering it, the node goes on serving (logged once);
+        - the shim gone with no node dead: the launcher stopped the job, so it ends.
+        """
+        if self.stopping is not None:
+            return
+        dead_worker = self._dead_worker()
+        if dead_worker:
+            self.end_job(dead_worker)
+            return
+        if not self._shim_lost and launcher.shim_gone():
+            self._shim_lost = True
+            self.launcher_saw_death = True
+            log.warning("%s: the MPI launcher ended this rank's process (shim pid %s); "
+                        "probing every node", self.who, launcher.shim_pid)
+            self.watch.probe()
+        if self.peers is None or self.table is None or not self.launcher_saw_death:
+            return  # a node that does not answer may be hung: EIO, re-probed, revived
+        new = [n for n in self.peers.dead_nodes() if n not in self.known_dead]
+        if any(r not in self.watch.pinged_dead for n in new for r in self.peers.ranks_of(n)):
+            # marked dead by a read that timed out: ping first (a busy node answers now)
+            self.watch.probe(only_dead=True)
+            new = [n for n in self.peers.dead_nodes() if n not in self.known_dead]
+        if new:
+            self.known_dead.update(new)
+            names = ", ".join(f"node {n}" for n in new)
+            lost = lost_partitions(self.table, self.known_dead)
+            if lost:
+                self.end_job(f"{names} died (no answer to pings); {len(lost)} partitions "
+                             "have no live copy")
+                return
+            log.warning("%s: %s died (no answer to pings); its partitions are served from "
+                        "replicas", self.who, names)
+        if self._shim_lost and not self.known_dead:
+            self.end_job(f"the MPI launcher ended rank {self.rank}'s process (its shim); "
+                         "every node answers")
 
     def _cleanup(self) -> None:
         if self.server is not None:

@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 DRAIN_GRACE = 2.0
 #: Seconds between probes of peers marked dead while serving.
 PROBE_INTERVAL = 5.0
+#: Seconds between the serving node's checks of what died (its shim, its worker ranks,
+#: peers marked dead): a death is acted on within this plus a ping's timeout.
+CHECK_INTERVAL = 1.0
 
 
 class PeerWatch:
@@ -52,6 +55,9 @@ class PeerWatch:
         #: DONE was sent to every node directly (node 0 is dead: nobody relays)
         self.direct = False
         self.everyone = False
+        #: ranks a ping of ours found dead (not only a read that timed out): no need to
+        #: ping them again before acting on their death
+        self.pinged_dead: set[int] = set()
 
     def attach(self, transport, peers) -> None:
         self.transport = transport
@@ -63,20 +69,28 @@ class PeerWatch:
             self.everyone = True
         self.now.set()
 
-    def watch(self, serving: threading.Event, request_stop: Callable[[str], None]) -> None:
+    def watch(self, serving: threading.Event, request_stop: Callable[[str], None],
+              check: Callable[[], None] = lambda: None) -> None:
         """While ``serving``: re-probe unreachable peers every few seconds, probe every peer
-        when the launcher reports a dead process, stop if the launcher is gone."""
+        when the launcher reports a dead process, stop if the launcher is gone; ``check()``
+        (the node's verdict on what died: fanstore.daemon.node) runs every
+        ``CHECK_INTERVAL`` seconds and after every probe."""
+        last_probe = time.monotonic()
         while serving.is_set():
             if not self.alive():
                 request_stop("the MPI launcher is gone")
                 return
-            self.now.wait(PROBE_INTERVAL)
+            check()
+            alarmed = self.now.wait(CHECK_INTERVAL)
             if not serving.is_set():
                 return
+            if not alarmed and time.monotonic() - last_probe < PROBE_INTERVAL:
+                continue
             everyone = self.now.is_set() and self.everyone
             self.now.clear()
             self.everyone = False
             self.probe(only_dead=not everyone)
+            last_probe = time.monotonic()
 
     def probe(self, only_dead: bool = False, deadline: float | None = None) -> None:
         """Ping the ranks of the other nodes (only those marked dead, or all); no ping
@@ -97,6 +111,7 @@ class PeerWatch:
                         return
                 if self.transport.ping(r, wait):
                     self.peers.revive(r)
+                    self.pinged_dead.discard(r)
                 elif node in self.peers.done:
                     # it said DONE while we waited: its ranks stopped serving on purpose
                     # (a rank that ends its service does not answer pings; not a death)
@@ -105,6 +120,7 @@ class PeerWatch:
                     return  # cut short by the deadline: no verdict
                 else:
                     self.peers.mark_dead(r, f"no answer to a ping within {timeout:g} s")
+                    self.pinged_dead.add(r)
 
     def say_done(self) -> None:
         """Tell node 0 that this node has unmounted (DONE); node 0 tells every node once
@@ -170,3 +186,23 @@ def dead_in(reason: str) -> list[int]:
     if not reason.startswith("dead "):
         return []
     return [int(x) for x in reason[5:].split() if x.isdigit()]
+
+
+def lost_partitions(table, dead: set[int]) -> list[int]:
+    """The partitions of placement ``table`` (partition -> the nodes holding it) whose
+    every holder is in ``dead``: data no live node can serve."""
+    return [p for p, holders in enumerate(table) if holders and set(holders) <= dead]
+
+
+#: how a SHUTDOWN's reason says that a process of the job died (relays prefix "node N: ")
+DEATH = "a process of the job died: "
+
+
+def death_reason(text: str) -> str:
+    """A SHUTDOWN reason saying a process of the job died (the ranks that get it exit
+    without MPI_Finalize, which would wait for the dead one)."""
+    return DEATH + text
+
+
+def is_death(reason: str) -> bool:
+    return DEATH in reason

@@ -2,7 +2,7 @@
 # run_all.sh - every FanStore benchmark, in order; what `make bench` runs (as root, ~3 h on
 # a quiet machine). Steps (ONLY="step ..." runs only those): mount_bench, peers
 # (peers_run.sh), mpi_bench, prefetch_bench, fuse_bench (five runs), select_accuracy,
-# sources_bench, stage_bench, jpeg_bench. Each rewrites its own section of docs/benchmarks.md and its
+# sources_bench, stage_bench, jpeg_bench, death_bench. Each rewrites its own section of docs/benchmarks.md and its
 # rows in tools/bench/results/ (docs/benchmarks.md, "How to rerun", says what each is).
 #
 # Environment: MOUNT_BENCH_ARGS ["--preset full"], MOUNT_BENCH_WORK [/tmp/fanstore-bench],
@@ -10,13 +10,13 @@
 # ["--preset full"], MPI_BENCH_WORK [/tmp/fanstore-mpibench], PREFETCH_BENCH_ARGS
 # ["--preset full"], PREFETCH_BENCH_WORK [/tmp/fanstore-prefetchbench], FUSE_BENCH_WORK
 # [/tmp/fuse-bench], SELECT_ACCURACY_WORK [/tmp/select-accuracy], STAGE_BENCH_ARGS
-# [--ways], STAGE_BENCH_WORK [/tmp/fanstore-stagebench].
+# [--ways], STAGE_BENCH_WORK [/tmp/fanstore-stagebench], DEATH_BENCH_ARGS ["--nodes 4,16"].
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 PY=$REPO/.venv/bin/python
-ONLY=${ONLY:-mount_bench peers mpi_bench prefetch_bench fuse_bench select_accuracy sources_bench stage_bench jpeg_bench}
+ONLY=${ONLY:-mount_bench peers mpi_bench prefetch_bench fuse_bench select_accuracy sources_bench stage_bench jpeg_bench death_bench}
 FUSE_WORK=${FUSE_BENCH_WORK:-/tmp/fuse-bench}
 SEL_WORK=${SELECT_ACCURACY_WORK:-/tmp/select-accuracy}
 
@@ -87,6 +87,11 @@ for step in $ONLY; do
         # shellcheck disable=SC2086
         "$PY" "$HERE/stage_bench.py" ${STAGE_BENCH_ARGS:---ways} \
             --work "${STAGE_BENCH_WORK:-/tmp/fanstore-stagebench}" || status=$?
+        ;;
+    death_bench)
+        echo "[$(date +%T)] run_all: death_bench" >&2
+        # shellcheck disable=SC2086
+        "$PY" "$HERE/death_bench.py" ${DEATH_BENCH_ARGS:---nodes 4,16} || status=$?
         ;;
     *) echo "run_all.sh: unknown step $step" >&2; exit 2 ;;
     esac

@@ -5,8 +5,9 @@ The daemon never forks after MPI_Init: :meth:`KernelFrontend.mount` starts the f
 process (:mod:`fanstore.fuse.kernelfs.process`) with ``subprocess`` (fork + exec at once, the
 environment cleaned of PMI variables), hands it a :class:`~fanstore.fuse.kernelfs.start.
 FrontendStart` (the node's share of the mount, as it is) through a pipe and waits for
-"ready" (or the error) on another. The frontend process and its workers die with the daemon
-(PR_SET_PDEATHSIG).
+"ready" (or the error) on another. The frontend process ends with the daemon and cleans up
+after it (``process.DaemonWatch``); if the frontend dies first, :meth:`KernelFrontend.serve`
+says so and the node ends the job (fanstore.daemon.node).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 from fanstore import strictjson
 from fanstore.errors import FanStoreError, MountError
 from fanstore.format.index import KIND_FILE
-from fanstore.frontend import MountContext
+from fanstore.frontend import UNMOUNTED, MountContext
 from fanstore.fuse.engine import RequestCounters
 from fanstore.fuse.kernelfs.start import FrontendStart
 from fanstore.fuse.kernelfs.stats import summed_stats
@@ -131,7 +132,7 @@ class KernelFrontend:
         if self._reason is not None:
             return self._reason
         if code == 0:
-            return "unmounted from outside"
+            return UNMOUNTED
         why = f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
         log.error("%s: the kernel frontend ended with %s", self.ctx.mountpoint, why)
         return f"the kernel frontend failed ({why})"

@@ -15,11 +15,14 @@ Process model (one node)::
                                                      for other nodes' chunks (NodeSource)
 
 The daemon never forks after MPI_Init: it starts this process with ``subprocess`` (fork +
-exec at once), and this process, which never initialises MPI, forks the workers. It and its
-workers die with the daemon (PR_SET_PDEATHSIG: SIGKILL of the daemon leaves a stale mount
-that the next ``fanstore mount`` or ``umount`` cleans, exactly as with the pyfuse3
-frontend); SIGTERM to it unmounts and stops every worker; an unmount from outside ends them
-all. With worker ranks (:mod:`fanstore.workerrank`) it forks none: the ranks join it through
+exec at once), and this process, which never initialises MPI, forks the workers. It ends
+with the daemon, whatever ends the daemon (:class:`DaemonWatch`: a pidfd in the
+supervisor's poll, and PR_SET_PDEATHSIG with a signal of its own): it unmounts, its
+workers end, and it removes the node's index copy and the mount's runtime directory,
+logging one line (issue 44: with PDEATHSIG(SIGKILL) its forked workers outlived it, holding
+the mount and the launcher's output pipes). SIGTERM to it unmounts and stops every worker;
+an unmount from outside ends them all. With worker ranks (:mod:`fanstore.workerrank`) it
+forks none: the ranks join it through
 the handoff socket and serve with :func:`serve_worker`.
 
 What the kernel is offered (see :mod:`fanstore.fuse.engine`): zero-message open and opendir,
@@ -37,6 +40,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import select
 import signal
 import socket
 import sys
@@ -187,9 +191,13 @@ def frontend_main(spec_fd: int) -> int:
         return exc.exit_code
     share, ready_fd = start.share, start.ready_fd
     setup_logging(start.debug, sys.stderr, fmt=start.log_format or None)
-    # Die with the daemon: its SIGKILL must not leave an unsupervised mount behind.
+    # End with the daemon, whatever ends it (SIGKILL included): a pidfd on it is watched
+    # while serving, and PR_SET_PDEATHSIG sends DaemonWatch.SIGNAL (see there). Never
+    # SIGKILL: the workers and the mount would outlive this process (issue 44: orphaned
+    # workers held the mount and the launcher's output pipes for good).
+    daemon = DaemonWatch(start.daemon_pid)
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    libc.prctl(_PR_SET_PDEATHSIG, DaemonWatch.SIGNAL)
     if os.getppid() != start.daemon_pid:
         return 1
 
@@ -216,7 +224,12 @@ def frontend_main(spec_fd: int) -> int:
             report("ready\n")
             os.close(ready_fd)  # the daemon stops reading here; EOF if we die before
 
-        reason = _serve(start, index, fs, session, on_ready)
+        reason = _serve(start, index, fs, session, on_ready, daemon)
+        if daemon.gone():
+            session.close()  # unmount before the daemon's files go
+            session = None
+            log.error("kernel frontend: %s", daemon.clean_up(share, start.counters_path))
+            return 1
         log.info("kernel frontend: %s", reason)
         return 0
     except FanStoreError as exc:
@@ -247,12 +260,78 @@ def engine_options(spec: MountSpec) -> tuple[engine.MountOptions, engine.InitOpt
     return mount, init
 
 
-def _serve(start: FrontendStart, index, fs: FsOps, session, on_ready) -> str:
+#: seconds the frontend waits for a daemon that is dying to have exited
+EXIT_WAIT = 5.0
+
+
+class DaemonWatch:
+    """The node daemon, watched through a pidfd by the supervisor's poll and by
+    PR_SET_PDEATHSIG: when it ends, whatever ended it, the mount stops (:meth:`on_gone`),
+    and the frontend removes what the daemon can no longer remove (:meth:`clean_up`).
+
+    PDEATHSIG is a signal of its own (``SIGNAL``), not SIGTERM: it fires when the daemon's
+    *thread* that started us exits, which under SIGKILL can be before the daemon is
+    reparented away from us or its pidfd readable; a SIGTERM then looked like the daemon's
+    own "stop" and the dead daemon's runtime directory was left (1 run of ~12)."""
+
+    SIGNAL = signal.SIGUSR2
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.fd = os.pidfd_open(pid)
+        os.set_inheritable(self.fd, False)  # not into the forked workers' exec'd children
+        self.session = None
+        self.signalled = False
+        signal.signal(self.SIGNAL, self._on_signal)
+
+    def _on_signal(self, _signum, _frame) -> None:
+        self.signalled = True
+        if self.session is not None:
+            self.session.stop()  # signal-safe
+
+    def gone(self) -> bool:
+        if self.signalled or os.getppid() != self.pid:
+            return True
+        ready, _, _ = select.select([self.fd], [], [], 0)
+        return bool(ready)
+
+    def on_gone(self) -> bool:
+        """The supervisor's watch callback: the daemon has exited; stop serving."""
+        log.warning("kernel frontend: the node's daemon (pid %d) is gone; unmounting",
+                    self.pid)
+        if self.session is not None:
+            self.session.stop()
+        return False
+
+    def clean_up(self, share: NodeShare, counters_path: str) -> str:
+        """After the unmount: the node's index copy and the mount's runtime directory (if
+        its state still names this daemon). Returns the one line to log."""
+        from fanstore import runtime
+
+        # PDEATHSIG comes before the daemon is a zombie: until it is, its state names a
+        # live process, and the directory would be left (seen, 1 run of 2)
+        ready, _, _ = select.select([self.fd], [], [], EXIT_WAIT)
+        if not ready and os.getppid() == self.pid:  # its thread ended, not the daemon
+            return (f"the node's daemon (pid {self.pid}) still runs after the end of the "
+                    f"thread that started this frontend; unmounted {share.mountpoint}")
+        runtime.remove_shared(share.index_copy)
+        rundir = os.path.dirname(counters_path)
+        removed = runtime.remove_after_daemon(rundir, self.pid)
+        return (f"the node's daemon (pid {self.pid}) died; unmounted {share.mountpoint}, "
+                f"removed the index copy{' and the runtime directory' if removed else ''}")
+
+
+def _serve(start: FrontendStart, index, fs: FsOps, session, on_ready,
+           daemon: DaemonWatch | None = None) -> str:
     """Serve the mounted session with forked workers or the node's worker ranks, with
-    prefetch mode's order relay and shared window when asked."""
+    prefetch mode's order relay and shared window when asked, until it is unmounted,
+    stopped, or the node's ``daemon`` is gone."""
     share = start.share
     window = relay = None
     watch: dict[int, Any] = {}
+    if daemon is not None:
+        daemon.session = session
+        watch[daemon.fd] = daemon.on_gone
     if share.spec.prefetch:  # (the start holds the order channel and the window then)
         from fanstore.fuse.kernelfs.orders import OrderRelay
         from fanstore.read.window import SharedWindow

@@ -14,7 +14,7 @@ import trio
 
 from fanstore import mounttable
 from fanstore.errors import MountError
-from fanstore.frontend import MountContext
+from fanstore.frontend import UNMOUNTED, MountContext
 from fanstore.mountspec import FSNAME
 from fanstore.fuse.pyfuse3.reader import AsyncReader
 from fanstore.fuse.fsops import FsOps
@@ -59,7 +59,7 @@ class Pyfuse3Frontend:
             trio.run(self._main)
         finally:
             self._close()
-        return self._reason or "unmounted from outside"
+        return self._reason or UNMOUNTED
 
     def stop(self, reason: str) -> None:
         if self._reason is None:
