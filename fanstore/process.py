@@ -141,6 +141,26 @@ def spawn_worker(module: str, fds: list[int], args: list = ()) -> subprocess.Pop
                             stdin=subprocess.DEVNULL, close_fds=True, env=env)
 
 
+def spawn_piped(module: str, fds: list[int] = (), args: list = ()
+                ) -> tuple[subprocess.Popen, int, int]:
+    """:func:`spawn_worker` with a pipe each way: the worker's first two arguments are the
+    read end of its command pipe and the write end of its result pipe (then ``fds``, then
+    ``args``). Returns the process, our write end of the commands and our read end of the
+    results; the worker's ends are closed here, so its death is the result pipe's EOF."""
+    cmd_r, cmd_w = os.pipe()
+    res_r, res_w = os.pipe()
+    try:
+        proc = spawn_worker(module, [cmd_r, res_w, *fds], args)
+    except BaseException:
+        for fd in (cmd_w, res_r):
+            os.close(fd)
+        raise
+    finally:
+        os.close(cmd_r)
+        os.close(res_w)
+    return proc, cmd_w, res_r
+
+
 def become_worker() -> None:
     """The first call of a worker started by :func:`spawn_worker`: die with the parent
     (``PR_SET_PDEATHSIG``: SIGKILL of the parent ends the worker at once, whatever it is

@@ -84,6 +84,15 @@ def _end(proc: subprocess.Popen) -> tuple[str, str]:
             proc.communicate(timeout=30)
 
 
+def _kill_and_end(victim: int, proc: subprocess.Popen) -> tuple[str, str, float]:
+    """SIGKILL ``victim``; the output of ``proc`` once it has ended, and the seconds that
+    took."""
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    out, err = _end(proc)
+    return out, err, time.monotonic() - killed
+
+
 def _assert_nothing_left(dest: Path, pack_pid: int) -> None:
     assert not dest.exists(), os.listdir(dest)
     assert not glob.glob(f"{dest}{TMP_MARK}*"), "the temporary directory is left"
@@ -118,10 +127,7 @@ def test_a_sigkilled_worker_ends_the_pack_at_once(tmp_path, phase):
             "no worker took a task"
         assert proc.poll() is None, _end(proc)
         victim = int(glob.glob(f"{mark}.*")[0].rpartition(".")[2])
-        os.kill(victim, signal.SIGKILL)
-        killed = time.monotonic()
-        out, err = _end(proc)
-        took = time.monotonic() - killed
+        out, err, took = _kill_and_end(victim, proc)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -213,10 +219,7 @@ def test_a_lost_mpi_rank_ends_the_pack_on_every_rank(tmp_path):
         with open(f"/proc/{worker}/stat", "rb") as f:
             rank = int(f.read().rpartition(b")")[2].split()[1])
         ranks = [rank] + [p for p in _pack_ranks(proc.pid) if p != rank]
-        os.kill(rank, signal.SIGKILL)
-        killed = time.monotonic()
-        out, err = _end(proc)
-        took = time.monotonic() - killed
+        out, err, took = _kill_and_end(rank, proc)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

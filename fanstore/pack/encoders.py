@@ -50,7 +50,7 @@ import xxhash
 from compressors import CodecError, DeclinedError, get_codec
 from fanstore.errors import PackError
 from fanstore.pack.pool import death_message
-from fanstore.process import become_worker, spawn_worker
+from fanstore.process import become_worker, spawn_piped
 
 # packer -> worker: kind, slot, n, pos
 _CMD = struct.Struct("<BxHIQ")
@@ -217,17 +217,8 @@ class EncoderPool:
         """Start the workers, telling them the codecs of ``configs`` (slot -> config),
         then the collector thread."""
         for k in range(self.jobs):
-            cmd_r, cmd_w = os.pipe()
-            res_r, res_w = os.pipe()
-            try:
-                proc = spawn_worker("fanstore.pack.encoders", [cmd_r, res_w, self._ring_fd],
-                                    args=[self.size])
-            except BaseException:
-                for fd in (cmd_r, cmd_w, res_r, res_w):
-                    os.close(fd)
-                raise
-            os.close(cmd_r)
-            os.close(res_w)
+            proc, cmd_w, res_r = spawn_piped("fanstore.pack.encoders", [self._ring_fd],
+                                             [self.size])
             self.workers.append(_Worker(k, proc, cmd_w, res_r))
         os.close(self._ring_fd)  # the workers have their own
         self._ring_fd = -1

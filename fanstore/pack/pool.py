@@ -31,7 +31,7 @@ from typing import Callable
 
 from fanstore import storage
 from fanstore.errors import PackError
-from fanstore.process import FRAME, spawn_worker
+from fanstore.process import FRAME, spawn_piped
 
 #: Task kinds (pool -> worker); SETUP comes first, once: the settings a worker cannot
 #: inherit (a fresh interpreter has our environment, not what the command line set).
@@ -82,16 +82,7 @@ class WorkerPool:
             self._spawn(len(self.workers))
 
     def _spawn(self, number: int) -> None:
-        cmd_r, cmd_w = os.pipe()
-        res_r, res_w = os.pipe()
-        try:
-            proc = spawn_worker("fanstore.pack.poolworker", [cmd_r, res_w])
-        except BaseException:
-            for fd in (cmd_r, cmd_w, res_r, res_w):
-                os.close(fd)
-            raise
-        os.close(cmd_r)
-        os.close(res_w)
+        proc, cmd_w, res_r = spawn_piped("fanstore.pack.poolworker")
         os.set_blocking(res_r, False)
         w = _Worker(number, proc, cmd_w, res_r, time.monotonic())
         self.workers.append(w)

@@ -262,15 +262,9 @@ class _Readers:
         self.results: list[int] = []
 
     def start(self, job: dict) -> None:
-        from fanstore.process import spawn_worker, write_frame
+        from fanstore.process import spawn_piped, write_frame
 
-        cmd_r, cmd_w = os.pipe()
-        res_r, res_w = os.pipe()
-        try:
-            proc = spawn_worker("fanstore.select.epochreader", [cmd_r, res_w])
-        finally:
-            os.close(cmd_r)
-            os.close(res_w)
+        proc, cmd_w, res_r = spawn_piped("fanstore.select.epochreader")
         self.procs.append(proc)
         self.cmds.append(cmd_w)
         self.results.append(res_r)
