@@ -29,8 +29,10 @@ file is created ``O_EXCL|O_NOFOLLOW`` or written to a fresh temporary name and r
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import logging
 import os
 import re
 import secrets
@@ -40,6 +42,8 @@ from typing import Any
 
 from fanstore import safeio, settings
 from fanstore.errors import FanStoreError, MountError, UnsafePathError
+
+log = logging.getLogger(__name__)
 
 #: Where the node's shared-memory files go when it is usable (tmpfs: its pages are never
 #: dropped the way page-cache pages of a disk file are, e.g. by drop_caches);
@@ -172,33 +176,56 @@ class MountRuntime:
     # ------------------------------------------------------------------ shared memory
     def create_shared(self, data_parts: list[bytes], suffix: str = "idx") -> str:
         """A new file only this uid can read, holding ``data_parts``, for the processes of
-        this node to map: in /dev/shm when it is usable, else in the mount's directory.
-        Created exclusively under a random name that carries the daemon's pid (so a later
-        mount can remove what a killed daemon left: :func:`sweep_shared`)."""
-        base = _shm_dir() or self.path
-        for _ in range(16):
-            path = os.path.join(base, f"fanstore-{os.geteuid()}-{os.getpid()}-"
-                                      f"{secrets.token_hex(8)}.{suffix}")
+        this node to map: in /dev/shm when it is usable and has room, else in the mount's
+        directory (a full /dev/shm, which other jobs of the node may have filled, costs
+        one log line, not the mount). Created exclusively under a random name that
+        carries the daemon's pid (so a later mount can remove what a killed daemon left:
+        :func:`sweep_shared`); a file that could not be written whole is removed."""
+        need = sum(len(p) for p in data_parts)
+        shm = _shm_dir()
+        if shm is not None:
             try:
-                fd = safeio.create_excl(path, 0o600)
-                break
-            except FileExistsError:
-                continue
-        else:
-            raise UnsafePathError(f"cannot create a private file in {base}")
+                return _write_private(shm, data_parts, suffix)
+            except OSError as exc:
+                if exc.errno not in _FULL:
+                    raise MountError(f"cannot write the node's index copy ({need:,} bytes) "
+                                     f"to {shm}: {exc.strerror or exc}") from None
+                log.warning("%s has no room for the node's index copy (%s bytes: %s); it "
+                            "goes to the runtime directory %s", shm, f"{need:,}",
+                            exc.strerror, self.path)
         try:
-            with open(fd, "wb", closefd=True) as f:
-                for part in data_parts:
-                    f.write(part)
+            return _write_private(self.path, data_parts, suffix)
         except OSError as exc:
-            _unlink(path)
-            need = sum(len(p) for p in data_parts)
             raise MountError(f"cannot write the node's index copy ({need:,} bytes) to "
-                             f"{base}: {exc.strerror or exc}") from None
-        except BaseException:
-            _unlink(path)
-            raise
-        return path
+                             f"{self.path}: {exc.strerror or exc}") from None
+
+
+#: What a full file system says: no space, no quota left, a file above the size limit.
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _write_private(base: str, data_parts: list[bytes], suffix: str) -> str:
+    """``data_parts`` in a new file of ``base`` only this uid can read (see
+    :meth:`RuntimeDir.create_shared`); OSError when it cannot be written whole (the file is
+    then gone)."""
+    for _ in range(16):
+        path = os.path.join(base, f"fanstore-{os.geteuid()}-{os.getpid()}-"
+                                  f"{secrets.token_hex(8)}.{suffix}")
+        try:
+            fd = safeio.create_excl(path, 0o600)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise UnsafePathError(f"cannot create a private file in {base}")
+    try:
+        with open(fd, "wb", closefd=True) as f:
+            for part in data_parts:
+                f.write(part)
+    except BaseException:
+        _unlink(path)
+        raise
+    return path
 
 
 def _read_state_file(path: str) -> dict[str, Any] | None:

@@ -56,8 +56,10 @@ from helpers import (
     assert_cli_error,
     assert_no_traceback,
     assert_same_tree,
+    cleanup_mount,
     collect_readers,
     copy_store,
+    daemon_log,
     daemon_pid,
     files_by_partition,
     flip_bytes,
@@ -65,6 +67,7 @@ from helpers import (
     is_mounted,
     make_load_tree,
     make_small_tree,
+    mount_store,
     pid_alive,
     run_cli,
     start_readers,
@@ -663,6 +666,35 @@ def test_local_storage_too_small_names_the_node_and_the_bytes(data, tmp_path):
                f"{need:,} bytes" in line
         assert not is_mounted(mnt) and not pid_alive(daemon_pid(mnt))
         assert os.listdir(local) == []
+
+
+def test_a_full_dev_shm_moves_the_index_copy_to_the_runtime_directory(data, tmp_path,
+                                                                     monkeypatch):
+    """/dev/shm full (other jobs of the node filled it): the mount goes on with its index
+    copy in the runtime directory, says so in one log line, reads every file exactly,
+    and leaves nothing in either place once unmounted (the leak check sees the rest)."""
+    src, store, files = data
+    with tmpfs(tmp_path / "shm", "64k") as shm:
+        filler = shm / "other-job"
+        with open(filler, "wb", buffering=0) as f:  # fill it to the last block
+            try:
+                while True:
+                    f.write(b"\0" * 4096)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+        monkeypatch.setenv("FANSTORE_SHM_DIR", str(shm))
+        mnt = tmp_path / "mnt"
+        mount_store(store, mnt)
+        try:
+            log = daemon_log(mnt)
+            lines = [x for x in log.splitlines() if "has no room for the node's index copy" in x]
+            assert len(lines) == 1 and str(shm) in lines[0] and "No space left" in lines[0], log
+            assert sorted(os.listdir(shm)) == ["other-job"]  # no partial copy left there
+            for rel in files:
+                assert (mnt / rel).read_bytes() == (src / rel).read_bytes(), rel
+        finally:
+            cleanup_mount(mnt)
+        assert sorted(os.listdir(shm)) == ["other-job"]
 
 
 def test_local_storage_filling_up_during_a_copy(data, tmp_path, monkeypatch):
