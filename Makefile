@@ -41,9 +41,11 @@ demo: setup
 
 ## test: the whole default suite (real FUSE mounts, real MPI ranks, real local Slurm), on
 ## TEST_JOBS processes; then the tests that must run alone (they drop the kernel's caches).
+## The 25 slowest tests are listed at the end, so a slow one is seen on the CI log.
 ## pytest's exit code 5 means "no test selected" (a -k in PYTEST_ARGS): not a failure.
 test: setup
-	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadscope -m "not slow and not serial" $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadscope -m "not slow and not serial" \
+	    --durations=25 $(PYTEST_ARGS)
 	$(TEST_ENV) $(PY) -m pytest -q -m "serial and not slow" $(PYTEST_ARGS) || test $$? -eq 5
 
 ## test-quick: the edit loop: no FUSE, MPI, Slurm or S3 endpoint (format, codecs, read core,
