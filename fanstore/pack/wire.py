@@ -116,10 +116,15 @@ def encode_tasks(tasks: list) -> bytes:
 
 
 def decode_tasks(data) -> list:
+    return _decode_each(decode_task, data)
+
+
+def _decode_each(decode_one, data) -> list:
+    """Every message of ``data``, one after the other, by ``decode_one(data, pos)``."""
     out, pos = [], 0
     while pos < len(data):
-        task, pos = decode_task(data, pos)
-        out.append(task)
+        item, pos = decode_one(data, pos)
+        out.append(item)
     return out
 
 
@@ -151,11 +156,7 @@ def encode_results(results: list) -> bytes:
 
 
 def decode_results(data) -> list:
-    out, pos = [], 0
-    while pos < len(data):
-        r, pos = decode_result(data, pos)
-        out.append(r)
-    return out
+    return _decode_each(decode_result, data)
 
 
 def encode_paths(paths: list[bytes], limit: int | None) -> bytes:
