@@ -83,12 +83,19 @@ def mount(spec: MountSpec, foreground: bool = False, debug: bool = False,
         return Outcome(0)
     log_fd = rt.open_log(log_file)
 
-    def body(on_ready):
+    def body(ready: process.ReadySignal):
         node = Node(spec, World.solo(), factory, runtime_=rt)
+        node.progress = ready.progress
         node.catch_signals()
-        return node.run(on_ready)
+        return node.run(ready)
 
-    detached = process.daemonize(log_fd, body, debug, log_name=log_file or rt.log_path)
+    # the start may stage for long: the deadline is for silence (no partition staged)
+    try:
+        detached = process.daemonize(log_fd, body, debug, log_name=log_file or rt.log_path,
+                                     timeout=spec.start_timeout)
+    except MountError:
+        runtime.sweep_dead()  # a daemon stopped for its silence could not clean up
+        raise
     if detached.child:
         return Outcome(detached.code, hard_exit=True)
     return Outcome(0)
@@ -108,14 +115,17 @@ def _mount_rank(spec: MountSpec, factory: FrontendFactory, debug: bool,
         return Outcome(code, hard_exit=True, error=MountError(why) if why else None)
     # from here on a launcher that dies ends this rank, whatever it is blocked in
     lifeline = launcher.watch_launcher()
+    # each wait up to the node's hello has the start timeout; a rank stuck outside them
+    lifeline.arm(3 * spec.start_timeout + 10, "the start (MPI_Init, the layout, the hello)")
     world = World.from_mpi(spec.ranks_per_node, timeout=spec.start_timeout,
                            alive=launcher.launcher_alive)
     job = world.job
     if not job.is_leader:  # a worker rank of its node
         from fanstore import workerrank
 
-        code, clean = workerrank.run_worker(world, debug)
+        code, clean = workerrank.run_worker(world, debug, on_hello=lifeline.disarm)
         return Outcome(code, hard_exit=not workerrank.finish(world, clean))
+    lifeline.disarm()  # the leader's own waits from here on all have deadlines
     runtime.sweep_dead()  # every node's leader: what gone daemons left on its host
     process.setup_logging(debug, sys.stderr, fmt=(
         f"%(asctime)s fanstore[node {world.rank}/{world.size}] %(levelname)s: %(message)s"))

@@ -161,18 +161,27 @@ def spawn_piped(module: str, fds: list[int] = (), args: list = ()
     return proc, cmd_w, res_r
 
 
+def die_with_parent(parent: int | None, sig: int = signal.SIGKILL) -> bool:
+    """Have the kernel send ``sig`` to this process when its parent ends
+    (``PR_SET_PDEATHSIG``; ``sig`` 0 disarms it). Returns False when the parent is not
+    ``parent`` any more (it ended before the signal was armed: the caller must end now);
+    True when armed, or when this is not Linux (nothing armed)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        return True
+    return parent is None or sig == 0 or os.getppid() == parent
+
+
 def become_worker() -> None:
     """The first call of a worker started by :func:`spawn_worker`: die with the parent
     (``PR_SET_PDEATHSIG``: SIGKILL of the parent ends the worker at once, whatever it is
     doing; a parent already gone before the call is caught by the pid check after it),
     leave ^C to the parent, and keep codec libraries to one thread (the parent runs one
     worker per core)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the command pipe's EOF ends the worker
-        pass
     parent = os.environ.pop(_PARENT_ENV, "")
-    if parent.isdigit() and os.getppid() != int(parent):
+    # not Linux: the command pipe's EOF ends the worker
+    if not die_with_parent(int(parent) if parent.isdigit() else None):
         os._exit(1)  # the parent died before the death signal was armed
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -235,10 +244,12 @@ class Detached:
         self.code = code
 
 
-def daemonize(log_fd: int, body: Callable[[Callable[[], None]], object],
-              debug: bool = False, log_name: str = "the daemon's log") -> Detached:
-    """Run ``body(on_ready)`` in a background child; the parent returns once the child
-    called ``on_ready`` (or raises MountError with the child's error).
+def daemonize(log_fd: int, body: Callable[[ReadySignal], object],
+              debug: bool = False, log_name: str = "the daemon's log",
+              timeout: float | None = None) -> Detached:
+    """Run ``body(ready)`` in a background child; the parent returns once the child
+    called ``ready()`` (or raises MountError with the child's error, or when the child
+    made no progress for ``timeout`` seconds: it is then stopped).
 
     The child starts a new session, sends its output to ``log_fd`` (an open file the caller
     made private, named ``log_name`` in messages), and reports a FanStoreError (or an
@@ -264,10 +275,7 @@ def daemonize(log_fd: int, body: Callable[[Callable[[], None]], object],
             sys.stderr = open(2, "w", buffering=1, closefd=False)
             setup_logging(debug, sys.stderr)
 
-            def on_ready() -> None:
-                _pipe_write(w, "ready\n")
-
-            result = body(on_ready)
+            result = body(ReadySignal(w))
             code = int(result) if isinstance(result, int) else 0
         except FanStoreError as exc:
             log.error("%s", exc)
@@ -287,31 +295,102 @@ def daemonize(log_fd: int, body: Callable[[Callable[[], None]], object],
     os.close(w)
     os.close(log_fd)
     try:
-        text = read_ready(r)
+        text = read_ready(r, timeout, f"the daemon (pid {pid})")
+    except ReadyTimeout as exc:
+        _pipe_kill(pid)
+        raise MountError(f"{exc} (--start-timeout): stopped it; see {log_file}") from None
     finally:
         os.close(r)
     if text == "ready":
         return Detached(False)
-    _, status = os.waitpid(pid, 0)
+    status = wait_exit(pid, 30.0)  # it reported and is leaving
     if text.startswith("error: "):
         err = MountError(text[len("error: "):])
-        err.exit_code = os.waitstatus_to_exitcode(status) or 1
+        err.exit_code = (os.waitstatus_to_exitcode(status) if status is not None else 0) or 1
         raise err
     raise MountError(f"the daemon exited before the mount was ready; see {log_file}")
 
 
-def read_ready(fd: int) -> str:
+class ReadySignal:
+    """What a background daemon's body is given: call it once serving (the waiting
+    command returns); :meth:`progress` after each step of a long start (a partition
+    staged): each restarts the waiting command's deadline."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.done = False
+
+    def __call__(self) -> None:
+        self.done = True
+        _pipe_write(self.fd, "ready\n")
+
+    def progress(self) -> None:
+        if not self.done:
+            _pipe_write(self.fd, PROGRESS.decode())
+
+
+def _pipe_kill(pid: int) -> None:
+    """SIGTERM to a daemon that stayed silent (it cleans up as on any stop), reaped within
+    10 s, else SIGKILL."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+        if wait_exit(pid, 10.0) is None:
+            os.kill(pid, signal.SIGKILL)
+            wait_exit(pid, 5.0)
+    except ProcessLookupError:
+        pass
+
+
+class ReadyTimeout(MountError):
+    """A ready pipe stayed silent past its deadline (the other side still runs)."""
+
+
+#: what a ready pipe carries besides its last word: one byte per step of progress
+PROGRESS = b"."
+
+
+def read_ready(fd: int, timeout: float | None = None, what: str = "the daemon") -> str:
     """Read a ready pipe: "ready" once the other side wrote ``ready\n``, else what it wrote
-    before closing its end (an ``error: ...`` line, or nothing if it died)."""
+    before closing its end (an ``error: ...`` line, or nothing if it died).
+
+    ``timeout``: seconds the other side may stay silent; each progress byte it writes
+    (:data:`PROGRESS`, e.g. one per partition staged) starts the wait again, so a long
+    but moving start is never cut while a stuck one is. Past it, :class:`ReadyTimeout`
+    names ``what`` did not arrive."""
+    import select
+
     data = b""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
     while True:
+        if timeout is not None and not poller.poll(int(timeout * 1000) + 1):
+            raise ReadyTimeout(f"{what} did not report ready or progress within "
+                               f"{timeout:g} s")
         chunk = os.read(fd, 4096)
         if not chunk:
             break
-        data += chunk
+        data = (data + chunk).lstrip(PROGRESS)
         if data.startswith(b"ready\n"):
             return "ready"
     return data.decode(errors="replace").strip()
+
+
+def wait_exit(pid: int, timeout: float) -> int | None:
+    """Reap child ``pid`` within ``timeout`` seconds: its wait status, or None if it is
+    still running then (it is left to end by itself; never a wait without end)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return None
+        if done:
+            return status
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
 
 
 def _pipe_write(fd: int, text: str) -> None:

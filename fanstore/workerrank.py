@@ -37,12 +37,13 @@ import signal
 import sys
 import threading
 import time
+from typing import Callable
 
 from fanstore.daemon.launcher import launcher_alive
 from fanstore.daemon.nodegroup import WorkerSide
 from fanstore.daemon.world import World
 from fanstore.errors import FanStoreError
-from fanstore.mountspec import NodeShare
+from fanstore.mountspec import START_TIMEOUT, NodeShare
 from fanstore.process import setup_logging
 
 log = logging.getLogger("fanstore.workerrank")
@@ -51,9 +52,11 @@ log = logging.getLogger("fanstore.workerrank")
 JOIN_TIMEOUT = 300.0
 
 
-def run_worker(world: World, debug: bool = False) -> tuple[int, bool]:
+def run_worker(world: World, debug: bool = False,
+               on_hello: Callable[[], None] = lambda: None) -> tuple[int, bool]:
     """Serve as a worker rank of ``world.job``'s node until the leader says the job is
-    done. Returns (exit status, whether MPI may be finalized)."""
+    done (``on_hello``: once the leader and this rank know each other's pids). Returns
+    (exit status, whether MPI may be finalized)."""
     job = world.job
     setup_logging(debug, sys.stderr, fmt=(
         f"%(asctime)s fanstore[node {job.node} worker rank {job.rank}] %(levelname)s: "
@@ -64,7 +67,12 @@ def run_worker(world: World, debug: bool = False) -> tuple[int, bool]:
 
     precise_sleeps()  # this thread polls for remote replies (pacing.Pacer)
     side = WorkerSide(job)
-    side.hello()
+    try:
+        side.hello(world.timeout if world.timeout is not None else START_TIMEOUT)
+    except FanStoreError as exc:
+        log.error("%s", exc)
+        return 1, False
+    on_hello()
     log.debug("leader pid %d", side.leader_pid)
     threading.Thread(target=_watch_leader, args=(side,), name="fanstore-leader-watch",
                      daemon=True).start()

@@ -25,6 +25,8 @@ from __future__ import annotations
 import os
 import signal
 
+from fanstore.process import die_with_parent
+
 HYDRA_ENV = "HYDI_CONTROL_FD"
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 
@@ -62,11 +64,17 @@ def shim() -> int | None:
     global shim_pid
     proxy = os.getppid()
     me = os.getpid()
+    # The shim dies with hydra's proxy (a proxy killed by signal leaves it waiting),
+    # and until MPI_Init has returned the daemon dies with its shim (see mpi_started).
+    if not die_with_parent(proxy):
+        return 1
     child = os.fork()
     if child == 0:
         os.setpgid(0, 0)
         launcher_pid = proxy
         shim_pid = me
+        if not die_with_parent(me):
+            os._exit(1)
         return None
     for s in FORWARDED:
         signal.signal(s, lambda signum, _frame: _forward(child, signum))
@@ -83,6 +91,20 @@ def shim() -> int | None:
                       "did not start, or the launcher is stuck")
     return (os.waitstatus_to_exitcode(status) if os.WIFEXITED(status)
             else 128 + os.WTERMSIG(status))
+
+
+def mpi_started() -> None:
+    """MPI_Init has returned: from now on this rank's own waits and its :class:`Lifeline`
+    watch the launcher, so it no longer dies with its shim (hydra kills every shim when a
+    process of the job dies, which must not take a serving node down: replicas).
+
+    Until then nothing of ours can run: MPI_Init holds the interpreter while it waits for
+    every rank, and with the launcher gone it spins there (measured: ``mpiexec -n 32``
+    SIGKILLed 5-6 s into the start left 1-29 daemons spinning in MPI_Init, in 4 runs of
+    12, until their 300 s start-up alarm), so the kernel's parent-death signal, armed in
+    :func:`shim`, ends it."""
+    if shim_pid is not None:
+        die_with_parent(None, 0)
 
 
 def _forward(child: int, signum: int) -> None:
@@ -131,20 +153,40 @@ class Lifeline:
         self.interval = interval
         self.grace = grace
         self.on_gone = None
+        self.deadline: tuple[float, str] | None = None
         self.thread = threading.Thread(target=self._run, name="fanstore-lifeline",
                                        daemon=True)
+
+    def arm(self, seconds: float, what: str) -> None:
+        """A backstop for a start step whose own waits did not end it: if ``what`` has
+        not been :meth:`disarm`-ed within ``seconds``, this rank exits (a rank hung in
+        a C call or before its first wait keeps its launcher, and so the whole job,
+        waiting for it: measured, a worker rank hung before its hello)."""
+        import time
+
+        self.deadline = (time.monotonic() + seconds, what)
+
+    def disarm(self) -> None:
+        self.deadline = None
 
     def _run(self) -> None:
         import logging
         import time
 
+        log = logging.getLogger("fanstore.launcher")
         while self.alive():
             time.sleep(self.interval)
-        log = logging.getLogger("fanstore.launcher")
+            deadline = self.deadline
+            if deadline is not None and time.monotonic() > deadline[0]:
+                log.error("%s did not end in time: this rank is stuck; exiting", deadline[1])
+                self._leave()
         log.error("the MPI launcher is gone; ending within %g s", self.grace)
         time.sleep(self.grace)
         log.error("still running %g s after the launcher left: cleaning up and exiting",
                   self.grace)
+        self._leave()
+
+    def _leave(self) -> None:
         try:
             if self.on_gone is not None:
                 self.on_gone()

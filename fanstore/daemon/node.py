@@ -86,6 +86,7 @@ class Node(NodeEnd):
         self.frontend_factory = frontend_factory
         self.transport_factory = transport_factory
         self.created_local = False
+        self.progress: Callable[[], None] = lambda: None  # a partition staged (ReadySignal)
         self.stats = ReadStats()
         self.transport = None
         self.parts: LocalPartitions | None = None
@@ -246,8 +247,9 @@ class Node(NodeEnd):
 
         if not self.local_dir:
             return self.spec.store
-        self.stage_report = stage_partitions(self.spec.store, self.local_dir, index, mine,
-                                             jobs=self.spec.stage_jobs, who=self.who)
+        self.stage_report = stage_partitions(
+            self.spec.store, self.local_dir, index, mine, jobs=self.spec.stage_jobs,
+            who=self.who, owned=not self.spec.keep_local, progress=self.progress)
         # only a directory staging itself created is removed at exit (never one another
         # user made in between)
         self.created_local = self.stage_report.created
@@ -272,7 +274,7 @@ class Node(NodeEnd):
         spec = self.spec
         early: FanStoreError | None = None
         try:
-            self.group.hello(os.getpid())
+            self.group.hello(os.getpid(), self.spec.start_timeout, self.world)
             if self.runtime is None:
                 self.runtime = runtime.MountRuntime.create(self.mountpoint)
             self.runtime.write_state(pid=os.getpid(), rank=self.rank, ranks=self.size,

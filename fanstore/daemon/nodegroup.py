@@ -4,7 +4,9 @@ Three messages, each a polled ``Ibcast`` from the leader (rank 0 of ``Job.node_c
 the node's worker ranks, in this order:
 
 1. **hello**: the leader's pid (a worker exits when its leader is gone, whatever MPI
-   does), sent as soon as the job is laid out.
+   does), sent as soon as the job is laid out; each worker answers with its own pid (a
+   point-to-point message, so that the leader names the worker ranks that did not answer
+   within the start timeout).
 2. **start**: a :class:`RankStart`: the node's :class:`~fanstore.mountspec.NodeShare` (the
    mount spec and the node's data directory, partitions, placement table, index copy and
    the kernel frontend's worker socket, exactly as the node and its frontend have it), or
@@ -13,7 +15,8 @@ the node's worker ranks, in this order:
    leave without MPI_Finalize (a peer died).
 
 JSON, never pickle; sizes travel first as an int64. Waits never spin (``Test`` with a
-growing sleep) and give up when the leader's process is gone.
+growing sleep) and give up when the other side's process or the launcher is gone; the
+hello's have the start timeout as their deadline.
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ def _bcast_bytes(comm, data: bytes | None, alive=None,
 
 #: seconds a leader waits for its worker ranks to take a message (they are polling for it)
 TELL_TIMEOUT = 30.0
+#: the tag of a worker rank's hello (its pid) to its leader, on the node's communicator
+HELLO_TAG = 77
 
 
 def _byte(comm):
@@ -96,23 +101,46 @@ class LeaderSide:
         self.exit_sent = False
         self.worker_pids: list[int] = []
 
-    def hello(self, pid: int) -> None:
-        """Tell the workers our pid; learn theirs (to wait for them at the end)."""
-        if self.active:
-            from fanstore.daemon.launcher import launcher_alive
+    def hello(self, pid: int, timeout: float = TELL_TIMEOUT, world=None) -> None:
+        """Tell the workers our pid; learn theirs (to wait for them at the end). A worker
+        rank that has not answered within ``timeout`` seconds (the start timeout) is named
+        in the MountError, and ``world`` marked incomplete (no rank waits for it at the
+        end of the job)."""
+        if not self.active:
+            return
+        from fanstore.daemon.launcher import launcher_alive
 
-            deadline = time.monotonic() + TELL_TIMEOUT
-            if _bcast_bytes(self.job.node_comm, json.dumps({"pid": pid}).encode(),
-                            launcher_alive, deadline) is None:
-                raise MountError("this node's worker ranks did not start (no answer within "
-                                 f"{TELL_TIMEOUT:g} s)")
-            pids = np.zeros(self.job.node_comm.Get_size(), dtype=np.int64)
-            if not _wait(self.job.node_comm.Igather(np.array([pid], dtype=np.int64), pids,
-                                                    root=0), launcher_alive,
-                         deadline=deadline):
-                raise MountError("this node's worker ranks did not answer within "
-                                 f"{TELL_TIMEOUT:g} s")
-            self.worker_pids = [int(p) for p in pids[1:]]
+        comm = self.job.node_comm
+        deadline = time.monotonic() + timeout
+        if _bcast_bytes(comm, json.dumps({"pid": pid}).encode(), launcher_alive,
+                        deadline) is None:
+            self._incomplete(world)
+            raise MountError(self._missing(range(1, comm.Get_size()), timeout, "start"))
+        pids = {src: np.zeros(1, dtype=np.int64) for src in range(1, comm.Get_size())}
+        reqs = {src: comm.Irecv(buf, source=src, tag=HELLO_TAG) for src, buf in pids.items()}
+        backoff = Backoff(100e-6, 20e-3, coldest=0.1, cold_after=1.0)
+        while reqs and launcher_alive() and time.monotonic() <= deadline:
+            for src in [s for s, r in reqs.items() if r.Test()]:
+                del reqs[src]
+            if reqs:
+                backoff.sleep()
+        if reqs:
+            for r in reqs.values():
+                r.Cancel()
+            self._incomplete(world)
+            raise MountError(self._missing(sorted(reqs), timeout, "say hello"))
+        self.worker_pids = [int(pids[src][0]) for src in sorted(pids)]
+
+    @staticmethod
+    def _incomplete(world) -> None:
+        if world is not None:
+            world.incomplete = True
+
+    def _missing(self, node_ranks, timeout: float, what: str) -> str:
+        ranks = [self.job.workers_of(self.job.node)[r - 1] for r in node_ranks]
+        shown = ", ".join(str(r) for r in ranks[:20]) + (" ..." if len(ranks) > 20 else "")
+        return (f"worker rank{'s' if len(ranks) > 1 else ''} {shown} of this node did not "
+                f"{what} within {timeout:g} s (--start-timeout)")
 
     def wait_workers_gone(self, timeout: float = 15.0) -> bool:
         """After MPI_Finalize: wait (bounded) until every worker rank's process has exited,
@@ -184,15 +212,23 @@ class WorkerSide:
     def leader_alive(self) -> bool:
         return self.leader_pid == 0 or pid_alive(self.leader_pid)
 
-    def hello(self) -> None:
+    def hello(self, timeout: float = TELL_TIMEOUT) -> None:
+        """Learn the leader's pid and send ours; MountError when the launcher is gone,
+        the leader did not speak within ``timeout`` seconds, or died before taking it."""
         from fanstore.daemon.launcher import launcher_alive
 
-        data = _bcast_bytes(self.job.node_comm, None, launcher_alive)
+        deadline = time.monotonic() + timeout
+        data = _bcast_bytes(self.job.node_comm, None, launcher_alive, deadline)
         if data is None:
-            raise MountError("the MPI launcher is gone")
+            raise MountError("the MPI launcher is gone" if not launcher_alive() else
+                             f"the node's daemon did not speak within {timeout:g} s "
+                             "(--start-timeout)")
         self.leader_pid = int(json.loads(data)["pid"])
-        _wait(self.job.node_comm.Igather(np.array([os.getpid()], dtype=np.int64), None,
-                                         root=0))
+        if not _wait(self.job.node_comm.Isend(np.array([os.getpid()], dtype=np.int64),
+                                              dest=0, tag=HELLO_TAG),
+                     lambda: self.leader_alive() and launcher_alive(), deadline=deadline):
+            raise MountError("the node's daemon did not take this rank's hello within "
+                             f"{timeout:g} s (--start-timeout), or died")
 
     def start(self) -> NodeShare:
         """The node's share, from the leader; MountError when the node failed or the

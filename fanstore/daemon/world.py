@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from fanstore.daemon import launcher
 from fanstore.daemon.jobenv import choose_netmod, node_name, slurm_tasks
 from fanstore.daemon.layout import split_nodes
 from fanstore.daemon.mpirequests import AllOf
@@ -130,6 +131,7 @@ class World:
         """Initialise MPI and group the launched ranks into nodes
         (:func:`fanstore.daemon.layout.split_nodes`)."""
         MPI = _init_mpi(timeout)
+        launcher.mpi_started()  # the waits below watch the launcher themselves
         world = MPI.COMM_WORLD
         expected = slurm_tasks()
         if expected is not None and world.Get_size() != expected:
@@ -202,7 +204,8 @@ class World:
         if not self.is_mpi:
             return None
         note = f"{node_name()}\0{error or ''}".encode("utf-8", "replace")[:_NOTE_MAX]
-        mine = bytes([0 if error else 1]) + note
+        # 2: failed, and a rank of this node is missing (no rank may wait for it at the end)
+        mine = bytes([(2 if self.incomplete else 0) if error else 1]) + note
         if self.rank == 0:
             return self._gate_root(what, mine)
         self.wait(self.comm.Isend([mine, self.MPI.BYTE], dest=0, tag=_ROLL_TAG),
@@ -246,8 +249,8 @@ class World:
                 self._go_on(f"the {what} gate")
             backoff.sleep()
         verdict = _verdict(what, notes, sorted(reqs), self.timeout)
-        self.incomplete = bool(reqs)
-        out = ((b"M" if reqs else b"F") + (verdict or "").encode("utf-8", "replace")
+        self.incomplete = bool(reqs) or any(n[:1] == b"\x02" for n in notes.values())
+        out = ((b"M" if self.incomplete else b"F") + (verdict or "").encode("utf-8", "replace")
                )[:_VERDICT_MAX] if verdict else b""
         self._sent = [self.comm.Isend([out, MPI.BYTE], dest=dst, tag=_VERDICT_TAG)
                       for dst in range(1, self.size)]

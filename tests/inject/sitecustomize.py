@@ -10,6 +10,14 @@ on PYTHONPATH and set ``FANSTORE_TEST_WORKER_FAULT`` to
   with status 9 (what the OOM killer's victim shows as a pid gone) or sleeps, once it has
   been told to start reading.
 
+For the start of a mount (tests/test_start_faults.py), ``FANSTORE_TEST_START_HOLD`` is
+``WHERE:RANK``: the process of MPI rank RANK (``PMI_RANK``; ``any``: every process) stops
+for good at WHERE, as a hung process would: ``before-mpi-init``, ``after-mpi-init`` (in
+``fanstore.daemon.world._init_mpi``), ``hello`` (a worker rank's hello,
+``fanstore.daemon.nodegroup.WorkerSide.hello``) or ``stage`` (``fanstore.daemon.staging.
+stage_partitions``). With ``FANSTORE_TEST_FAULT_MARK`` set, every rank creates
+``MARK.mpi-init.RANK`` as it enters MPI_Init and the held one ``MARK.held.RANK``.
+
 A stalled worker first creates the file ``$FANSTORE_TEST_FAULT_MARK.<its pid>`` (when that
 variable is set): the test knows which worker holds a task. Every process started with it
 imports this module; only worker processes call what it
@@ -23,6 +31,9 @@ import os
 import sys
 
 _FAULT = os.environ.get("FANSTORE_TEST_WORKER_FAULT", "")
+_HOLD_WHERE, _, _HOLD_RANK = os.environ.get("FANSTORE_TEST_START_HOLD", "").partition(":")
+_HOLD_AT = {"fanstore.daemon.world": "_init_mpi", "fanstore.daemon.staging": "stage_partitions",
+            "fanstore.daemon.nodegroup": "WorkerSide"}
 _TARGETS = {"fanstore.pack.worker": ("pack_partition", ("stall", "segv")),
             "fanstore.pack.dedup": ("digest_all", ("digest-stall",)),
             "fanstore.select.epoch": ("read_share", ("reader-dies", "reader-hangs"))}
@@ -55,6 +66,72 @@ def _reader_fault(real, job, *rest):
     time.sleep(120)  # the pass's time limit ends it
 
 
+def _mark(what):
+    mark = os.environ.get("FANSTORE_TEST_FAULT_MARK")
+    if mark:
+        with open(f"{mark}.{what}.{os.environ.get('PMI_RANK', '0')}", "w"):
+            pass
+
+
+def _held(where):
+    """Stop here for good when this is the held process and place."""
+    import time
+
+    if where == _HOLD_WHERE and _HOLD_RANK in ("any", os.environ.get("PMI_RANK", "0")):
+        _mark("held")
+        while True:
+            time.sleep(3600)
+
+
+def _hold_start(module):
+    if module.__name__ == "fanstore.daemon.world":
+        real = module._init_mpi
+
+        def init_mpi(*args, **kw):
+            _held("before-mpi-init")
+            _mark("mpi-init")
+            out = real(*args, **kw)
+            _held("after-mpi-init")
+            return out
+
+        module._init_mpi = init_mpi
+    elif module.__name__ == "fanstore.daemon.staging":
+        real_stage = module.stage_partitions
+
+        def stage_partitions(*args, **kw):
+            _held("stage")
+            return real_stage(*args, **kw)
+
+        module.stage_partitions = stage_partitions
+    else:
+        real_hello = module.WorkerSide.hello
+
+        def hello(self, *args, **kw):
+            _held("hello")
+            return real_hello(self, *args, **kw)
+
+        module.WorkerSide.hello = hello
+
+
+class _HoldHook(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name not in _HOLD_AT:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _hold_start(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
 class _Hook(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
         if name not in _TARGETS or _FAULT not in _TARGETS[name][1]:
@@ -84,3 +161,5 @@ class _Hook(importlib.abc.MetaPathFinder):
 
 if _FAULT:
     sys.meta_path.insert(0, _Hook())
+if _HOLD_WHERE:
+    sys.meta_path.insert(0, _HoldHook())

@@ -32,10 +32,15 @@ from fanstore.fuse.engine import RequestCounters
 from fanstore.fuse.kernelfs.start import FrontendStart
 from fanstore.fuse.kernelfs.stats import summed_stats
 from fanstore.fuse.kernelfs.orders import DROP, ORDER, PUSH_PIECE, encode
-from fanstore.process import read_ready
+from fanstore.process import ReadyTimeout, read_ready
 from fanstore.read.window import CLIENTS, SharedWindow, write_order
 
 log = logging.getLogger(__name__)
+
+#: seconds the daemon waits for its frontend process to say it is ready: the frontend's
+#: own steps have deadlines (the worker ranks joining 300 s, fusermount 60 s, the kernel's
+#: INIT 30 s); past them it is stuck, and is stopped.
+READY_TIMEOUT = 300.0 + 60.0 + 30.0 + 30.0
 
 
 class KernelFrontend:
@@ -102,7 +107,12 @@ class KernelFrontend:
         except BrokenPipeError:
             pass  # the frontend died at once: the ready pipe below says so
         try:
-            text = read_ready(r)
+            text = read_ready(r, READY_TIMEOUT,
+                              f"{ctx.mountpoint}: the kernel frontend (pid {self.proc.pid})")
+        except ReadyTimeout as exc:
+            self.stop("it did not start")
+            self._wait(10)
+            raise MountError(str(exc)) from None
         finally:
             os.close(r)
         if text != "ready":
