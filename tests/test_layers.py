@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 #: requests) a layer below the MPI world.
 DAEMON_SERVICES = tuple(f"fanstore.daemon.{m}" for m in (
     "jobenv", "placement", "protocol", "pacing", "transport", "routing", "peerwatch",
-    "replicas", "service", "staging", "stagecopy", "stagefetch", "stagecheck"))
+    "replicas", "service", "staging", "stagecopy", "stagefetch", "stagecheck",
+    "stageowner"))
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("codecs", ("compressors",)),
     ("format", ("fanstore.version", "fanstore.errors", "fanstore.settings", "fanstore.safeio",

@@ -94,15 +94,20 @@ class NodeEnd:
         self._remove_local()
 
     def _remove_local(self) -> None:
-        """The data this node staged (unless --keep-local): the whole local directory when
-        staging made it, else only the partitions it copied (never another user's dir)."""
+        """The data this node staged (unless --keep-local), and its owner record: the whole
+        local directory when staging made it (or inherited it from a dead mount that had),
+        else only the partitions it staged (never another user's dir)."""
+        from fanstore.daemon import stageowner
         from fanstore.daemon.staging import remove_staged
 
         if self.local_dir and not self.spec.keep_local:
-            if self.created_local:
+            # never the directory while another live mount stages there
+            if self.created_local and not stageowner.others_alive(self.local_dir):
                 shutil.rmtree(self.local_dir, ignore_errors=True)
             elif self.stage_report is not None:
                 remove_staged(self.local_dir, self.stage_report.partitions)
+            if self.stage_report is not None:
+                stageowner.release(self.stage_report.owner_record)
 
     def emergency_cleanup(self) -> None:
         """What must not outlive a daemon that is about to leave with ``os._exit`` (its

@@ -39,8 +39,10 @@ import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Callable
 
 from fanstore import safeio
+from fanstore.daemon import stageowner
 from fanstore.daemon.stagecheck import BLOCK, Modes, ok_path, unlink, valid_copy
 from fanstore.daemon.stagecopy import copy_partition
 from fanstore.daemon.stagefetch import fetch_all, resumable
@@ -60,8 +62,11 @@ class StageReport:
     bytes_copied: int = 0
     bytes_local: int = 0
     seconds: float = 0.0
-    #: the local directory did not exist and staging created it
+    #: the local directory did not exist and staging created it (or a dead mount that
+    #: had created it left it: :func:`fanstore.daemon.stageowner.sweep`)
     created: bool = False
+    #: this mount's owner record in the local directory (None with ``--keep-local``)
+    owner_record: str | None = None
 
     @property
     def mb_per_s(self) -> float:
@@ -122,7 +127,8 @@ def prepare_local_dir(local_dir: str, private: bool, who: str = "node") -> bool:
 
 def stage_partitions(store_dir: str, local_dir: str, index: Index, numbers: list[int],
                      jobs: int = 4, who: str = "node", block: int = BLOCK,
-                     private: bool | None = None) -> StageReport:
+                     private: bool | None = None, owned: bool = False,
+                     progress: Callable[[], None] = lambda: None) -> StageReport:
     """Make ``local_dir`` hold valid copies of partitions ``numbers``; return what was done.
 
     ``store_dir`` may be an object-store URL (``s3://bucket/ds.fs``): partitions are then
@@ -130,14 +136,36 @@ def stage_partitions(store_dir: str, local_dir: str, index: Index, numbers: list
     :func:`fanstore.daemon.stagefetch.fetch_all`). ``private``: whether the copies must be
     private (default: as the store, :func:`store_is_private`). Raises StageError, or
     UnsafePathError for a local directory other users could read into, write into or swap.
+    ``owned``: the copies are removed when this mount ends (no ``--keep-local``): an owner
+    record says so in the directory (:mod:`fanstore.daemon.stageowner`); what mounts that
+    died there left is cleaned up first in any case. ``progress`` is called once per
+    partition done (found valid or copied): a waiting command's sign of life.
     """
     t0 = time.monotonic()
     report = StageReport(partitions=sorted(numbers))
-    remote = is_url(store_dir)
     if private is None:
         private = store_is_private(store_dir, index)
     modes = Modes.of(private)
     report.created = prepare_local_dir(local_dir, private, who)
+    _, inherited = stageowner.sweep(local_dir, report.partitions, who)
+    if owned:
+        report.created = report.created or inherited
+        report.owner_record = stageowner.claim(local_dir, report.partitions, report.created,
+                                               modes.file)
+    try:
+        _stage(store_dir, local_dir, index, report, jobs, who, block, modes, progress)
+    except BaseException:
+        if not (report.copied or report.reused):  # nothing here for the next mount to clean
+            stageowner.release(report.owner_record)
+        raise
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+def _stage(store_dir: str, local_dir: str, index: Index, report: StageReport, jobs: int,
+           who: str, block: int, modes: Modes, progress: Callable[[], None]) -> None:
+    numbers = report.partitions
+    remote = is_url(store_dir)
     try:
         names = os.listdir(local_dir)
     except OSError as exc:  # a read-only or vanished mount, ...
@@ -156,6 +184,7 @@ def stage_partitions(store_dir: str, local_dir: str, index: Index, numbers: list
         dst = os.path.join(local_dir, partition_name(p))
         if valid_copy(dst, info.size, info.checksum, modes):
             report.reused.append(p)
+            progress()
         else:
             todo.append(p)
     need = sum(index.partitions[p].size for p in todo)
@@ -179,14 +208,14 @@ def stage_partitions(store_dir: str, local_dir: str, index: Index, numbers: list
         for p, n in fetch_all(store_dir, local_dir, index, todo, jobs, who, block, modes):
             report.copied.append(p)
             report.bytes_copied += n
+            progress()
     elif todo:
         with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(todo)))) as pool:
             for p, n in zip(todo, pool.map(one, todo)):
                 report.copied.append(p)
                 report.bytes_copied += n
+                progress()
     report.bytes_local = sum(index.partitions[p].size for p in report.partitions)
-    report.seconds = time.monotonic() - t0
-    return report
 
 
 def _size(path: str) -> int:
