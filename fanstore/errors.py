@@ -43,6 +43,17 @@ class FormatError(FanStoreError):
     exit_code = 1
 
 
+class DamagedDirectoryError(FormatError):
+    """A directory of a loaded index breaks what a lookup in it relies on (its names are not
+    strictly sorted by bytes: one is out of order or repeats). ``directory`` is its path in
+    the store ("/" for the root): the error is that directory's alone (EIO for a lookup in
+    it), and a mount logs it once per directory."""
+
+    def __init__(self, message: str, directory: str) -> None:
+        super().__init__(message)
+        self.directory = directory
+
+
 class VersionTooNewError(FormatError):
     """The store was written by a newer FanStore (format version above ours)."""
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fanstore.errors import (
+    DamagedDirectoryError,
     FanStoreError,
     FormatError,
     IsADirectoryError_,
@@ -247,7 +248,10 @@ class Namespace:
         found = np.full(len(paths), -1, dtype=np.int64)
         if good.any():
             sel = np.nonzero(good)[0]
-            found[sel] = self.index.lookup_many(parents[sel], [names[i] for i in sel])
+            try:
+                found[sel] = self.index.lookup_many(parents[sel], [names[i] for i in sel])
+            except DamagedDirectoryError:
+                pass  # each path goes the one-path way: only those in the directory fail
         out = found.tolist()
         kind = self._kind
         for i, e in enumerate(out):

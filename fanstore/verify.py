@@ -1,7 +1,11 @@
-"""``fanstore verify``: decode every file, check every chunk and whole-file checksum.
+"""``fanstore verify``: decode every file, check every chunk and whole-file checksum, and
+check every directory's names are in the order lookups bisect.
 
 Damage is reported per file (a missing or truncated partition damages exactly the files it
-holds); verification never stops at the first problem.
+holds) and per directory (names out of order or repeated: a lookup in it fails); verification
+never stops at the first problem. What the index must hold for a reader to use it at all
+(the tree's shape, names in bounds, ...) is checked when it is loaded: an index that fails is
+refused whole, one line naming it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import xxhash
 from fanstore.errors import FanStoreError, FormatError
 from fanstore.format.index import Index, read_index
 from fanstore.format.layout import COMPACT_FROM
+from fanstore.format.validate import unsorted_directories
 from fanstore.namespace import Namespace
 from fanstore.read import ChunkReader, LocalPartitions
 
@@ -29,9 +34,14 @@ class VerifyReport:
     seconds: float = 0.0
     damaged: list[tuple[str, str]] = field(default_factory=list)
     skipped_partitions: list[int] = field(default_factory=list)
+    #: directories a lookup cannot trust (path, "/" for the root; what is wrong)
+    damaged_dirs: list[tuple[str, str]] = field(default_factory=list)
 
     def damaged_lines(self) -> list[str]:
-        return [f"DAMAGED {path}: {reason}" for path, reason in sorted(self.damaged)]
+        """One line per damaged directory (its path ends in "/"), then per damaged file."""
+        dirs = [f"DAMAGED {path.rstrip('/')}/: {reason}" for path, reason in
+                sorted(self.damaged_dirs)]
+        return dirs + [f"DAMAGED {path}: {reason}" for path, reason in sorted(self.damaged)]
 
     def summary(self) -> str:
         mb = self.bytes_checked / 1e6
@@ -40,9 +50,17 @@ class VerifyReport:
         rate = mb / self.seconds if self.seconds > 0 else 0.0
         head = (f"verified {self.checked:,} files ({mb:,.1f} MB) in {self.seconds:.1f} s "
                 f"({rate:,.0f} MB/s): ")
+        dirs = (f"{len(self.damaged_dirs)} damaged director"
+                f"{'y' if len(self.damaged_dirs) == 1 else 'ies'}") if self.damaged_dirs else ""
         if self.damaged:
-            return head + f"{len(self.damaged)} damaged" + skipped
+            return head + f"{len(self.damaged)} damaged" + (f", {dirs}" if dirs else "") + skipped
+        if dirs:
+            return head + dirs + skipped
         return head + "all intact" + skipped
+
+    @property
+    def intact(self) -> bool:
+        return not self.damaged and not self.damaged_dirs
 
 
 def verify_store(path: str, jobs: int = 0, progress: bool | None = None,
@@ -61,6 +79,7 @@ def verify_store(path: str, jobs: int = 0, progress: bool | None = None,
     if not os.path.isdir(data_dir):  # a mistyped --local-dir must not verify "all intact"
         raise FormatError(f"{data_dir}: no such directory")
     report = VerifyReport()
+    report.damaged_dirs = _damaged_directories(index, path)
     wanted = _wanted_partitions(index, data_dir, only_present, report)
     parts, broken = LocalPartitions.available(data_dir, index, wanted)
     # Files that share a solid chunk (format v2 and later) are checked one after the other
@@ -92,6 +111,15 @@ def verify_store(path: str, jobs: int = 0, progress: bool | None = None,
         parts.close()
     report.seconds = time.monotonic() - t0
     return report
+
+
+def _damaged_directories(index: Index, store: str) -> list[tuple[str, str]]:
+    """(path, what is wrong) of each directory whose names are not strictly sorted by bytes
+    (one out of order or repeated): the bisection a lookup does cannot be trusted there, so
+    a reader refuses a lookup in it (EIO)."""
+    return [(os.fsdecode(index.path(d)) or "/",
+             f"directory of {store}: its names are not sorted, or one repeats (a lookup "
+             "in it fails)") for d in unsorted_directories(index).tolist()]
 
 
 def _wanted_partitions(index: Index, data_dir: str, only_present: bool,

@@ -126,7 +126,7 @@ def _build(job, share: NodeShare):
     from fanstore.read import ChunkReader, LocalPartitions, ReadStats, RoutedSource
 
     spec = share.spec
-    index = map_index_body(share.index_copy, owner=os.geteuid())
+    index = map_index_body(share.index_copy, owner=os.geteuid(), where=spec.store)
     parts = LocalPartitions(share.data_dir, index, list(share.local_parts))
     transport = MpiTransport(job.comm, parts, on_control=lambda msg: None,
                              piece=spec.mpi_piece)

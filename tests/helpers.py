@@ -436,6 +436,37 @@ def set_index_version(store, version: int) -> None:
         f.write(version.to_bytes(2, "little"))
 
 
+def damage_directory(store, rel: str, how: str) -> None:
+    """Rewrite ``STORE/fanstore.idx`` (a valid checksum: only the structure is wrong) with
+    directory ``rel`` damaged: ``"swap"`` its first two names, ``"repeat"`` its first name
+    as its second (both load: a lookup in it fails), or ``"span"`` its child run moved one
+    entry on (refused when the index is loaded)."""
+    import numpy as np
+
+    from fanstore.format.index import INDEX_NAME, encode_index, read_index
+
+    index = read_index(os.fspath(store))
+    e = {k: np.array(v) for k, v in index.entries.items()}
+    d = [i for i in range(index.n_entries) if index.path(i) == os.fsencode(rel)][0]
+    a = int(e["first"][d])
+    assert int(e["count"][d]) >= 2, f"{rel} has fewer than two entries"
+    if how == "swap":
+        for col in ("name_off", "name_len"):
+            e[col][a], e[col][a + 1] = e[col][a + 1], e[col][a]
+    elif how == "repeat":
+        for col in ("name_off", "name_len"):
+            e[col][a + 1] = e[col][a]
+    elif how == "span":
+        e["first"][d] += 1
+    else:
+        raise ValueError(how)
+    meta = {k: v for k, v in index.meta.items()
+            if k not in ("columns", "n_entries", "n_chunks", "format_version")}
+    (Path(store) / INDEX_NAME).write_bytes(encode_index(
+        meta, e, {k: np.array(v) for k, v in index.chunks.items()}, None,
+        bytes(index.names), bytes(index.targets), compact=index.version >= 5))
+
+
 # --------------------------------------------------------------------------- mounts
 
 #: Every daemon pid seen by :func:`mount_store`; the session safety net kills leftovers.
@@ -644,6 +675,7 @@ __all__ = [
     "assert_same_tree",
     "cleanup_mount",
     "copy_store",
+    "damage_directory",
     "damage_file",
     "daemon_log",
     "daemon_pid",

@@ -18,6 +18,7 @@ from helpers import (
     assert_cli_error,
     assert_no_traceback,
     copy_store,
+    damage_directory,
     damage_file,
     run_cli,
     set_index_version,
@@ -190,6 +191,46 @@ def test_verify_reports_every_file_of_a_truncated_partition(small_store, tmp_pat
     assert [ln.split(": ")[0] for ln in proc.stdout.splitlines()] == [
         f"DAMAGED {p}" for p in in_part0]
     assert "is missing" in proc.stdout
+
+
+@pytest.mark.parametrize("how", ["swap", "repeat"])
+def test_verify_names_each_damaged_directory(small_store, tmp_path, how):
+    """Names out of order or repeated (a valid checksum: the index loads) in two
+    directories, the root one of them: one line each naming the directory and the store,
+    exit 1; the files themselves are intact. ``cat`` of a file in one is one error line
+    naming both; a file elsewhere reads."""
+    store = copy_store(small_store, tmp_path / "s")
+    damage_directory(store, "sub/deeper", how)
+    damage_directory(store, "", how)
+    proc = run_cli("verify", store, "--no-progress")
+    assert proc.returncode == 1, proc.stderr
+    assert_no_traceback(proc)
+    why = (f"directory of {store}: its names are not sorted, or one repeats (a lookup in "
+           "it fails)")
+    assert proc.stdout.splitlines() == [f"DAMAGED /: {why}", f"DAMAGED sub/deeper/: {why}"]
+    assert proc.stderr.rstrip().endswith(": 2 damaged directories"), proc.stderr
+    assert_cli_error(run_cli("cat", store, "a.txt"), code=1,
+                     contains=f"{store}: the names of directory / are not sorted")
+    copy = copy_store(small_store, tmp_path / "t")
+    damage_directory(copy, "sub/deeper", how)
+    assert_cli_error(run_cli("cat", copy, "sub/deeper/d.txt"), code=1,
+                     contains=f"{copy}: the names of directory sub/deeper are not sorted")
+    assert run_cli("cat", copy, "sub/c.txt", check=True).stdout == "gamma\n"
+    proc = run_cli("verify", copy, "--no-progress")
+    assert (proc.returncode, proc.stdout) == (1, f"DAMAGED sub/deeper/: {why}\n".replace(
+        str(store), str(copy)))
+    assert proc.stderr.rstrip().endswith(": 1 damaged directory"), proc.stderr
+
+
+def test_verify_refuses_a_child_run_out_of_place_naming_it(small_store, tmp_path):
+    """A directory's child run moved breaks the tree every reader walks: refused when the
+    index is loaded (verify, cat, ls alike), one line naming the store and the directory."""
+    store = copy_store(small_store, tmp_path / "s")
+    damage_directory(store, "sub/deeper", "span")
+    for args in (("verify", store, "--no-progress"), ("cat", store, "a.txt"), ("ls", store)):
+        line = assert_cli_error(run_cli(*args), code=1,
+                                contains="directory child runs are not contiguous")
+        assert f"{store}/{INDEX_NAME}: " in line and "(first at directory sub/deeper " in line
 
 
 def test_cat_of_a_damaged_file_fails_with_one_line(small_store, tmp_path):

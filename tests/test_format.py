@@ -24,6 +24,7 @@ import zstandard
 
 from fanstore import FORMAT_VERSION
 from fanstore.errors import (
+    DamagedDirectoryError,
     FormatError,
     NotADirectoryError_,
     NotAStoreError,
@@ -58,6 +59,7 @@ from fanstore.format.partition import (
     partition_name,
     read_partition_header,
 )
+from fanstore.format.validate import unsorted_directories
 from fanstore.namespace import Namespace
 from fanstore.read import LocalPartitions
 from fanstore.store import LocalStore
@@ -861,22 +863,110 @@ def test_an_unsorted_or_repeated_name_is_refused_in_its_directory(damage):
     parts, names = _random_tree_parts(1, lookup=False)
     e = parts["e"]
     parent = e["parent"].astype(np.int64)
-    i = next(k for k in range(1, len(parent) - 1) if parent[k] == parent[k + 1])
+    i = next(k for k in range(1, len(parent) - 1) if parent[k] == parent[k + 1] != 0)
     if damage == "swap":
         e["name_off"][i], e["name_off"][i + 1] = e["name_off"][i + 1], e["name_off"][i]
         e["name_len"][i], e["name_len"][i + 1] = e["name_len"][i + 1], e["name_len"][i]
     else:
         e["name_off"][i + 1], e["name_len"][i + 1] = e["name_off"][i], e["name_len"][i]
-    index = read_index_bytes(_encode(parts))
+    index = read_index_bytes(_encode(parts), where="STORE")
     damaged = int(parent[i])
+    shown = os.fsdecode(index.path(damaged)) or "/"
     for _ in range(2):  # refused every time, not only the first
-        with pytest.raises(FormatError, match="are not sorted, or one repeats"):
+        with pytest.raises(DamagedDirectoryError, match="are not sorted, or one repeats"
+                           ) as info:
             index.lookup(damaged, index.name(i))
-        with pytest.raises(FormatError, match="are not sorted, or one repeats"):
+        assert info.value.directory == shown
+        assert str(info.value).startswith(f"STORE: the names of directory {shown} ")
+        with pytest.raises(DamagedDirectoryError, match="are not sorted, or one repeats"):
             index.lookup_many(np.array([damaged] * 3), [index.name(i)] * 3)
     for entry, (p, name) in enumerate(names, start=1):
         if p != damaged:
             assert index.lookup(p, name) == entry
+    assert unsorted_directories(index).tolist() == [damaged]
+    # Many paths at once (a dataset's files): those in the directory name nothing (-1),
+    # the others are found; the damage does not fail the batch.
+    ns = Namespace(index)
+    files = [k for k in range(1, index.n_entries) if int(e["kind"][k]) == KIND_FILE]
+    paths = [os.fsdecode(index.path(k)) for k in files]
+    inside = [int(parent[k]) == damaged or damaged in _ancestors(index, k) for k in files]
+    assert any(inside) and not all(inside)
+    got = ns.file_entries(paths)
+    assert got == [-1 if bad else k for k, bad in zip(files, inside)]
+
+
+def _ancestors(index, entry: int) -> set[int]:
+    out = set()
+    while entry:
+        entry = int(index.entries["parent"][entry])
+        out.add(entry)
+    return out
+
+
+def _sorted_by_bytes(index, d: int) -> bool:
+    """The oracle: a directory's names strictly increase under Python's bytes order."""
+    names = [index.name(k) for k in range(int(index.entries["first"][d]),
+                                          int(index.entries["first"][d])
+                                          + int(index.entries["count"][d]))]
+    return all(a < b for a, b in zip(names, names[1:]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_unsorted_directories_names_exactly_the_damaged_ones(seed):
+    """What ``verify`` checks: every directory whose names are out of order or repeated,
+    and no other, agreeing with Python's bytes order (the order lookups bisect under;
+    a prefix sorts first) on random trees damaged in random directories (names swapped,
+    repeated, a neighbour's name with a byte added or cut)."""
+    parts, _ = _random_tree_parts(seed, lookup=False)
+    e, rng = parts["e"], random.Random(seed)
+    assert unsorted_directories(read_index_bytes(_encode(parts))).tolist() == []
+    dirs = [d for d in np.nonzero(e["kind"] == KIND_DIR)[0].tolist() if e["count"][d] >= 2]
+    names = bytearray(parts["names"])
+    for d in rng.sample(dirs, min(6, len(dirs))):
+        k = int(e["first"][d]) + rng.randrange(int(e["count"][d]) - 1)
+        how = rng.choice(["swap", "repeat", "longer", "shorter"])
+        if how == "swap":
+            for col in ("name_off", "name_len"):
+                e[col][k], e[col][k + 1] = e[col][k + 1], e[col][k]
+        elif how == "repeat":
+            e["name_off"][k + 1], e["name_len"][k + 1] = e["name_off"][k], e["name_len"][k]
+        else:  # this name becomes the next one plus a byte, or the next this one less one
+            off, ln = int(e["name_off"][k + 1]), int(e["name_len"][k + 1])
+            at = k
+            new = names[off:off + ln] + b"\x01"
+            if how == "shorter":
+                off, ln = int(e["name_off"][k]), int(e["name_len"][k])
+                at, new = k + 1, names[off:off + ln - 1]
+            if not new or new in (b".", b".."):
+                continue
+            e["name_off"][at], e["name_len"][at] = len(names), len(new)
+            names += new
+    parts["names"] = bytes(names)
+    index = read_index_bytes(_encode(parts))
+    expected = [d for d in dirs if not _sorted_by_bytes(index, d)]
+    assert expected
+    assert unsorted_directories(index).tolist() == expected
+
+
+@pytest.mark.parametrize("move", [1, "end"])
+def test_a_child_run_out_of_place_is_refused_naming_its_directory(move):
+    """A directory's child run moved (one entry on, or past the last entry) breaks the
+    tree every reader walks: the index is refused when loaded, one line naming the first
+    directory out of place (its path and entry)."""
+    parts, names = _random_tree_parts(2, lookup=False)
+    e = parts["e"]
+    d = next(k for k in range(1, len(e["kind"])) if e["kind"][k] == KIND_DIR
+             and e["count"][k] >= 1)
+    e["first"][d] = e["first"][d] + 1 if move == 1 else len(e["kind"])
+    path, k = [], d
+    while k:
+        path.append(names[k - 1][1])
+        k = names[k - 1][0]
+    shown = os.fsdecode(b"/".join(reversed(path)))
+    with pytest.raises(FormatError) as info:
+        read_index_bytes(_encode(parts), where="STORE")
+    assert str(info.value) == ("STORE: directory child runs are not contiguous in "
+                               f"breadth-first order (first at directory {shown} (entry {d}))")
 
 
 def _mapping_rss(path: str) -> int:

@@ -764,32 +764,28 @@ def test_a_store_of_an_older_format_mounts_and_reads_byte_for_byte(mounted, vers
         assert os_error(os.lstat, path + "-not-there") == errno.ENOENT
 
 
-def test_a_directory_with_unsorted_names_is_eio_alone(mounted, tmp_path):
-    """A damaged index whose one directory lists its names out of order (lookups bisect):
-    a lookup there is EIO, on every try; that directory still lists, and every other
-    directory reads as packed (the check is per directory, at its first lookup)."""
-    import numpy as np
-
-    from fanstore.format.index import encode_index
-    from helpers import make_small_tree
+@pytest.mark.parametrize("how", ["swap", "repeat"])
+def test_a_directory_with_unsorted_names_is_eio_alone(mounted, tmp_path, how):
+    """A damaged index whose one directory lists its names out of order, or one twice
+    (lookups bisect; the checksum is valid): a lookup there is EIO, on every try; that
+    directory still lists, every other directory reads as packed (the check is per
+    directory, at its first lookup), and the daemon's log has one line naming the store and
+    the directory, not one per lookup (one worker: each serving process logs it once)."""
+    from helpers import damage_directory, make_small_tree
 
     src, store = tmp_path / "src", tmp_path / "store"
     files = make_small_tree(src)
     run_cli("pack", src, store, "--no-progress", check=True)
-    index = read_index(str(store))
-    e = {k: np.array(v) for k, v in index.entries.items()}
-    deeper = [i for i in range(index.n_entries) if index.path(i) == b"sub/deeper"][0]
-    a = int(e["first"][deeper])  # d.txt, e.bin: swap their names
-    for col in ("name_off", "name_len"):
-        e[col][a], e[col][a + 1] = e[col][a + 1], e[col][a]
-    meta = {k: v for k, v in index.meta.items()
-            if k not in ("columns", "n_entries", "n_chunks", "format_version")}
-    (store / INDEX_NAME).write_bytes(encode_index(
-        meta, e, {k: np.array(v) for k, v in index.chunks.items()}, None,
-        bytes(index.names), bytes(index.targets)))
-    mnt = mounted(store)
-    for _ in range(2):
-        assert os_error(os.stat, mnt / "sub/deeper/d.txt") == errno.EIO
-    assert sorted(os.listdir(mnt / "sub/deeper")) == ["d.txt", "e.bin"]
+    damage_directory(store, "sub/deeper", how)
+    mnt = mounted(store, "--workers", "1")
+    for name in ("d.txt", "e.bin", "missing", "d.txt"):
+        assert os_error(os.stat, mnt / "sub/deeper" / name) == errno.EIO, name
+    listed = ["d.txt", "e.bin"] if how == "swap" else ["d.txt", "d.txt"]
+    assert sorted(os.listdir(mnt / "sub/deeper")) == listed
     for rel in ("a.txt", "b.bin", "sub/c.txt"):
         assert (mnt / rel).read_bytes() == files[rel]
+    assert os_error(os.stat, mnt / "sub/missing") == errno.ENOENT
+    lines = [ln for ln in daemon_log(mnt, limit=1 << 20).splitlines()
+             if "are not sorted, or one repeats" in ln]
+    assert len(lines) == 1, daemon_log(mnt)
+    assert f"{store}: the names of directory sub/deeper are not sorted" in lines[0]

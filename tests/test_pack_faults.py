@@ -67,10 +67,13 @@ def _workers_of(pid: int) -> list[int]:
     return sorted(out)
 
 
-def _start(cmd: list[str], fault: str | None, mark: Path | None = None) -> subprocess.Popen:
+def _start(cmd: list[str], fault: str | None, mark: Path | None = None,
+           where: str | None = None) -> subprocess.Popen:
     env = _env(fault)
     if mark is not None:
         env["FANSTORE_TEST_FAULT_MARK"] = str(mark)
+    if where is not None:
+        env["FANSTORE_TEST_FAULT_WHERE"] = where
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, start_new_session=True)
 
@@ -154,6 +157,39 @@ def test_a_worker_that_crashes_ends_the_pack(tmp_path):
     assert "pack worker" in line and "try fewer --jobs" in line
     _assert_nothing_left(dest, proc.pid)
     _rerun_succeeds(src, dest)
+
+
+@pytest.mark.parametrize("fault", ["dedup-rewrite", "dedup-append"])
+def test_a_duplicate_changed_after_its_compare_fails_the_pack(tmp_path, fault):
+    """A duplicate is never read after the byte compare (its entry gets its first copy's
+    run): changed after it (other bytes and a later mtime, or a byte appended with the
+    mtime kept), it would be stored as it was. The pack re-stats every merged file before
+    installing: one line naming it, nothing at DEST, no temporary directory; the re-run
+    packs it as it now is. (The change is made by tests/inject right after the compare:
+    no race against the clock.)"""
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    data = os.urandom(3 * 4096 + 99)  # several chunks: a shared run
+    (src / "orig.bin").write_bytes(data)
+    (src / "sub" / "copy.bin").write_bytes(data)
+    (src / "sub" / "other.txt").write_bytes(b"other\n" * 100)
+    dest = tmp_path / "store"
+    proc = _start([FANSTORE, "pack", str(src), str(dest), "--chunk-kb", "4", "--codec",
+                   "zstd:3", "--no-progress"], fault, where=r"/sub/copy\.bin$")
+    out, err = _end(proc)
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    line = assert_cli_error(result, code=1)
+    assert line == (f"fanstore: error: {src}/sub/copy.bin: file changed while being packed "
+                    "(stored once with its identical copies; its size or modification time "
+                    "is no longer what the scan saw)")
+    assert err.splitlines() == [line], err
+    _assert_nothing_left(dest, proc.pid)
+    now = (src / "sub" / "copy.bin").read_bytes()
+    assert now != data
+    _rerun_succeeds(src, dest)
+    got = run_cli("cat", dest, "sub/copy.bin", text=False, check=True).stdout
+    assert got == now
+    assert run_cli("cat", dest, "orig.bin", text=False, check=True).stdout == data
 
 
 def test_the_python_api_is_told_which_worker_died(tmp_path):

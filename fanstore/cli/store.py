@@ -249,4 +249,4 @@ def cmd_verify(args) -> int:
     for line in report.damaged_lines():
         print(line)
     print(report.summary(), file=sys.stderr)
-    return 1 if report.damaged else 0
+    return 0 if report.intact else 1

@@ -449,7 +449,8 @@ class Node(NodeEnd):
         self.index_copy = self.runtime.create_shared(index_body_parts(index))
         self.runtime.write_state(index_copy=self.index_copy)
         self.index_bytes = None
-        return map_index_body(self.index_copy, check=False, owner=os.geteuid())
+        return map_index_body(self.index_copy, check=False, owner=os.geteuid(),
+                              where=self.spec.store)
 
     def _mount(self) -> None:
         self.runtime.write_state(phase="mounting")

@@ -155,21 +155,38 @@ def name_hash(parent: int, name: bytes) -> int:
 
 def names_sorted(blob: np.ndarray, off: np.ndarray, length: np.ndarray) -> bool:
     """Whether the names ``blob[off[i] : off[i] + length[i]]`` are strictly increasing as
-    bytes (sorted, none repeated). Vectorised over neighbouring pairs, one byte position
-    per pass, each pass only over the pairs that agree so far."""
-    off_a, off_b = off[:-1].astype(np.int64), off[1:].astype(np.int64)
-    len_a, len_b = length[:-1].astype(np.int64), length[1:].astype(np.int64)
+    bytes (sorted, none repeated): the order :meth:`Index.lookup` bisects under."""
+    pairs = np.arange(max(len(off) - 1, 0))
+    return not len(pairs_out_of_order(blob, off, length, pairs, first_only=True))
+
+
+def pairs_out_of_order(blob: np.ndarray, off: np.ndarray, length: np.ndarray,
+                       pairs: np.ndarray, first_only: bool = False) -> np.ndarray:
+    """Of the neighbouring names ``a = pairs[k]`` and ``a + 1`` (names as in
+    :func:`names_sorted`), the ``a`` whose two names are not strictly increasing under
+    Python's ``bytes`` order (unsigned bytes, a prefix first): the second is smaller or the
+    same. Vectorised over the pairs, one byte position per pass, each pass only over the
+    pairs that agree so far; with ``first_only`` it stops at the first pass that finds one.
+    """
+    pairs = np.asarray(pairs, dtype=np.int64)
+    off_a, off_b = off[pairs].astype(np.int64), off[pairs + 1].astype(np.int64)
+    len_a, len_b = length[pairs].astype(np.int64), length[pairs + 1].astype(np.int64)
     last = max(len(blob) - 1, 0)
+    found = []
     j = 0
-    while len(off_a):
+    while len(pairs):
         ca = np.where(j < len_a, blob[np.minimum(off_a + j, last)].astype(np.int16), -1)
         cb = np.where(j < len_b, blob[np.minimum(off_b + j, last)].astype(np.int16), -1)
-        if np.any(ca > cb) or np.any((ca < 0) & (cb < 0)):
-            return False
-        same = ca == cb
-        off_a, off_b, len_a, len_b = off_a[same], off_b[same], len_a[same], len_b[same]
+        wrong = (ca > cb) | ((ca < 0) & (cb < 0))  # b smaller, or both ended: the same
+        if np.any(wrong):
+            found.append(pairs[wrong])
+            if first_only:
+                break
+        same = (ca == cb) & (ca >= 0)
+        pairs, off_a, off_b = pairs[same], off_a[same], off_b[same]
+        len_a, len_b = len_a[same], len_b[same]
         j += 1
-    return True
+    return np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
 
 
 def clamp_mtime_ns(ns: int) -> int:

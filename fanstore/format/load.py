@@ -90,7 +90,9 @@ def _read_remote_index(url: str) -> tuple[str, bytes]:
 def read_index(store_dir: str) -> Index:
     """Load and validate ``<store_dir>/fanstore.idx`` (partition sizes are not checked here)."""
     path, data = read_index_file(store_dir)
-    return read_index_bytes(data, where=path)
+    index = read_index_bytes(data, where=path)
+    index.where = store_dir  # what a damaged directory's message names
+    return index
 
 
 def read_index_bytes(data: bytes, where: str = "index", validate: bool = True) -> Index:
@@ -122,6 +124,7 @@ def read_index_bytes(data: bytes, where: str = "index", validate: bool = True) -
     index.raw_body_size = body_raw
     index.stored_size = len(data)
     index.body = body
+    index.where = where
     if validate:
         validate_index(index, where=where)
     return index

@@ -58,7 +58,7 @@ def _digest_of(fd: int, start: int, size: int, block: int = 8 << 20) -> int:
 
 
 def map_index_body(path: str, check: bool = True, validate: bool = False,
-                   owner: int | None = None) -> Index:
+                   owner: int | None = None, where: str | None = None) -> Index:
     """The index whose body :func:`index_body_parts` made, in the file ``path``, its arrays
     views of a read-only shared mapping of the file. The file is opened without following a
     symlink and, with ``owner``, must belong to that uid (the daemon's). Magic, sizes and
@@ -66,7 +66,8 @@ def map_index_body(path: str, check: bool = True, validate: bool = False,
     body a validated index had, so validating it again is optional (``validate``). The
     checksum is computed from reads, not through the mapping: the process then has mapped
     only the pages its queries touch (the node pays for the copy once, in the page cache;
-    a process for what it uses)."""
+    a process for what it uses). ``where`` names the store in the index's messages (default
+    ``path``)."""
     import mmap
 
     from fanstore.safeio import open_nofollow
@@ -92,6 +93,7 @@ def map_index_body(path: str, check: bool = True, validate: bool = False,
     index.raw_body_size = size
     index.stored_size = stored
     index.body = body
+    index.where = where or path
     if validate:
         validate_index(index, where=path)
     return index

@@ -9,6 +9,7 @@ reader touch bytes outside the store. Symlink targets are checked for what a rea
 
 from __future__ import annotations
 
+import os
 import posixpath
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
@@ -26,11 +27,15 @@ from fanstore.format.layout import (
     MAX_TARGET,
     NO_LOOKUP_FROM,
     SHARED_RUNS_FROM,
+    pairs_out_of_order,
 )
 from fanstore.format.partition import PARTITION_HEADER_SIZE
 
 if TYPE_CHECKING:
     from fanstore.format.tables import Index
+
+#: Directory levels a message follows to name a directory of a damaged tree.
+MAX_DEPTH_SHOWN = 4096
 
 #: Makes the error for a refused index (its message prefixed with where the index is from).
 _Refusal = Callable[[str], FormatError]
@@ -119,14 +124,33 @@ def _check_tree_shape(index: Index, dirs: np.ndarray, bad: _Refusal) -> None:
         raise bad("directory child counts do not add up to the number of entries")
     expected_first = np.concatenate(([1], 1 + np.cumsum(dir_count)[:-1])) if len(dirs) else []
     if not np.array_equal(dir_first, expected_first):
-        raise bad("directory child runs are not contiguous in breadth-first order")
+        d = int(dirs[np.flatnonzero(dir_first != expected_first)[0]])
+        raise bad("directory child runs are not contiguous in breadth-first order "
+                  f"(first at directory {_dir_name(index, d)})")
     if n_entries > 1:
         parent = entries["parent"][1:].astype(np.int64)
         expected_parent = np.repeat(dirs, dir_count)
         if not np.array_equal(parent, expected_parent):
-            raise bad("entries are not where their parent's child run says")
+            d = int(expected_parent[np.flatnonzero(parent != expected_parent)[0]])
+            raise bad("entries are not where their parent's child run says (first in the "
+                      f"run of directory {_dir_name(index, d)})")
         if np.any(parent >= np.arange(1, n_entries)):
             raise bad("an entry precedes its parent")
+
+
+def _dir_name(index: Index, d: int) -> str:
+    """How a message names directory entry ``d`` of an index whose tree is not yet known to
+    be sound: its path where its chain of parents leads to the root, and its entry."""
+    parent, parts, e = index.entries["parent"], [], d
+    for _ in range(MAX_DEPTH_SHOWN):
+        if e == 0:
+            return f"{os.fsdecode(b'/'.join(reversed(parts))) or '/'} (entry {d})"
+        up = int(parent[e])
+        if up >= e:  # a broken link (or a loop): no path to show
+            break
+        parts.append(index.name(e))
+        e = up
+    return f"entry {d}"
 
 
 def _check_names(index: Index, bad: _Refusal) -> None:
@@ -339,6 +363,24 @@ def _check_no_overlap_in_partitions(chunks: _ChunkColumns, bad: _Refusal) -> Non
     same = part[1:] == part[:-1]
     if np.any(offset[1:][same] < offset[:-1][same] + stored[:-1][same]):
         raise bad("chunks overlap inside a partition")
+
+
+def unsorted_directories(index: Index) -> np.ndarray:
+    """The directories (entries, ascending) whose children are not strictly sorted by name
+    bytes: a name out of order or repeated, which the bisection of :meth:`Index.lookup`
+    cannot find its way through. Not part of :func:`validate_index` (it is most of the
+    cost of validating a large index: ``fanstore verify`` runs it; a reader checks a
+    directory at its first lookup in it, :meth:`Index.check_sorted`). Needs an index that
+    passed :func:`validate_index` (children runs where their parents say, names in bounds).
+    """
+    if index.n_entries < 3:
+        return np.zeros(0, dtype=np.int64)
+    e = index.entries
+    parent = e["parent"]
+    siblings = np.nonzero(parent[2:] == parent[1:-1])[0] + 1  # entries a and a + 1
+    bad = pairs_out_of_order(np.frombuffer(index.names, dtype=np.uint8), e["name_off"],
+                             e["name_len"], siblings)
+    return np.unique(parent[bad].astype(np.int64))
 
 
 def target_stays_inside(link_path: bytes, target: bytes) -> bool:

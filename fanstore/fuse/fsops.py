@@ -10,12 +10,14 @@ nodes. Attributes can be computed for many entries at once (numpy) for directory
 
 from __future__ import annotations
 
+import logging
 import os
 import stat as stat_mod
 
 import numpy as np
 
 from fanstore.errors import (
+    DamagedDirectoryError,
     InvalidRequestError,
     IsADirectoryError_,
     NotADirectoryError_,
@@ -34,6 +36,8 @@ _TYPE_BITS = np.array([stat_mod.S_IFREG, stat_mod.S_IFDIR, stat_mod.S_IFLNK], dt
 #: d_type values (dirent.h) by entry kind
 DT_BY_KIND = np.array([8, 4, 10], dtype=np.uint32)  # DT_REG, DT_DIR, DT_LNK
 
+log = logging.getLogger(__name__)
+
 
 class FsOps:
     """Read-only file system operations over a :class:`~fanstore.namespace.Namespace`."""
@@ -50,6 +54,9 @@ class FsOps:
         self._mtime = e["mtime_ns"]
         self.files = ns.n_files
         self.raw_bytes = ns.raw_bytes
+        #: damaged directories (paths) this process has logged: one line each, not one
+        #: per lookup (a lookup in one is EIO every time)
+        self.damaged_logged: set[str] = set()
 
     # ------------------------------------------------------------------ entries
     def entry(self, inode: int) -> int:
@@ -62,7 +69,13 @@ class FsOps:
         parent = self.entry(parent_inode)
         if int(self._kind[parent]) != KIND_DIR:
             raise NotADirectoryError_(f"inode {parent_inode} is not a directory")
-        entry = self.ns.lookup(parent, name)
+        try:
+            entry = self.ns.lookup(parent, name)
+        except DamagedDirectoryError as exc:
+            if exc.directory not in self.damaged_logged:
+                self.damaged_logged.add(exc.directory)
+                log.error("%s", exc)
+            raise
         if entry is None:
             raise NotFoundError("no such entry")
         return entry

@@ -29,6 +29,13 @@ The first copy is the file earliest in scan order (the smallest entry number): t
 does not depend on ``--jobs``, timing or which worker packs what, so a pack stays
 reproducible. A file that cannot be read here is simply not deduplicated (the worker that
 packs it reports the error).
+
+A duplicate is never read again after the compare: its entry gets its first copy's run and
+checksum. So at the end of the pack, before the store is installed,
+:func:`check_unchanged` stats every file the merge relied on (each duplicate and each first
+copy) again: one whose size or modification time (ns) is no longer what the scan saw
+changed while being packed, and the pack fails naming it, as for a file that grew (a write
+that leaves both as they were, within one tick of a coarse file-system clock, is not seen).
 """
 
 from __future__ import annotations
@@ -40,8 +47,10 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
+from fanstore.errors import PackError
+from fanstore.format.index import clamp_mtime_ns
 from fanstore.pack import wire
-from fanstore.pack.scan import ScanEntry
+from fanstore.pack.scan import ScanEntry, show
 
 if TYPE_CHECKING:
     from fanstore.pack.pool import WorkerPool
@@ -94,6 +103,25 @@ def find_duplicates(root: bytes, entries: Sequence[ScanEntry], files: Iterable[i
                 found.of[dup] = first
                 found.saved_bytes += size
     return found
+
+
+def check_unchanged(root: bytes, entries: Sequence[ScanEntry], found: Duplicates) -> None:
+    """Raise PackError naming the first file (scan order) of the duplicates ``found`` and
+    their first copies whose size or modification time differs from the scan's, or that is
+    gone: it changed after it was compared, and the store would hold other bytes under its
+    name than it has (module docstring)."""
+    for entry in sorted({*found.of, *found.of.values()}):
+        e = entries[entry]
+        path = os.path.join(root, e.rel)
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise PackError(f"{show(path)}: file changed while being packed "
+                            f"({exc.strerror})") from exc
+        if st.st_size != e.size or clamp_mtime_ns(st.st_mtime_ns) != e.mtime_ns:
+            raise PackError(f"{show(path)}: file changed while being packed (stored once "
+                            "with its identical copies; its size or modification time "
+                            "is no longer what the scan saw)")
 
 
 def _grouped(group: list[int], digests: dict[int, bytes | None]) -> list[list[int]]:

@@ -32,7 +32,7 @@ from fanstore.format.index import KIND_DIR, KIND_FILE, KIND_SYMLINK
 from fanstore.format.partition import partition_name
 from fanstore.kinds import file_kind
 from fanstore.pack.access import Access, decide_tree
-from fanstore.pack.dedup import Duplicates, find_duplicates
+from fanstore.pack.dedup import Duplicates, check_unchanged, find_duplicates
 from fanstore.pack.dest import check_destination, open_destination
 from fanstore.pack.fallback import count_tasks
 from fanstore.pack.indexing import build_index
@@ -225,6 +225,8 @@ def finish(plan: PackPlan, results: list[PartResult], options: PackOptions) -> P
     if [r.number for r in results] != list(range(len(plan.tasks))):
         raise PackError("internal error: partitions missing from the workers' results")
     plan.lap("compression")
+    # A duplicate was never read after the compare: changed since, it must not be stored.
+    check_unchanged(plan.scan.root, plan.scan.entries, plan.duplicates)
     fallbacks = count_tasks(plan.configs, plan.tasks, results)
     data, stored = build_index(plan.scan, results, plan.configs, options, plan.n_normal,
                                plan.src, access=plan.access.value,

@@ -9,6 +9,12 @@ on PYTHONPATH and set ``FANSTORE_TEST_WORKER_FAULT`` to
   whose target root matches the regular expression ``$FANSTORE_TEST_FAULT_WHERE`` exits
   with status 9 (what the OOM killer's victim shows as a pid gone) or sleeps, once it has
   been told to start reading.
+- ``dedup-rewrite`` / ``dedup-append``: in the pack's own process, right after the
+  duplicate search compared a file's bytes with its first copy's and found them equal, a
+  duplicate whose path matches ``$FANSTORE_TEST_FAULT_WHERE`` is changed: rewritten with
+  other bytes of the same size, its modification time moved one second on (what a write
+  a second later does; set, so the test does not depend on the clock's tick), or one byte
+  appended with its modification time kept as it was (only its size tells).
 
 For the start of a mount (tests/test_start_faults.py), ``FANSTORE_TEST_START_HOLD`` is
 ``WHERE:RANK``: the process of MPI rank RANK (``PMI_RANK``; ``any``: every process) stops
@@ -22,7 +28,8 @@ A stalled worker first creates the file ``$FANSTORE_TEST_FAULT_MARK.<its pid>`` 
 variable is set): the test knows which worker holds a task. Every process started with it
 imports this module; only worker processes call what it
 replaces (``fanstore.pack.worker.pack_partition``, ``fanstore.pack.dedup.digest_all``), so
-the pack's own process runs unchanged. A site's own sitecustomize, if any, is not run.
+the pack's own process runs unchanged, but for the ``dedup-*`` faults
+(``fanstore.pack.dedup._equal_in``). A site's own sitecustomize, if any, is not run.
 """
 
 import importlib.abc
@@ -34,9 +41,13 @@ _FAULT = os.environ.get("FANSTORE_TEST_WORKER_FAULT", "")
 _HOLD_WHERE, _, _HOLD_RANK = os.environ.get("FANSTORE_TEST_START_HOLD", "").partition(":")
 _HOLD_AT = {"fanstore.daemon.world": "_init_mpi", "fanstore.daemon.staging": "stage_partitions",
             "fanstore.daemon.nodegroup": "WorkerSide"}
-_TARGETS = {"fanstore.pack.worker": ("pack_partition", ("stall", "segv")),
-            "fanstore.pack.dedup": ("digest_all", ("digest-stall",)),
-            "fanstore.select.epoch": ("read_share", ("reader-dies", "reader-hangs"))}
+_TARGETS = {("fanstore.pack.worker", "stall"): "pack_partition",
+            ("fanstore.pack.worker", "segv"): "pack_partition",
+            ("fanstore.pack.dedup", "digest-stall"): "digest_all",
+            ("fanstore.pack.dedup", "dedup-rewrite"): "_equal_in",
+            ("fanstore.pack.dedup", "dedup-append"): "_equal_in",
+            ("fanstore.select.epoch", "reader-dies"): "read_share",
+            ("fanstore.select.epoch", "reader-hangs"): "read_share"}
 
 
 def _fault(progress=None):
@@ -132,16 +143,39 @@ class _HoldHook(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _change_duplicates(real, group, paths):
+    import re
+
+    found = real(group, paths)
+    for dup in found:
+        path = paths[dup]
+        if not re.search(os.environ.get("FANSTORE_TEST_FAULT_WHERE", "^$"),
+                         os.fsdecode(path)):
+            continue
+        st = os.stat(path)
+        if _FAULT == "dedup-append":
+            with open(path, "ab") as f:
+                f.write(b"!")
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        else:
+            with open(path, "r+b") as f:
+                data = f.read()
+                f.seek(0)
+                f.write(bytes(b ^ 0xFF for b in data))
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    return found
+
+
 class _Hook(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name not in _TARGETS or _FAULT not in _TARGETS[name][1]:
+        if (name, _FAULT) not in _TARGETS:
             return None
         sys.meta_path.remove(self)
         try:
             spec = importlib.util.find_spec(name)
         finally:
             sys.meta_path.insert(0, self)
-        attr = _TARGETS[name][0]
+        attr = _TARGETS[name, _FAULT]
         run = spec.loader.exec_module
 
         def exec_module(module):
@@ -151,6 +185,8 @@ class _Hook(importlib.abc.MetaPathFinder):
             def faulty(first, second=None, *rest):
                 if attr == "read_share":
                     return _reader_fault(real, first, second, *rest)
+                if attr == "_equal_in":
+                    return _change_duplicates(real, first, second)
                 _fault(second if attr == "pack_partition" else None)
 
             setattr(module, attr, faulty)

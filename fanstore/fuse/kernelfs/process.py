@@ -209,7 +209,8 @@ def frontend_main(spec_fd: int) -> int:
 
     session = None
     try:
-        index = map_index_body(share.index_copy, owner=os.geteuid())
+        index = map_index_body(share.index_copy, owner=os.geteuid(),
+                               where=share.spec.store)
         fs = FsOps(Namespace(index))
         # Import the store's codec libraries here, before the workers fork (a missing one
         # fails the mount, not every read): each worker's first request paid the import,
