@@ -1226,3 +1226,28 @@ def test_the_format_packages_docstring_names_the_current_version():
     first = fanstore.format.__doc__.splitlines()[0]
     want = f"(v{FORMAT_VERSION}; v1-v{FORMAT_VERSION - 1} still read)"
     assert want in first, f"{first!r} does not say {want!r}"
+
+
+def test_an_index_copy_that_cannot_be_written_whole_is_removed(tmp_path, monkeypatch):
+    """The node's index copy on a file system that fills up while it is written (ENOSPC
+    after the first part): the error comes out and no partial copy is left; a file that
+    was already at the path is never removed (it is not ours)."""
+    import errno
+
+    from fanstore.format import localcopy
+
+    index = read_index_bytes(_encode(_random_tree_parts(1, lookup=False, most=50)[0]))
+
+    def full(_index):
+        yield b"x" * 4096
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(localcopy, "index_body_parts", full)
+    path = tmp_path / "copy.idx"
+    with pytest.raises(OSError) as err:
+        localcopy.write_index_body(str(path), index)
+    assert err.value.errno == errno.ENOSPC and not path.exists()
+    path.write_bytes(b"someone else's")
+    with pytest.raises(FileExistsError):
+        localcopy.write_index_body(str(path), index)
+    assert path.read_bytes() == b"someone else's"

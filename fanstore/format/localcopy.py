@@ -35,11 +35,17 @@ def index_body_parts(index: Index) -> list[bytes]:
 
 
 def write_index_body(path: str, index: Index) -> None:
-    """Write ``index``'s node-local copy to a new file ``path`` (0600, created exclusively)."""
+    """Write ``index``'s node-local copy to a new file ``path`` (0600, created exclusively);
+    a file that could not be written whole (a full file system) is removed."""
     from fanstore.safeio import create_excl
 
-    with open(create_excl(path, 0o600), "wb") as f:
-        f.writelines(index_body_parts(index))
+    fd = create_excl(path, 0o600)  # (a file already there is not ours to remove)
+    try:
+        with open(fd, "wb") as f:
+            f.writelines(index_body_parts(index))
+    except OSError:
+        os.unlink(path)
+        raise
 
 
 def _digest_of(fd: int, start: int, size: int, block: int = 8 << 20) -> int:
