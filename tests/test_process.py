@@ -72,3 +72,38 @@ def test_cpu_seconds_counts_the_callers_own_cpu():
     while time.process_time() < deadline:
         pass
     assert cpu_seconds([os.getpid()]) >= before + 0.03
+
+
+def test_a_ready_pipe_silent_past_its_deadline_names_what_did_not_arrive():
+    """``read_ready`` with a deadline: silence past it raises ReadyTimeout naming the
+    process; progress bytes restart the wait (a moving start is never cut, however long);
+    "ready" and an error line come through as before; EOF is what a dead writer says."""
+    import threading
+
+    import pytest
+
+    from fanstore.process import ReadyTimeout, read_ready
+
+    r, w = os.pipe()
+    with pytest.raises(ReadyTimeout, match=r"^the daemon \(pid 7\) did not report ready or "
+                                           r"progress within 0.3 s$"):
+        read_ready(r, 0.3, "the daemon (pid 7)")
+
+    def moving():  # 2 s of progress, 0.1 s apart, against a 0.5 s deadline
+        for _ in range(20):
+            os.write(w, b".")
+            time.sleep(0.1)
+        os.write(w, b"ready\n")
+
+    t = threading.Thread(target=moving)
+    t.start()
+    assert read_ready(r, 0.5, "x") == "ready"
+    t.join()
+    os.write(w, b"..error: staging failed. see LOG")
+    os.close(w)
+    assert read_ready(r, 5.0) == "error: staging failed. see LOG"
+    os.close(r)
+    r, w = os.pipe()
+    os.close(w)
+    assert read_ready(r, 5.0) == ""
+    os.close(r)
