@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import FANSTORE, TESTS_DIR, assert_cli_error, run_cli, wait_until
+from helpers import FANSTORE, TESTS_DIR, assert_cli_error, pid_alive, run_cli, signal_ours, wait_until
 
 from fanstore.format.index import INDEX_NAME
 from fanstore.pack.dest import TMP_MARK
@@ -352,3 +352,43 @@ def test_a_measured_pass_of_select_does_not_fork(tmp_path):
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == {"forks": [], "files": 30, "bytes": total, "errors": 0}
+
+
+@pytest.mark.mpi
+def test_a_killed_launcher_ends_every_pack_rank_and_worker(tmp_path):
+    """``mpiexec -n 2 fanstore pack`` SIGKILLed while a worker holds a partition: every
+    rank and every worker ends within seconds (a rank dies with hydra's proxy, its workers
+    with their rank), DEST is not a store, and the next pack succeeds."""
+    from mpi_helpers import MPIEXEC, mpi_available
+
+    ok, why = mpi_available()
+    if not ok:
+        pytest.skip(why)
+    src = _tree(tmp_path / "src")
+    dest = tmp_path / "store"
+    mark = tmp_path / "stalled"
+    proc = _start([MPIEXEC, "-n", "2", FANSTORE, "pack", str(src), str(dest), "--jobs", "1",
+                   "--partitions", "4", "--codec", "zstd:3", "--no-progress"], "stall", mark)
+    ranks, workers = [], []
+    try:
+        assert wait_until(lambda: glob.glob(f"{mark}.*") or proc.poll() is not None, 120), \
+            "no worker took a task"
+        assert proc.poll() is None, _end(proc)
+        ranks = [p for p in _pack_ranks(proc.pid) if p != proc.pid]
+        assert len(ranks) == 2, ranks
+        workers = [w for r in ranks for w in _workers_of(r)]
+        assert workers
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        gone = lambda: not any(pid_alive(p) for p in ranks + workers)  # noqa: E731
+        assert wait_until(gone, ENDS_WITHIN), \
+            [p for p in ranks + workers if pid_alive(p)]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for p in ranks + workers:
+            signal_ours(p, signal.SIGKILL)
+    assert not dest.exists()
+    proc = run_cli("pack", src, dest, "--codec", "zstd:3", "--no-progress", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert run_cli("verify", dest, "--no-progress").returncode == 0
