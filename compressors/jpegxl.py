@@ -21,10 +21,10 @@ stream that rebuilds a longer file is refused). libjxl's own working memory whil
 rebuilds follows the image size the stream declares: the DCT coefficients of the image,
 2.4-3.6 bytes per pixel measured (greyscale to 4:2:0 colour; 4:4:4 colour about 6). So
 before libjxl sees the stream, decode reads that size from the codestream's SizeHeader
-(:mod:`compressors.jxlsize`, about 6 us) and refuses a stream whose header cannot be read
-(not JPEG XL, truncated, no codestream box, an ambiguous container) or that declares more
-pixels than a JPEG of ``raw_size`` bytes can hold, :func:`max_pixels`:
-``max(2**22, 512 * raw_size)``.
+(:mod:`compressors.jxlsize`; 10-15 us with the marker lengths below, on a busy machine)
+and refuses a stream whose header cannot be read (not JPEG XL, truncated, no codestream
+box, an ambiguous container) or that declares more pixels than a JPEG of ``raw_size``
+bytes can hold, :func:`max_pixels`: ``max(2**22, 512 * raw_size)``.
 
 Why 512 pixels a byte: a Huffman-coded JPEG (libjxl transcodes no other) codes every 8x8
 block of its full-resolution component with at least one bit, the Huffman code of the
@@ -37,6 +37,16 @@ DC scan, which libjpeg reads as grey): a few-KB stream can then make libjxl allo
 of MB, never the 10+ GB of a declared 65535x65535. Encode applies the same bound to what it
 writes (a JPEG beyond it is declined and stored raw), so a store never holds a stream its
 own reader refuses.
+
+The JPEG reconstruction data (the ``jbrd`` box: the markers, APPn and COM data and tail of
+the original file, brotli-compressed) is rebuilt whole by libjxl before it writes the file,
+so it too costs memory whatever ``raw_size`` says: a 12.9 KB stream of a 64x64 JPEG with
+4,000 64 KB APP5 markers of zeros (262 MB), recorded as a 4 KB file, grew the reader by
+258 MB. Decode also reads the APPn and COM segment lengths the box declares (the bundle's
+first fields, :func:`compressors.jxlsize.marker_bytes`) and refuses more than ``raw_size``
+of them (each takes one byte more in the file than it declares). Not bounded yet: the
+inter-marker data and the tail (declared after the Huffman codes and scans; the tail at
+most 4 MiB, inter-marker data up to 16,384 x 64 KiB).
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ from typing import Any
 from ._util import BytesLike, as_view, check_raw_size, require, size_mismatch
 from .abc import Codec
 from .errors import CodecUnavailableError, CorruptDataError, DeclinedError
-from .jxlsize import JXL_CONTAINER, declared_size
+from .jxlsize import JXL_CONTAINER, declared
 
 __all__ = ["JpegXlCodec", "JPEG_SOI", "JXL_CONTAINER", "max_pixels"]
 
@@ -64,11 +74,15 @@ def max_pixels(raw_size: int) -> int:
 
 def check_declared_size(view, raw_size: int) -> None:
     """Refuse (:class:`CorruptDataError`) a stream whose declared image is larger than a
-    JPEG of ``raw_size`` bytes holds, or whose size header cannot be read."""
-    width, height = declared_size(view)
+    JPEG of ``raw_size`` bytes holds, whose reconstruction data declares more marker bytes
+    than ``raw_size``, or whose headers cannot be read."""
+    width, height, markers = declared(view)
     if width * height > max_pixels(raw_size):
         raise CorruptDataError(f"jpegxl: the stream declares a {width}x{height} image, more "
                                f"than a JPEG of {raw_size} bytes holds")
+    if markers > raw_size:
+        raise CorruptDataError(f"jpegxl: the stream declares {markers} bytes of JPEG markers, "
+                               f"more than a JPEG of {raw_size} bytes holds")
 
 
 def _library() -> Any:

@@ -51,6 +51,11 @@ def cmyk_jpeg() -> bytes:
 #: libjxl allocate about 154 MB whatever output size it is given, so a store that records
 #: a few KB for it must refuse it unread (the jpegxl codec's size bound).
 GREY_8192 = Path(__file__).resolve().parent / "fixtures" / "jpegxl" / "grey-8192x8192.jxl"
+#: A real JPEG XL stream (12,935 bytes) of a grey 64x64 JPEG with 4,000 APP5 markers of
+#: 65,533 zero bytes after its SOI (262,148,379 bytes), made the same way: libjxl rebuilds
+#: the markers (262,144,017 bytes declared) before it writes the file, ~258 MB whatever
+#: output size it is given.
+APP5_4000 = GREY_8192.with_name("app5-4000x64k.jxl")
 
 
 def padded(stream: bytes, size: int) -> bytes:

@@ -32,7 +32,7 @@ from helpers import (  # noqa: E402
     stored_extent,
     vm_rss_kb,
 )
-from jpeg_helpers import GREY_8192, cmyk_jpeg, make_jpeg_tree, padded  # noqa: E402
+from jpeg_helpers import APP5_4000, GREY_8192, cmyk_jpeg, make_jpeg_tree, padded  # noqa: E402
 
 import fanstore  # noqa: E402
 from fanstore.format.load import read_index  # noqa: E402
@@ -128,34 +128,40 @@ def _read(path) -> bytes:
         return f.read()
 
 
-def test_a_stream_declaring_a_huge_image_is_eio_alone(jpeg_tree, jpeg_store, mounted,
-                                                      tmp_path) -> None:
-    """One file's stored stream replaced by a real JPEG XL stream of a grey 8192x8192 image
-    (padded to the chunk's length, so the index is untouched): reading it through a mount
-    is EIO, refused from its header before libjxl allocates the ~154 MB such a stream costs
-    (the mount's processes do not grow), and every other file reads byte for byte."""
+def test_streams_declaring_a_huge_jpeg_are_eio_alone(jpeg_tree, jpeg_store, mounted,
+                                                     tmp_path) -> None:
+    """Two files' stored streams replaced by real JPEG XL streams of JPEGs far larger than
+    the files the index records (padded to the chunks' lengths, so the index is untouched):
+    a grey 8192x8192 image, and 64x64 with 262 MB of APP5 markers. Reading them through a
+    mount is EIO, refused from their headers before libjxl allocates the ~154 MB and ~258 MB
+    they cost (the mount's processes do not grow), and every other file reads exactly."""
     _, files, _ = jpeg_tree
     store = copy_store(jpeg_store[0], tmp_path / "hostile.fs")
-    codecs, bomb = _codec_of_files(store), GREY_8192.read_bytes()
-    victim = next(rel for rel in sorted(files) if codecs[rel] == "jpegxl"
-                  and stored_extent(store, rel)[2] >= len(bomb) + 8
-                  and 512 * len(files[rel]) < 8192 * 8192 // 2)
-    part, offset, length = stored_extent(store, victim)
-    with open(part, "r+b") as f:
-        f.seek(offset)
-        f.write(padded(bomb, length))
+    codecs = _codec_of_files(store)
+    victims = {}
+    for bomb in (GREY_8192.read_bytes(), APP5_4000.read_bytes()):
+        victims[next(rel for rel in sorted(files) if codecs[rel] == "jpegxl"
+                     and rel not in victims
+                     and stored_extent(store, rel)[2] >= len(bomb) + 8
+                     and 512 * len(files[rel]) < 8192 * 8192 // 2)] = bomb
+    for rel, bomb in victims.items():
+        part, offset, length = stored_extent(store, rel)
+        with open(part, "r+b") as f:
+            f.seek(offset)
+            f.write(padded(bomb, length))
     mnt = mounted(store)
     pids = process_tree(daemon_pid(mnt))
     for rel, data in files.items():
-        if rel != victim:
+        if rel not in victims:
             assert _read(mnt / rel) == data, rel
     before = {p: vm_rss_kb(p, "VmHWM") for p in pids}
     for _ in range(3):
-        assert os_error(_read, mnt / victim) == errno.EIO
+        for rel in victims:
+            assert os_error(_read, mnt / rel) == errno.EIO, rel
     grew = {p: vm_rss_kb(p, "VmHWM") - before[p] for p in pids}
     assert max(grew.values()) < 48 * 1024, f"peak RSS grew (KiB): {grew}"
     for rel, data in files.items():
-        if rel != victim:
+        if rel not in victims:
             assert _read(mnt / rel) == data, rel
 
 

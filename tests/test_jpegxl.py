@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("imagecodecs", reason="the jpegxl codec needs imagecodecs (jpeg extra)")
 
-from jpeg_helpers import GREY_8192, cmyk_jpeg, jpeg_bytes, padded  # noqa: E402
+from jpeg_helpers import APP5_4000, GREY_8192, cmyk_jpeg, jpeg_bytes, padded  # noqa: E402
 
 from compressors import (  # noqa: E402
     BadConfigError,
@@ -31,7 +31,12 @@ from compressors import (  # noqa: E402
     parse_codec_spec,
     parse_spec,
 )
-from compressors.jxlsize import codestream_head, declared_size, parse_size_header  # noqa: E402
+from compressors.jxlsize import (  # noqa: E402
+    codestream_head,
+    declared,
+    declared_size,
+    parse_size_header,
+)
 
 
 @pytest.fixture(scope="module")
@@ -298,16 +303,42 @@ def _decode_in_child(path, raw_size: int, direct: bool) -> dict:
     return json.loads(proc.stdout)
 
 
-def test_a_small_stream_declaring_a_huge_image_allocates_nothing(tmp_path) -> None:
-    """A real 2.3 KB stream of a grey 8192x8192 JPEG, recorded as a 40 KB file: libjxl
-    given it allocates ~154 MB before it finds the output too small; the codec refuses it
-    from its header and the process does not grow."""
-    stream = padded(GREY_8192.read_bytes(), 4000)
+BOMBS = {
+    "image": (GREY_8192, "the stream declares a 8192x8192 image, more than a JPEG of 40000 "
+                         "bytes holds", 100),
+    "markers": (APP5_4000, "the stream declares 262144017 bytes of JPEG markers, more "
+                           "than a JPEG of 40000 bytes holds", 200),
+}
+
+
+@pytest.mark.parametrize("bomb", sorted(BOMBS))
+def test_a_small_stream_declaring_a_huge_jpeg_allocates_nothing(tmp_path, bomb) -> None:
+    """Real streams recorded as a 40 KB file: a 2.3 KB one of a grey 8192x8192 JPEG, a
+    12.9 KB one of a 64x64 JPEG with 262 MB of APP5 markers. libjxl given them allocates
+    ~154 MB and ~258 MB before it finds the output too small; the codec refuses them from
+    their headers and the process does not grow."""
+    fixture, message, libjxl_mib = BOMBS[bomb]
     path = tmp_path / "bomb.jxl"
-    path.write_bytes(stream)
+    path.write_bytes(padded(fixture.read_bytes(), 16_000))
     raw = _decode_in_child(path, 40_000, direct=True)
-    assert raw["error"] and raw["grew_kib"] > 100 * 1024, raw
+    assert raw["error"] and raw["grew_kib"] > libjxl_mib * 1024, raw
     ours = _decode_in_child(path, 40_000, direct=False)
-    assert ours["error"] == ("CorruptDataError: jpegxl: the stream declares a 8192x8192 image, "
-                             "more than a JPEG of 40000 bytes holds"), ours
+    assert ours["error"] == f"CorruptDataError: jpegxl: {message}", ours
     assert ours["grew_kib"] < 8 * 1024, ours
+
+
+def test_declared_marker_bytes_of_real_streams(codec) -> None:
+    """Every APPn and COM segment counted, each below its share of the file."""
+    from PIL import Image
+
+    base = io.BytesIO()
+    Image.new("RGB", (40, 30), (1, 2, 3)).save(base, "JPEG", comment=b"c" * 300)
+    jpeg = base.getvalue()
+    assert declared(codec.encode(jpeg))[2] == (16 + 1) + (302 + 1)  # APP0 JFIF, COM
+    exif = bytes.fromhex("ffe1") + (2 + 3000).to_bytes(2, "big") + b"Exif\0\0" + bytes(2994)
+    jpeg2 = jpeg[:2] + exif * 3 + jpeg[2:]
+    blob = codec.encode(jpeg2)
+    assert declared(blob)[2] == 17 + 303 + 3 * 3003 < len(jpeg2)
+    assert codec.decode(blob, len(jpeg2)) == jpeg2
+    with pytest.raises(CorruptDataError, match="bytes of JPEG markers"):
+        codec.decode(blob, 17 + 303 + 3 * 3003 - 1)

@@ -1,14 +1,22 @@
-"""The JPEG XL size-header parser (``compressors.jxlsize``) on crafted headers: every size
-form and ratio, bare codestreams and containers (``jxlc``, ``jxlp`` split anywhere), and the
-streams it must refuse. The headers are written here by an independent bit writer that
-follows ISO/IEC 18181-1 (A.2, SizeHeader); real libjxl streams are in test_jpegxl.py."""
+"""The JPEG XL header parser (``compressors.jxlsize``) on crafted headers: every size form
+and ratio, bare codestreams and containers (``jxlc``, ``jxlp`` split anywhere), the APPn and
+COM bytes a ``jbrd`` bundle declares, and the streams it must refuse. The headers are
+written here by an independent bit writer that follows ISO/IEC 18181-1 (A.2, SizeHeader)
+and libjxl's JPEGData bundle; real libjxl streams are in test_jpegxl.py."""
 
 from __future__ import annotations
 
 import pytest
 
 from compressors import CorruptDataError
-from compressors.jxlsize import JXL_CONTAINER, MAX_BOXES, declared_size, parse_size_header
+from compressors.jxlsize import (
+    JXL_CONTAINER,
+    MAX_BOXES,
+    declared,
+    declared_size,
+    marker_bytes,
+    parse_size_header,
+)
 
 #: ratio code -> (numerator, denominator) of xsize / ysize (the standard's table).
 RATIOS = {1: (1, 1), 2: (12, 10), 3: (4, 3), 4: (3, 2), 5: (16, 9), 6: (5, 4), 7: (2, 1)}
@@ -162,3 +170,69 @@ def test_buffer_kinds() -> None:
     stream = container(jxlp(0, header(300, 200)[0]), jxlp(1, b"x", last=True))
     for buf in (stream, bytearray(stream), memoryview(stream)):
         assert declared_size(buf) == (200, 300)
+
+
+# --------------------------------------------------------------------------- jbrd markers
+
+
+def jbrd(markers: list[int], app_types: list[int], lengths: list[int], gray: bool = False,
+         tail: bytes = b"\xaa\x55") -> bytes:
+    """The start of a ``jbrd`` bundle: is_gray, the markers (6 bits: marker - 0xC0, up to
+    EOI), each APPn's type (U32 0, 1, 2 + u(1), 4 + u(2)) and 16-bit length - 1, each COM's
+    length - 1; then ``tail`` (the rest of the bundle, not read)."""
+    w = BitWriter()
+    w.put(int(gray), 1)
+    for m in markers:
+        w.put(m - 0xC0, 6)
+    apps = [m for m in markers if m & 0xF0 == 0xE0]
+    coms = [m for m in markers if m == 0xFE]
+    assert len(app_types) == len(apps) and len(lengths) == len(apps) + len(coms)
+    for kind, length in zip(app_types, lengths):
+        selector = 0 if kind == 0 else 1 if kind == 1 else 2 if kind < 4 else 3
+        w.put(selector, 2)
+        if selector >= 2:
+            w.put(kind - (2 if selector == 2 else 4), selector - 1)
+        w.put(length - 1, 16)
+    for length in lengths[len(apps):]:
+        w.put(length - 1, 16)
+    return w.bytes() + tail
+
+
+JFIF = [0xE0, 0xDB, 0xC0, 0xC4, 0xDA, 0xD9]
+CS = header(480, 640)[0]
+
+
+def with_jbrd(bundle: bytes, *more: bytes) -> bytes:
+    return container(box(b"jxlp", b"\x00\x00\x00\x00" + CS), box(b"jbrd", bundle), *more,
+                     box(b"jxlp", b"\x80\x00\x00\x01" + b"frame"))
+
+
+def test_marker_bytes_of_crafted_bundles() -> None:
+    assert declared(CS) == (640, 480, 0)  # a bare codestream has no jbrd
+    assert declared(container(box(b"jxlc", CS))) == (640, 480, 0)
+    cases = [
+        (JFIF, [0], [17]),
+        ([0xE0, 0xE1, 0xE2, 0xEF, 0xFE, 0xFE, 0xDA, 0xD9], [0, 1, 2, 7], [17, 3, 65536, 9, 5,
+                                                                           65536]),
+        ([0xE1] * 5 + [0xD9], [1, 2, 3, 4, 6], [1, 2, 3, 4, 5]),
+        ([0xFE, 0xD9], [], [40000]),
+        ([0xDB, 0xD9], [], []),
+    ]
+    for markers, types, lengths in cases:
+        for gray in (False, True):
+            stream = with_jbrd(jbrd(markers, types, lengths, gray))
+            assert marker_bytes(jbrd(markers, types, lengths, gray)) == sum(lengths)
+            assert declared(stream) == (640, 480, sum(lengths)), (markers, lengths)
+    many = [0xE5] * 16383 + [0xD9]
+    assert marker_bytes(jbrd(many, [0] * 16383, [65536] * 16383)) == 16383 * 65536
+
+
+def test_bad_bundles_are_refused() -> None:
+    good = jbrd(JFIF, [0], [17], tail=b"")
+    for n in range(len(good)):
+        with pytest.raises(CorruptDataError, match="JPEG reconstruction header"):
+            marker_bytes(good[:n])
+    with pytest.raises(CorruptDataError, match="more than 16384 JPEG markers"):
+        marker_bytes(jbrd([0xDB] * 16384 + [0xD9], [], []))
+    with pytest.raises(CorruptDataError, match="more than one jbrd box"):
+        declared(with_jbrd(good, box(b"jbrd", good)))
