@@ -24,6 +24,37 @@ _DEFAULTS = ("zstd", 5, "shuffle", 1)
 _FORM = "blosc2:<codec>:<clevel>:<filter>:<typesize>"
 
 
+#: What :meth:`Blosc2Codec.encode` writes, all a chunk may use (README_CHUNK_FORMAT of
+#: c-blosc2): compressor formats 0 blosclz, 1 lz4/lz4hc, 3 zlib, 4 zstd; filters 0 none,
+#: 1 shuffle, 2 bitshuffle; special values 0 none, 1 zeros, 2 NaNs, 3 a repeated value.
+_FORMATS, _FILTER_CODES, _SPECIALS = frozenset((0, 1, 3, 4)), frozenset((0, 1, 2)), (0, 1, 2, 3)
+#: flags: bits 0 and 2 both set mark the 32-byte extended header; bit 3 is delta.
+_EXTENDED, _DELTA = 0x05, 0x08
+
+
+def _check_header(buf) -> None:
+    """Refuse a chunk whose header uses what this codec never writes, before c-blosc2
+    acts on it: the fuzzer (tests/test_fuzz_codecs.py) made c-blosc2 2.x segfault on a
+    32-byte chunk with flags 0x5d (the reserved compressor format 2, delta) and filter code
+    0x80 (a user-defined filter that is not registered). Refused: a header without the
+    extended part, another compressor format (reserved, user-defined, super-chunk), the
+    delta flag, a filter code other than none/shuffle/bitshuffle, any blosc2 flag (a
+    dictionary, a longer header, a codec byte elsewhere, a lazy chunk that reads from a
+    file, instrumentation) but the special values, and 'uninitialised' special chunks."""
+    if len(buf) < 32 or buf[2] & _EXTENDED != _EXTENDED:
+        raise CorruptDataError("blosc2: not an extended-header chunk")
+    flags, b2flags = buf[2], buf[31]
+    if flags >> 5 not in _FORMATS or flags & _DELTA:
+        raise CorruptDataError(f"blosc2: flags {flags:#04x} name what this codec never writes")
+    if any(code not in _FILTER_CODES for code in bytes(buf[16:22])):
+        raise CorruptDataError(f"blosc2: filter codes {bytes(buf[16:22]).hex()} refused")
+    if b2flags & 0x8F:
+        raise CorruptDataError(f"blosc2: chunk flags {b2flags:#04x} refused")
+    if (b2flags >> 4) & 7 not in _SPECIALS:
+        raise CorruptDataError(f"blosc2: special value {(b2flags >> 4) & 7} refused "
+                               "(4 is 'uninitialised', 5-7 are reserved)")
+
+
 class Blosc2Codec(Codec):
     """One blosc2 chunk; decode checks the header's sizes before allocating anything."""
 
@@ -62,8 +93,7 @@ class Blosc2Codec(Codec):
             if cbytes != len(buf):
                 raise CorruptDataError(f"blosc2: header claims {cbytes} compressed bytes, "
                                        f"got {len(buf)}")
-            if len(buf) >= 32 and buf[2] & 5 == 5 and (buf[31] >> 4) & 7 == 4:
-                raise CorruptDataError("blosc2: 'uninitialised' special chunk refused")
+            _check_header(buf)
             out = b2.decompress2(buf, nthreads=1)
         except (RuntimeError, ValueError) as exc:
             raise CorruptDataError(f"blosc2: {exc}") from exc

@@ -18,10 +18,35 @@ the mount's readers) are the parallelism.
 
 Bounds: decode writes into one buffer of exactly ``raw_size`` bytes and never grows it (a
 stream that rebuilds a longer file is refused). libjxl's own working memory while it
-rebuilds follows the image size the stream declares (the DCT coefficients of the image,
-a few bytes per pixel), which this codec does not check against ``raw_size``: a hostile
-store could make a reader allocate that much. Not done yet: parsing the codestream's size
-header and refusing images larger than any JPEG of ``raw_size`` bytes at encode's quality.
+rebuilds follows the image size the stream declares: the DCT coefficients of the image,
+2.4-3.6 bytes per pixel measured (greyscale to 4:2:0 colour; 4:4:4 colour about 6). So
+before libjxl sees the stream, decode reads that size from the codestream's SizeHeader
+(:mod:`compressors.jxlsize`; 10-15 us with the marker lengths below, on a busy machine)
+and refuses a stream whose header cannot be read (not JPEG XL, truncated, no codestream
+box, an ambiguous container) or that declares more pixels than a JPEG of ``raw_size``
+bytes can hold, :func:`max_pixels`: ``max(2**22, 512 * raw_size)``.
+
+Why 512 pixels a byte: a Huffman-coded JPEG (libjxl transcodes no other) codes every 8x8
+block of its full-resolution component with at least one bit, the Huffman code of the
+block's DC difference (codes are 1-16 bits; a baseline block adds at least an end-of-block
+code, a progressive JPEG's AC scans may skip runs of blocks but its DC scan does not). So n
+bytes hold at most 8n blocks, 512n pixels; a uniform baseline JPEG measures 255 pixels a
+byte, a photograph 5-20. The floor of 2**22 pixels (2048x2048, 10-25 MB for libjxl) is
+slack for the few JPEGs the argument does not cover (a progressive JPEG that leaves out a
+DC scan, which libjpeg reads as grey): a few-KB stream can then make libjxl allocate tens
+of MB, never the 10+ GB of a declared 65535x65535. Encode applies the same bound to what it
+writes (a JPEG beyond it is declined and stored raw), so a store never holds a stream its
+own reader refuses.
+
+The JPEG reconstruction data (the ``jbrd`` box: the markers, APPn and COM data and tail of
+the original file, brotli-compressed) is rebuilt whole by libjxl before it writes the file,
+so it too costs memory whatever ``raw_size`` says: a 12.9 KB stream of a 64x64 JPEG with
+4,000 64 KB APP5 markers of zeros (262 MB), recorded as a 4 KB file, grew the reader by
+258 MB. Decode also reads the APPn and COM segment lengths the box declares (the bundle's
+first fields, :func:`compressors.jxlsize.marker_bytes`) and refuses more than ``raw_size``
+of them (each takes one byte more in the file than it declares). Not bounded yet: the
+inter-marker data and the tail (declared after the Huffman codes and scans; the tail at
+most 4 MiB, inter-marker data up to 16,384 x 64 KiB).
 """
 
 from __future__ import annotations
@@ -31,15 +56,33 @@ from typing import Any
 from ._util import BytesLike, as_view, check_raw_size, require, size_mismatch
 from .abc import Codec
 from .errors import CodecUnavailableError, CorruptDataError, DeclinedError
+from .jxlsize import JXL_CONTAINER, declared
 
-__all__ = ["JpegXlCodec", "JPEG_SOI", "JXL_CONTAINER"]
+__all__ = ["JpegXlCodec", "JPEG_SOI", "JXL_CONTAINER", "max_pixels"]
 
 _LIB = ("imagecodecs", "imagecodecs")
 #: A JPEG starts with SOI (FF D8) and then a marker (FF ..).
 JPEG_SOI = b"\xff\xd8\xff"
-#: The ISO BMFF container signature libjxl writes when it keeps JPEG reconstruction data.
-JXL_CONTAINER = b"\x00\x00\x00\x0cJXL \r\n\x87\n"
-_BARE_CODESTREAM = b"\xff\x0a"
+#: Pixels a JPEG may have per byte of its file, and at least (module docstring, "Bounds").
+PIXELS_PER_BYTE, MIN_PIXELS = 512, 1 << 22
+
+
+def max_pixels(raw_size: int) -> int:
+    """The most pixels a stream that rebuilds a JPEG of ``raw_size`` bytes may declare."""
+    return max(MIN_PIXELS, PIXELS_PER_BYTE * raw_size)
+
+
+def check_declared_size(view, raw_size: int) -> None:
+    """Refuse (:class:`CorruptDataError`) a stream whose declared image is larger than a
+    JPEG of ``raw_size`` bytes holds, whose reconstruction data declares more marker bytes
+    than ``raw_size``, or whose headers cannot be read."""
+    width, height, markers = declared(view)
+    if width * height > max_pixels(raw_size):
+        raise CorruptDataError(f"jpegxl: the stream declares a {width}x{height} image, more "
+                               f"than a JPEG of {raw_size} bytes holds")
+    if markers > raw_size:
+        raise CorruptDataError(f"jpegxl: the stream declares {markers} bytes of JPEG markers, "
+                               f"more than a JPEG of {raw_size} bytes holds")
 
 
 def _library() -> Any:
@@ -85,15 +128,18 @@ class JpegXlCodec(Codec):
             raise DeclinedError(f"jpegxl: round trip failed: {exc}") from exc
         if len(back) != n or back != view:
             raise DeclinedError("jpegxl: round trip is not byte-exact")
+        try:  # what decode would refuse is never stored
+            check_declared_size(out, n)
+        except CorruptDataError as exc:
+            raise DeclinedError(str(exc)) from exc
         return bytes(out)
 
     def decode(self, buf: BytesLike, raw_size: int) -> bytes:
         raw_size, view = check_raw_size(raw_size), as_view(buf)
-        head = bytes(view[:len(JXL_CONTAINER)])
-        if not (head == JXL_CONTAINER or head.startswith(_BARE_CODESTREAM)):
-            raise CorruptDataError("jpegxl: not a JPEG XL stream")
         if raw_size == 0:
             raise size_mismatch(self.codec_id, -1, raw_size)
+        # before libjxl allocates for the image the stream declares
+        check_declared_size(view, raw_size)
         try:
             # out=raw_size: the output buffer is allocated once at exactly the size the
             # index records and never grown (a longer JPEG is an error, not a realloc).

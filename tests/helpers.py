@@ -731,12 +731,13 @@ def tmpfs(path, size: str):
         subprocess.run(["umount", "-l", "--", str(path)], capture_output=True)
 
 
-def vm_rss_kb(pid: int | None) -> int | None:
-    """Resident set size of ``pid`` in KiB (``VmRSS`` of /proc/PID/status), None if gone."""
+def vm_rss_kb(pid: int | None, field: str = "VmRSS") -> int | None:
+    """Resident set size of ``pid`` in KiB (``VmRSS`` of /proc/PID/status), None if gone;
+    ``field="VmHWM"``: its peak so far."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1])
     except (OSError, ValueError, TypeError):
         return None

@@ -44,3 +44,23 @@ def jpeg_bytes(count: int, seed: int = 11, cmyk: float = 0.0) -> list[bytes]:
 def cmyk_jpeg() -> bytes:
     """A real JPEG libjxl cannot transcode (CMYK)."""
     return jpeg_bytes(1, seed=3, cmyk=1.0)[0]
+
+
+#: A real JPEG XL stream (2,305 bytes) of a uniform grey 8192x8192 JPEG (786,762 bytes,
+#: Pillow quality 90), made once by ``imagecodecs.jpegxl_encode_jpeg``: decoding it makes
+#: libjxl allocate about 154 MB whatever output size it is given, so a store that records
+#: a few KB for it must refuse it unread (the jpegxl codec's size bound).
+GREY_8192 = Path(__file__).resolve().parent / "fixtures" / "jpegxl" / "grey-8192x8192.jxl"
+#: A real JPEG XL stream (12,935 bytes) of a grey 64x64 JPEG with 4,000 APP5 markers of
+#: 65,533 zero bytes after its SOI (262,148,379 bytes), made the same way: libjxl rebuilds
+#: the markers (262,144,017 bytes declared) before it writes the file, ~258 MB whatever
+#: output size it is given.
+APP5_4000 = GREY_8192.with_name("app5-4000x64k.jxl")
+
+
+def padded(stream: bytes, size: int) -> bytes:
+    """A JPEG XL container ``stream`` followed by a ``free`` box up to ``size`` bytes (a
+    box libjxl skips), so it can take the place of a longer stored chunk."""
+    pad = size - len(stream)
+    assert pad >= 8, f"{len(stream)} bytes do not fit in {size} with a box header"
+    return stream + pad.to_bytes(4, "big") + b"free" + bytes(pad - 8)

@@ -453,6 +453,48 @@ def test_blosc2_refuses_uninitialised_special_chunk() -> None:
         parse_spec("blosc2").decode(schunk.get_chunk(0), 4000)
 
 
+#: A 32-byte chunk found by tests/test_fuzz_codecs.py that made c-blosc2 segfault: flags
+#: 0x5d (the reserved compressor format 2, delta), filter code 0x80, reserved byte 0xff.
+BLOSC2_SEGFAULT = bytes.fromhex(
+    "05015d010000000001000000200000000000800000000000000000000000ff00")
+
+
+def test_blosc2_refuses_headers_it_never_writes() -> None:
+    pytest.importorskip("blosc2")
+    codec = parse_spec("blosc2:blosclz:9:noshuffle:1")
+    with pytest.raises(CorruptDataError, match="flags 0x5d"):
+        codec.decode(BLOSC2_SEGFAULT, 0)
+    empty = codec.encode(b"")
+    assert codec.decode(empty, 0) == b"" and empty[2] == 0x07
+
+    def edit(**at: int) -> bytes:
+        out = bytearray(empty)
+        for pos, value in at.items():
+            out[int(pos[1:])] = value
+        return bytes(out)
+
+    refused = {
+        "no extended header": (edit(b2=0x03), "not an extended-header chunk"),
+        "reserved format 2": (edit(b2=0x47), "flags 0x47"),
+        "user-defined codec": (edit(b2=0xC7), "flags 0xc7"),
+        "super-chunk codec": (edit(b2=0xE7), "flags 0xe7"),
+        "delta": (edit(b2=0x0F), "flags 0x0f"),
+        "delta filter": (edit(b17=3), "filter codes"),
+        "user filter": (edit(b18=0x80), "filter codes"),
+        "dictionary": (edit(b31=0x01), "chunk flags 0x01"),
+        "lazy": (edit(b31=0x08), "chunk flags 0x08"),
+        "instrumented": (edit(b31=0x80), "chunk flags 0x80"),
+        "reserved special": (edit(b31=0x50), "special value 5"),
+        "short": (empty[:20], "claims 32 compressed bytes, got 20"),
+    }
+    for what, (data, message) in refused.items():
+        with pytest.raises(CorruptDataError, match=message):
+            codec.decode(data, 0)
+            pytest.fail(f"{what}: decoded")
+    zeros = parse_spec("blosc2:zstd:5:shuffle:4").encode(bytes(5000))
+    assert zeros[31] == 0x10 and codec.decode(zeros, 5000) == bytes(5000)
+
+
 def test_concurrent_decoding(zstd_dict: bytes) -> None:
     codecs = [make_codec(s, zstd_dict) for s in ALL]
     raws = [SHAPES["float32"][i * 4096:(i + 3) * 4096] for i in range(8)]

@@ -8,6 +8,7 @@ one chunk); the codec itself is tested in test_jpegxl.py.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import subprocess
@@ -19,8 +20,19 @@ import pytest
 
 pytest.importorskip("imagecodecs", reason="the jpegxl codec needs imagecodecs (jpeg extra)")
 
-from helpers import assert_cli_error, assert_same_tree, is_mounted, run_cli  # noqa: E402
-from jpeg_helpers import cmyk_jpeg, make_jpeg_tree  # noqa: E402
+from helpers import (  # noqa: E402
+    assert_cli_error,
+    assert_same_tree,
+    copy_store,
+    daemon_pid,
+    is_mounted,
+    os_error,
+    process_tree,
+    run_cli,
+    stored_extent,
+    vm_rss_kb,
+)
+from jpeg_helpers import APP5_4000, GREY_8192, cmyk_jpeg, make_jpeg_tree, padded  # noqa: E402
 
 import fanstore  # noqa: E402
 from fanstore.format.load import read_index  # noqa: E402
@@ -109,6 +121,48 @@ def test_every_file_reads_back_through_a_mount(jpeg_tree, jpeg_store, mounted) -
     for rel, data in files.items():  # byte for byte, once more, through a fresh open
         with open(mnt / rel, "rb", buffering=0) as f:
             assert f.read() == data, rel
+
+
+def _read(path) -> bytes:
+    with open(path, "rb", buffering=0) as f:
+        return f.read()
+
+
+def test_streams_declaring_a_huge_jpeg_are_eio_alone(jpeg_tree, jpeg_store, mounted,
+                                                     tmp_path) -> None:
+    """Two files' stored streams replaced by real JPEG XL streams of JPEGs far larger than
+    the files the index records (padded to the chunks' lengths, so the index is untouched):
+    a grey 8192x8192 image, and 64x64 with 262 MB of APP5 markers. Reading them through a
+    mount is EIO, refused from their headers before libjxl allocates the ~154 MB and ~258 MB
+    they cost (the mount's processes do not grow), and every other file reads exactly."""
+    _, files, _ = jpeg_tree
+    store = copy_store(jpeg_store[0], tmp_path / "hostile.fs")
+    codecs = _codec_of_files(store)
+    victims = {}
+    for bomb in (GREY_8192.read_bytes(), APP5_4000.read_bytes()):
+        victims[next(rel for rel in sorted(files) if codecs[rel] == "jpegxl"
+                     and rel not in victims
+                     and stored_extent(store, rel)[2] >= len(bomb) + 8
+                     and 512 * len(files[rel]) < 8192 * 8192 // 2)] = bomb
+    for rel, bomb in victims.items():
+        part, offset, length = stored_extent(store, rel)
+        with open(part, "r+b") as f:
+            f.seek(offset)
+            f.write(padded(bomb, length))
+    mnt = mounted(store)
+    pids = process_tree(daemon_pid(mnt))
+    for rel, data in files.items():
+        if rel not in victims:
+            assert _read(mnt / rel) == data, rel
+    before = {p: vm_rss_kb(p, "VmHWM") for p in pids}
+    for _ in range(3):
+        for rel in victims:
+            assert os_error(_read, mnt / rel) == errno.EIO, rel
+    grew = {p: vm_rss_kb(p, "VmHWM") - before[p] for p in pids}
+    assert max(grew.values()) < 48 * 1024, f"peak RSS grew (KiB): {grew}"
+    for rel, data in files.items():
+        if rel not in victims:
+            assert _read(mnt / rel) == data, rel
 
 
 def test_a_streamed_source_counts_the_same(jpeg_tree, jpeg_store, tmp_path) -> None:

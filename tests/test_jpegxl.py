@@ -8,6 +8,8 @@ ship (tests/jpeg_helpers.py). Pack, selection, mount and the missing-library lin
 from __future__ import annotations
 
 import io
+import json
+import subprocess
 import sys
 import threading
 
@@ -15,7 +17,7 @@ import pytest
 
 pytest.importorskip("imagecodecs", reason="the jpegxl codec needs imagecodecs (jpeg extra)")
 
-from jpeg_helpers import cmyk_jpeg, jpeg_bytes  # noqa: E402
+from jpeg_helpers import APP5_4000, GREY_8192, cmyk_jpeg, jpeg_bytes, padded  # noqa: E402
 
 from compressors import (  # noqa: E402
     BadConfigError,
@@ -25,8 +27,15 @@ from compressors import (  # noqa: E402
     JpegXlCodec,
     _util,
     get_codec,
+    jpegxl,
     parse_codec_spec,
     parse_spec,
+)
+from compressors.jxlsize import (  # noqa: E402
+    codestream_head,
+    declared,
+    declared_size,
+    parse_size_header,
 )
 
 
@@ -183,3 +192,153 @@ def test_the_generator_is_deterministic(tmp_path) -> None:
     a, b, c = tree("a"), tree("b"), tree("c")
     assert len(a) == 6 and a == b and a.keys() == c.keys() and a != c
     assert all(data[:3] == b"\xff\xd8\xff" for data in a.values())
+
+
+# --------------------------------------------------------------------------- the size bound
+
+
+def _pillow_jpeg(width: int, height: int, **options) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (90, 120, 200)).save(buf, "JPEG", **options)
+    return buf.getvalue()
+
+
+def test_the_declared_size_of_real_streams(codec, jpegs) -> None:
+    """libjxl's own headers: small and large forms, every ratio it picks, odd sizes."""
+    from PIL import Image
+
+    for width, height in ((1, 1), (17, 3), (8, 8), (256, 256), (264, 256), (640, 480),
+                          (480, 640), (1920, 1080), (300, 360), (513, 257), (2000, 1000)):
+        jpeg = _pillow_jpeg(width, height, progressive=width % 2 == 0)
+        blob = codec.encode(jpeg)
+        assert declared_size(blob) == (width, height)
+        assert codec.decode(blob, len(jpeg)) == jpeg
+    for jpeg in jpegs:
+        size = Image.open(io.BytesIO(jpeg)).size
+        assert declared_size(codec.encode(jpeg)) == size
+
+
+def test_the_bound() -> None:
+    assert jpegxl.max_pixels(0) == jpegxl.max_pixels(8192) == 1 << 22
+    assert jpegxl.max_pixels(10**6) == 512 * 10**6
+    assert jpegxl.max_pixels(4096) < 65535 * 65535 // 1000
+
+
+def _rewrite_size(blob: bytes, header_bits: int, value: int) -> bytes:
+    """``blob`` (libjxl's container: two jxlp boxes, the first holding the headers' start)
+    with its SizeHeader replaced by ``value`` (``header_bits`` long, as the old one)."""
+    kind = blob.index(b"jxlp")
+    first, end = kind + 8, kind - 4 + int.from_bytes(blob[kind - 4:kind], "big")
+    piece = bytes(blob[first:end])  # the first piece, after the box's index
+    assert piece == codestream_head(blob)[:len(piece)]
+    assert len(piece) >= 2 + (header_bits + 7) // 8
+    bits = int.from_bytes(piece[2:], "little")
+    bits = (bits >> header_bits << header_bits) | value
+    return blob[:first + 2] + bits.to_bytes(len(piece) - 2, "little") + blob[first + len(piece):]
+
+
+def test_a_rewritten_header_is_refused_before_libjxl_sees_it(codec, monkeypatch) -> None:
+    jpeg = _pillow_jpeg(16, 8200)  # not small; height a U32 of 18 bits, width one of 9
+    blob = codec.encode(jpeg)
+    width, height, bits = parse_size_header(codestream_head(blob))
+    assert (width, height, bits) == (16, 8200, 35)
+    # the same 35 bits: height 262144, width 512 (134 Mpixels), from a 2 KB JPEG
+    huge = _rewrite_size(blob, 35, (2 << 1) | ((262144 - 1) << 3) | ((512 - 1) << 26))
+    assert declared_size(huge) == (512, 262144)
+
+    def libjxl(*args, **kwargs):
+        raise AssertionError("libjxl was given the stream")
+
+    monkeypatch.setattr(codec, "_decode", libjxl)
+    with pytest.raises(CorruptDataError, match="declares a 512x262144 image, more than a "
+                                                 f"JPEG of {len(jpeg)} bytes holds"):
+        codec.decode(huge, len(jpeg))
+    for cut in (13, 20, 26, 30):  # inside the first jxlp's header or before the codestream
+        with pytest.raises(CorruptDataError):
+            codec.decode(huge[:cut], len(jpeg))
+
+
+def test_encode_declines_a_jpeg_beyond_the_bound(codec, monkeypatch) -> None:
+    jpeg = _pillow_jpeg(640, 480)
+    monkeypatch.setattr(jpegxl, "PIXELS_PER_BYTE", 0)
+    monkeypatch.setattr(jpegxl, "MIN_PIXELS", 640 * 480 - 1)
+    with pytest.raises(DeclinedError, match="declares a 640x480 image"):
+        codec.encode(jpeg)
+    monkeypatch.setattr(jpegxl, "MIN_PIXELS", 640 * 480)
+    assert codec.decode(codec.encode(jpeg), len(jpeg)) == jpeg
+
+
+_CHILD = """
+import json, sys
+import imagecodecs
+from compressors import CodecError, JpegXlCodec
+stream, raw_size, direct = open(sys.argv[1], "rb").read(), int(sys.argv[2]), sys.argv[3] == "1"
+codec = JpegXlCodec()
+
+
+def peak_kib():  # VmHWM: this process's own peak (ru_maxrss may carry its parent's over exec)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+before = peak_kib()
+try:
+    if direct:
+        imagecodecs.jpegxl_decode_jpeg(stream, numthreads=1, out=raw_size)
+    else:
+        codec.decode(stream, raw_size)
+    error = None
+except (CodecError, ValueError, RuntimeError) as exc:
+    error = f"{type(exc).__name__}: {exc}"
+print(json.dumps({"error": error, "grew_kib": peak_kib() - before}))
+"""
+
+
+def _decode_in_child(path, raw_size: int, direct: bool) -> dict:
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(path), str(raw_size),
+                           str(int(direct))], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+BOMBS = {
+    "image": (GREY_8192, "the stream declares a 8192x8192 image, more than a JPEG of 40000 "
+                         "bytes holds", 100),
+    "markers": (APP5_4000, "the stream declares 262144017 bytes of JPEG markers, more "
+                           "than a JPEG of 40000 bytes holds", 200),
+}
+
+
+@pytest.mark.parametrize("bomb", sorted(BOMBS))
+def test_a_small_stream_declaring_a_huge_jpeg_allocates_nothing(tmp_path, bomb) -> None:
+    """Real streams recorded as a 40 KB file: a 2.3 KB one of a grey 8192x8192 JPEG, a
+    12.9 KB one of a 64x64 JPEG with 262 MB of APP5 markers. libjxl given them allocates
+    ~154 MB and ~258 MB before it finds the output too small; the codec refuses them from
+    their headers and the process does not grow."""
+    fixture, message, libjxl_mib = BOMBS[bomb]
+    path = tmp_path / "bomb.jxl"
+    path.write_bytes(padded(fixture.read_bytes(), 16_000))
+    raw = _decode_in_child(path, 40_000, direct=True)
+    assert raw["error"] and raw["grew_kib"] > libjxl_mib * 1024, raw
+    ours = _decode_in_child(path, 40_000, direct=False)
+    assert ours["error"] == f"CorruptDataError: jpegxl: {message}", ours
+    assert ours["grew_kib"] < 8 * 1024, ours
+
+
+def test_declared_marker_bytes_of_real_streams(codec) -> None:
+    """Every APPn and COM segment counted, each below its share of the file."""
+    from PIL import Image
+
+    base = io.BytesIO()
+    Image.new("RGB", (40, 30), (1, 2, 3)).save(base, "JPEG", comment=b"c" * 300)
+    jpeg = base.getvalue()
+    assert declared(codec.encode(jpeg))[2] == (16 + 1) + (302 + 1)  # APP0 JFIF, COM
+    exif = bytes.fromhex("ffe1") + (2 + 3000).to_bytes(2, "big") + b"Exif\0\0" + bytes(2994)
+    jpeg2 = jpeg[:2] + exif * 3 + jpeg[2:]
+    blob = codec.encode(jpeg2)
+    assert declared(blob)[2] == 17 + 303 + 3 * 3003 < len(jpeg2)
+    assert codec.decode(blob, len(jpeg2)) == jpeg2
+    with pytest.raises(CorruptDataError, match="bytes of JPEG markers"):
+        codec.decode(blob, 17 + 303 + 3 * 3003 - 1)
