@@ -26,7 +26,8 @@ class MountContext:
     partitions from disk, other nodes' over MPI), ``index`` and ``ns`` the mapped index
     and namespace, ``runtime`` the mount's private runtime directory
     (:class:`fanstore.runtime.MountRuntime`: the only place a frontend may create files,
-    such as counters), ``request_stop`` (reason, everywhere), thread- and signal-safe.
+    such as counters), ``request_stop`` (reason, everywhere), thread- and signal-safe,
+    ``alive`` whether the start may go on.
     """
 
     share: NodeShare
@@ -35,6 +36,9 @@ class MountContext:
     reader: Any  # fanstore.read.ChunkReader
     runtime: Any
     request_stop: Callable[[str, bool], None]
+    #: whether the start may go on (the launcher, the node's worker ranks): a frontend's
+    #: wait for its own start gives up once it is false
+    alive: Callable[[], bool] = lambda: True
 
     @property
     def mountpoint(self) -> str:

@@ -349,23 +349,31 @@ class ReadyTimeout(MountError):
 PROGRESS = b"."
 
 
-def read_ready(fd: int, timeout: float | None = None, what: str = "the daemon") -> str:
+def read_ready(fd: int, timeout: float | None = None, what: str = "the daemon",
+               alive: Callable[[], bool] | None = None) -> str:
     """Read a ready pipe: "ready" once the other side wrote ``ready\n``, else what it wrote
     before closing its end (an ``error: ...`` line, or nothing if it died).
 
     ``timeout``: seconds the other side may stay silent; each progress byte it writes
     (:data:`PROGRESS`, e.g. one per partition staged) starts the wait again, so a long
     but moving start is never cut while a stuck one is. Past it, :class:`ReadyTimeout`
-    names ``what`` did not arrive."""
+    names ``what`` did not arrive. ``alive``: checked twice a second; once it is false
+    (what the other side waits for is gone) the wait ends with :class:`ReadyTimeout`."""
     import select
+    import time
 
     data = b""
     poller = select.poll()
     poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
     while True:
-        if timeout is not None and not poller.poll(int(timeout * 1000) + 1):
-            raise ReadyTimeout(f"{what} did not report ready or progress within "
-                               f"{timeout:g} s")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not poller.poll(500 if alive is not None or deadline is not None else -1):
+            if alive is not None and not alive():
+                raise ReadyTimeout(f"{what} was not ready when what it waits for went away "
+                                   "(the MPI launcher or a worker rank)")
+            if deadline is not None and time.monotonic() > deadline:
+                raise ReadyTimeout(f"{what} did not report ready or progress within "
+                                   f"{timeout:g} s")
         chunk = os.read(fd, 4096)
         if not chunk:
             break

@@ -99,11 +99,26 @@ def _marks(tmp_path, what: str) -> set[int]:
 def _left(job: MpiJob, tmp_path) -> dict:
     """What of the job is still there (the module's own index-copy directory)."""
     shm = os.environ.get("FANSTORE_SHM_DIR", "/dev/shm")
-    return {"processes": tagged(tmp_path),
+    return {"processes": tagged(tmp_path), "runtime_dirs": _runtime_dirs(tmp_path),
             "mounts": [r for r in range(job.ranks) if is_mounted(job.mnt(r))],
             "local": [r for r in range(job.ranks) if job.local_dir(r).exists()],
             "copies": [n for n in os.listdir(shm) if n.startswith(f"fanstore-{os.geteuid()}-")
                        and not pid_alive(int(n.split("-")[2]))]}
+
+
+def _runtime_dirs(tmp_path) -> list[str]:
+    """The module's runtime directories whose mount is under ``tmp_path``."""
+    root = os.environ.get("FANSTORE_RUNTIME_DIR")
+    found = []
+    for name in os.listdir(root) if root and os.path.isdir(root) else []:
+        try:
+            with open(os.path.join(root, name, "state.json")) as f:
+                state = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if str(state.get("mountpoint", "")).startswith(str(tmp_path)):
+            found.append(name)
+    return found
 
 
 def _kill_all(tmp_path) -> None:
@@ -122,6 +137,10 @@ PHASES = {
     "before MPI_Init": "before-mpi-init:3",
     # rank 3 stops after MPI_Init: the others wait in the layout's first collective
     "in a collective": "after-mpi-init:3",
+    # worker rank 3 never joins node 1's kernel frontend: node 1's daemon waits for its
+    # frontend (before issue 42 it waited there until its lifeline ended it, 15 s later,
+    # leaving its runtime directory)
+    "frontend start": "join:3",
     # every rank serves
     "while serving": "",
 }
@@ -132,8 +151,8 @@ PHASES = {
 @pytest.mark.parametrize("phase", list(PHASES))
 def test_a_launcher_killed_in_each_start_phase_leaves_nothing(stores, tmp_path, phase):
     """SIGKILL of ``mpiexec`` (2 nodes of 2 ranks) in each phase of the start: every
-    process of the job ends within 30 s, with no mount, staged data or index copy left
-    (the gate: tests/test_launch.py::test_a_launcher_killed_mid_start_leaves_nothing)."""
+    process of the job ends within 30 s, with no mount, runtime directory, staged data or
+    index copy left (the gate: tests/test_launch.py::test_a_launcher_killed_mid_start_…)."""
     _, by_parts = stores
     hold = PHASES[phase]
     job = MpiJob(by_parts[8], tmp_path, ranks=2, ranks_per_node=2, wait=not hold,
@@ -163,7 +182,8 @@ def test_a_launcher_killed_in_each_start_phase_leaves_nothing(stores, tmp_path, 
 def test_a_worker_rank_that_never_says_hello_is_named(stores, tmp_path):
     """Node 0's worker rank (rank 1) hangs before its hello, ``--start-timeout 2``: node 0
     names it within the start timeout, every node stops with that reason, the job exits
-    non-zero and nothing is left (the hung rank ends once its launcher is gone)."""
+    non-zero and nothing is left but each node's state with its error, for ``fanstore
+    wait`` (the hung rank is ended by its lifeline's start deadline)."""
     _, by_parts = stores
     job = MpiJob(by_parts[8], tmp_path, ranks=2, ranks_per_node=2, wait=False,
                  env=_env(tmp_path, "hello:1"), extra=["--start-timeout", "2"])
@@ -175,8 +195,16 @@ def test_a_worker_rank_that_never_says_hello_is_named(stores, tmp_path):
                "(--start-timeout)" in out, out[-3000:]
         assert "not starting: node 0 (" in out, out[-3000:]
         assert "Traceback" not in out
-        assert wait_until(lambda: not any(_left(job, tmp_path).values()), GONE_WITHIN,
-                          interval=0.2), (_left(job, tmp_path), out[-3000:])
+
+        def gone():  # a failed node keeps its state (its error) for `fanstore wait`
+            return not any(v for k, v in _left(job, tmp_path).items() if k != "runtime_dirs")
+
+        assert wait_until(gone, GONE_WITHIN, interval=0.2), (_left(job, tmp_path), out[-3000:])
+        root = os.environ["FANSTORE_RUNTIME_DIR"]
+        for name in _runtime_dirs(tmp_path):  # swept by the next mount or umount
+            state = json.loads(open(os.path.join(root, name, "state.json")).read())
+            assert state["phase"] == "failed" and "did not say hello" in state["error"]
+            assert not pid_alive(state["pid"])
     finally:
         _kill_all(tmp_path)
         job.stop()

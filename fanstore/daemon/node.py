@@ -98,9 +98,8 @@ class Node(NodeEnd):
         self.bcast_seconds = 0.0
         #: the reason this node stops, once it does
         self.stopping: str | None = None
-        #: every rank is stopping (a signal or a peer's SHUTDOWN), so no peer will read from
-        #: us after its unmount: the drain waits only DRAIN_GRACE for the peers' DONE
-        #: (fanstore.daemon.peerwatch).
+        #: every rank is stopping (a signal or a peer's SHUTDOWN): the drain waits only
+        #: DRAIN_GRACE for the peers' DONE (fanstore.daemon.peerwatch).
         self.job_stopping = False
         self.terminated = 0  # the last terminating signal received
         self.peer_died = False  # hydra's SIGUSR1 before the node served
@@ -250,8 +249,7 @@ class Node(NodeEnd):
         self.stage_report = stage_partitions(
             self.spec.store, self.local_dir, index, mine, jobs=self.spec.stage_jobs,
             who=self.who, owned=not self.spec.keep_local, progress=self.progress)
-        # only a directory staging itself created is removed at exit (never one another
-        # user made in between)
+        # only a directory staging created is removed at exit (never one made by another)
         self.created_local = self.stage_report.created
         log.info("%s", self.stage_report.line(self.who))
         return self.local_dir
@@ -261,9 +259,11 @@ class Node(NodeEnd):
         try:
             code = self._run(on_ready)
         finally:
-            # whatever ended the run (not only our errors): the node's index copy in
-            # /dev/shm must not outlive a daemon that can still remove it
+            # whatever ended the run: no index copy outlives a daemon that can remove it,
+            # nor its state a launcher that is gone (nobody is left to read the error)
             runtime.remove_shared(self.index_copy)
+            if self.runtime is not None and not launcher_alive():
+                self.runtime.remove()
         # A clean end leaves nothing; a failed one keeps its state (the error, for
         # `fanstore wait`) and log until a later mount or umount sweeps it.
         if self.runtime is not None:
@@ -318,7 +318,6 @@ class Node(NodeEnd):
             self._finish_mpi(clean)
             raise
         self._drain()
-        # (a job ended by a death has a dead rank that no finalize would wait for)
         clean = not (self.peers and self.peers.dead) and not self.drain_incomplete \
             and not self.exit_status
         # the worker ranks stop serving peers and finalize with us (not if one is gone)
@@ -407,7 +406,8 @@ class Node(NodeEnd):
         self.stats.extra.update(nodestats.static_stats(self, index, mine))
         share = self._share(table, mine)
         self.ctx = MountContext(share=share, index=index, ns=ns, reader=reader,
-                                runtime=self.runtime, request_stop=self.request_stop)
+                                runtime=self.runtime, request_stop=self.request_stop,
+                                alive=lambda: launcher_alive() and self.group.workers_alive())
         self.frontend = self.frontend_factory(self.ctx)
         # what the worker ranks serve (they then join the frontend's worker socket, if any)
         self.group.start(share)
@@ -425,9 +425,8 @@ class Node(NodeEnd):
         what the kernel frontend process and the worker ranks receive, as it is."""
         spec = self.spec
         kernel = spec.frontend == "kernel"
-        # the kernel frontend's requests are served by the node's worker ranks (they join
-        # it at its worker socket) or by workers it forks; the pyfuse3 frontend serves them
-        # from this process (its worker ranks serve peers only)
+        # the kernel frontend's requests are served by the node's worker ranks (joining at
+        # its worker socket) or workers it forks; pyfuse3's by this process
         ranks = kernel and self.workers > 0
         return NodeShare(
             spec=spec, mountpoint=self.mountpoint, data_dir=os.path.abspath(self.data_dir),

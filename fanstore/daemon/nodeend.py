@@ -112,16 +112,16 @@ class NodeEnd:
     def emergency_cleanup(self) -> None:
         """What must not outlive a daemon that is about to leave with ``os._exit`` (its
         launcher is gone and it did not end by itself: fanstore.daemon.launcher.Lifeline):
-        the mount (lazily: a reader may hold it), the index copy, the staged data. Called
-        from another thread; each step is on its own."""
+        the mount (lazily: a reader may hold it), the index copy, the staged data, the
+        runtime directory. Called from another thread; each step is on its own."""
         if self.frontend is not None:
             self.frontend.stop("the MPI launcher is gone")
         if self.mount_key in mounttable.fuse_mounts():
             mounttable.fusermount_unmount(self.mountpoint, lazy=True)
         runtime.remove_shared(self.index_copy)
         self._remove_local()
-        if self.runtime is not None:
-            self.runtime.write_state(phase="stopped", error="the MPI launcher is gone")
+        if self.runtime is not None:  # (was left: measured once in 400 launcher kills)
+            self.runtime.remove()
 
     def _finish_mpi(self, clean: bool) -> None:
         """Finalize MPI when every peer is alive and done; otherwise leave it (finalizing

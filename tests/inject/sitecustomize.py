@@ -20,8 +20,9 @@ For the start of a mount (tests/test_start_faults.py), ``FANSTORE_TEST_START_HOL
 ``WHERE:RANK``: the process of MPI rank RANK (``PMI_RANK``; ``any``: every process) stops
 for good at WHERE, as a hung process would: ``before-mpi-init``, ``after-mpi-init`` (in
 ``fanstore.daemon.world._init_mpi``), ``hello`` (a worker rank's hello,
-``fanstore.daemon.nodegroup.WorkerSide.hello``) or ``stage`` (``fanstore.daemon.staging.
-stage_partitions``). With ``FANSTORE_TEST_FAULT_MARK`` set, every rank creates
+``fanstore.daemon.nodegroup.WorkerSide.hello``), ``join`` (a worker rank joining the
+kernel frontend, ``fanstore.fuse.kernelfs.process.serve_worker``) or ``stage``
+(``fanstore.daemon.staging.stage_partitions``). With ``FANSTORE_TEST_FAULT_MARK`` set, every rank creates
 ``MARK.mpi-init.RANK`` as it enters MPI_Init and the held one ``MARK.held.RANK``.
 
 A stalled worker first creates the file ``$FANSTORE_TEST_FAULT_MARK.<its pid>`` (when that
@@ -40,7 +41,8 @@ import sys
 _FAULT = os.environ.get("FANSTORE_TEST_WORKER_FAULT", "")
 _HOLD_WHERE, _, _HOLD_RANK = os.environ.get("FANSTORE_TEST_START_HOLD", "").partition(":")
 _HOLD_AT = {"fanstore.daemon.world": "_init_mpi", "fanstore.daemon.staging": "stage_partitions",
-            "fanstore.daemon.nodegroup": "WorkerSide"}
+            "fanstore.daemon.nodegroup": "WorkerSide",
+            "fanstore.fuse.kernelfs.process": "serve_worker"}
 _TARGETS = {("fanstore.pack.worker", "stall"): "pack_partition",
             ("fanstore.pack.worker", "segv"): "pack_partition",
             ("fanstore.pack.dedup", "digest-stall"): "digest_all",
@@ -106,6 +108,14 @@ def _hold_start(module):
             return out
 
         module._init_mpi = init_mpi
+    elif module.__name__ == "fanstore.fuse.kernelfs.process":
+        real_serve = module.serve_worker
+
+        def serve_worker(*args, **kw):
+            _held("join")
+            return real_serve(*args, **kw)
+
+        module.serve_worker = serve_worker
     elif module.__name__ == "fanstore.daemon.staging":
         real_stage = module.stage_partitions
 

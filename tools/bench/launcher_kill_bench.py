@@ -12,7 +12,7 @@ target: nothing left within 60 s in every run. A run that leaves something is re
 with what was left (each process's command line, state and kernel wait channel), then
 cleaned by force so the next run starts clean.
 
-    .venv/bin/python tools/bench/launcher_kill_bench.py                       # ~90 min
+    .venv/bin/python tools/bench/launcher_kill_bench.py --parallel 2          # ~45 min
     .venv/bin/python tools/bench/launcher_kill_bench.py --reps 1 --no-docs    # a smoke run
 
 Not CPU-timing sensitive (it may run beside other work: a busy machine stretches the start,
@@ -41,11 +41,28 @@ class LauncherKillBench(h.Bench):
     name = "launcher_kill_bench"
 
     def run(self) -> None:
+        import threading
+
         a = self.a
         self.make_store()
-        for rep in range(a.reps):
-            for n in a.seconds:
+        self.lock = threading.Lock()
+        streams = [threading.Thread(target=self.stream, args=(range(k, a.reps, a.parallel),))
+                   for k in range(a.parallel)]
+        for t in streams:
+            t.start()
+        for t in streams:
+            t.join()
+
+    def stream(self, reps) -> None:
+        """The runs of ``reps`` one after the other (``--parallel`` streams run at once:
+        a busy machine, where the leak was first seen)."""
+        for rep in reps:
+            for n in self.a.seconds:
                 self.one(n, rep)
+
+    def emit(self, row: dict) -> dict:
+        with self.lock:
+            return super().emit(row)
 
     def make_store(self) -> None:
         src = os.path.join(self.work, "src")
@@ -198,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=20, help="runs of each (20)")
     ap.add_argument("--ranks", type=int, default=32, help="ranks of the job (32)")
     ap.add_argument("--extra", type=h.words, default=[], help="more mount options")
+    ap.add_argument("--parallel", type=int, default=1,
+                    help="jobs started at once (each stream takes every K-th repeat)")
     h.args(ap, "launcher_kill_bench", "/tmp/fanstore-killbench")
     a = ap.parse_args(raw_argv)
     return h.main(LauncherKillBench(a), render, raw_argv)

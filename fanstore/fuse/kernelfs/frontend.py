@@ -108,7 +108,8 @@ class KernelFrontend:
             pass  # the frontend died at once: the ready pipe below says so
         try:
             text = read_ready(r, READY_TIMEOUT,
-                              f"{ctx.mountpoint}: the kernel frontend (pid {self.proc.pid})")
+                              f"{ctx.mountpoint}: the kernel frontend (pid {self.proc.pid})",
+                              alive=ctx.alive)
         except ReadyTimeout as exc:
             self.stop("it did not start")
             self._wait(10)
