@@ -114,9 +114,10 @@ def _mount_rank(spec: MountSpec, factory: FrontendFactory, debug: bool,
         why = launcher.shim_error
         return Outcome(code, hard_exit=True, error=MountError(why) if why else None)
     # from here on a launcher that dies ends this rank, whatever it is blocked in
-    lifeline = launcher.watch_launcher()
-    # each wait up to the node's hello has the start timeout; a rank stuck outside them
-    lifeline.arm(3 * spec.start_timeout + 10, "the start (MPI_Init, the layout, the hello)")
+    # from MPI_Init's return, the layout's waits and the node's hello have the start
+    # timeout each; a rank stuck outside them is ended (the job could not start anyway)
+    lifeline = launcher.watch_launcher((2 * spec.start_timeout + 10,
+                                        "the start (the layout, the node's hello)"))
     world = World.from_mpi(spec.ranks_per_node, timeout=spec.start_timeout,
                            alive=launcher.launcher_alive)
     job = world.job

@@ -217,12 +217,10 @@ def test_a_daemon_silent_past_the_start_timeout_is_stopped(stores, tmp_path):
     src, by_parts = stores
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    t0 = time.monotonic()
     proc = run_cli("mount", by_parts[2], mnt, "--local-dir", tmp_path / "local",
                    "--start-timeout", "3", env=_env(tmp_path, "stage:any"), timeout=90)
     line = assert_cli_error(proc, code=1, contains="did not report ready or progress")
     assert "within 3 s (--start-timeout): stopped it; see " in line
-    assert time.monotonic() - t0 < 3 + 30
     try:
         assert wait_until(lambda: not tagged(tmp_path), GONE_WITHIN), tagged(tmp_path)
         assert not is_mounted(mnt)

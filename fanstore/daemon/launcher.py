@@ -87,8 +87,8 @@ def shim() -> int | None:
     global shim_error
     if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGALRM:
         # the alarm around MPI_Init (fanstore.daemon.world._init_mpi) went off
-        shim_error = ("MPI_Init did not complete within --start-timeout: a rank of the job "
-                      "did not start, or the launcher is stuck")
+        shim_error = ("MPI_Init did not complete within --start-timeout (60 s at least): a "
+                      "rank of the job did not start, or the launcher is stuck")
     return (os.waitstatus_to_exitcode(status) if os.WIFEXITED(status)
             else 128 + os.WTERMSIG(status))
 
@@ -105,6 +105,8 @@ def mpi_started() -> None:
     :func:`shim`, ends it."""
     if shim_pid is not None:
         die_with_parent(None, 0)
+    if _lifeline is not None and _lifeline.start_deadline is not None:
+        _lifeline.arm(*_lifeline.start_deadline)
 
 
 def _forward(child: int, signum: int) -> None:
@@ -154,6 +156,7 @@ class Lifeline:
         self.grace = grace
         self.on_gone = None
         self.deadline: tuple[float, str] | None = None
+        self.start_deadline: tuple[float, str] | None = None
         self.thread = threading.Thread(target=self._run, name="fanstore-lifeline",
                                        daemon=True)
 
@@ -194,9 +197,17 @@ class Lifeline:
             os._exit(1)
 
 
-def watch_launcher() -> Lifeline:
-    """Start this rank's :class:`Lifeline` (a no-op thread outside hydra)."""
-    line = Lifeline(launcher_alive)
+#: this rank's lifeline, once :func:`watch_launcher` made it
+_lifeline: Lifeline | None = None
+
+
+def watch_launcher(start_deadline: tuple[float, str] | None = None) -> Lifeline:
+    """Start this rank's :class:`Lifeline` (a no-op thread outside hydra);
+    ``start_deadline`` (seconds, what) is armed once MPI_Init has returned (it has its own
+    alarm, and no thread runs while it holds the interpreter)."""
+    global _lifeline
+    line = _lifeline = Lifeline(launcher_alive)
+    line.start_deadline = start_deadline
     if launcher_pid is not None:
         line.thread.start()
     return line

@@ -416,6 +416,11 @@ def _verdict(what: str, notes: dict[int, bytes], missing: list[int],
     return "; ".join(parts) or None
 
 
+#: seconds MPI_Init has at least, whatever ``--start-timeout`` says (a short one is for the
+#: gates: MPI_Init's time is the launcher starting every rank, which a busy node stretches)
+MPI_INIT_FLOOR = 60
+
+
 def _init_mpi(timeout: float | None = None):
     """MPI_Init (thread-multiple), with ``timeout``: MPI_Init holds the interpreter until
     every rank of the job has started, so no thread of ours can watch it; an alarm
@@ -425,7 +430,7 @@ def _init_mpi(timeout: float | None = None):
 
     if timeout is not None:
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
-        signal.alarm(max(1, int(timeout + 0.999)))
+        signal.alarm(max(MPI_INIT_FLOOR, int(timeout + 0.999)))
     try:
         return _init_mpi_now()
     finally:
