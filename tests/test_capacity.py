@@ -385,7 +385,9 @@ def test_select_measures_its_finalists(text_tree, tmp_path, reader):
     fitted to the raw (none) trial; nothing of the trials is left behind."""
     work = tmp_path / "tmp"
     work.mkdir()
-    doc, proc = _select_json(text_tree[0], "--reader", reader, env={"TMPDIR": str(work)})
+    # --trials 3: `none` (the reader's fit and the default budget) and two finalists
+    doc, proc = _select_json(text_tree[0], "--reader", reader, "--trials", "3",
+                             env={"TMPDIR": str(work)})
     r = doc["reader"]
     assert r["reader"] == reader and r["readers"] == min(doc["budget"]["cores"],
                                                          len(os.sched_getaffinity(0)))
@@ -455,7 +457,7 @@ def test_select_on_one_10_gb_file(tmp_path):
     src.mkdir()
     with open(src / "huge.bin", "wb") as f:
         f.truncate(10 << 30)
-    doc, proc = _select_json(src, "--reader", "api")
+    doc, proc = _select_json(src, "--reader", "api", "--trials", "2")
     assert proc.returncode == 0
     assert doc["sample"]["source_files"] == 1 and doc["sample"]["source_mb"] > 10_000
     assert doc["predicted"]["ratio"] > 100 and doc["met"] is True
