@@ -361,6 +361,7 @@ def test_a_selection_killed_mid_trial_leaves_nothing_behind(tmp_path):
     assert os.listdir(work) == []
 
 
+@pytest.mark.long  # measured finalists: over 5 s of CPU
 def test_more_cores_than_here_are_scaled_by_the_cpu_per_file_and_said(tmp_path):
     """--cores 16 on this machine: the trials read with the cores here, and each finalist's
     rate is scaled to 16 by the lower of linear scaling and the CPU each file cost."""
@@ -384,6 +385,7 @@ def test_more_cores_than_here_are_scaled_by_the_cpu_per_file_and_said(tmp_path):
     assert f"rates scaled from {min(16, here)} to 16 cores by the CPU each file" in line
 
 
+@pytest.mark.long  # measured finalists: over 5 s of CPU
 def test_a_finalist_whose_trial_fails_is_left_out_and_said(tmp_path, monkeypatch):
     """One finalist's trial fails (here: made to): it is reported with why, never chosen,
     and the selection goes on with the others."""
@@ -445,6 +447,7 @@ def _readers_fail_in(monkeypatch, where: str, how: str) -> None:
 
 @pytest.mark.parametrize("how, why", [("dies", "a reader died (exit status 9)"),
                                       ("hangs", "the readers did not finish in 8 s")])
+@pytest.mark.long  # measured finalists: over 5 s of CPU
 def test_a_finalist_whose_reader_dies_or_hangs_is_not_measured_and_said(tmp_path, monkeypatch,
                                                                         how, why):
     """The first finalist's readers die (or hang): that finalist is reported not measured,
@@ -471,6 +474,7 @@ def test_a_finalist_whose_reader_dies_or_hangs_is_not_measured_and_said(tmp_path
     assert [p for p in os.listdir(tmp_path) if p.startswith("fanstore-select-")] == []
 
 
+@pytest.mark.long  # measured finalists: over 5 s of CPU
 def test_a_per_kind_mix_whose_reader_dies_is_not_chosen_and_said(tmp_path, monkeypatch):
     """The per-kind mix is a finalist of its own, measured after the single codecs (at most
     --trials of them, `none` included): its readers die, so it is not chosen (the report
@@ -498,6 +502,7 @@ def test_a_per_kind_mix_whose_reader_dies_is_not_chosen_and_said(tmp_path, monke
     assert [p for p in os.listdir(tmp_path) if p.startswith("fanstore-select-")] == []
 
 
+@pytest.mark.long  # measured finalists: over 5 s of CPU
 def test_no_finalist_measured_is_one_error_and_a_nonzero_exit(tmp_path, monkeypatch, capsys):
     """Every finalist's readers die (the `none` trial, the calibration, reads): `fanstore
     select` says so in one line naming the first and why, exits 1, prints no report and
