@@ -167,8 +167,8 @@ def become_worker() -> None:
     doing; a parent already gone before the call is caught by the pid check after it),
     leave ^C to the parent. Codec libraries run on one thread (the parent runs one worker
     per core) by their codecs' own arguments: ``compressors.blosc2`` passes ``nthreads=1``
-    to every call, so blosc2 is not imported here (0.8-1.5 s of every worker's start, most
-    of it, for a library few stores use)."""
+    to every call, so blosc2 is not imported here (0.2-0.3 s of CPU, half of a pack worker's
+    start, for a library few stores use)."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: the command pipe's EOF ends the worker

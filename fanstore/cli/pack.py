@@ -51,7 +51,7 @@ def add_parsers(sub, common) -> None:
                         "where blocks store best. The same as +solidNk in --codec")
     s.add_argument("--jobs", type=nonneg_int, default=0,
                    help="compression worker processes (default: all cores, or none for "
-                        "a directory under 8 MiB: this process compresses it); with an "
+                        "a directory under 2 MiB: this process compresses it); with an "
                         "s3:// source also the parallel range reads (default 8)")
     s.add_argument("--chunk-kb", type=positive_int, default=1024,
                    help="chunk size for large files in KiB (default 1024)")

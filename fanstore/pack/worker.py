@@ -245,11 +245,14 @@ def _read_small(path: bytes, size: int, limit: int) -> bytes:
 
 
 #: A pack of a directory of fewer bytes than this, with ``--jobs`` left at its default,
-#: compresses in the calling process, with no worker process: starting one (a fresh
-#: interpreter importing numpy and the codecs: 0.3-0.5 s of CPU each on a quiet machine)
-#: costs more than compressing 8 MiB takes (20 ms at zstd:3, 0.2 s at zstd:13; only
-#: zstd:19 and above take longer, about 2 s). An explicit ``--jobs N`` always gets its N.
-INLINE_BYTES = 8 << 20
+#: compresses in the calling process, with no worker process. Starting one is a fresh
+#: interpreter importing numpy and the codecs: about 0.2 s of CPU each, a second of wall
+#: time on a loaded machine. 8 MiB of JSON took 0.05 s of one core's CPU at zstd:3, 1.9 s
+#: at zstd:13 (the default for small files, in solid blocks) and 5.0 s at zstd:19, so 2 MiB
+#: takes about 0.01, 0.5 and 1.2 s: no more CPU than the workers' starts, and at most
+#: about half a second more wall time than two workers (zstd:19). An explicit
+#: ``--jobs N`` always gets its N.
+INLINE_BYTES = 2 << 20
 
 
 def compress_inline(options: PackOptions, raw_bytes: int) -> bool:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 #: What the package exports, and the module each comes from. Imported on first use (PEP
 #: 562), so that a module of the package alone is cheap to import: a measured pass's reader
 #: process (``python -m fanstore.select.epochreader``, one per core and round) imported the
-#: whole selector, numpy and the pack with it, 0.4 s of CPU per reader, for nothing it used.
+#: whole selector, numpy and the pack with it, 0.2 s of CPU per reader, for nothing it used.
 _EXPORTS = {
     "CandidateResult": "fanstore.select.result",
     "SelectionOptions": "fanstore.select.options",
