@@ -177,19 +177,15 @@ def become_worker() -> None:
     """The first call of a worker started by :func:`spawn_worker`: die with the parent
     (``PR_SET_PDEATHSIG``: SIGKILL of the parent ends the worker at once, whatever it is
     doing; a parent already gone before the call is caught by the pid check after it),
-    leave ^C to the parent, and keep codec libraries to one thread (the parent runs one
-    worker per core)."""
+    leave ^C to the parent. Codec libraries run on one thread (the parent runs one worker
+    per core) by their codecs' own arguments: ``compressors.blosc2`` passes ``nthreads=1``
+    to every call, so blosc2 is not imported here (0.2-0.3 s of CPU, half of a pack worker's
+    start, for a library few stores use)."""
     parent = os.environ.pop(_PARENT_ENV, "")
     # not Linux: the command pipe's EOF ends the worker
     if not die_with_parent(int(parent) if parent.isdigit() else None):
         os._exit(1)  # the parent died before the death signal was armed
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        import blosc2
-
-        blosc2.set_nthreads(1)
-    except Exception:  # noqa: BLE001 - blosc2 is optional
-        pass
 
 
 #: A message between a process and a worker it started: ``<B Q`` (kind, body length), then

@@ -34,6 +34,7 @@ from helpers import (  # noqa: E402
     SESSION_MARK,
     SPECIAL_PACK_ARGS,
     cleanup_mount,
+    find_processes,
     fuse_available,
     kill_pid,
     lazy_unmount,
@@ -324,21 +325,10 @@ def module_mounted(tmp_path_factory):
 
 
 def _daemon_pids_under(base: str) -> list[int]:
-    """FanStore processes whose command line names a path under ``base``."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if not any(a.endswith(b"fanstore") for a in argv[:2]):
-            continue
-        if b"mount" in argv and any(a.startswith(base.encode() + b"/") for a in argv):
-            found.append(int(name))
-    return found
+    """FanStore mounts' processes whose command line names a path under ``base``."""
+    under = os.fsencode(base) + b"/"
+    return find_processes(lambda p: any(a.endswith(b"fanstore") for a in p.argv[:2])
+                          and b"mount" in p.argv and any(a.startswith(under) for a in p.argv))
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ in :data:`DAEMON_PIDS` for the session-end safety net in ``conftest.py``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -529,6 +530,91 @@ def pid_alive(pid: int | None) -> bool:
     return process.pid_alive(pid)
 
 
+# --------------------------------------------------------------------------- processes
+
+
+class Proc:
+    """One process of ``/proc``, read lazily (a predicate of :func:`find_processes` reads
+    only what it asks for): ``cmdline`` (NUL-separated), ``argv``, ``environ`` (bytes),
+    ``ppid`` and ``state`` (from ``stat``). A file that cannot be read raises OSError: the
+    process is gone, or not ours to read."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._files: dict[str, bytes] = {}
+
+    def _read(self, name: str) -> bytes:
+        if name not in self._files:
+            with open(f"/proc/{self.pid}/{name}", "rb") as f:
+                self._files[name] = f.read()
+        return self._files[name]
+
+    @property
+    def cmdline(self) -> bytes:
+        return self._read("cmdline")
+
+    @property
+    def argv(self) -> list[bytes]:
+        return self.cmdline.split(b"\0")[:-1]
+
+    @property
+    def environ(self) -> bytes:
+        return self._read("environ")
+
+    @property
+    def state(self) -> bytes:
+        return self._read("stat").rpartition(b")")[2].split()[0]
+
+    @property
+    def ppid(self) -> int:
+        return int(self._read("stat").rpartition(b")")[2].split()[1])
+
+
+def find_processes(match) -> list[int]:
+    """The live processes (zombies left out) for which ``match(Proc)`` is true, sorted;
+    this process and its parent (pytest's) are never among them. The suite's one scan of
+    /proc: every check for a test's daemons, workers, ranks and launchers is a predicate
+    here."""
+    me = {os.getpid(), os.getppid()}
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in me:
+            continue
+        proc = Proc(int(name))
+        try:
+            if match(proc) and proc.state != b"Z":
+                found.append(proc.pid)
+        except OSError:  # gone while we looked, or not readable: not one of ours
+            continue
+    return sorted(found)
+
+
+@contextlib.contextmanager
+def started(cmd, env: dict | None = None, **kwargs):
+    """``subprocess.Popen(cmd)`` with text pipes for stdout and stderr, killed and reaped
+    on the way out however the test ends (a command that is still running then is what
+    the test did not wait for)."""
+    proc = subprocess.Popen([os.fspath(a) for a in cmd], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kwargs)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def poll_while_running(proc, step, timeout: float = 600, interval: float = 0.02
+                       ) -> tuple[str, str]:
+    """Call ``step()`` every ``interval`` s while ``proc`` runs (at most ``timeout`` s),
+    then wait for it; its (stdout, stderr)."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        step()
+        time.sleep(interval)
+    return proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+
+
 def wait_until(pred, timeout: float = 10.0, interval: float = 0.05) -> bool:
     """Poll ``pred()`` until it is true or ``timeout`` seconds pass; return its last value."""
     deadline = time.monotonic() + timeout
@@ -701,7 +787,6 @@ __all__ = [
 # --------------------------------------------------------------------------- faults and load
 # (used by tests/test_faults.py and tests/test_load.py)
 
-import contextlib  # noqa: E402
 import errno as _errno  # noqa: E402
 import json as _json  # noqa: E402
 import threading  # noqa: E402

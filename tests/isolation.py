@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from helpers import lazy_unmount, signal_ours
+from helpers import find_processes, lazy_unmount, signal_ours
 
 #: names of the processes a FanStore mount runs (the daemon, its frontend and workers carry
 #: the ``fanstore`` command line they were forked from; MPI jobs add hydra's)
@@ -72,26 +72,8 @@ class ModuleState:
 def _processes(root: Path) -> set[int]:
     """Live FanStore processes (or MPI launchers) whose environment names ``root``."""
     needle = b"FANSTORE_RUNTIME_DIR=" + os.fsencode(root) + b"\0"
-    me = {os.getpid(), os.getppid()}
-    found = set()
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) in me:
-            continue
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                argv = f.read()
-            if not any(p in argv for p in _PROGRAMS):
-                continue
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if needle not in f.read():
-                    continue
-            with open(f"/proc/{name}/stat", "rb") as f:
-                if f.read().rpartition(b")")[2].split()[0] == b"Z":
-                    continue  # a zombie: gone, only not yet reaped by its parent
-        except OSError:
-            continue
-        found.add(int(name))
-    return found
+    return set(find_processes(lambda p: any(name in p.cmdline for name in _PROGRAMS)
+                              and needle in p.environ))
 
 
 def _mounts(base: str) -> set[str]:

@@ -25,6 +25,7 @@ from helpers import (
     DAEMON_PIDS,
     FANSTORE,
     daemon_pid,
+    find_processes,
     is_mounted,
     lazy_unmount,
     pid_alive,
@@ -172,19 +173,8 @@ class MpiJob:
 def job_pids(tmp) -> list[int]:
     """Live processes whose command line names a path under ``tmp`` (a job's daemons,
     shims, worker ranks, kernel-frontend processes and its ``mpiexec``)."""
-    found = []
     needle = os.fsencode(os.fspath(tmp))
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                argv = f.read()
-        except OSError:
-            continue
-        if needle in argv and pid_alive(int(name)):
-            found.append(int(name))
-    return found
+    return find_processes(lambda p: needle in p.cmdline)
 
 
 def _names(path: str | None, pattern: str) -> set[str]:

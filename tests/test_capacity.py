@@ -385,7 +385,9 @@ def test_select_measures_its_finalists(text_tree, tmp_path, reader):
     fitted to the raw (none) trial; nothing of the trials is left behind."""
     work = tmp_path / "tmp"
     work.mkdir()
-    doc, proc = _select_json(text_tree[0], "--reader", reader, env={"TMPDIR": str(work)})
+    # --trials 3: `none` (the reader's fit and the default budget) and two finalists
+    doc, proc = _select_json(text_tree[0], "--reader", reader, "--trials", "3",
+                             env={"TMPDIR": str(work)})
     r = doc["reader"]
     assert r["reader"] == reader and r["readers"] == min(doc["budget"]["cores"],
                                                          len(os.sched_getaffinity(0)))
@@ -423,8 +425,8 @@ def test_select_without_a_reader_model_in_the_library(text_tree):
     from fanstore.select import SelectionOptions, run_selection
     from fanstore.select.report import to_json
 
-    res = run_selection(str(text_tree[0]), SelectionOptions(sample_mb=2, storage_mb_per_sec=1e3,
-                                                            progress=False))
+    res = run_selection(str(text_tree[0]), SelectionOptions(  # a short bench: not the point
+        sample_mb=2, storage_mb_per_sec=1e3, encode_seconds=1.0, progress=False))
     assert res.reader is None and to_json(res)["reader"] is None
 
 
@@ -472,6 +474,7 @@ def test_select_on_one_10_gb_file(tmp_path):
 _BURN = "import time\nt = time.time() + 120\nwhile time.time() < t:\n    pass\n"
 
 
+@pytest.mark.long  # a busy loop on every core while it packs
 def test_the_default_pack_is_a_function_of_the_data(tmp_path):
     """Two default packs of one tree, the second beside a busy loop on every core: the
     same codecs and the same bytes, file for file (the index records no time)."""

@@ -372,6 +372,38 @@ def test_pack_is_deterministic(special_tree, special_store, tmp_path):
         assert (dest / name).read_bytes() == (special_store / name).read_bytes(), name
 
 
+def test_a_small_source_is_compressed_without_workers(small_tree, tmp_path, monkeypatch):
+    """Under ``INLINE_BYTES`` with ``jobs`` at its default, no worker process starts (a
+    worker's start costs more than the compression); an explicit ``jobs``, or a source over
+    the threshold, gets the pool. The three stores are byte-identical."""
+    from fanstore.pack import pool as pool_module
+    from fanstore.pack import worker
+
+    spawned = []
+    real = pool_module.spawn_piped
+    monkeypatch.setattr(pool_module, "spawn_piped",
+                        lambda *a, **k: spawned.append(a) or real(*a, **k))
+    src, files = small_tree
+    total = sum(len(d) for d in files.values())
+    assert 0 < total < worker.INLINE_BYTES
+    stores = {}
+    for how, options in (("inline", PackOptions(partitions=3)),
+                         ("jobs", PackOptions(partitions=3, jobs=2)),
+                         ("big", PackOptions(partitions=3))):
+        if how == "big":
+            monkeypatch.setattr(worker, "INLINE_BYTES", total)  # the source is not under it
+        spawned.clear()
+        dest = tmp_path / how
+        summary = pack(src, str(dest), CodecPolicy(parse_spec("zstd:3")), options)
+        assert summary.files == len(files)
+        assert len(spawned) == (0 if how == "inline" else 2), how
+        stores[how] = {name: (dest / name).read_bytes() for name in os.listdir(dest)}
+    assert stores["inline"] == stores["jobs"] == stores["big"]
+    with LocalStore(str(tmp_path / "inline")) as s:
+        for rel, data in files.items():
+            assert s.read_file(rel) == data
+
+
 def test_store_holds_raw_chunks_where_compression_does_not_help(special_store):
     index = read_index(str(special_store))
     codec = index.chunks["codec"]

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import FANSTORE, TESTS_DIR, assert_cli_error, pid_alive, run_cli, signal_ours, wait_until
+from helpers import (FANSTORE, TESTS_DIR, assert_cli_error, find_processes, pid_alive,
+                     run_cli, signal_ours, wait_until)
 
 from fanstore.format.index import INDEX_NAME
 from fanstore.pack.dest import TMP_MARK
@@ -51,20 +52,7 @@ def _env(fault: str | None = None) -> dict[str, str]:
 
 def _workers_of(pid: int) -> list[int]:
     """The live pack workers whose parent is ``pid``."""
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                fields = f.read().rpartition(b")")[2].split()
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                argv = f.read()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != b"Z" and b"fanstore.pack." in argv:
-            out.append(int(name))
-    return sorted(out)
+    return find_processes(lambda p: b"fanstore.pack." in p.cmdline and p.ppid == pid)
 
 
 def _start(cmd: list[str], fault: str | None, mark: Path | None = None,

@@ -368,8 +368,8 @@ def test_selection_charges_solid_blocks_by_the_readers_caches(tmp_path):
     src = write_files(tmp_path, {f"j/{i:03d}.json": json_records(rng, 6) for i in range(200)})
     label = "zstd:3+solid64k"
     amp = {}
-    for reader in (None, "api"):
-        res = select(src, reader=reader, sample_mb=2.0)
+    for reader in (None, "api"):  # the model's caches: nothing measured (trials=0)
+        res = select(src, reader=reader, sample_mb=2.0, trials=0)
         cost = res.candidate(label).cost
         amp[reader] = cost.read / cost.stored
     assert amp[None] > 50  # 64 KiB blocks of ~600-byte files: ~100 files each
@@ -616,8 +616,10 @@ def test_selection_options_from_the_cli_parsers():
 
 def test_cli_impossible_budget_exits_3(tmp_path):
     src = npy_set(tmp_path / "d", n=4)
+    # the model alone (--trials 0): the exit status and the report are the point here; a
+    # measured budget no codec meets is test_select_measure's
     args = ["select", src, "--mode", "sync", "--mb-per-sec", "1000000000", "--cores", "1",
-            "--storage-mb-per-sec", "1000", "--sample-mb", "1"]
+            "--storage-mb-per-sec", "1000", "--sample-mb", "1", "--trials", "0"]
     proc = run_cli(*args)
     assert proc.returncode == 3, proc.stderr
     assert "no codec meets the budget" in proc.stderr
@@ -645,8 +647,10 @@ def test_cli_usage_errors(tmp_path):
 def test_pack_auto_records_the_choice(tmp_path):
     src = npy_set(tmp_path / "d", n=8)
     dest = str(tmp_path / "store")
+    # the choice recorded, not measured (--trials 0): a pack --codec auto whose finalists
+    # are measured is test_select_measure's test_check_reads_a_live_mount_and_a_store_...
     proc = run_cli("pack", src, dest, "--codec", "auto", *LOOSE_ARGS, "--sample-mb", "4",
-                   "--partitions", "1", "--no-progress")
+                   "--trials", "0", "--partitions", "1", "--no-progress")
     assert proc.returncode == 0, proc.stderr
     assert "codec selection:" in proc.stderr
     info = json.loads(run_cli("info", dest, "--json").stdout)
@@ -660,8 +664,12 @@ def test_pack_auto_records_the_choice(tmp_path):
 def test_pack_auto_per_kind_applies_the_policy(tmp_path):
     src = mixed_set(tmp_path / "d")
     dest = str(tmp_path / "store")
-    proc = run_cli("pack", src, dest, "--codec", "auto", "--per-kind", *LOOSE_ARGS,
-                   "--sample-mb", "4", "--partitions", "2", "--no-progress")
+    # --trials 2: `none` and one single codec are measured, then the mix (always); read
+    # through the Python API (sync): a trial round through a mount is test_select_measure's
+    proc = run_cli("pack", src, dest, "--codec", "auto", "--per-kind", "--mode", "sync",
+                   "--mb-per-sec", "1", "--cores", "2", "--storage-mb-per-sec", "100000",
+                   "--reader", "api", "--sample-mb", "4", "--trials", "2", "--partitions", "2",
+                   "--no-progress")
     assert proc.returncode == 0, proc.stderr
     index = read_index(dest)
     sel = index.meta["selection"]
@@ -726,8 +734,8 @@ def _pack_and_check(src: str, dest, files: dict[str, bytes], *args: str) -> dict
     import fanstore
     from compressors import parse_codec_spec
 
-    proc = run_cli("pack", src, str(dest), *args, "--jobs", "1", "--partitions", "2",
-                   "--no-progress", timeout=300)
+    proc = run_cli("pack", src, str(dest), *args, "--partitions", "2", "--no-progress",
+                   timeout=300)
     assert proc.returncode == 0, (args, proc.stderr)
     with fanstore.open_store(str(dest), cache_mb=0) as store:
         for rel, data in files.items():

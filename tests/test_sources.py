@@ -669,6 +669,7 @@ def test_s3_source_errors(s3_server, tmp_path):
     no_leftovers(dest)
 
 
+@pytest.mark.s3  # an S3 endpoint of its own
 def test_wrong_credentials(tmp_path):
     """A second endpoint that checks signatures: a wrong secret is one clear line."""
     from s3_helpers import MotoServer, moto_available

@@ -28,6 +28,7 @@ from helpers import (
     assert_cli_error,
     daemon_log,
     daemon_pid,
+    find_processes,
     fuse_available,
     is_mounted,
     kill_pid,
@@ -79,17 +80,7 @@ def _env(tmp_path, hold: str = "") -> dict:
 def tagged(tmp_path) -> list[int]:
     """Live processes whose environment carries this test's tag."""
     needle = f"{TAG}={tmp_path}\0".encode()
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if needle in f.read() and pid_alive(int(name)):
-                    found.append(int(name))
-        except OSError:
-            continue
-    return found
+    return find_processes(lambda p: needle in p.environ)
 
 
 def _marks(tmp_path, what: str) -> set[int]:

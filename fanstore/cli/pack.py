@@ -50,8 +50,9 @@ def add_parsers(sub, common) -> None:
                         "(each file on its own). Default: 32 for the kinds of small files "
                         "where blocks store best. The same as +solidNk in --codec")
     s.add_argument("--jobs", type=nonneg_int, default=0,
-                   help="compression workers (default: all cores); with an s3:// source "
-                        "also the parallel range reads (default 8)")
+                   help="compression worker processes (default: all cores, or none for "
+                        "a directory under 2 MiB: this process compresses it); with an "
+                        "s3:// source also the parallel range reads (default 8)")
     s.add_argument("--chunk-kb", type=positive_int, default=1024,
                    help="chunk size for large files in KiB (default 1024)")
     s.add_argument("--broadcast", action="append", metavar="RELDIR",
@@ -138,8 +139,7 @@ def cmd_pack(args) -> int:
         from fanstore.pack.write import check_arguments, pack_workers
 
         check_arguments(args.src, args.dest, options)  # before a selection takes seconds
-        with WorkerPool(pack_workers(options)) as pool:
-            pool.start()  # the workers' interpreters start while this one scans
+        with WorkerPool(pack_workers(options)) as pool:  # started after the scan, if needed
             # the quick selection runs on the scan while the workers look for duplicates;
             # the full selector (auto) times trial packs: alone, before the pack starts
             policy = make_policy() if args.codec == AUTO else make_policy

@@ -76,6 +76,11 @@ class WorkerPool:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @property
+    def started(self) -> bool:
+        """Whether :meth:`start` (or :meth:`run`) has started the workers."""
+        return bool(self.workers)
+
     def start(self) -> None:
         """Start the workers (once): they import while the caller goes on."""
         while len(self.workers) < self.jobs:

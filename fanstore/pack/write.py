@@ -40,7 +40,7 @@ from fanstore.pack.options import PackOptions, PackSummary, check_options, repor
 from fanstore.pack.plan import CodecPolicy, CodecTable, in_dir, plan_partitions
 from fanstore.pack.scan import ScanResult, scan_tree
 from fanstore.pack.pool import WorkerPool
-from fanstore.pack.worker import PartResult, PartTask, run_tasks, worker_count
+from fanstore.pack.worker import PartResult, PartTask, compress_inline, run_tasks, worker_count
 
 # --------------------------------------------------------------------------- arguments
 
@@ -91,6 +91,8 @@ class PackPlan:
     duplicates: Duplicates = field(default_factory=Duplicates)
     #: where the time went so far: (phase, seconds), see PackSummary.phases
     phases: list[tuple[str, float]] = field(default_factory=list)
+    #: compressed in this process, with no worker (a small source: worker.INLINE_BYTES)
+    inline: bool = False
     _mark: float = 0.0
 
     def lap(self, phase: str) -> None:
@@ -109,7 +111,10 @@ def prepare(
     pool: WorkerPool | None = None,
 ) -> PackPlan:
     """Check the arguments, scan the source, plan partitions and codecs, create the temp dir
-    (``pool``: the workers that find duplicates; None: this process alone). ``policy`` may
+    (``pool``: the workers that find duplicates; None: this process alone). A pool not
+    started yet is started once the scan is done, unless the source is small enough to
+    compress in this process (``plan.inline``, :func:`~fanstore.pack.worker.compress_inline`:
+    then no worker starts at all). ``policy`` may
     be a function of the scan: it then runs while the workers look for duplicates (a
     quick selection and the duplicate search each take seconds on a large tree, one in
     this process, one in the workers).
@@ -126,6 +131,11 @@ def prepare(
     if scan is None:
         scan = scan_tree(src, symlinks=options.symlinks)
     t_scan = time.monotonic()
+    inline = pool is not None and not pool.started and compress_inline(options, scan.raw_bytes)
+    if inline:
+        pool = None
+    elif pool is not None:
+        pool.start()  # the interpreters start while this one plans (and selects codecs)
     skipped = report_problems(scan.problems, options)
     access = decide_tree(src, scan.entries, options.shared)
     if access.private:
@@ -144,7 +154,8 @@ def prepare(
     destination.create_tmp()
     tasks, configs = _tasks(scan, is_bcast, dups, policy, options, destination)
     plan = PackPlan(os.path.abspath(src), destination.url, scan, tasks, configs,
-                    options.partitions, destination.tmp, skipped, t0, destination, access, dups)
+                    options.partitions, destination.tmp, skipped, t0, destination, access, dups,
+                    inline=inline)
     plan.phases.append(("scan", t_scan - t0))
     plan._mark = t_scan
     plan.lap("selection and duplicates" if callable(policy_in) else "duplicates")
@@ -264,16 +275,17 @@ def pack(
     pool: WorkerPool | None = None,
 ) -> PackSummary:
     """Pack ``src`` into a store at ``dest`` with the worker processes of ``pool`` (None: a
-    pool of ``options.jobs`` made here); ``policy``: a codec policy, or a function of the
-    scan that makes one (see :func:`prepare`). Raises FanStoreError subclasses on failure."""
+    pool of ``options.jobs`` made here), or in this process if the source is small (see
+    :func:`prepare`); ``policy``: a codec policy, or a function of the scan that makes one
+    (see :func:`prepare`). Raises FanStoreError subclasses on failure."""
     options = options or PackOptions()
     if pool is None:
-        with WorkerPool(pack_workers(options)) as own:
-            own.start()  # the interpreters start while this one scans and plans
+        with WorkerPool(pack_workers(options)) as own:  # started by prepare, if needed
             return pack(src, dest, policy, options, scan, own)
     plan = prepare(src, dest, policy, options, scan, pool)
     try:
-        results = run_tasks(plan.tasks, options, plan.scan.raw_bytes, pool)
+        results = run_tasks(plan.tasks, options, plan.scan.raw_bytes,
+                            None if plan.inline else pool, inline=plan.inline)
         return finish(plan, results, options)
     except BaseException:
         plan.target.discard()

@@ -115,9 +115,11 @@ class Measuring:
         self.count += 1
         t0 = time.monotonic()
         try:
+            # the pack's default workers (every core, as self.jobs counts), so that a
+            # trial under pack.worker.INLINE_BYTES is compressed here, with no worker
             m = trial.measure(self.trial, policy, self.how,
                               os.path.join(self.tmp, f"trial-{self.count}"), n_whole,
-                              n_pieces, self.options.seed, self.jobs)
+                              n_pieces, self.options.seed)
         except PassError as exc:  # a reader died or timed out: this finalist, not the rest
             raise TrialError(f"reading the trial store failed: {exc}") from None
         finally:

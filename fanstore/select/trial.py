@@ -320,8 +320,9 @@ def measure(trial: TrialSet, policy, how: HowToRead, workdir: str, n_whole: int,
             n_pieces: int, seed: int = 0, jobs: int = 0) -> Measured:
     """Pack the first ``n_whole`` whole files and ``n_pieces`` pieces of ``trial`` with
     ``policy`` (a :class:`~fanstore.pack.plan.CodecPolicy`), read them :data:`ROUNDS` times
-    as ``how`` says, and scale to the source (see the module docstring). Everything made
-    under ``workdir`` is removed before it returns or raises."""
+    as ``how`` says, and scale to the source (see the module docstring). ``jobs``: the
+    pack's workers (0: its default, which packs a small trial without any). Everything
+    made under ``workdir`` is removed before it returns or raises."""
     from fanstore.pack import PackOptions, pack
 
     t0 = time.monotonic()
