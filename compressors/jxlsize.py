@@ -319,6 +319,11 @@ def _scan_headers(bits: _Bits, scans: int, components: int) -> None:
         bits.u32(_LAST_PASS)
 
 
+def _too_many(count: int, what: str) -> CorruptDataError:
+    return CorruptDataError(f"jpegxl: {count} JPEG {what} declared, more than the rest of "
+                            "the JPEG reconstruction holds")
+
+
 def _scan_blocks(bits: _Bits, scans: int) -> None:
     """Per scan: U32 reset points, each a U32 step past the last block index; U32 extra
     zero runs, each a U32 run count (at most 4) and a block step. Block indices stay below
@@ -328,7 +333,7 @@ def _scan_blocks(bits: _Bits, scans: int) -> None:
     for _ in range(scans):
         count = u32(_ENTRIES)
         if 2 * count > bits.left():
-            raise CorruptDataError("jpegxl: the stream ends inside its JPEG reconstruction header")
+            raise _too_many(count, "reset points")
         block = -1
         for _ in range(count):
             block += 1 + u32(_BLOCK_STEP)
@@ -336,7 +341,7 @@ def _scan_blocks(bits: _Bits, scans: int) -> None:
                 raise CorruptDataError(f"jpegxl: JPEG block {block} in the reconstruction")
         count = u32(_ENTRIES)
         if 4 * count > bits.left():
-            raise CorruptDataError("jpegxl: the stream ends inside its JPEG reconstruction header")
+            raise _too_many(count, "extra zero runs")
         block = -1
         for _ in range(count):
             if u32(_ZERO_RUNS) > 4:
