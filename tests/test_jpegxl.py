@@ -19,6 +19,7 @@ pytest.importorskip("imagecodecs", reason="the jpegxl codec needs imagecodecs (j
 
 from jpeg_helpers import (  # noqa: E402
     APP5_4000,
+    FRAME_8192,
     GREY_8192,
     INTER_3200,
     cmyk_jpeg,
@@ -335,6 +336,19 @@ def test_a_small_stream_declaring_a_huge_jpeg_allocates_nothing(tmp_path, bomb) 
     ours = _decode_in_child(path, 40_000, direct=False)
     assert ours["error"] == f"CorruptDataError: jpegxl: {message}", ours
     assert ours["grew_kib"] < 8 * 1024, ours
+
+
+def test_a_frame_larger_than_the_image_is_not_bounded_yet(tmp_path) -> None:
+    """The open hole (docs/reliability.md, "Left out"): a 1.9 KB stream whose SizeHeader
+    and jbrd box pass the bounds, whose frame header declares an 8192x8192 frame. libjxl
+    allocates ~131 MB for it, through the codec too. When the frame header is bounded,
+    this test fails: turn it into a test of the bound (the codec must not grow)."""
+    assert declared(FRAME_8192.read_bytes()) == (64, 64, 17)
+    path = tmp_path / "frame.jxl"
+    path.write_bytes(padded(FRAME_8192.read_bytes(), 20_000))
+    for direct in (True, False):
+        result = _decode_in_child(path, 40_000, direct=direct)
+        assert result["error"] and result["grew_kib"] > 100 * 1024, (direct, result)
 
 
 def test_declared_jpeg_bytes_of_real_streams(codec) -> None:
