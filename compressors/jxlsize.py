@@ -1,5 +1,5 @@
 """What a JPEG XL stream declares, read from its headers without libjxl: the image size,
-and the APPn and COM bytes of the JPEG its ``jbrd`` box rebuilds (:func:`marker_bytes`).
+and the bytes of the JPEG its ``jbrd`` box rebuilds (:func:`jbrd_bytes`).
 
 A JPEG XL stream is either a bare codestream (``FF 0A`` then the headers) or an ISO BMFF
 container (:data:`JXL_CONTAINER`, then boxes: ``size`` u32 big-endian, ``type``; a size of
@@ -25,11 +25,12 @@ rather than guess which codestream or reconstruction data libjxl would read.
 from __future__ import annotations
 
 import struct
+from typing import NamedTuple
 
 from .errors import CorruptDataError
 
 __all__ = ["JXL_CONTAINER", "BARE_CODESTREAM", "MAX_BOXES", "declared", "declared_size",
-           "codestream_head", "parse_size_header", "marker_bytes"]
+           "codestream_head", "parse_size_header", "jbrd_bytes", "JpegParts"]
 
 #: The ISO BMFF container's signature box (``JXL `` with ``0D 0A 87 0A``).
 JXL_CONTAINER = b"\x00\x00\x00\x0cJXL \r\n\x87\n"
@@ -107,63 +108,247 @@ def _walk(view) -> tuple[bytes, tuple[int, int] | None]:
 
 
 class _Bits:
-    """Fields of ``data`` read from each byte's least significant bit (JPEG XL's order)."""
+    """Fields of ``data`` read from each byte's least significant bit (JPEG XL's order),
+    through a window of 64 bytes as one integer, moved on when a field runs past it."""
+
+    _WINDOW = 64
 
     def __init__(self, data, what: str) -> None:
         self.data, self.pos, self.avail, self.what = data, 0, 8 * len(data), what
-        # the first 64 bytes as one integer: what a usual header needs, without slicing
-        self.window, self.window_bits = int.from_bytes(data[:64], "little"), 8 * 64
+        self.base, self.end = 0, 8 * self._WINDOW  # the window's bits [base, end)
+        self.window = int.from_bytes(data[:self._WINDOW], "little")
 
     def read(self, n: int) -> int:
         pos = self.pos
-        if pos + n > self.avail:
+        stop = pos + n
+        if stop > self.avail:
             raise CorruptDataError(f"jpegxl: the stream ends inside its {self.what}")
-        self.pos = pos + n
-        if pos + n <= self.window_bits:
-            return (self.window >> pos) & ((1 << n) - 1)
-        chunk = int.from_bytes(self.data[pos >> 3:(pos + n + 7) >> 3], "little")
-        return (chunk >> (pos & 7)) & ((1 << n) - 1)
+        self.pos = stop
+        if stop > self.end:  # n <= 32: one window from the byte holding pos covers it
+            first = pos >> 3
+            self.base, self.end = 8 * first, 8 * (first + self._WINDOW)
+            self.window = int.from_bytes(self.data[first:first + self._WINDOW], "little")
+        return (self.window >> (pos - self.base)) & ((1 << n) - 1)
+
+    def u32(self, dist) -> int:
+        """A U32 field: a 2-bit selector picks ``(offset, bits)`` of ``dist``."""
+        offset, n = dist[self.read(2)]
+        return offset + self.read(n) if n else offset
+
+    def skip(self, n: int) -> None:
+        if self.pos + n > self.avail:
+            raise CorruptDataError(f"jpegxl: the stream ends inside its {self.what}")
+        self.pos += n
+
+    def left(self) -> int:
+        return self.avail - self.pos
 
 
 def declared(buf) -> tuple[int, int, int]:
-    """``(width, height, marker bytes)``: the image size the SizeHeader declares and the
-    bytes of APPn and COM marker segments the ``jbrd`` box declares (0 without one);
-    :class:`CorruptDataError` for a stream without a readable size header."""
+    """``(width, height, JPEG bytes)``: the image size the SizeHeader declares and the bytes
+    of the JPEG file the ``jbrd`` box declares (:func:`jbrd_bytes`; 0 without one);
+    :class:`CorruptDataError` for a stream without readable headers."""
     head, jbrd = _walk(buf)
     width, height, _ = parse_size_header(head)
-    markers = 0 if jbrd is None else marker_bytes(buf[jbrd[0]:jbrd[1]])
-    return width, height, markers
+    rebuilt = 0 if jbrd is None else sum(jbrd_bytes(memoryview(buf)[jbrd[0]:jbrd[1]]))
+    return width, height, rebuilt
 
 
-def marker_bytes(jbrd) -> int:
-    """The bytes of the APPn and COM segments a ``jbrd`` box (JPEG reconstruction data)
-    declares: libjxl rebuilds them all before it writes a byte of the JPEG.
+class JpegParts(NamedTuple):
+    """Bytes of the JPEG file a ``jbrd`` box declares, each rebuilt whole by libjxl before
+    it writes a byte: APPn and COM segments (as their 16-bit length fields count them, so one
+    less than the file holds each), the data between markers, the data after EOI."""
 
-    The box opens with libjxl's JPEGData bundle: ``is_gray`` (1 bit); the file's markers,
-    6 bits each (the marker - 0xC0) up to EOI (0xD9), at most 16,384; for each APPn marker
-    a type (U32: 0, 1, 2 + u(1), 4 + u(2)) and a 16-bit length - 1; for each COM marker a
-    16-bit length - 1. A segment of length L (the type byte, 2 length bytes and the payload)
-    takes L + 1 bytes of the JPEG file, so their sum is less than the file's size."""
+    segments: int
+    inter_marker: int
+    tail: int
+
+
+# U32 fields of the JPEGData bundle: the (offset, extra bits) each 2-bit selector picks.
+_APP_TYPE = ((0, 0), (1, 0), (2, 1), (4, 2))
+_MAX_SYMBOLS = 257  # a Huffman code's 256 byte values and libjxl's end symbol
+_ONE_TO_FOUR = ((1, 0), (2, 0), (3, 0), (4, 0))
+_HUFFMAN_CODES = ((4, 0), (2, 3), (10, 4), (26, 6))
+_SYMBOL_COUNT = ((0, 0), (1, 0), (2, 3), (0, 8))
+_SYMBOL_BITS = (4, 4, 6, 10)  # a symbol's bits (its selector's 2 included) by selector
+_LOW64 = (1 << 64) - 1
+_CODE_BYTES = (4 + 17 * 10 + _MAX_SYMBOLS * 10 + 7) // 8 + 1  # a code's most bytes, + 1
+_LAST_PASS = ((0, 0), (1, 0), (2, 0), (3, 3))
+_ENTRIES = ((0, 0), (1, 2), (4, 4), (20, 16))
+_BLOCK_STEP = ((0, 0), (1, 3), (9, 5), (41, 28))
+_ZERO_RUNS = ((1, 0), (2, 2), (5, 4), (20, 8))
+_TAIL = ((0, 0), (1, 8), (257, 16), (65793, 22))
+_MAX_BLOCK = 3 << 26  # libjxl: block indices of an 8K x 8K, 3-component JPEG
+
+
+def jbrd_bytes(jbrd) -> JpegParts:
+    """The JPEG bytes a ``jbrd`` box (JPEG reconstruction data) declares; libjxl allocates
+    them all before it writes a byte of the file, so their sum is at most the file's size.
+
+    The box opens with libjxl's JPEGData bundle (bits from each byte's least significant
+    end; U32: a 2-bit selector, then per selector a constant or an offset plus a few bits):
+    ``is_gray``; the markers (:func:`_markers`); per APPn a type and a 16-bit length - 1,
+    per COM a 16-bit length - 1; the quantisation tables and components
+    (:func:`_components`); the Huffman codes (:func:`_huffman_codes`); per scan its
+    components and passes (:func:`_scan_headers`); a 16-bit restart interval if the file
+    has DRI; per scan its reset points and extra zero runs (:func:`_scan_blocks`); per
+    inter-marker marker a 16-bit length; the tail's length (U32 up to 4,260,096). The
+    brotli-compressed bytes that follow are not read. :class:`CorruptDataError` for a
+    bundle that ends early or that libjxl would refuse on a count or an index."""
     bits = _Bits(jbrd, "JPEG reconstruction header")
-    bits.read(1)
-    apps = coms = markers = 0
+    bits.read(1)  # is_gray
+    apps, coms, scans, inter, dri = _markers(bits)
+    segments = 0
+    for _ in range(apps):
+        if bits.u32(_APP_TYPE) > 3:  # unknown, ICC, Exif, XMP
+            raise CorruptDataError("jpegxl: an unknown APPn type in the JPEG reconstruction")
+        segments += _segment_length(bits)
+    for _ in range(coms):
+        segments += _segment_length(bits)
+    components = _components(bits)
+    _huffman_codes(bits)
+    _scan_headers(bits, scans, components)
+    if dri:
+        bits.read(16)
+    _scan_blocks(bits, scans)
+    inter_marker = 0
+    for _ in range(inter):
+        inter_marker += bits.read(16)
+    return JpegParts(segments, inter_marker, bits.u32(_TAIL))
+
+
+def _markers(bits: _Bits) -> tuple[int, int, int, int, bool]:
+    """``(APPn, COM, SOS, inter-marker, has DRI)`` counted over the markers: 6 bits each (the
+    marker - 0xC0; 0xFF stands for data between markers) up to EOI, at most 16,384."""
+    apps = coms = scans = inter = markers = 0
+    dri = False
     marker = 0
     while marker != 0xD9:
         marker = bits.read(6) + 0xC0
         markers += 1
-        apps += marker & 0xF0 == 0xE0
-        coms += marker == 0xFE
         if markers > _MAX_MARKERS:
             raise CorruptDataError(f"jpegxl: more than {_MAX_MARKERS} JPEG markers")
-    total = 0
-    for _ in range(apps):
-        selector = bits.read(2)
-        if selector >= 2:
-            bits.read(selector - 1)
-        total += bits.read(16) + 1
-    for _ in range(coms):
-        total += bits.read(16) + 1
-    return total
+        if marker & 0xF0 == 0xE0:
+            apps += 1
+        elif marker == 0xFE:
+            coms += 1
+        elif marker == 0xDA:
+            scans += 1
+        elif marker == 0xFF:
+            inter += 1
+        elif marker == 0xDD:
+            dri = True
+    if not scans:
+        raise CorruptDataError("jpegxl: a JPEG reconstruction without a scan")
+    return apps, coms, scans, inter, dri
+
+
+def _segment_length(bits: _Bits) -> int:
+    length = bits.read(16) + 1
+    if length < 3:
+        raise CorruptDataError(f"jpegxl: a JPEG marker segment of {length} bytes")
+    return length
+
+
+def _components(bits: _Bits) -> int:
+    """Read the quantisation tables (U32 1-3 of them: 1 bit precision, 2 bits index, 1 bit
+    is_last each) and the components (2 bits: grey, YCbCr, RGB or custom; custom: U32 1 or 3
+    of them, 8-bit ids; then a 2-bit table index each); return the component count."""
+    tables = bits.u32(_ONE_TO_FOUR)
+    if tables == 4:
+        raise CorruptDataError("jpegxl: 4 quantisation tables in the JPEG reconstruction")
+    bits.read(4 * tables)
+    kind = bits.read(2)
+    count = 1 if kind == 0 else 3
+    if kind == 3:
+        count = bits.u32(_ONE_TO_FOUR)
+        if count not in (1, 3):
+            raise CorruptDataError(f"jpegxl: a JPEG of {count} components")
+        bits.read(8 * count)
+    for _ in range(count):
+        if bits.read(2) >= tables:
+            raise CorruptDataError("jpegxl: a JPEG component of a missing quantisation table")
+    return count
+
+
+def _huffman_codes(bits: _Bits) -> None:
+    """Skip the Huffman codes (U32 4-89 of them): 4 bits of slot and is_last, 17 U32 symbol
+    counts (0, 1, 2 + u(3), u(8)), then as many U32 symbols (u(2), 4 + u(2), 8 + u(4),
+    1 + u(8): 4, 4, 6 or 10 bits by the selector alone), at most 257.
+
+    The parse's hot loop (a usual JPEG has 4 codes, 300-400 symbols): each code is read
+    from one integer of the most bytes it can take, its symbols through a 64-bit window of
+    it (shifts of small integers are cheap), not field by field."""
+    data, lengths = bits.data, _SYMBOL_BITS
+    for _ in range(bits.u32(_HUFFMAN_CODES)):
+        first = bits.pos >> 3
+        v = int.from_bytes(data[first:first + _CODE_BYTES], "little") >> (bits.pos & 7)
+        p, symbols = 4, 0
+        for _ in range(17):
+            selector = (v >> p) & 3
+            if selector < 2:
+                symbols, p = symbols + selector, p + 2
+            elif selector == 2:
+                symbols, p = symbols + 2 + ((v >> (p + 2)) & 7), p + 5
+            else:
+                symbols, p = symbols + ((v >> (p + 2)) & 255), p + 10
+        if symbols > _MAX_SYMBOLS:
+            raise CorruptDataError(f"jpegxl: a Huffman code of {symbols} symbols")
+        v >>= p
+        window, q = v & _LOW64, 0
+        for _ in range(symbols):
+            if q > 54:  # the next symbol (at most 10 bits) might run past the window
+                v >>= q
+                p, q, window = p + q, 0, v & _LOW64
+            q += lengths[(window >> q) & 3]
+        bits.skip(p + q)  # refuses a code past the box's end (read as zeros above)
+
+
+def _scan_headers(bits: _Bits, scans: int, components: int) -> None:
+    """Per scan: U32 1-3 components, 20 bits of spectral and approximation limits, 6 bits
+    per component (its index, below ``components``, and two table indices), and a U32 last
+    pass."""
+    for _ in range(scans):
+        count = bits.u32(_ONE_TO_FOUR)
+        if count == 4:
+            raise CorruptDataError("jpegxl: a JPEG scan of 4 components")
+        bits.read(20)
+        for _ in range(count):
+            if bits.read(6) & 3 >= components:
+                raise CorruptDataError("jpegxl: a JPEG scan of a missing component")
+        bits.u32(_LAST_PASS)
+
+
+def _too_many(count: int, what: str) -> CorruptDataError:
+    return CorruptDataError(f"jpegxl: {count} JPEG {what} declared, more than the rest of "
+                            "the JPEG reconstruction holds")
+
+
+def _scan_blocks(bits: _Bits, scans: int) -> None:
+    """Per scan: U32 reset points, each a U32 step past the last block index; U32 extra
+    zero runs, each a U32 run count (at most 4) and a block step. Block indices stay below
+    3 * 2**26 (libjxl's limit); each entry takes at least 2 bits, so a count the rest of the
+    box cannot hold is refused before the loop."""
+    u32 = bits.u32
+    for _ in range(scans):
+        count = u32(_ENTRIES)
+        if 2 * count > bits.left():
+            raise _too_many(count, "reset points")
+        block = -1
+        for _ in range(count):
+            block += 1 + u32(_BLOCK_STEP)
+            if block >= _MAX_BLOCK:
+                raise CorruptDataError(f"jpegxl: JPEG block {block} in the reconstruction")
+        count = u32(_ENTRIES)
+        if 4 * count > bits.left():
+            raise _too_many(count, "extra zero runs")
+        block = -1
+        for _ in range(count):
+            if u32(_ZERO_RUNS) > 4:
+                raise CorruptDataError("jpegxl: more than 4 extra zero runs in a JPEG block")
+            block += 1 + u32(_BLOCK_STEP)
+            if block > _MAX_BLOCK:
+                raise CorruptDataError(f"jpegxl: JPEG block {block} in the reconstruction")
 
 
 def declared_size(buf) -> tuple[int, int]:

@@ -56,6 +56,17 @@ GREY_8192 = Path(__file__).resolve().parent / "fixtures" / "jpegxl" / "grey-8192
 #: the markers (262,144,017 bytes declared) before it writes the file, ~258 MB whatever
 #: output size it is given.
 APP5_4000 = GREY_8192.with_name("app5-4000x64k.jxl")
+#: A real JPEG XL stream (18,406 bytes) of a grey 64x64 JPEG with 3,200 3-byte COM
+#: segments after its SOI, each followed by 65,535 zero bytes that are no marker
+#: (209,728,378 bytes), made the same way: libjxl allocates the inter-marker data
+#: (209,712,000 bytes declared in the jbrd box, after its Huffman codes and scans) before
+#: it writes the file, ~200 MB whatever output size it is given.
+INTER_3200 = GREY_8192.with_name("inter-3200x64k.jxl")
+#: The 64x64 grey JPEG's stream (1,904 bytes) with its frame header edited by hand: a
+#: custom frame size of 8192x8192 (``custom_size_or_origin``) and a TOC of 1,042 empty
+#: sections; the SizeHeader still says 64x64 and the jbrd box is intact. libjxl allocates
+#: for the frame (~131 MB) before it finds the sections empty: an open hole of the bound.
+FRAME_8192 = GREY_8192.with_name("frame-8192-in-64x64.jxl")
 
 
 def padded(stream: bytes, size: int) -> bytes:

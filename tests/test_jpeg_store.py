@@ -32,7 +32,14 @@ from helpers import (  # noqa: E402
     stored_extent,
     vm_rss_kb,
 )
-from jpeg_helpers import APP5_4000, GREY_8192, cmyk_jpeg, make_jpeg_tree, padded  # noqa: E402
+from jpeg_helpers import (  # noqa: E402
+    APP5_4000,
+    GREY_8192,
+    INTER_3200,
+    cmyk_jpeg,
+    make_jpeg_tree,
+    padded,
+)
 
 import fanstore  # noqa: E402
 from fanstore.format.load import read_index  # noqa: E402
@@ -130,16 +137,17 @@ def _read(path) -> bytes:
 
 def test_streams_declaring_a_huge_jpeg_are_eio_alone(jpeg_tree, jpeg_store, mounted,
                                                      tmp_path) -> None:
-    """Two files' stored streams replaced by real JPEG XL streams of JPEGs far larger than
+    """Three files' stored streams replaced by real JPEG XL streams of JPEGs far larger than
     the files the index records (padded to the chunks' lengths, so the index is untouched):
-    a grey 8192x8192 image, and 64x64 with 262 MB of APP5 markers. Reading them through a
-    mount is EIO, refused from their headers before libjxl allocates the ~154 MB and ~258 MB
-    they cost (the mount's processes do not grow), and every other file reads exactly."""
+    a grey 8192x8192 image, 64x64 with 262 MB of APP5 markers, 64x64 with 210 MB of bytes
+    between markers. Reading them through a mount is EIO, refused from their headers before
+    libjxl allocates the ~154 MB, ~258 MB and ~200 MB they cost (the mount's processes do
+    not grow), and every other file reads exactly."""
     _, files, _ = jpeg_tree
     store = copy_store(jpeg_store[0], tmp_path / "hostile.fs")
     codecs = _codec_of_files(store)
     victims = {}
-    for bomb in (GREY_8192.read_bytes(), APP5_4000.read_bytes()):
+    for bomb in (GREY_8192.read_bytes(), APP5_4000.read_bytes(), INTER_3200.read_bytes()):
         victims[next(rel for rel in sorted(files) if codecs[rel] == "jpegxl"
                      and rel not in victims
                      and stored_extent(store, rel)[2] >= len(bomb) + 8

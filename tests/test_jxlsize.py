@@ -13,8 +13,9 @@ from compressors.jxlsize import (
     JXL_CONTAINER,
     MAX_BOXES,
     declared,
+    JpegParts,
     declared_size,
-    marker_bytes,
+    jbrd_bytes,
     parse_size_header,
 )
 
@@ -172,67 +173,239 @@ def test_buffer_kinds() -> None:
         assert declared_size(buf) == (200, 300)
 
 
-# --------------------------------------------------------------------------- jbrd markers
+# --------------------------------------------------------------------------- jbrd bundles
+
+# The JPEGData bundle's U32 fields, written out here from the field list (libjxl's
+# lib/jxl/jpeg/jpeg_data.cc, ISO/IEC 18181-2): per selector a constant or (offset, bits).
+APP_TYPE = (0, 1, (2, 1), (4, 2))
+ONE_TO_FOUR = (1, 2, 3, 4)
+HUFFMAN_CODES = (4, (2, 3), (10, 4), (26, 6))
+SYMBOL_COUNT = (0, 1, (2, 3), (0, 8))
+SYMBOL = ((0, 2), (4, 2), (8, 4), (1, 8))
+LAST_PASS = (0, 1, 2, (3, 3))
+ENTRIES = (0, (1, 2), (4, 4), (20, 16))
+BLOCK_STEP = (0, (1, 3), (9, 5), (41, 28))
+ZERO_RUNS = (1, (2, 2), (5, 4), (20, 8))
+TAIL = (0, (1, 8), (257, 16), (65793, 22))
 
 
-def jbrd(markers: list[int], app_types: list[int], lengths: list[int], gray: bool = False,
-         tail: bytes = b"\xaa\x55") -> bytes:
-    """The start of a ``jbrd`` bundle: is_gray, the markers (6 bits: marker - 0xC0, up to
-    EOI), each APPn's type (U32 0, 1, 2 + u(1), 4 + u(2)) and 16-bit length - 1, each COM's
-    length - 1; then ``tail`` (the rest of the bundle, not read)."""
+def put_u32(w: BitWriter, dist, value: int) -> None:
+    """``value`` with the first selector of ``dist`` that holds it."""
+    for selector, form in enumerate(dist):
+        offset, bits = (form, 0) if isinstance(form, int) else form
+        if offset <= value < offset + (1 << bits) and (bits or value == offset):
+            w.put(selector, 2)
+            w.put(value - offset, bits)
+            return
+    raise AssertionError(f"{value} does not fit {dist}")
+
+
+#: A DC code: 12 values of every selector's range and libjxl's end symbol 256.
+DC_CODE = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 256]
+AC_CODE = list(range(1, 163)) + [256]
+
+
+def put_codes(w: BitWriter, codes: list[list[int]]) -> None:
+    """Huffman codes: U32 count; each 1 bit is_ac, 2 bits id, 1 bit is_last, 17 U32 counts
+    of codes by length (their total: the symbols), then the U32 symbols."""
+    put_u32(w, HUFFMAN_CODES, len(codes))
+    for i, values in enumerate(codes):
+        w.put(i % 2, 1), w.put(i // 2 % 4, 2), w.put(int(i == len(codes) - 1), 1)
+        counts = [0] * 17
+        for j in range(len(values)):
+            counts[1 + j % 16] += 1  # any split: only the total says how many symbols
+        for c in counts:
+            put_u32(w, SYMBOL_COUNT, c)
+        for v in values:
+            put_u32(w, SYMBOL, v)
+
+
+def bundle(markers: list[int], app_types=(), lengths=(), *, gray=False, tables=2,
+           kind: int | None = None, ids=(), quant=None, codes=None, scans=None,
+           restart=0, reset_points=None, zero_runs=None, inter=(), tail=0,
+           huge: str = "", rest=b"\xaa\x55") -> bytes:
+    """A ``jbrd`` JPEGData bundle: is_gray, the markers (6 bits: marker - 0xC0, up to EOI,
+    0xFF for data between markers), each APPn's type (U32) and 16-bit length - 1, each
+    COM's length - 1, the quantisation tables (U32 count, 1 bit precision, 2 bits index,
+    1 bit is_last), the component kind (2 bits; 3: U32 count and 8-bit ids), a 2-bit table
+    index per component, the Huffman codes (U32 count; 1 bit is_ac, 2 bits id, 1 bit
+    is_last, 17 U32 counts, the U32 symbols), per scan (U32 components, 6+6+4+4 bits, 2+2+2
+    per component, U32 last pass), the restart interval (16 bits, if a DRI marker), per
+    scan its reset points and extra zero runs, per inter-marker marker a 16-bit length, the
+    tail's length (U32), the padding flag (0); then ``rest`` (the brotli data, not read).
+    ``huge``: the bundle stops at its first scan's 65,555 "reset points" or "zero runs"."""
     w = BitWriter()
     w.put(int(gray), 1)
     for m in markers:
         w.put(m - 0xC0, 6)
     apps = [m for m in markers if m & 0xF0 == 0xE0]
-    coms = [m for m in markers if m == 0xFE]
-    assert len(app_types) == len(apps) and len(lengths) == len(apps) + len(coms)
-    for kind, length in zip(app_types, lengths):
-        selector = 0 if kind == 0 else 1 if kind == 1 else 2 if kind < 4 else 3
-        w.put(selector, 2)
-        if selector >= 2:
-            w.put(kind - (2 if selector == 2 else 4), selector - 1)
+    assert len(app_types) == len(apps) and len(lengths) == len(apps) + markers.count(0xFE)
+    for kind_, length in zip(app_types, lengths):
+        put_u32(w, APP_TYPE, kind_)
         w.put(length - 1, 16)
     for length in lengths[len(apps):]:
         w.put(length - 1, 16)
-    return w.bytes() + tail
+    put_u32(w, ONE_TO_FOUR, tables)
+    for i in range(tables):
+        w.put(0, 1), w.put(i, 2), w.put(int(i == tables - 1), 1)
+    kind = (0 if gray else 1) if kind is None else kind
+    count = len(ids) if kind == 3 else 1 if kind == 0 else 3
+    w.put(kind, 2)
+    if kind == 3:
+        put_u32(w, ONE_TO_FOUR, count)
+        for i in ids:
+            w.put(i, 8)
+    for q in quant if quant is not None else [0] + [min(1, tables - 1)] * (count - 1):
+        w.put(q, 2)
+    put_codes(w, [DC_CODE, AC_CODE] * 2 if codes is None else codes)
+    scans = [list(range(count))] * markers.count(0xDA) if scans is None else scans
+    for comps in scans:
+        put_u32(w, ONE_TO_FOUR, len(comps))
+        w.put(0, 6), w.put(63, 6), w.put(0, 4), w.put(0, 4)
+        for c in comps:
+            w.put(c, 2), w.put(c % 2, 2), w.put(c % 2, 2)
+        put_u32(w, LAST_PASS, 0)
+    if 0xDD in markers:
+        w.put(restart, 16)
+    for i in range(len(scans)):
+        if huge:
+            put_u32(w, ENTRIES, 65555 if huge == "reset points" else 0)
+            if huge == "zero runs":
+                put_u32(w, ENTRIES, 65555)
+            return w.bytes() + rest
+        points = (reset_points or {}).get(i, [])
+        put_u32(w, ENTRIES, len(points))
+        last = -1
+        for block in points:
+            put_u32(w, BLOCK_STEP, block - last - 1)
+            last = block
+        runs = (zero_runs or {}).get(i, [])
+        put_u32(w, ENTRIES, len(runs))
+        last = -1
+        for n, block in runs:
+            put_u32(w, ZERO_RUNS, n)
+            put_u32(w, BLOCK_STEP, block - last - 1)
+            last = block
+    assert len(inter) == markers.count(0xFF)
+    for length in inter:
+        w.put(length, 16)
+    put_u32(w, TAIL, tail)
+    w.put(0, 1)  # has_zero_padding_bit
+    return w.bytes() + rest
 
 
 JFIF = [0xE0, 0xDB, 0xC0, 0xC4, 0xDA, 0xD9]
 CS = header(480, 640)[0]
 
 
-def with_jbrd(bundle: bytes, *more: bytes) -> bytes:
-    return container(box(b"jxlp", b"\x00\x00\x00\x00" + CS), box(b"jbrd", bundle), *more,
+def with_jbrd(body: bytes, *more: bytes) -> bytes:
+    return container(box(b"jxlp", b"\x00\x00\x00\x00" + CS), box(b"jbrd", body), *more,
                      box(b"jxlp", b"\x80\x00\x00\x01" + b"frame"))
 
 
-def test_marker_bytes_of_crafted_bundles() -> None:
-    assert declared(CS) == (640, 480, 0)  # a bare codestream has no jbrd
-    assert declared(container(box(b"jxlc", CS))) == (640, 480, 0)
-    cases = [
-        (JFIF, [0], [17]),
-        ([0xE0, 0xE1, 0xE2, 0xEF, 0xFE, 0xFE, 0xDA, 0xD9], [0, 1, 2, 7], [17, 3, 65536, 9, 5,
-                                                                           65536]),
-        ([0xE1] * 5 + [0xD9], [1, 2, 3, 4, 6], [1, 2, 3, 4, 5]),
-        ([0xFE, 0xD9], [], [40000]),
-        ([0xDB, 0xD9], [], []),
-    ]
-    for markers, types, lengths in cases:
-        for gray in (False, True):
-            stream = with_jbrd(jbrd(markers, types, lengths, gray))
-            assert marker_bytes(jbrd(markers, types, lengths, gray)) == sum(lengths)
-            assert declared(stream) == (640, 480, sum(lengths)), (markers, lengths)
-    many = [0xE5] * 16383 + [0xD9]
-    assert marker_bytes(jbrd(many, [0] * 16383, [65536] * 16383)) == 16383 * 65536
+PROGRESSIVE = [0xE0, 0xE1, 0xFE, 0xDB, 0xDB, 0xC2, 0xC4, 0xDD] + [0xDA, 0xC4] * 9 + [0xDA,
+                                                                                  0xD9]
+CASES = {
+    "baseline": dict(markers=JFIF, app_types=[0], lengths=[17]),
+    "grey": dict(markers=JFIF, app_types=[0], lengths=[17], gray=True, tables=1),
+    "apps of every type, COMs": dict(
+        markers=[0xE0, 0xE1, 0xE2, 0xEF, 0xE1, 0xE5, 0xFE, 0xFE, 0xDB, 0xC0, 0xC4, 0xDA, 0xD9],
+        app_types=[0, 2, 1, 0, 3, 0], lengths=[17, 3, 65536, 9, 5, 3, 65536, 3]),
+    "custom components": dict(markers=JFIF, app_types=[0], lengths=[17], kind=3,
+                              ids=[82, 71, 66], tables=3, quant=[0, 1, 2]),
+    "one custom component": dict(markers=JFIF, app_types=[0], lengths=[17], kind=3, ids=[7],
+                                 tables=1),
+    "RGB": dict(markers=JFIF, app_types=[0], lengths=[17], kind=2),
+    "progressive, restarts, reset points, zero runs": dict(
+        markers=PROGRESSIVE, app_types=[0, 2], lengths=[17, 3000, 302], restart=64,
+        scans=[[0, 1, 2], [0], [1], [2]] + [[0]] * 6,
+        codes=[DC_CODE, AC_CODE, [3, 7, 8, 23, 24, 255, 256], [256], []] + [AC_CODE] * 6,
+        reset_points={1: [0, 1, 9, 10, 41, 42, 3 * 2 ** 26 - 1], 4: [5]},
+        zero_runs={1: [(1, 0), (4, 8), (2, 3 * 2 ** 26)], 9: [(3, 100)]}),
+    "inter-marker data and a tail": dict(
+        markers=[0xFF, 0xE0, 0xFF, 0xDB, 0xC0, 0xC4, 0xFF, 0xDA, 0xFF, 0xD9],
+        app_types=[0], lengths=[17], inter=[0, 1, 65535, 8], tail=4260096),
+    "the most Huffman codes and symbols": dict(
+        markers=JFIF, app_types=[0], lengths=[17], codes=[list(range(1, 257)) + [256]] * 89),
+}
+
+
+@pytest.mark.parametrize("what", sorted(CASES))
+def test_jpeg_parts_of_crafted_bundles(what) -> None:
+    case = CASES[what]
+    body = bundle(**case)
+    expected = JpegParts(sum(case["lengths"]), sum(case.get("inter", ())), case.get("tail", 0))
+    assert jbrd_bytes(body) == expected
+    assert declared(with_jbrd(body)) == (640, 480, sum(expected))
+    assert jbrd_bytes(memoryview(bytearray(body))) == expected
+
+
+@pytest.mark.parametrize("tail", [0, 1, 256, 257, 65792, 65793, 65794, 4260096])
+def test_every_tail_length_form(tail) -> None:
+    assert jbrd_bytes(bundle(JFIF, [0], [17], tail=tail)).tail == tail
+
+
+def test_the_most_markers() -> None:
+    apps = bundle([0xE5] * 16382 + [0xDA, 0xD9], [0] * 16382, [65536] * 16382)
+    assert jbrd_bytes(apps) == (16382 * 65536, 0, 0)
+    inter = bundle([0xDA] + [0xFF] * 16382 + [0xD9], inter=[65535] * 16382)
+    assert jbrd_bytes(inter) == (0, 16382 * 65535, 0)
+    with pytest.raises(CorruptDataError, match="more than 16384 JPEG markers"):
+        jbrd_bytes(bundle([0xDA] + [0xDB] * 16383 + [0xD9]))
+
+
+@pytest.mark.parametrize("what", sorted(set(CASES) - {"the most Huffman codes and symbols"}))
+def test_truncated_bundles_are_refused(what) -> None:
+    body = bundle(**dict(CASES[what], rest=b""))
+    for n in range(len(body)):
+        with pytest.raises(CorruptDataError, match="ends inside its JPEG reconstruction|"
+                                                   "more than the rest of the JPEG"):
+            jbrd_bytes(body[:n])
+            pytest.fail(f"{n} of {len(body)} bytes parsed")
 
 
 def test_bad_bundles_are_refused() -> None:
-    good = jbrd(JFIF, [0], [17], tail=b"")
-    for n in range(len(good)):
-        with pytest.raises(CorruptDataError, match="JPEG reconstruction header"):
-            marker_bytes(good[:n])
-    with pytest.raises(CorruptDataError, match="more than 16384 JPEG markers"):
-        marker_bytes(jbrd([0xDB] * 16384 + [0xD9], [], []))
+    base = dict(markers=JFIF, app_types=[0], lengths=[17])
+    bad = {
+        "no scan": (dict(markers=[0xE0, 0xDB, 0xC4, 0xD9], app_types=[0], lengths=[17]),
+                    "without a scan"),
+        "APPn type 4": (dict(base, app_types=[4]), "unknown APPn type"),
+        "APPn type 7": (dict(base, app_types=[7]), "unknown APPn type"),
+        "a 2-byte APPn": (dict(base, lengths=[2]), "segment of 2 bytes"),
+        "a 1-byte COM": (dict(markers=[0xFE] + JFIF[1:], lengths=[1]), "segment of 1 bytes"),
+        "4 quantisation tables": (dict(base, tables=4), "4 quantisation tables"),
+        "2 custom components": (dict(base, kind=3, ids=[1, 2], quant=[0, 0]),
+                                "JPEG of 2 components"),
+        "a missing table": (dict(base, tables=2, quant=[0, 2, 0]), "missing quantisation"),
+        "258 symbols": (dict(base, codes=[DC_CODE, list(range(257)) + [256]]),
+                        "258 symbols"),
+        "a scan of 4": (dict(base, scans=[[0, 1, 2, 0]]), "scan of 4 components"),
+        "a grey scan of component 1": (dict(base, gray=True, tables=1, scans=[[1]]),
+                                       "scan of a missing component"),
+        "block 3 * 2**26": (dict(base, reset_points={0: [3 * 2 ** 26]}), "JPEG block"),
+        "zero run block 3 * 2**26 + 1": (dict(base, zero_runs={0: [(1, 3 * 2 ** 26 + 1)]}),
+                                         "JPEG block"),
+        "5 zero runs": (dict(base, zero_runs={0: [(5, 3)]}), "more than 4 extra zero runs"),
+    }
+    for what, (case, message) in bad.items():
+        with pytest.raises(CorruptDataError, match=message):
+            jbrd_bytes(bundle(**case))
+            pytest.fail(f"{what}: parsed")
+
+
+def test_counts_the_box_cannot_hold_are_refused_unread() -> None:
+    """65,555 reset points or extra zero runs declared, 2,000 bytes left (each takes at
+    least 2 or 4 bits): refused before the loop over them."""
+    for huge, what in (("reset points", "reset points"), ("zero runs", "extra zero runs")):
+        body = bundle(JFIF, [0], [17], huge=huge, rest=bytes(2000))
+        with pytest.raises(CorruptDataError, match=f"65555 JPEG {what} declared, more than"):
+            jbrd_bytes(body)
+    # enough bytes for them: read (all block steps 0), then no zero runs, no tail
+    assert jbrd_bytes(bundle(JFIF, [0], [17], huge="reset points", rest=bytes(16400))) \
+        == (17, 0, 0)
+
+
+def test_more_than_one_jbrd_is_refused() -> None:
+    good = bundle(JFIF, [0], [17])
     with pytest.raises(CorruptDataError, match="more than one jbrd box"):
         declared(with_jbrd(good, box(b"jbrd", good)))
