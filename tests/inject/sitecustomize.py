@@ -109,29 +109,22 @@ def _hold_start(module):
 
         module._init_mpi = init_mpi
     elif module.__name__ == "fanstore.fuse.kernelfs.process":
-        real_serve = module.serve_worker
-
-        def serve_worker(*args, **kw):
-            _held("join")
-            return real_serve(*args, **kw)
-
-        module.serve_worker = serve_worker
+        _hold_before(module, "serve_worker", "join")
     elif module.__name__ == "fanstore.daemon.staging":
-        real_stage = module.stage_partitions
-
-        def stage_partitions(*args, **kw):
-            _held("stage")
-            return real_stage(*args, **kw)
-
-        module.stage_partitions = stage_partitions
+        _hold_before(module, "stage_partitions", "stage")
     else:
-        real_hello = module.WorkerSide.hello
+        _hold_before(module.WorkerSide, "hello", "hello")
 
-        def hello(self, *args, **kw):
-            _held("hello")
-            return real_hello(self, *args, **kw)
 
-        module.WorkerSide.hello = hello
+def _hold_before(owner, attr, where):
+    """``owner.attr`` holds the process at ``where`` before it runs."""
+    real = getattr(owner, attr)
+
+    def held(*args, **kw):
+        _held(where)
+        return real(*args, **kw)
+
+    setattr(owner, attr, held)
 
 
 class _HoldHook(importlib.abc.MetaPathFinder):

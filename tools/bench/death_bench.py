@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -53,18 +52,7 @@ class DeathBench(h.Bench):
                     self.one(nodes, fault, rep)
 
     def make_store(self) -> None:
-        src = os.path.join(self.work, "src")
-        if not os.path.isdir(self.store):
-            rng = random.Random(44)
-            for i in range(256):
-                d = os.path.join(src, f"d{i % 8}")
-                os.makedirs(d, exist_ok=True)
-                with open(os.path.join(d, f"f{i:03d}"), "wb") as f:
-                    f.write(rng.randbytes(rng.randint(1, 64_000)))
-            argv = [self.fanstore, "pack", src, self.store, "--partitions", "32",
-                    "--codec", "zstd:1", "--no-progress"]
-            self.cmd(argv)
-            subprocess.run(argv, check=True, capture_output=True)
+        self.small_store(files=256, seed=44)
 
     def one(self, nodes: int, fault: str, rep: int) -> None:
         what, sigterm, per_node = FAULTS[fault]

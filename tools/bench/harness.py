@@ -708,6 +708,26 @@ class Bench:
         self.jsonl_tmp = os.path.join(self.work, f"{self.name}-{self.run_id}.jsonl")
         self.machine = ""
 
+    def small_store(self, files: int, seed: int, partitions: int = 32) -> None:
+        """``files`` random files of up to 64 KB in 8 directories, packed (zstd:1) into
+        ``partitions`` at ``self.store`` unless it is there: the store of the fault
+        benches, whose point is the processes, not the data."""
+        import random
+
+        if os.path.isdir(self.store):
+            return
+        src = os.path.join(self.work, "src")
+        rng = random.Random(seed)
+        for i in range(files):
+            d = os.path.join(src, f"d{i % 8}")
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, f"f{i:03d}"), "wb") as f:
+                f.write(rng.randbytes(rng.randint(1, 64_000)))
+        argv = [self.fanstore, "pack", src, self.store, "--partitions", str(partitions),
+                "--codec", "zstd:1", "--no-progress"]
+        self.cmd(argv)
+        subprocess.run(argv, check=True, capture_output=True)
+
     @property
     def total_seconds(self) -> float:
         return (self.t_end or time.time()) - self.t_start

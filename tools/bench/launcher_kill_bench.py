@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -65,18 +64,7 @@ class LauncherKillBench(h.Bench):
             return super().emit(row)
 
     def make_store(self) -> None:
-        src = os.path.join(self.work, "src")
-        if not os.path.isdir(self.store):
-            rng = random.Random(42)
-            for i in range(512):
-                d = os.path.join(src, f"d{i % 8}")
-                os.makedirs(d, exist_ok=True)
-                with open(os.path.join(d, f"f{i:03d}"), "wb") as f:
-                    f.write(rng.randbytes(rng.randint(1, 64_000)))
-            argv = [self.fanstore, "pack", src, self.store, "--partitions", "32",
-                    "--codec", "zstd:1", "--no-progress"]
-            self.cmd(argv)
-            subprocess.run(argv, check=True, capture_output=True)
+        self.small_store(files=512, seed=42)
 
     def one(self, n: float, rep: int) -> None:
         a = self.a
