@@ -225,20 +225,8 @@ def test_a_lost_mpi_rank_ends_the_pack_on_every_rank(tmp_path):
     """``mpiexec -n 2 fanstore pack``: SIGKILL of a rank while its worker holds a
     partition ends the whole job within seconds (hydra ends the other rank and says so); no worker of any rank is left (they die with their rank), DEST
     is not a store, and the next pack removes what rank 0 left and succeeds."""
-    from mpi_helpers import MPIEXEC, mpi_available
-
-    ok, why = mpi_available()
-    if not ok:
-        pytest.skip(why)
-    src = _tree(tmp_path / "src")
-    dest = tmp_path / "store"
-    mark = tmp_path / "stalled"
-    proc = _start([MPIEXEC, "-n", "2", FANSTORE, "pack", str(src), str(dest), "--jobs", "1",
-                   "--partitions", "4", "--codec", "zstd:3", "--no-progress"], "stall", mark)
+    src, dest, mark, proc = _stalled_mpi_pack(tmp_path)
     try:
-        assert wait_until(lambda: glob.glob(f"{mark}.*") or proc.poll() is not None, 120), \
-            "no worker took a task"
-        assert proc.poll() is None, _end(proc)
         worker = int(glob.glob(f"{mark}.*")[0].rpartition(".")[2])
         with open(f"/proc/{worker}/stat", "rb") as f:
             rank = int(f.read().rpartition(b")")[2].split()[1])
@@ -259,6 +247,30 @@ def test_a_lost_mpi_rank_ends_the_pack_on_every_rank(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert not glob.glob(f"{dest}{TMP_MARK}*")
     assert run_cli("verify", dest, "--no-progress").returncode == 0
+
+
+def _stalled_mpi_pack(tmp_path):
+    """``mpiexec -n 2 fanstore pack`` whose workers stall in their task (skipped without
+    MPI); returns (src, dest, mark, the mpiexec process) once a worker holds a task."""
+    from mpi_helpers import MPIEXEC, mpi_available
+
+    ok, why = mpi_available()
+    if not ok:
+        pytest.skip(why)
+    src = _tree(tmp_path / "src")
+    dest = tmp_path / "store"
+    mark = tmp_path / "stalled"
+    proc = _start([MPIEXEC, "-n", "2", FANSTORE, "pack", str(src), str(dest), "--jobs", "1",
+                   "--partitions", "4", "--codec", "zstd:3", "--no-progress"], "stall", mark)
+    try:
+        assert wait_until(lambda: glob.glob(f"{mark}.*") or proc.poll() is not None, 120), \
+            "no worker took a task"
+        assert proc.poll() is None, _end(proc)
+    except BaseException:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return src, dest, mark, proc
 
 
 def _pack_ranks(launcher: int) -> list[int]:
@@ -347,21 +359,9 @@ def test_a_killed_launcher_ends_every_pack_rank_and_worker(tmp_path):
     """``mpiexec -n 2 fanstore pack`` SIGKILLed while a worker holds a partition: every
     rank and every worker ends within seconds (a rank dies with hydra's proxy, its workers
     with their rank), DEST is not a store, and the next pack succeeds."""
-    from mpi_helpers import MPIEXEC, mpi_available
-
-    ok, why = mpi_available()
-    if not ok:
-        pytest.skip(why)
-    src = _tree(tmp_path / "src")
-    dest = tmp_path / "store"
-    mark = tmp_path / "stalled"
-    proc = _start([MPIEXEC, "-n", "2", FANSTORE, "pack", str(src), str(dest), "--jobs", "1",
-                   "--partitions", "4", "--codec", "zstd:3", "--no-progress"], "stall", mark)
+    src, dest, mark, proc = _stalled_mpi_pack(tmp_path)
     ranks, workers = [], []
     try:
-        assert wait_until(lambda: glob.glob(f"{mark}.*") or proc.poll() is not None, 120), \
-            "no worker took a task"
-        assert proc.poll() is None, _end(proc)
         ranks = [p for p in _pack_ranks(proc.pid) if p != proc.pid]
         assert len(ranks) == 2, ranks
         workers = [w for r in ranks for w in _workers_of(r)]
