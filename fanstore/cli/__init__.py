@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from fanstore import settings
@@ -38,6 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_parsers(sub, common)
     select.add_parsers(sub, common)
     return p
+
+
+def run() -> int:
+    """The ``fanstore`` command's entry point: :func:`main` in FanStore's process
+    environment (``process.PROCESS_ENV``, set before anything imports numpy), which the
+    command's daemons, ranks and workers inherit."""
+    from fanstore.process import PROCESS_ENV
+
+    os.environ.update(PROCESS_ENV)
+    return main()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 
 import sys
 
-from fanstore.cli import main
+from fanstore.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

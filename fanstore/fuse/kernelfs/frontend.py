@@ -32,7 +32,7 @@ from fanstore.fuse.engine import RequestCounters
 from fanstore.fuse.kernelfs.start import FrontendStart
 from fanstore.fuse.kernelfs.stats import summed_stats
 from fanstore.fuse.kernelfs.orders import DROP, ORDER, PUSH_PIECE, encode
-from fanstore.process import ReadyTimeout, read_ready
+from fanstore.process import ReadyTimeout, own_environment, read_ready
 from fanstore.read.window import CLIENTS, SharedWindow, write_order
 
 log = logging.getLogger(__name__)
@@ -88,8 +88,9 @@ class KernelFrontend:
             raise
         if ctx.runtime is not None:
             ctx.runtime.new_counters_file()  # the frontend creates it anew, exclusively
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPIR_", "OMPI_"))}
+        env = own_environment({
+            k: v for k, v in os.environ.items()
+            if not k.startswith(("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPIR_", "OMPI_"))})
         fds = (w, spec_r) if theirs is None else (w, spec_r, theirs.fileno(),
                                                   self.window.state_fd, self.window.arena_fd)
         try:
