@@ -273,7 +273,7 @@ def test_the_selector_offers_jpegxl_for_jpegs_only(jpeg_tree, tmp_path) -> None:
 def test_a_measured_jpegxl_finalist(jpeg_tree, mode) -> None:
     """Under a budget it meets, jpegxl (the best ratio) is measured through a real mount in
     the job's mode and chosen, and the pack command names it."""
-    report = _select(jpeg_tree[0] / "train", "--trials", "2", "--mode", mode,
+    report = _select(jpeg_tree[0] / "train", "--trials", "2", "--rounds", "1", "--mode", mode,
                      "--files-per-sec", "20", "--reader", "mount")
     cand = {c["codec"]: c for c in report["candidates"]}["jpegxl"]
     assert cand["measured"] is not None and cand["rate_from"] == "measured", cand

@@ -641,6 +641,9 @@ def test_cli_usage_errors(tmp_path):
     proc = run_cli("select", str(tmp_path), "--storage-latency-us", "-5")
     assert proc.returncode == 2 and "--storage-latency-us must be a number >= 0" in proc.stderr
     assert "Traceback" not in proc.stderr
+    proc = run_cli("select", str(tmp_path), "--rounds", "0")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "--rounds" in proc.stderr and "Traceback" not in proc.stderr
 
 @pytest.mark.long  # a real selection or pack --codec auto: over 5 s of CPU
 

@@ -244,7 +244,7 @@ def _npy_tree(root, n=12):
 def test_a_budget_no_codec_meets_ends_with_the_fastest_and_its_pack_command(tmp_path):
     src = _npy_tree(tmp_path / "d")
     proc = run_cli("select", src, "--mode", "sync", "--mb-per-sec", "1000000000", "--cores",
-                   "1", "--sample-mb", "1", "--trials", "2", timeout=300)
+                   "1", "--sample-mb", "1", "--trials", "2", "--rounds", "1", timeout=300)
     assert proc.returncode == 3, proc.stderr
     assert_no_traceback(proc)
     last = proc.stdout.rstrip("\n").splitlines()[-2:]
@@ -255,7 +255,8 @@ def test_a_budget_no_codec_meets_ends_with_the_fastest_and_its_pack_command(tmp_
     assert err[-1].startswith("fanstore: budget not met: no codec meets the budget")
     assert not any(line.startswith("fanstore: error") for line in err)
     doc = json.loads(run_cli("select", src, "--mode", "sync", "--mb-per-sec", "1000000000",
-                             "--cores", "1", "--sample-mb", "1", "--trials", "2", "--json",
+                             "--cores", "1", "--sample-mb", "1", "--trials", "2",
+                                 "--rounds", "1", "--json",
                              timeout=300).stdout)
     assert doc["met"] is False and doc["not_met"]["fastest"] == doc["chosen"]
     assert doc["candidates"][0]["rate_from"] in ("measured", "model")
@@ -266,7 +267,7 @@ def test_a_budget_no_codec_meets_ends_with_the_fastest_and_its_pack_command(tmp_
 def test_check_reads_a_store_as_its_report_predicted(tmp_path):
     src = _npy_tree(tmp_path / "d", n=40)
     sel = run_cli("select", src, "--json", "--mb-per-sec", "1", "--cores", "2",
-                  "--sample-mb", "2", "--trials", "2", timeout=300)
+                  "--sample-mb", "2", "--trials", "2", "--rounds", "1", timeout=300)
     assert sel.returncode == 0, sel.stderr
     report = tmp_path / "sel.json"
     report.write_text(sel.stdout)
@@ -301,7 +302,8 @@ def test_check_reads_a_live_mount_and_a_store_packed_with_auto(tmp_path):
     src = _npy_tree(tmp_path / "d", n=20)
     store = tmp_path / "s"
     proc = run_cli("pack", src, store, "--codec", "auto", "--mb-per-sec", "1", "--cores", "2",
-                   "--sample-mb", "2", "--trials", "2", "--no-progress", timeout=300)
+                   "--sample-mb", "2", "--trials", "2",
+                       "--rounds", "1", "--no-progress", timeout=300)
     assert proc.returncode == 0, proc.stderr
     mnt = tmp_path / "mnt"
     pid = mount_store(store, mnt)
@@ -368,13 +370,15 @@ def test_more_cores_than_here_are_scaled_by_the_cpu_per_file_and_said(tmp_path):
     src = _npy_tree(tmp_path / "d", n=30)
     here = len(os.sched_getaffinity(0))
     args = [src, "--reader", "api", "--mode", "sync", "--mb-per-sec", "1", "--cores", "16",
-            "--sample-mb", "2", "--trials", "2", "--storage-mb-per-sec", "1000"]
+            "--sample-mb", "2", "--trials", "2", "--rounds", "1", "--storage-mb-per-sec", "1000"]
     doc = json.loads(run_cli("select", *args, "--json", timeout=300).stdout)
     assert doc["measurement"]["readers"] == min(16, here) and doc["budget"]["cores"] == 16
+    assert doc["measurement"]["rounds"] == 1  # --rounds 1: each finalist read once
     for c in doc["candidates"]:
         m = c["measured"]
         if m is None:
             continue
+        assert len(m["rounds_files_per_s"]) == 1
         assert m["readers"] == min(16, here) and m["scaled_to_cores"] == 16
         linear = m["files_per_s_as_measured"] * 16 / m["readers"]
         cpu_bound = 16 / (m["cpu_us_per_file"] * 1e-6)
@@ -383,6 +387,7 @@ def test_more_cores_than_here_are_scaled_by_the_cpu_per_file_and_said(tmp_path):
     text = run_cli("select", *args, timeout=300).stdout
     line = next(x for x in text.splitlines() if x.startswith("measured  "))
     assert f"rates scaled from {min(16, here)} to 16 cores by the CPU each file" in line
+    assert "the median of one round scaled to the whole source" in line
 
 
 @pytest.mark.long  # measured finalists: over 5 s of CPU
@@ -406,7 +411,7 @@ def test_a_finalist_whose_trial_fails_is_left_out_and_said(tmp_path, monkeypatch
 
     monkeypatch.setattr(Measuring, "measure", measure)
     res = run_selection(src, SelectionOptions(
-        mode="sync", mb_per_sec=1.0, cores=2, sample_mb=2.0, reader="api", trials=4,
+        mode="sync", mb_per_sec=1.0, cores=2, sample_mb=2.0, reader="api", trials=4, rounds=1,
         storage_mb_per_sec=1000.0, progress=False, storage_dir=str(tmp_path)))
     bad = res.candidate(failed[0])
     assert bad.measured is None and "test" in bad.measure_error and not bad.chosen
@@ -459,7 +464,7 @@ def test_a_finalist_whose_reader_dies_or_hangs_is_not_measured_and_said(tmp_path
     _readers_fail_in(monkeypatch, r"/trial-2/", how)
     src = _npy_tree(tmp_path / "d", n=20)
     res = run_selection(src, SelectionOptions(  # none, the failing finalist, one more
-        mode="sync", mb_per_sec=1.0, cores=2, sample_mb=2.0, reader="api", trials=3,
+        mode="sync", mb_per_sec=1.0, cores=2, sample_mb=2.0, reader="api", trials=3, rounds=1,
         storage_mb_per_sec=1000.0, progress=False, storage_dir=str(tmp_path)))
     bad = [c for c in res.candidates if c.measure_error]
     assert len(bad) == 1 and bad[0].measured is None and not bad[0].chosen
@@ -489,7 +494,7 @@ def test_a_per_kind_mix_whose_reader_dies_is_not_chosen_and_said(tmp_path, monke
     for i in range(10):  # random bytes: kept raw, where the arrays want a shuffle filter
         (tmp_path / "d" / f"{i}.bin").write_bytes(rng.bytes(100_000))
     res = run_selection(src, SelectionOptions(
-        mode="sync", mb_per_sec=1.0, cores=2, sample_mb=4.0, reader="api", trials=trials,
+        mode="sync", mb_per_sec=1.0, cores=2, sample_mb=4.0, reader="api", trials=trials, rounds=1,
         per_kind=True, storage_mb_per_sec=1000.0, progress=False, storage_dir=str(tmp_path)))
     assert res.per_kind is not None and len(set(res.per_kind.values())) > 1
     why = "reading the trial store failed: a reader died (exit status 9)"
@@ -515,7 +520,8 @@ def test_no_finalist_measured_is_one_error_and_a_nonzero_exit(tmp_path, monkeypa
     src = _npy_tree(tmp_path / "d", n=20)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the trials go ($TMPDIR)
     code = main(["select", src, "--reader", "api", "--mode", "sync", "--mb-per-sec", "1",
-                 "--cores", "2", "--sample-mb", "2", "--trials", "3", "--storage-mb-per-sec",
+                 "--cores", "2", "--sample-mb", "2", "--trials", "3",
+                     "--rounds", "1", "--storage-mb-per-sec",
                  "1000"])
     out, err = capsys.readouterr()
     assert code == 1 and out == ""
@@ -531,15 +537,19 @@ def test_no_finalist_measured_is_one_error_and_a_nonzero_exit(tmp_path, monkeypa
 def _json_tree(root, n: int, seed: int = 12) -> str:
     """``n`` small JSON files of one kind (json/tiny, about 2.6 kB each)."""
     rng = np.random.default_rng(seed)
-    words = [f"w{i}" for i in range(300)]
+    words = np.array([f"w{i}" for i in range(300)])
+    rows = 22  # per file; drawn for every file at once (a loop of draws took 6 s)
+    ids = rng.integers(1 << 30, size=(n, rows)).tolist()
+    labels = rng.choice(words, (n, rows)).tolist()
+    boxes = np.round(rng.random((n, rows, 4)) * 640, 2).tolist()
+    captions = rng.choice(words, (n, rows, 6)).tolist()
+    for d in range(min(n, 20)):
+        os.makedirs(os.path.join(root, f"c{d:02d}"), exist_ok=True)
     for i in range(n):
-        rows = [{"id": int(rng.integers(1 << 30)), "label": str(rng.choice(words)),
-                 "box": [round(float(x), 2) for x in rng.random(4) * 640],
-                 "caption": " ".join(rng.choice(words, 6))} for _ in range(22)]
-        p = os.path.join(root, f"c{i % 20:02d}", f"{i:05d}.json")
-        os.makedirs(os.path.dirname(p), exist_ok=True)
-        with open(p, "w") as f:
-            json.dump(rows, f)
+        doc = [{"id": ids[i][r], "label": labels[i][r], "box": boxes[i][r],
+                "caption": " ".join(captions[i][r])} for r in range(rows)]
+        with open(os.path.join(root, f"c{i % 20:02d}", f"{i:05d}.json"), "w") as f:
+            json.dump(doc, f)
     return str(root)
 
 
@@ -562,6 +572,7 @@ def test_the_report_pack_command_packs_the_store_it_measured(tmp_path):
     assert raw > DICT_TRAIN_BYTES * 1.05
     res = run_selection(src, SelectionOptions(
         mode="sync", mb_per_sec=1.0, cores=2, sample_mb=1.0, seed=7, reader="api", trials=3,
+        rounds=1,
         storage_mb_per_sec=1000.0, progress=False, storage_dir=str(tmp_path)))
     chosen = res.candidate(res.chosen)
     assert "+dict" in res.chosen and chosen.measured is not None, res.chosen
@@ -613,6 +624,7 @@ def test_trials_on_a_tmpfs_are_reported_not_cold(tmp_path):
     src = _json_tree(tmp_path / "src", 600)
     shm = tempfile.mkdtemp(prefix="fanstore-test-", dir="/dev/shm")
     args = [src, "--mb-per-sec", "0.1", "--cores", "1", "--sample-mb", "1", "--trials", "1",
+        "--rounds", "1",
             "--storage-mb-per-sec", "1000"]
     try:
         env = {"TMPDIR": shm}
@@ -673,7 +685,8 @@ def test_the_trial_mount_has_at_most_cores_workers_and_reads_cold(tmp_path):
                 seen[key] = count
 
     with started([FANSTORE, "select", src, "--mb-per-sec", "0.1", "--cores", "1",
-                  "--sample-mb", "1", "--trials", "1", "--storage-mb-per-sec", "1000",
+                  "--sample-mb", "1", "--trials", "1",
+                      "--rounds", "1", "--storage-mb-per-sec", "1000",
                   "--json"],
                  env=dict(os.environ, TMPDIR=str(work), FANSTORE_FRONTEND="kernel")) as proc:
         out, err = poll_while_running(proc, count_workers)
@@ -718,7 +731,7 @@ def test_a_fuse_device_that_cannot_mount_falls_back_to_the_api(other_user):
         def select(*args):
             return other_user.run(
                 [sys.executable, "-m", "fanstore.cli", "select", src, "--mb-per-sec", "1",
-                 "--cores", "2", "--sample-mb", "2", "--trials", "2",
+                 "--cores", "2", "--sample-mb", "2", "--trials", "2", "--rounds", "1",
                  "--storage-mb-per-sec", "1000", *args], env=env, timeout=300)
 
         sync, table, prefetch, insist = (select("--json"), select(),

@@ -154,4 +154,8 @@ def add_select_budget_args(s, for_pack: bool) -> None:
                    help="finalists measured at most: each packed from a miniature of the "
                         "source and read cold the way the budget is defined (default 6; 0: "
                         "the model alone, in seconds)")
+    g.add_argument("--rounds", type=positive_int, default=None, metavar="N",
+                   help="cold passes over each finalist's trial, the median counts (default "
+                        "3, and up to 2 more while they disagree by over 15%%; 1 is the "
+                        "quickest and the noisiest)")
 

@@ -108,7 +108,7 @@ def _check(args) -> int:
 def selection_options(args):
     """The :class:`~fanstore.select.options.SelectionOptions` of ``fanstore select`` /
     ``fanstore pack --codec auto`` arguments."""
-    from fanstore.select.options import TRIALS, SelectionOptions
+    from fanstore.select.options import ROUNDS, TRIALS, SelectionOptions
 
     return SelectionOptions(
         mode=getattr(args, "mode", "sync") or "sync",
@@ -125,6 +125,7 @@ def selection_options(args):
         chunk_size=(getattr(args, "chunk_kb", None) or 1024) * 1024,
         progress=False if getattr(args, "no_progress", False) else None,
         trials=TRIALS if getattr(args, "trials", None) is None else args.trials,
+        rounds=getattr(args, "rounds", None) or ROUNDS,
     )
 
 

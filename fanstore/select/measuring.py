@@ -119,7 +119,7 @@ class Measuring:
             # trial under pack.worker.INLINE_BYTES is compressed here, with no worker
             m = trial.measure(self.trial, policy, self.how,
                               os.path.join(self.tmp, f"trial-{self.count}"), n_whole,
-                              n_pieces, self.options.seed)
+                              n_pieces, self.options.seed, rounds=self.options.rounds)
         except PassError as exc:  # a reader died or timed out: this finalist, not the rest
             raise TrialError(f"reading the trial store failed: {exc}") from None
         finally:

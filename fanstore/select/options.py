@@ -19,6 +19,10 @@ from fanstore.select.calibrate import check_reader
 ENCODE_SECONDS = 4.0
 #: Finalists measured at most (``--trials``; see finalists.py).
 TRIALS = 6
+#: Cold passes per finalist (``--rounds``), and up to EXTRA_ROUNDS more while the slowest
+#: and the fastest disagree (see trial.py).
+ROUNDS = 3
+EXTRA_ROUNDS = 2
 
 
 @dataclass
@@ -43,6 +47,7 @@ class SelectionOptions:
     encode_seconds: float = ENCODE_SECONDS
     progress: bool | None = None  # None: on a terminal only
     trials: int = TRIALS  # finalists measured at most (0: the model alone); needs a reader
+    rounds: int = ROUNDS  # cold passes per finalist (the median counts)
 
     def __post_init__(self) -> None:
         if self.mode not in policy.MODES:
@@ -57,6 +62,8 @@ class SelectionOptions:
             raise UsageError("--cores must be at least 1")
         if self.trials < 0:
             raise UsageError("--trials must be 0 or more")
+        if self.rounds < 1:
+            raise UsageError("--rounds must be at least 1")
         if self.storage_latency_us is not None and not (
                 self.storage_latency_us >= 0 and math.isfinite(self.storage_latency_us)):
             raise UsageError("--storage-latency-us must be a number >= 0")

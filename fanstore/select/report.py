@@ -86,7 +86,8 @@ def _measurement_json(res: SelectionResult) -> dict[str, Any] | None:
     if info is None:
         return None
     return {"measured": info.measured, "how": info.how or None, "readers": info.readers,
-            "cores": info.cores, "trials": info.trials, "seconds": _num(info.seconds, 2),
+            "cores": info.cores, "trials": info.trials, "rounds": info.rounds,
+            "seconds": _num(info.seconds, 2),
             "model_correction": _num(info.correction, 3), "model_chosen": info.model_chosen,
             "note": info.note, "reader_fallback": info.fallback, "cold": info.cold,
             "resident_after_drop": _num(info.resident, 4) if info.measured else None}
@@ -437,9 +438,17 @@ def measure_line(res: SelectionResult) -> str:
               "cost (the lower of that bound and linear scaling)"
               if info.cores > info.readers else "")
     return (f"measured  {info.trials} finalists, each a miniature of the source (trial.py) "
-            f"packed with it and read by {info.how}, the median of 3-5 rounds scaled to the "
+            f"packed with it and read by {info.how}, the median of {_rounds(info.rounds)} "
+            "scaled to the "
             f"whole source ({info.seconds:.0f} s; the model was off by "
             f"{info.correction:.2f}x){scaled}")
+
+
+def _rounds(n: int) -> str:
+    """How many rounds a finalist is read: ``n``, or up to 2 more while they disagree."""
+    from fanstore.select.options import EXTRA_ROUNDS
+
+    return f"{n}-{n + EXTRA_ROUNDS} rounds" if n > 1 else "one round"
 
 
 def capacity_json(res: SelectionResult, capacity: int) -> dict[str, Any]:

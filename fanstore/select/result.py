@@ -86,6 +86,7 @@ class MeasurementInfo:
     readers: int
     cores: int
     trials: int = 0
+    rounds: int = 3  # cold passes per finalist asked for (up to 2 more while they disagree)
     seconds: float = 0.0
     correction: float = 1.0
     model_chosen: str | None = None

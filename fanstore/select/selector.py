@@ -86,7 +86,7 @@ def run_selection(src: str, options: SelectionOptions | None = None) -> Selectio
                         reader)
         result.measurement = MeasurementInfo(
             measuring.how.describe() if measuring else "", measuring.readers if measuring
-            else 0, options.n_cores, note=note,
+            else 0, options.n_cores, rounds=options.rounds, note=note,
             fallback=measuring.fallback if measuring else None)
         if measuring is not None and none_trial is not None:
             _decide(result, measuring, none_trial, options)

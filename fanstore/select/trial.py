@@ -17,8 +17,9 @@ The trial set (:func:`make_trial_set`, once per selection, shared by every final
 
 A finalist (:func:`measure`) packs a prefix of that set (its own encode speed decides how
 much: :data:`PACK_SECONDS` of encoding on this node's cores, never fewer than
-:data:`MIN_FILES` whole files), and reads it :data:`ROUNDS` times (up to :data:`MAX_ROUNDS`
-while the rounds disagree by more than :data:`SPREAD`): each round drops the
+:data:`MIN_FILES` whole files), and reads it ``--rounds`` times (3 by default; up to
+``EXTRA_ROUNDS`` (2) more while the rounds disagree by more than :data:`SPREAD`): each round
+drops the
 store from the page cache (and checks with ``mincore`` that it is gone: a round whose
 store stayed resident, on a tmpfs say, is said not to be cold), mounts it afresh
 (``fanstore mount`` with the user's mode, ``--workers`` at most the selection's
@@ -52,6 +53,7 @@ from fanstore.errors import FanStoreError
 from fanstore.mountspec import DEFAULT_MAX_WORKERS
 from fanstore.kinds import file_kind
 from fanstore.select.epoch import COLD_RESIDENT, PassResult, Target, drop_page_cache, run_pass
+from fanstore.select.options import EXTRA_ROUNDS, ROUNDS
 from fanstore.select.tempmount import TrialError, mount, remove, unmount
 
 log = logging.getLogger(__name__)
@@ -77,12 +79,11 @@ PACK_SECONDS = 4.0
 #: 120 kB read 12% faster cold from 4 partitions than from 8), so the trial is packed as
 #: the user's store will be by default.
 PARTITIONS = 8
-#: Cold passes per finalist, and up to MAX_ROUNDS while the slowest and the fastest are more
-#: than SPREAD apart; the median counts. On this shared 2-core VM one pass in four or five
-#: runs 20-35% slower than the rest (12 passes of one trial: 14,757 and 16,695 files/s, the
-#: others 17,484-18,810), and a median of three unlucky ones was 0.74x the whole set's pace.
-ROUNDS = 3
-MAX_ROUNDS = 5
+#: Cold passes per finalist: ``--rounds`` (options.ROUNDS, 3), and up to EXTRA_ROUNDS more
+#: while the slowest and the fastest are more than SPREAD apart; the median counts. On this
+#: shared 2-core VM one pass in four or five runs 20-35% slower than the rest (12 passes of
+#: one trial: 14,757 and 16,695 files/s, the others 17,484-18,810), and a median of three
+#: unlucky ones was 0.74x the whole set's pace.
 SPREAD = 1.15
 #: The mount's decoded-chunk cache (``fanstore mount --cache-mb``'s default), scaled to
 #: the trial's share of the source.
@@ -317,12 +318,13 @@ def prefix_sizes(trial: TrialSet, encode_bytes_per_s: float, jobs: int, readers:
 
 
 def measure(trial: TrialSet, policy, how: HowToRead, workdir: str, n_whole: int,
-            n_pieces: int, seed: int = 0, jobs: int = 0) -> Measured:
+            n_pieces: int, seed: int = 0, jobs: int = 0, rounds: int = ROUNDS) -> Measured:
     """Pack the first ``n_whole`` whole files and ``n_pieces`` pieces of ``trial`` with
-    ``policy`` (a :class:`~fanstore.pack.plan.CodecPolicy`), read them :data:`ROUNDS` times
-    as ``how`` says, and scale to the source (see the module docstring). ``jobs``: the
-    pack's workers (0: its default, which packs a small trial without any). Everything
-    made under ``workdir`` is removed before it returns or raises."""
+    ``policy`` (a :class:`~fanstore.pack.plan.CodecPolicy`), read them ``rounds`` times (up
+    to :data:`EXTRA_ROUNDS` more while they disagree) as ``how`` says, and scale to the
+    source (see the module docstring). ``jobs``: the pack's workers (0: its default, which
+    packs a small trial without any). Everything made under ``workdir`` is removed before
+    it returns or raises."""
     from fanstore.pack import PackOptions, pack
 
     t0 = time.monotonic()
@@ -345,8 +347,9 @@ def measure(trial: TrialSet, policy, how: HowToRead, workdir: str, n_whole: int,
             raise TrialError(f"packing the trial failed: {exc}") from None
         share = sum(f.size for f in chosen) / max(1, trial.source_bytes)
         rng = np.random.default_rng([seed, 22])
-        rounds: list = []
-        while len(rounds) < ROUNDS or (len(rounds) < MAX_ROUNDS and _spread(rounds) > SPREAD):
+        wanted, rounds = rounds, []
+        while len(rounds) < wanted or (len(rounds) < wanted + EXTRA_ROUNDS
+                                       and _spread(rounds) > SPREAD):
             r = len(rounds)
             order = [chosen[i] for i in rng.permutation(len(chosen)).tolist()]
             result = _one_round(store, workdir, [f.rel for f in order], how, share)
