@@ -576,8 +576,10 @@ def test_a_compression_worker_that_dies_fails_the_pack(tmp_path):
     src.mkdir()
     rng = random.Random(4)
     words = [rng.randbytes(rng.randint(2, 9)).hex().encode() for _ in range(5000)]
-    for i in range(24):  # text-like: zstd level 19 takes seconds over it
-        (src / f"{i:02d}.txt").write_bytes(b" ".join(rng.choices(words, k=400_000)))
+    text = b" ".join(rng.choices(words, k=400_000))
+    for i in range(24):  # text-like, each a rotation of one: zstd level 19 takes seconds
+        cut = i * len(text) // 24
+        (src / f"{i:02d}.txt").write_bytes(text[cut:] + text[:cut])
     archive = tmp_path / "big.tar"
     sh("tar", "-C", src, "-cf", archive, ".")
     dest = tmp_path / "store"

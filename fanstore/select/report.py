@@ -14,6 +14,7 @@ from typing import Any
 from fanstore.errors import BudgetNotMetError
 from fanstore.kinds import access_pattern
 from fanstore.select.measuring import cold_line
+from fanstore.select.options import EXTRA_ROUNDS
 from fanstore.select.policy import Cost
 from fanstore.select import wholefiles
 from fanstore.select.result import CandidateResult, SelectionResult
@@ -434,21 +435,15 @@ def measure_line(res: SelectionResult) -> str:
     if info is None or not info.measured:
         note = info.note if info is not None and info.note else "not measured"
         return f"measured  nothing: {note}; every rate below is the model's"
+    n = info.rounds  # and up to EXTRA_ROUNDS more while they disagree
+    rounds = f"{n}-{n + EXTRA_ROUNDS} rounds" if n > 1 else "one round"
     scaled = (f"; rates scaled from {info.readers} to {info.cores} cores by the CPU each file "
               "cost (the lower of that bound and linear scaling)"
               if info.cores > info.readers else "")
     return (f"measured  {info.trials} finalists, each a miniature of the source (trial.py) "
-            f"packed with it and read by {info.how}, the median of {_rounds(info.rounds)} "
-            "scaled to the "
+            f"packed with it and read by {info.how}, the median of {rounds} scaled to the "
             f"whole source ({info.seconds:.0f} s; the model was off by "
             f"{info.correction:.2f}x){scaled}")
-
-
-def _rounds(n: int) -> str:
-    """How many rounds a finalist is read: ``n``, or up to 2 more while they disagree."""
-    from fanstore.select.options import EXTRA_ROUNDS
-
-    return f"{n}-{n + EXTRA_ROUNDS} rounds" if n > 1 else "one round"
 
 
 def capacity_json(res: SelectionResult, capacity: int) -> dict[str, Any]:
