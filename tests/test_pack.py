@@ -32,6 +32,7 @@ from helpers import (
     make_outside_links_tree,
     make_small_tree,
     run_cli,
+    run_main,
     wait_until,
 )
 
@@ -148,7 +149,7 @@ def test_scan_reports_problem_entries_by_path(tmp_path):
 def test_pack_refuses_problem_entries_unless_skipped(tmp_path):
     src, dest = tmp_path / "src", tmp_path / "store"
     bad = _make_problem_tree(src)
-    proc = run_cli("pack", src, dest, "--no-progress", timeout=60)
+    proc = run_main("pack", src, dest, "--no-progress", timeout=60)
     assert_cli_error(proc, code=1, contains=f"{len(bad)} entries cannot be packed")
     assert "--skip-unreadable" in proc.stderr
     for path in bad:
@@ -156,7 +157,7 @@ def test_pack_refuses_problem_entries_unless_skipped(tmp_path):
     assert not dest.exists()
     assert not glob.glob(f"{dest}{TMP_MARK}*")
 
-    proc = run_cli("pack", src, dest, "--no-progress", "--skip-unreadable", timeout=60)
+    proc = run_main("pack", src, dest, "--no-progress", "--skip-unreadable", timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert_no_traceback(proc)
     for path in bad:
@@ -189,7 +190,7 @@ def test_symlinks_that_leave_the_source_are_stored_as_they_are(tmp_path):
     """The default (--symlinks store), as mksquashfs and tar: each target byte for byte
     (absolute, '../', dangling, looping outside); the pack stopped at the first."""
     tree = make_outside_links_tree(tmp_path)
-    proc = run_cli("pack", tree["root"], tmp_path / "store", *SYMLINK_PACK_ARGS)
+    proc = run_main("pack", tree["root"], tmp_path / "store", *SYMLINK_PACK_ARGS)
     assert proc.returncode == 0, proc.stderr
     assert_no_traceback(proc)
     assert "packed 2 files, 1 directories, 7 symlinks into 1 partitions" in proc.stdout
@@ -197,7 +198,7 @@ def test_symlinks_that_leave_the_source_are_stored_as_they_are(tmp_path):
     assert links == tree["links"]
     assert files == tree["files"]
     # The same as asking for it
-    proc = run_cli("pack", tree["root"], tmp_path / "store2", *SYMLINK_PACK_ARGS,
+    proc = run_main("pack", tree["root"], tmp_path / "store2", *SYMLINK_PACK_ARGS,
                    "--symlinks", "store")
     assert proc.returncode == 0, proc.stderr
     assert _links_and_files(tmp_path / "store2")[0] == tree["links"]
@@ -206,7 +207,7 @@ def test_symlinks_that_leave_the_source_are_stored_as_they_are(tmp_path):
 def test_symlinks_skip_leaves_out_those_that_leave_and_counts_them(tmp_path):
     tree = make_outside_links_tree(tmp_path)
     os.symlink("abs", tree["root"] / "via_abs")  # inside, but leads out through abs
-    proc = run_cli("pack", tree["root"], tmp_path / "store", *SYMLINK_PACK_ARGS,
+    proc = run_main("pack", tree["root"], tmp_path / "store", *SYMLINK_PACK_ARGS,
                    "--symlinks", "skip")
     assert proc.returncode == 0, proc.stderr
     assert_no_traceback(proc)
@@ -223,14 +224,14 @@ def test_symlinks_follow_stores_the_files_they_lead_to(tmp_path):
     the files they lead to (bytes and mode of the target); links inside stay links."""
     tree = make_outside_links_tree(tmp_path)
     root, dest = tree["root"], tmp_path / "store"
-    proc = run_cli("pack", root, dest, *SYMLINK_PACK_ARGS, "--symlinks", "follow")
+    proc = run_main("pack", root, dest, *SYMLINK_PACK_ARGS, "--symlinks", "follow")
     assert_cli_error(proc, code=1, contains="2 entries cannot be packed")
     assert (f"fanstore: cannot pack {root}/dangling: dangling symlink: its target "
             "../no-such-file does not exist\n") in proc.stderr
     assert (f"fanstore: cannot pack {root}/outloop: symlink loop (following ../loop_a)\n"
             in proc.stderr)
     assert not dest.exists()
-    proc = run_cli("pack", root, dest, *SYMLINK_PACK_ARGS, "--symlinks", "follow",
+    proc = run_main("pack", root, dest, *SYMLINK_PACK_ARGS, "--symlinks", "follow",
                    "--skip-unreadable")
     assert proc.returncode == 0, proc.stderr
     assert "packed 4 files, 1 directories, 3 symlinks into 1 partitions" in proc.stdout
@@ -246,12 +247,12 @@ def test_symlinks_follow_refuses_a_directory_and_a_bad_mode(tmp_path):
     tree = make_outside_links_tree(tmp_path)
     (tmp_path / "outdir").mkdir()
     os.symlink(str(tmp_path / "outdir"), tree["root"] / "todir")
-    proc = run_cli("pack", tree["root"], tmp_path / "store", *SYMLINK_PACK_ARGS,
+    proc = run_main("pack", tree["root"], tmp_path / "store", *SYMLINK_PACK_ARGS,
                    "--symlinks", "follow", "--skip-unreadable")
     assert proc.returncode == 0, proc.stderr
     assert (f"skipping {tree['root']}/todir: symlink to a directory outside the source "
             f"({tmp_path}/outdir); --symlinks follow stores files only") in proc.stderr
-    proc = run_cli("pack", tree["root"], tmp_path / "other", *SYMLINK_PACK_ARGS,
+    proc = run_main("pack", tree["root"], tmp_path / "other", *SYMLINK_PACK_ARGS,
                    "--symlinks", "copy")
     assert_cli_error(proc, code=2, contains="--symlinks: invalid choice: 'copy'")
 
@@ -325,7 +326,7 @@ def test_pack_fails_cleanly_when_a_file_changes_under_it(tmp_path):
 def test_pack_summary_lines(small_tree, tmp_path):
     src, files = small_tree
     dest = tmp_path / "store"
-    proc = run_cli("pack", src, dest, "--partitions", "3", "--codec", "zstd:3",
+    proc = run_main("pack", src, dest, "--partitions", "3", "--codec", "zstd:3",
                    "--no-progress", check=True)
     assert_no_traceback(proc)
     lines = proc.stdout.splitlines()
@@ -364,7 +365,7 @@ def test_pack_is_deterministic(special_tree, special_store, tmp_path):
     args[args.index("--jobs") + 1] = "1"
     assert args != list(SPECIAL_PACK_ARGS)
     dest = tmp_path / "again"
-    run_cli("pack", special_tree["root"], dest, *args, check=True, timeout=300)
+    run_main("pack", special_tree["root"], dest, *args, check=True, timeout=300)
     names = sorted(os.listdir(special_store))
     assert sorted(os.listdir(dest)) == names
     assert INDEX_NAME in names and len(names) == 5
@@ -418,7 +419,7 @@ def test_store_holds_raw_chunks_where_compression_does_not_help(special_store):
 def test_chunk_size_and_codec_options(small_tree, tmp_path):
     src, files = small_tree
     dest = tmp_path / "store"
-    run_cli("pack", src, dest, "--chunk-kb", "8", "--codec", "none", "--partitions", "1",
+    run_main("pack", src, dest, "--chunk-kb", "8", "--codec", "none", "--partitions", "1",
             "--no-progress", check=True)
     index = read_index(str(dest))
     assert index.chunk_size == 8192
@@ -435,7 +436,7 @@ def test_more_partitions_than_files(tmp_path):
     src.mkdir()
     (src / "one").write_bytes(b"1")
     (src / "two").write_bytes(b"22")
-    run_cli("pack", src, dest, "--partitions", "5", "--no-progress", check=True)
+    run_main("pack", src, dest, "--partitions", "5", "--no-progress", check=True)
     index = read_index(str(dest))
     assert len(index.partitions) == 5
     assert sorted(p.files for p in index.partitions) == [0, 0, 0, 1, 1]
@@ -447,7 +448,7 @@ def test_more_partitions_than_files(tmp_path):
 def test_empty_source(tmp_path):
     src, dest = tmp_path / "src", tmp_path / "store"
     src.mkdir()
-    proc = run_cli("pack", src, dest, "--partitions", "2", "--no-progress", check=True)
+    proc = run_main("pack", src, dest, "--partitions", "2", "--no-progress", check=True)
     assert proc.stdout.startswith("packed 0 files, 0 directories, 0 symlinks into 2 partitions")
     index = read_index(str(dest))
     assert index.n_entries == 1 and index.n_chunks == 0
@@ -456,7 +457,7 @@ def test_empty_source(tmp_path):
 def test_broadcast_directories_get_their_own_partitions(small_tree, tmp_path):
     src, files = small_tree
     dest = tmp_path / "store"
-    run_cli("pack", src, dest, "--partitions", "2", "--broadcast", "sub", "--chunk-kb", "4",
+    run_main("pack", src, dest, "--partitions", "2", "--broadcast", "sub", "--chunk-kb", "4",
             "--no-progress", check=True)
     index = read_index(str(dest))
     bc = [p.number for p in index.partitions if p.broadcast]
@@ -468,7 +469,7 @@ def test_broadcast_directories_get_their_own_partitions(small_tree, tmp_path):
         if count:
             part = int(index.chunks["part"][first])
             assert (part in bc) == rel.startswith("sub/"), rel
-    proc = run_cli("pack", src, tmp_path / "other", "--broadcast", "nope", "--no-progress")
+    proc = run_main("pack", src, tmp_path / "other", "--broadcast", "nope", "--no-progress")
     assert_cli_error(proc, code=2, contains="--broadcast nope: no such directory")
 
 
@@ -482,16 +483,16 @@ def _snapshot(store: Path) -> dict[str, bytes]:
 def test_refuses_to_overwrite_a_store_without_force(small_tree, tmp_path):
     src, _ = small_tree
     dest = tmp_path / "store"
-    run_cli("pack", src, dest, "--no-progress", check=True)
+    run_main("pack", src, dest, "--no-progress", check=True)
     before = _snapshot(dest)
     other = tmp_path / "other-src"
     other.mkdir()
     (other / "new.txt").write_bytes(b"new content\n")
-    proc = run_cli("pack", other, dest, "--no-progress")
+    proc = run_main("pack", other, dest, "--no-progress")
     assert_cli_error(proc, code=1, contains="already holds a store (use --force to replace it)")
     assert _snapshot(dest) == before
 
-    proc = run_cli("pack", other, dest, "--no-progress", "--force")
+    proc = run_main("pack", other, dest, "--no-progress", "--force")
     assert proc.returncode == 0, proc.stderr
     with LocalStore(str(dest)) as s:
         assert s.read_file("new.txt") == b"new content\n"
@@ -507,18 +508,18 @@ def test_refuses_a_destination_that_is_not_a_store(small_tree, tmp_path):
     dest.mkdir()
     (dest / "precious.txt").write_bytes(b"keep me")
     for extra in ((), ("--force",)):
-        proc = run_cli("pack", src, dest, "--no-progress", *extra)
+        proc = run_main("pack", src, dest, "--no-progress", *extra)
         assert_cli_error(proc, code=1, contains="is not empty and is not a store")
         assert os.listdir(dest) == ["precious.txt"]
     afile = tmp_path / "afile"
     afile.write_bytes(b"x")
-    proc = run_cli("pack", src, afile, "--no-progress", "--force")
+    proc = run_main("pack", src, afile, "--no-progress", "--force")
     assert_cli_error(proc, code=1, contains="exists and is not a directory")
     assert afile.read_bytes() == b"x"
     # An existing empty directory is fine.
     empty = tmp_path / "empty"
     empty.mkdir()
-    run_cli("pack", src, empty, "--no-progress", check=True)
+    run_main("pack", src, empty, "--no-progress", check=True)
     assert (empty / INDEX_NAME).exists()
 
 
@@ -527,13 +528,13 @@ def test_force_through_a_symlinked_destination(small_tree, tmp_path):
     the store it points to and leaves the link and no leftovers."""
     src, files = small_tree
     real = tmp_path / "scratch" / "store"
-    run_cli("pack", src, real, "--no-progress", check=True)
+    run_main("pack", src, real, "--no-progress", check=True)
     link = tmp_path / "link"
     os.symlink("scratch/store", link)
     other = tmp_path / "other-src"
     other.mkdir()
     (other / "new.txt").write_bytes(b"new\n")
-    proc = run_cli("pack", other, link, "--no-progress", "--force")
+    proc = run_main("pack", other, link, "--no-progress", "--force")
     assert proc.returncode == 0, proc.stderr
     assert os.readlink(link) == "scratch/store"
     with LocalStore(str(link)) as s:
@@ -558,7 +559,7 @@ def test_disk_full_is_reported_with_the_partition_path(small_tree, tmp_path):
         src = tmp_path / "src"
         src.mkdir()
         (src / "big.bin").write_bytes(os.urandom(1 << 20))
-        proc = run_cli("pack", src, full / "store", "--codec", "none", "--jobs", "1",
+        proc = run_main("pack", src, full / "store", "--codec", "none", "--jobs", "1",
                        "--partitions", "1", "--no-progress")
         line = assert_cli_error(proc, code=1, contains="no space left on device while writing ")
         assert f"{full}/store{TMP_MARK}" in line and line.endswith("/part-00000.fsp")
@@ -571,16 +572,16 @@ def test_disk_full_is_reported_with_the_partition_path(small_tree, tmp_path):
 def test_refuses_overlapping_source_and_destination(small_tree, tmp_path, where):
     src, _ = small_tree
     dest = {"inside": src / "store", "same": src, "parent": src.parent}[where]
-    proc = run_cli("pack", src, dest, "--no-progress", "--force")
+    proc = run_main("pack", src, dest, "--no-progress", "--force")
     assert_cli_error(proc, code=2, contains="inside")
     assert not (src / "store").exists()
 
 
 def test_bad_sources(tmp_path):
-    proc = run_cli("pack", tmp_path / "nope", tmp_path / "store")
+    proc = run_main("pack", tmp_path / "nope", tmp_path / "store")
     assert_cli_error(proc, code=2, contains="does not exist")
     (tmp_path / "file").write_bytes(b"x")
-    proc = run_cli("pack", tmp_path / "file", tmp_path / "store")
+    proc = run_main("pack", tmp_path / "file", tmp_path / "store")
     assert_cli_error(proc, code=2, contains="is not a directory")
     assert not (tmp_path / "store").exists()
 
@@ -621,14 +622,14 @@ def test_killed_pack_leaves_no_store_and_the_next_pack_cleans_up(tmp_path):
     assert not dest.exists()
     leftovers = glob.glob(f"{dest}{TMP_MARK}*")
     assert len(leftovers) == 1
-    proc = run_cli("info", dest)
+    proc = run_main("info", dest)
     assert_cli_error(proc, code=1, contains="no such directory")
 
-    proc = run_cli("pack", src, dest, "--codec", "zstd:1", "--no-progress")
+    proc = run_main("pack", src, dest, "--codec", "zstd:1", "--no-progress")
     assert proc.returncode == 0, proc.stderr
     assert f"removing leftover of an interrupted pack: {leftovers[0]}" in proc.stderr
     assert not glob.glob(f"{dest}{TMP_MARK}*") and not glob.glob(f"{dest}{OLD_MARK}*")
-    proc = run_cli("verify", dest, "--no-progress")
+    proc = run_main("verify", dest, "--no-progress")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with LocalStore(str(dest)) as s:
         assert s.read_file("f5.txt") == (src / "f5.txt").read_bytes()
@@ -649,5 +650,5 @@ def test_leftover_of_a_live_pack_is_not_removed(small_tree, tmp_path):
 
 def test_progress_bar_only_when_asked(small_tree, tmp_path):
     src, _ = small_tree
-    proc = run_cli("pack", src, tmp_path / "s1", check=True)  # stderr is not a terminal
+    proc = run_main("pack", src, tmp_path / "s1", check=True)  # stderr is not a terminal
     assert "packing" not in proc.stderr
