@@ -81,6 +81,7 @@ def run_main(*args, check: bool = False, timeout: float | None = None, text: boo
 
     argv = [a if isinstance(a, bytes) else os.fspath(a) for a in args]
     argv = [os.fsdecode(a) for a in argv]
+    assert argv[:1] != ["mount"], "mount forks a daemon, which must not come from pytest: run_cli"
     raw = {"stdout": io.BytesIO(), "stderr": io.BytesIO()}
     streams = {k: io.TextIOWrapper(b, encoding="utf-8", errors="surrogateescape",
                                    write_through=True) for k, b in raw.items()}
@@ -90,6 +91,7 @@ def run_main(*args, check: bool = False, timeout: float | None = None, text: boo
     level = root.level
     root.addHandler(handler)
     root.setLevel(logging.DEBUG if "--debug" in argv else logging.WARNING)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with contextlib.redirect_stdout(streams["stdout"]), \
                 contextlib.redirect_stderr(streams["stderr"]):
@@ -100,6 +102,8 @@ def run_main(*args, check: bool = False, timeout: float | None = None, text: boo
     finally:
         root.removeHandler(handler)
         root.setLevel(level)
+        for sig, h in handlers.items():  # select unwinds on SIGTERM: not pytest's business
+            signal.signal(sig, h)
     out = {k: b.getvalue() for k, b in raw.items()}
     if text:
         out = {k: v.decode("utf-8", "surrogateescape") for k, v in out.items()}

@@ -26,6 +26,7 @@ from helpers import (
     fuse_available,
     os_error,
     run_cli,
+    run_main,
 )
 
 import fanstore
@@ -79,7 +80,7 @@ def text_tree(tmp_path_factory):
 def solid_store(text_tree, tmp_path_factory):
     """``text_tree`` packed with zstd:3 and solid blocks of 16 KiB (chunks of 128 KiB)."""
     dest = tmp_path_factory.mktemp("solid") / "store"
-    run_cli("pack", text_tree[0], dest, "--codec", "zstd:3", "--solid-kb", "16",
+    run_main("pack", text_tree[0], dest, "--codec", "zstd:3", "--solid-kb", "16",
             "--chunk-kb", "128", "--partitions", "3", "--jobs", "2", "--no-progress",
             check=True)
     return dest
@@ -119,7 +120,7 @@ def test_solid_store_is_format_v5_and_shares_chunks(solid_store, text_tree):
         assert spans[-1][0] + spans[-1][1] == raw
     big = ns.resolve("big/large.bin")
     assert int(index.entries["count"][big]) == 3 and int(index.entries["offset"][big]) == 0
-    proc = run_cli("info", solid_store, check=True)
+    proc = run_main("info", solid_store, check=True)
     assert re.search(rf"^solid blocks   {len(groups):,} chunks holding {in_blocks:,} files$",
                      proc.stdout, re.M), proc.stdout
     assert "format         v5 (fanstore " in proc.stdout
@@ -127,7 +128,7 @@ def test_solid_store_is_format_v5_and_shares_chunks(solid_store, text_tree):
 
 def test_solid_store_is_smaller_than_per_file(solid_store, text_tree, tmp_path):
     plain = tmp_path / "plain"
-    run_cli("pack", text_tree[0], plain, "--codec", "zstd:3", "--chunk-kb", "128",
+    run_main("pack", text_tree[0], plain, "--codec", "zstd:3", "--chunk-kb", "128",
             "--partitions", "3", "--no-progress", check=True)
     a = read_index(str(plain)).meta["counts"]["stored_bytes"]
     b = read_index(str(solid_store)).meta["counts"]["stored_bytes"]
@@ -157,9 +158,9 @@ def test_solid_store_reads_through_the_api(solid_store, text_tree):
 def test_cat_and_verify_of_a_solid_store(solid_store, text_tree):
     _, files = text_tree
     for rel in ("c2/00002.csv", "c5/00599.csv", "big/large.bin", "empty.txt"):
-        proc = run_cli("cat", solid_store, rel, text=False, check=True)
+        proc = run_main("cat", solid_store, rel, text=False, check=True)
         assert proc.stdout == files[rel], rel
-    proc = run_cli("verify", solid_store, "--no-progress", check=True)
+    proc = run_main("verify", solid_store, "--no-progress", check=True)
     assert f"verified {len(files):,} files" in proc.stderr and "all intact" in proc.stderr
 
 
@@ -199,7 +200,7 @@ def test_a_solid_block_is_decoded_once_per_worker_not_once_per_file(frontend, mo
     for rel in order:
         with open(mnt / rel, "rb", buffering=0) as f:
             assert f.read() == files[rel], rel
-    st = json.loads(run_cli("stats", mnt, "--json", check=True).stdout)
+    st = json.loads(run_main("stats", mnt, "--json", check=True).stdout)
     index = read_index(str(solid_store))
     blocks = int(np.count_nonzero(np.bincount(index.entries["first"][index.entries["kind"] == 0],
                                               minlength=index.n_chunks) > 1))
@@ -221,7 +222,7 @@ def test_damaged_solid_block_fails_exactly_its_files(frontend, mounted, solid_st
     off, n = int(index.chunks["offset"][k]), int(index.chunks["stored"][k])
     flip_bytes(store / part, off + n // 2, min(8, n))
     # verify names exactly the files of that block
-    proc = run_cli("verify", store, "--no-progress")
+    proc = run_main("verify", store, "--no-progress")
     assert proc.returncode == 1
     assert_no_traceback(proc)
     damaged = {ln.split(": ", 1)[0][len("DAMAGED "):] for ln in proc.stdout.splitlines()}
@@ -249,7 +250,7 @@ def test_damaged_solid_block_fails_exactly_its_files(frontend, mounted, solid_st
 def test_default_pack_runs_a_quick_selection(text_tree, tmp_path):
     src, files = text_tree
     dest = tmp_path / "default"
-    proc = run_cli("pack", src, dest, "--chunk-kb", "128", "--partitions", "2",
+    proc = run_main("pack", src, dest, "--chunk-kb", "128", "--partitions", "2",
                    "--no-progress", check=True)
     assert_no_traceback(proc)
     lines = proc.stderr.splitlines()
@@ -267,7 +268,7 @@ def test_default_pack_runs_a_quick_selection(text_tree, tmp_path):
         parse_codec_spec(label)
     assert any("dict" in cfg for cfg in index.codecs)
     old = tmp_path / "zstd3"
-    run_cli("pack", src, old, "--codec", "zstd:3", "--chunk-kb", "128", "--partitions", "2",
+    run_main("pack", src, old, "--codec", "zstd:3", "--chunk-kb", "128", "--partitions", "2",
             "--no-progress", check=True)
     size = lambda s: os.path.getsize(s / "fanstore.idx") + read_index(str(s)).meta[  # noqa
         "counts"]["stored_bytes"]
@@ -275,7 +276,7 @@ def test_default_pack_runs_a_quick_selection(text_tree, tmp_path):
     with fanstore.open_store(str(dest)) as store:
         for rel, data in files.items():
             assert store.read(rel) == data, rel
-    assert "quick" in run_cli("info", dest, check=True).stdout
+    assert "quick" in run_main("info", dest, check=True).stdout
 
 
 def test_default_pack_puts_small_files_in_solid_blocks(text_tree, tmp_path):
@@ -284,8 +285,8 @@ def test_default_pack_puts_small_files_in_solid_blocks(text_tree, tmp_path):
     every file on its own; both read back byte for byte."""
     src, files = text_tree
     dest, single = tmp_path / "default", tmp_path / "single"
-    run_cli("pack", src, dest, "--chunk-kb", "128", "--no-progress", check=True)
-    run_cli("pack", src, single, "--chunk-kb", "128", "--solid-kb", "0", "--no-progress",
+    run_main("pack", src, dest, "--chunk-kb", "128", "--no-progress", check=True)
+    run_main("pack", src, single, "--chunk-kb", "128", "--solid-kb", "0", "--no-progress",
             check=True)
     index = read_index(str(dest))
     sel = index.meta["selection"]
@@ -307,7 +308,7 @@ def test_default_pack_puts_small_files_in_solid_blocks(text_tree, tmp_path):
 
 
 def test_pinned_codec_runs_no_selection(text_tree, tmp_path):
-    proc = run_cli("pack", text_tree[0], tmp_path / "s", "--codec", "lz4", "--no-progress",
+    proc = run_main("pack", text_tree[0], tmp_path / "s", "--codec", "lz4", "--no-progress",
                    check=True)
     assert proc.stderr == ""
     index = read_index(str(tmp_path / "s"))
@@ -318,7 +319,7 @@ def test_pinned_codec_runs_no_selection(text_tree, tmp_path):
 def test_codec_with_dictionaries(text_tree, tmp_path):
     src, files = text_tree
     dest = tmp_path / "dict"
-    proc = run_cli("pack", src, dest, "--codec", "zstd:5+dict", "--no-progress", check=True)
+    proc = run_main("pack", src, dest, "--codec", "zstd:5+dict", "--no-progress", check=True)
     assert proc.stderr == ""
     index = read_index(str(dest))
     with_dict = [c for c in index.codecs if "dict" in c]
@@ -335,7 +336,7 @@ def test_codec_with_dictionaries(text_tree, tmp_path):
     (("--solid-kb", "-1"), "--solid-kb"),
 ])
 def test_bad_capacity_options(text_tree, tmp_path, args, message):
-    proc = run_cli("pack", text_tree[0], tmp_path / "s", *args, "--no-progress")
+    proc = run_main("pack", text_tree[0], tmp_path / "s", *args, "--no-progress")
     assert_cli_error(proc, code=2, contains=message)
     assert not (tmp_path / "s").exists()
 
@@ -343,7 +344,7 @@ def test_bad_capacity_options(text_tree, tmp_path, args, message):
 def test_solid_with_the_default_selection_and_dictionaries(text_tree, tmp_path):
     src, files = text_tree
     dest = tmp_path / "s"
-    run_cli("pack", src, dest, "--solid-kb", "32", "--chunk-kb", "128", "--no-progress",
+    run_main("pack", src, dest, "--solid-kb", "32", "--chunk-kb", "128", "--no-progress",
             check=True)
     index = read_index(str(dest))
     assert index.version == 5 and _solid_groups(dest)
@@ -359,7 +360,7 @@ def test_default_pack_of_a_tree_without_data(tmp_path, tree):
     if tree == "empty files":
         for i in range(5):
             (src / f"e{i}").write_bytes(b"")
-    proc = run_cli("pack", src, tmp_path / "s", "--no-progress", check=True)
+    proc = run_main("pack", src, tmp_path / "s", "--no-progress", check=True)
     assert_no_traceback(proc)
     with fanstore.open_store(str(tmp_path / "s")) as store:
         assert sorted(store.files()) == ([f"e{i}" for i in range(5)] if tree != "nothing"
@@ -445,7 +446,7 @@ def test_select_bad_input(tmp_path, setup, args, message):
             (src / f"e{i}").write_bytes(b"")
     elif setup == "files":
         (src / "a.txt").write_bytes(b"hello " * 1000)
-    proc = run_cli("select", src, *args)
+    proc = run_main("select", src, *args)
     assert_cli_error(proc, code=2, contains=message)
     assert proc.stdout == ""
 
@@ -465,7 +466,7 @@ def test_select_on_one_10_gb_file(tmp_path):
     # the trials read pieces of 64 chunks of the one file, one per reader at least
     assert doc["reader"]["files"] >= 1 and doc["reader"]["chunks"] >= 64
     # the text report's end (measured above: the model's choice is enough here)
-    proc = run_cli("select", src, "--sample-mb", "4", "--storage-mb-per-sec", "1000",
+    proc = run_main("select", src, "--sample-mb", "4", "--storage-mb-per-sec", "1000",
                    "--trials", "0")
     assert proc.returncode == 0
     assert proc.stdout.splitlines()[-2].startswith("chosen    ")
@@ -490,11 +491,11 @@ def test_the_default_pack_is_a_function_of_the_data(tmp_path):
     for i in range(6):
         arr = np.cumsum(rng.standard_normal(100_000).astype(np.float32))
         np.save(src / f"a{i}.npy", arr.astype(np.float32))
-    run_cli("pack", src, tmp_path / "quiet", "--no-progress", check=True, timeout=300)
+    run_main("pack", src, tmp_path / "quiet", "--no-progress", check=True, timeout=300)
     burners = [subprocess.Popen([sys.executable, "-c", _BURN])
                for _ in range(len(os.sched_getaffinity(0)))]
     try:
-        run_cli("pack", src, tmp_path / "busy", "--no-progress", check=True, timeout=300)
+        run_main("pack", src, tmp_path / "busy", "--no-progress", check=True, timeout=300)
     finally:
         for p in burners:
             p.kill()
@@ -504,7 +505,7 @@ def test_the_default_pack_is_a_function_of_the_data(tmp_path):
     for name in names:
         assert (tmp_path / "quiet" / name).read_bytes() == \
             (tmp_path / "busy" / name).read_bytes(), name
-    info = json.loads(run_cli("info", tmp_path / "quiet", "--json").stdout)
+    info = json.loads(run_main("info", tmp_path / "quiet", "--json").stdout)
     sel = info["selection"]
     assert sel["quick"] is True and "seconds" not in sel
     assert any("+dict" in lb for lb in sel["per_kind"].values())  # the text files

@@ -20,7 +20,7 @@ from fanstore.pack import CodecPolicy, PackOptions, pack
 from fanstore.pack import dedup as dedup_mod
 from fanstore.store import LocalStore
 from fanstore.verify import verify_store
-from helpers import damage_file, run_cli
+from helpers import damage_file, run_main
 
 CHUNK = 4096
 
@@ -181,17 +181,17 @@ def test_verify_checks_a_shared_run_once_and_names_every_file_on_it(dup_tree, tm
 def test_the_cli_says_what_was_stored_once(dup_tree, tmp_path):
     src, files = dup_tree
     args = ("--partitions", "2", "--chunk-kb", "4", "--codec", "zstd:3", "--no-progress")
-    out = run_cli("pack", src, tmp_path / "st", *args, check=True).stdout
+    out = run_main("pack", src, tmp_path / "st", *args, check=True).stdout
     assert "5 files identical to earlier ones stored once" in out
-    plain = run_cli("pack", src, tmp_path / "plain", *args, "--no-dedup", check=True).stdout
+    plain = run_main("pack", src, tmp_path / "plain", *args, "--no-dedup", check=True).stdout
     assert "identical" not in plain
-    info = run_cli("info", tmp_path / "st", "--json", check=True).stdout
-    doc, ref = json.loads(info), json.loads(run_cli("info", tmp_path / "plain", "--json",
+    info = run_main("info", tmp_path / "st", "--json", check=True).stdout
+    doc, ref = json.loads(info), json.loads(run_main("info", tmp_path / "plain", "--json",
                                                     check=True).stdout)
     assert doc["format_version"] == 5 == ref["format_version"]
     assert (doc["duplicate_files"], doc["duplicate_bytes"]) == (SAVED_FILES, _saved_bytes(files))
     assert doc["counts"]["stored_bytes"] < ref["counts"]["stored_bytes"]
-    text = run_cli("info", tmp_path / "st", check=True).stdout
+    text = run_main("info", tmp_path / "st", check=True).stdout
     assert "stored once    5 files identical to others" in text
 
 
@@ -223,5 +223,5 @@ def test_every_name_reads_through_a_mount(dup_tree, tmp_path, mounted):
     sizes = [os.stat(mnt / rel).st_size for rel in names]
     assert sizes == [len(big)] * 3
     stored = [read_index(str(tmp_path / s)).meta["counts"]["stored_bytes"] for s in ("st", "plain")]
-    info = run_cli("info", tmp_path / "st", check=True).stdout
+    info = run_main("info", tmp_path / "st", check=True).stdout
     assert f"stored bytes   {stored[0]:,}" in info and stored[0] < stored[1]

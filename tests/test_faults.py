@@ -70,6 +70,7 @@ from helpers import (
     mount_store,
     pid_alive,
     run_cli,
+    run_main,
     start_readers,
     stats_json,
     stored_extent,
@@ -109,7 +110,7 @@ def data(tmp_path_factory):
     sizes = make_load_tree(src, n_files=96, big=2, seed=5)
     store = root / "store"
     # zstd:3 pinned: the staging tests size their file systems by these partitions.
-    run_cli("pack", src, store, "--partitions", "8", "--chunk-kb", "64", "--jobs", "2",
+    run_main("pack", src, store, "--partitions", "8", "--chunk-kb", "64", "--jobs", "2",
             "--codec", "zstd:3", "--no-progress", check=True)
     return src, store, sizes
 
@@ -135,7 +136,7 @@ def test_names_with_newlines_pack_and_problems_stay_on_one_line(tmp_path, mounte
         p.write_bytes(content)
     fifo = src / "bad\nfifo"
     os.mkfifo(fifo)
-    proc = run_cli("pack", src, dest, "--no-progress")
+    proc = run_main("pack", src, dest, "--no-progress")
     assert_cli_error(proc, code=1, contains="1 entry cannot be packed")
     assert all(line.startswith("fanstore: ") for line in proc.stderr.splitlines()), proc.stderr
     problems = [ln for ln in proc.stderr.splitlines() if ln.startswith("fanstore: cannot pack ")]
@@ -144,7 +145,7 @@ def test_names_with_newlines_pack_and_problems_stay_on_one_line(tmp_path, mounte
     assert not dest.exists() and _no_leftovers(dest)
 
     fifo.unlink()
-    run_cli("pack", src, dest, "--no-progress", check=True)
+    run_main("pack", src, dest, "--no-progress", check=True)
     with LocalStore(str(dest)) as s:
         for rel, content in files.items():
             assert s.read_file(rel) == content, rel
@@ -169,14 +170,14 @@ def test_a_file_growing_during_the_pack_fails_it_cleanly(tmp_path):
     writer = threading.Thread(target=append)
     writer.start()
     try:
-        proc = run_cli("pack", src, dest, "--no-progress", "--jobs", "1", "--chunk-kb", "4")
+        proc = run_main("pack", src, dest, "--no-progress", "--jobs", "1", "--chunk-kb", "4")
     finally:
         stop.set()
         writer.join()
     line = assert_cli_error(proc, code=1, contains=str(log))
     assert "grew while being packed" in line or "changed size while being packed" in line
     assert not dest.exists() and _no_leftovers(dest)
-    run_cli("pack", src, dest, "--no-progress", check=True)
+    run_main("pack", src, dest, "--no-progress", check=True)
     with LocalStore(str(dest)) as s:
         assert s.read_file("sub/growing.log") == log.read_bytes()
 
@@ -246,7 +247,7 @@ def test_sigint_during_pack_leaves_nothing_and_a_killed_pack_nothing_mountable(t
     _assert_mount_refused(leftovers[0], tmp_path / "m1", 1, "not a FanStore store")
     _assert_mount_refused(dest, tmp_path / "m2", 1, "no such directory")
 
-    proc = run_cli("pack", src, dest, "--codec", "zstd:1", "--no-progress")
+    proc = run_main("pack", src, dest, "--codec", "zstd:1", "--no-progress")
     assert proc.returncode == 0, proc.stderr
     assert f"removing leftover of an interrupted pack: {leftovers[0]}" in proc.stderr
     assert _no_leftovers(dest)
@@ -266,12 +267,12 @@ def test_disk_full_while_writing_the_index_names_the_index(tmp_path):
             rng.integers(0, 256, int(rng.integers(1, 2000)), dtype=np.uint8).tobytes())
     args = ("--partitions", "2", "--codec", "none", "--jobs", "1", "--no-progress")
     probe = tmp_path / "probe"
-    run_cli("pack", src, probe, *args, check=True)
+    run_main("pack", src, probe, *args, check=True)
     parts = sum(-(-os.path.getsize(probe / partition_name(p)) // 4096) * 4096 for p in (0, 1))
     index = os.path.getsize(probe / INDEX_NAME)
     assert index > 60 << 10
     with tmpfs(tmp_path / "full", f"{(parts >> 10) + 24}k") as full:
-        proc = run_cli("pack", src, full / "store", *args)
+        proc = run_main("pack", src, full / "store", *args)
         line = assert_cli_error(proc, code=1, contains="no space left on device while writing")
         assert line.endswith(f"/{INDEX_NAME}") and f"{full}/store{TMP_MARK}" in line
         assert os.listdir(full) == []
@@ -287,8 +288,8 @@ def test_a_missing_partition_is_refused_and_verify_names_its_files(small_store, 
     assert lost
     if _fuse_ok:
         _assert_mount_refused(store, tmp_path / "mnt", 1, "partition part-00001.fsp is missing")
-    assert_cli_error(run_cli("cat", store, lost[0]), code=1, contains="is missing")
-    proc = run_cli("verify", store, "--no-progress")
+    assert_cli_error(run_main("cat", store, lost[0]), code=1, contains="is missing")
+    proc = run_main("verify", store, "--no-progress")
     assert proc.returncode == 1
     assert proc.stdout.splitlines() == [
         f"DAMAGED {rel}: partition part-00001.fsp is missing" for rel in lost]
@@ -307,7 +308,7 @@ def test_a_fifo_in_the_store_is_refused_not_waited_on(small_store, tmp_path, wha
     for args in (("info",), ("cat", "a.txt"), ("verify", "--no-progress")):
         if what == "partition" and args[0] == "info":
             continue  # info reads only the index
-        proc = run_cli(args[0], store, *args[1:], timeout=30)
+        proc = run_main(args[0], store, *args[1:], timeout=30)
         if args[0] == "verify" and what == "partition":
             assert proc.returncode == 1 and "partition is not a regular file" in proc.stdout
             continue
@@ -342,7 +343,7 @@ def test_a_fifo_index_fails_a_multi_rank_mount_instead_of_hanging(small_store, t
 
 def test_verify_of_a_missing_local_dir_is_an_error_not_all_intact(small_store, tmp_path):
     """Before the fix a mistyped --local-dir verified nothing and exited 0 ("all intact")."""
-    proc = run_cli("verify", small_store, "--local-dir", tmp_path / "nope", "--no-progress")
+    proc = run_main("verify", small_store, "--local-dir", tmp_path / "nope", "--no-progress")
     assert_cli_error(proc, code=1, contains=f"{tmp_path}/nope: no such directory")
 
 
@@ -422,7 +423,7 @@ def test_a_hostile_index_is_refused_by_every_command(small_store, tmp_path):
     store = copy_store(small_store, tmp_path / "s")
     expect = _hostile(store, "a NUL in a symlink target")
     for args in (("info",), ("ls",), ("cat", "a.txt"), ("verify", "--no-progress")):
-        proc = run_cli(args[0], store, *args[1:])
+        proc = run_main(args[0], store, *args[1:])
         line = assert_cli_error(proc, code=1, contains=expect)
         assert f"{store}/{INDEX_NAME}" in line, args
         assert proc.stdout == "", args
@@ -436,8 +437,8 @@ def test_info_of_an_index_with_partial_counts_is_not_an_internal_error(small_sto
     meta["counts"] = {"raw_bytes": index.meta["counts"]["raw_bytes"]}
     (store / INDEX_NAME).write_bytes(encode_index(meta, index.entries, index.chunks, None,
                                                   index.names, index.targets))
-    assert run_cli("cat", store, "a.txt", check=True).stdout == "alpha\n" * 100
-    proc = run_cli("info", store)
+    assert run_main("cat", store, "a.txt", check=True).stdout == "alpha\n" * 100
+    proc = run_main("info", store)
     assert_no_traceback(proc)  # no "internal error" either
     assert proc.returncode == 0, proc.stderr
 
@@ -506,7 +507,7 @@ def _kill_mid_read(data, tmp_path, replicas: bool, timeout: float = 2.0) -> dict
         assert sum(s["errors"] for s in stats.values()) == 0, stats
         # `fanstore umount` works on the survivors and on the dead rank's stale mount.
         for r in survivors:
-            res = run_cli("umount", job.mnt(r), timeout=90)
+            res = run_main("umount", job.mnt(r), timeout=90)
             assert res.returncode == 0, res.stderr
         assert wait_gone([job.mnt(r) for r in survivors], 60), job.output()[-3000:]
         # The dead node's frontend unmounted when its daemon died (issue 44).
@@ -649,7 +650,7 @@ def test_staging_killed_halfway_then_restarted_copies_only_what_is_missing_or_da
     assert not [n for n in os.listdir(local) if n.endswith(".partial")]
     ok, wrong, errors = read_tree_bytes(src, m)
     assert (ok, wrong, errors) == (96, [], [])
-    proc = run_cli("verify", store, "--local-dir", local, "--no-progress")
+    proc = run_main("verify", store, "--local-dir", local, "--no-progress")
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -950,11 +951,11 @@ def test_bit_rot_in_a_staged_copy_gives_eio_for_those_files_only(data, tmp_path,
         os.close(fd)
     stats = stats_json(m)
     assert stats["errors"] >= len(victims) and stats["refetched_from_replica"] == 0
-    proc = run_cli("verify", store, "--local-dir", local, "--no-progress")
+    proc = run_main("verify", store, "--local-dir", local, "--no-progress")
     assert proc.returncode == 1
     assert [ln.split(": ")[0] for ln in proc.stdout.splitlines()] == \
         [f"DAMAGED {rel}" for rel in sorted(bad)]
-    assert run_cli("verify", store, "--no-progress").returncode == 0  # the shared copy is fine
+    assert run_main("verify", store, "--no-progress").returncode == 0  # the shared copy is fine
 
 
 @per_frontend
@@ -971,9 +972,9 @@ def test_bit_rot_with_replicas_is_refetched_from_a_peer(data, tmp_path):
         stats = job.stats(0)
         assert stats["errors"] == 0
         assert stats["refetched_from_replica"] >= len(victims)
-        proc = run_cli("verify", store, "--local-dir", job.local_dir(0), "--no-progress")
+        proc = run_main("verify", store, "--local-dir", job.local_dir(0), "--no-progress")
         assert proc.returncode == 1
         assert sorted(ln.split(": ")[0] for ln in proc.stdout.splitlines()) == \
             sorted(f"DAMAGED {rel}" for rel, _ in victims)
-        proc = run_cli("verify", store, "--local-dir", job.local_dir(1), "--no-progress")
+        proc = run_main("verify", store, "--local-dir", job.local_dir(1), "--no-progress")
         assert proc.returncode == 0, proc.stdout

@@ -29,6 +29,7 @@ from helpers import (  # noqa: E402
     os_error,
     process_tree,
     run_cli,
+    run_main,
     stored_extent,
     vm_rss_kb,
 )
@@ -69,7 +70,7 @@ def jpeg_tree(tmp_path_factory) -> tuple[Path, dict[str, bytes], set[str]]:
 
 
 def _pack(src, dest, *extra) -> subprocess.CompletedProcess:
-    return run_cli("pack", src, dest, "--codec", "jpegxl", "--chunk-kb", str(CHUNK_KB),
+    return run_main("pack", src, dest, "--codec", "jpegxl", "--chunk-kb", str(CHUNK_KB),
                    "--partitions", "2", "--jobs", "2", "--no-progress", *extra, check=True)
 
 
@@ -117,7 +118,7 @@ def test_every_file_reads_back_through_the_api(jpeg_tree, jpeg_store) -> None:
     with fanstore.open_store(str(jpeg_store[0])) as store:
         for rel, data in files.items():
             assert store.read(rel) == data, rel
-    assert run_cli("verify", jpeg_store[0]).returncode == 0
+    assert run_main("verify", jpeg_store[0]).returncode == 0
 
 
 def test_every_file_reads_back_through_a_mount(jpeg_tree, jpeg_store, mounted) -> None:
@@ -187,9 +188,9 @@ def test_a_streamed_source_counts_the_same(jpeg_tree, jpeg_store, tmp_path) -> N
 
 def test_solid_blocks_are_refused(jpeg_tree, tmp_path) -> None:
     for extra in (("--solid-kb", "64"),):
-        proc = run_cli("pack", jpeg_tree[0], tmp_path / "x.fs", "--codec", "jpegxl", *extra)
+        proc = run_main("pack", jpeg_tree[0], tmp_path / "x.fs", "--codec", "jpegxl", *extra)
         assert_cli_error(proc, 2, "jpegxl takes whole files, not solid blocks")
-    proc = run_cli("pack", jpeg_tree[0], tmp_path / "y.fs", "--codec", "jpegxl+solid64k")
+    proc = run_main("pack", jpeg_tree[0], tmp_path / "y.fs", "--codec", "jpegxl+solid64k")
     assert_cli_error(proc, 2, "jpegxl takes whole files, not solid blocks")
 
 
@@ -242,7 +243,7 @@ _FIXED_STORAGE = ("--storage-mb-per-sec", "1000", "--storage-latency-us", "100")
 def _select(src, *args) -> dict:
     import json
 
-    proc = run_cli("select", src, "--json", "--cores", "2", *_FIXED_STORAGE, *args,
+    proc = run_main("select", src, "--json", "--cores", "2", *_FIXED_STORAGE, *args,
                    timeout=600)
     assert proc.returncode in (0, 3), proc.stderr
     return json.loads(proc.stdout)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 
 import numpy as np
 import pytest
@@ -24,9 +23,8 @@ from fanstore.select.bench import measure, measure_storage, measure_storage_acce
 from fanstore.select.policy import Budget, Cost, choose, choose_per_kind, meets, mix, node_rate
 from fanstore.select.report import check_met, to_json
 from fanstore.select.sample import draw_sample, list_source, npy_itemsize
+from helpers import run_cli, run_main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FANSTORE = os.path.join(ROOT, ".venv", "bin", "fanstore")
 MB = 1e6
 
 # A budget every candidate meets (1 MB/s, prefetch, fast storage) and one none can.
@@ -103,10 +101,6 @@ def select(src: str, **kw) -> object:
     opts = dict(LOOSE, sample_mb=8.0, encode_seconds=1.0, progress=False)
     opts.update(kw)
     return run_selection(src, SelectionOptions(**opts))
-
-
-def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([FANSTORE, *args], capture_output=True, text=True, timeout=timeout)
 
 
 # --------------------------------------------------------------------------- pure policy
@@ -732,34 +726,16 @@ def _names_tree(root) -> tuple[str, dict[str, bytes]]:
     return write_files(root, files), files
 
 
-def _fanstore(*args: str) -> tuple[int, str, str]:
-    """The ``fanstore`` command's ``main`` in this process: (status, stdout, stderr). The
-    same parsing and code as the command, without an interpreter's start per call (the
-    tests below run 54 of them)."""
-    import contextlib
-    import io
-
-    from fanstore.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([os.fspath(a) for a in args])
-    return code, out.getvalue(), err.getvalue()
-
-
 def _pack_and_check(src: str, dest, files: dict[str, bytes], *args: str) -> dict:
     """``fanstore pack SRC DEST ARGS``, every file read back byte-exact; ``info --json``."""
     import fanstore
     from compressors import parse_codec_spec
 
-    code, _, err = _fanstore("pack", src, dest, *args, "--partitions", "2", "--no-progress")
-    assert code == 0, (args, err)
+    run_main("pack", src, dest, *args, "--partitions", "2", "--no-progress", check=True)
     with fanstore.open_store(str(dest), cache_mb=0) as store:
         for rel, data in files.items():
             assert store.read(rel) == data, (args, rel)
-    code, out, err = _fanstore("info", dest, "--json")
-    assert code == 0, err
-    info = json.loads(out)
+    info = json.loads(run_main("info", dest, "--json", check=True).stdout)
     for spec in info["codec_chunks"]:  # what info lists is a spec pack takes too
         parse_codec_spec(spec)
     return info

@@ -31,6 +31,7 @@ from helpers import (
     assert_same_tree,
     make_small_tree,
     run_cli,
+    run_main,
     wait_until,
 )
 
@@ -84,13 +85,13 @@ def test_tar_of_the_special_tree_equals_the_tree(special_tree, special_store, tm
     archive = tmp_path / "special.tar"
     sh("tar", "-C", special_tree["root"], "-cf", archive, ".")
     dest = tmp_path / "store"
-    proc = run_cli("pack", archive, dest, *SPECIAL_PACK_ARGS, check=True, timeout=300)
+    proc = run_main("pack", archive, dest, *SPECIAL_PACK_ARGS, check=True, timeout=300)
     assert_no_traceback(proc)
     assert proc.stdout.splitlines()[0].startswith(
         f"packed {special_tree['files']:,} files, {special_tree['dirs']:,} directories, "
         f"{special_tree['symlinks_count']} symlinks into 4 partitions at {dest}")
     assert_same_index(dest, special_store)
-    assert run_cli("verify", dest, "--no-progress").returncode == 0
+    assert run_main("verify", dest, "--no-progress").returncode == 0
     with LocalStore(str(dest)) as s:
         assert s.read_file(os.path.relpath(special_tree["big"], special_tree["root"])) == \
             Path(special_tree["big"]).read_bytes()
@@ -108,7 +109,7 @@ def test_compressed_tars(small_tree, small_store, tmp_path, flag, tool):
     archive = tmp_path / f"small.tar.{tool}"
     sh("tar", flag, "-C", src, "-cf", archive, ".")
     dest = tmp_path / "store"
-    run_cli("pack", archive, dest, *SMALL_ARGS, check=True)
+    run_main("pack", archive, dest, *SMALL_ARGS, check=True)
     assert_same_index(dest, small_store)
     with LocalStore(str(dest)) as s:
         for rel, data in files.items():
@@ -120,7 +121,7 @@ def test_zip_of_the_special_tree_equals_the_tree(special_tree, special_store, tm
     archive = tmp_path / "special.zip"
     sh("zip", "-qry", archive, ".", cwd=special_tree["root"])  # -y: symlinks as links
     dest = tmp_path / "store"
-    run_cli("pack", archive, dest, *SPECIAL_PACK_ARGS, check=True, timeout=300)
+    run_main("pack", archive, dest, *SPECIAL_PACK_ARGS, check=True, timeout=300)
     assert_same_index(dest, special_store)
     with LocalStore(str(dest)) as s:
         rel = os.path.relpath(special_tree["non_utf8"], os.fsencode(special_tree["root"]))
@@ -148,14 +149,14 @@ def test_webdataset_shards_by_pattern_and_by_list(tmp_path):
     (tmp_path / "shards.txt").write_text("# webdataset shards\n" + "".join(
         f"shards-{k:03d}.tar\n" for k in range(3)))
     a, b = tmp_path / "by-pattern", tmp_path / "by-list"
-    run_cli("pack", tmp_path / "shards-{000..002}.tar", a, *SMALL_ARGS, check=True)
-    run_cli("pack", tmp_path / "shards.txt", b, *SMALL_ARGS, check=True)
+    run_main("pack", tmp_path / "shards-{000..002}.tar", a, *SMALL_ARGS, check=True)
+    run_main("pack", tmp_path / "shards.txt", b, *SMALL_ARGS, check=True)
     assert_same_index(a, b)
     with LocalStore(str(a)) as s:
         assert sorted(os.fsdecode(s.ns.name(e)) for e in s.ns.children(0)) == sorted(samples)
         for name, data in samples.items():
             assert s.read_file(name) == data
-    proc = run_cli("pack", tmp_path / "shards-{000..003}.tar", tmp_path / "c", *SMALL_ARGS)
+    proc = run_main("pack", tmp_path / "shards-{000..003}.tar", tmp_path / "c", *SMALL_ARGS)
     assert_cli_error(proc, code=2, contains="1 of 4 shards do not exist")
 
 
@@ -180,7 +181,7 @@ def test_directories_missing_from_the_tar_are_implied(tmp_path):
     archive = tmp_path / "files-only.tar"
     sh("tar", "-C", src, "--no-recursion", "-cf", archive, "a/b/x.txt", "a/y.txt")
     dest = tmp_path / "store"
-    run_cli("pack", archive, dest, *SMALL_ARGS, check=True)
+    run_main("pack", archive, dest, *SMALL_ARGS, check=True)
     with LocalStore(str(dest)) as s:
         st = {p: s.ns.stat(s.ns.resolve(p)) for p in ("", "a", "a/b")}
         assert all(x.kind == KIND_DIR and x.mode & 0o7777 == 0o755 for x in st.values())
@@ -244,7 +245,7 @@ def test_damaged_archives_fail_with_one_line(tmp_path, case):
         bad.write_bytes(b"\x1f\x8b" + os.urandom(5000))
         want = "corrupt gzip archive"
     dest = tmp_path / "store"
-    proc = run_cli("pack", bad, dest, *SMALL_ARGS)
+    proc = run_main("pack", bad, dest, *SMALL_ARGS)
     line = assert_cli_error(proc, code=1, contains=want)
     assert str(bad) in line
     no_leftovers(dest)
@@ -266,7 +267,7 @@ def test_names_that_escape_are_refused_and_never_written(tmp_path):
     assert "../victim.txt" in names and str(tmp_path / "victim.txt") in names
     before = sorted(p for p in tmp_path.rglob("*"))
     dest = tmp_path / "store"
-    proc = run_cli("pack", archive, dest, *SMALL_ARGS)
+    proc = run_main("pack", archive, dest, *SMALL_ARGS)
     assert_cli_error(proc, code=1, contains="2 entries cannot be packed")
     assert (f"fanstore: cannot pack {archive}: ../victim.txt: member name with '..' refused"
             in proc.stderr)
@@ -275,7 +276,7 @@ def test_names_that_escape_are_refused_and_never_written(tmp_path):
     no_leftovers(dest)
     assert sorted(p for p in tmp_path.rglob("*")) == before
     assert (tmp_path / "victim.txt").read_bytes() == b"original\n"
-    proc = run_cli("pack", archive, dest, *SMALL_ARGS, "--skip-unreadable", check=True)
+    proc = run_main("pack", archive, dest, *SMALL_ARGS, "--skip-unreadable", check=True)
     assert "skipped 2 entries (--skip-unreadable)" in proc.stdout
     assert table(dest).keys() == {b"", b"in", b"in/ok.txt"}
 
@@ -291,7 +292,7 @@ def test_duplicate_members_last_one_wins(tmp_path):
     (src / "a.txt").write_bytes(b"second, longer\n")
     sh("tar", "-C", src, "-rf", archive, "a.txt")  # appended: a.txt twice
     dest = tmp_path / "store"
-    proc = run_cli("pack", archive, dest, *SMALL_ARGS, check=True)
+    proc = run_main("pack", archive, dest, *SMALL_ARGS, check=True)
     assert proc.stderr.count("appears") == 1
     assert f"fanstore: warning: {archive}: a.txt appears 2 times; the last one is kept" \
         in proc.stderr
@@ -299,7 +300,7 @@ def test_duplicate_members_last_one_wins(tmp_path):
         assert s.read_file("a.txt") == b"second, longer\n"
         assert s.read_file("b.txt") == b"b\n"
         assert s.index.meta["counts"]["files"] == 2
-    assert run_cli("verify", dest, "--no-progress").returncode == 0
+    assert run_main("verify", dest, "--no-progress").returncode == 0
 
 
 def test_hard_links_become_copies_and_dangling_ones_are_refused(tmp_path):
@@ -316,7 +317,7 @@ def test_hard_links_become_copies_and_dangling_ones_are_refused(tmp_path):
                              check=True).stdout
     assert listing.count("link to ./a.bin") == 2, listing
     dest = tmp_path / "store"
-    proc = run_cli("pack", archive, dest, *SMALL_ARGS, check=True)
+    proc = run_main("pack", archive, dest, *SMALL_ARGS, check=True)
     assert len([ln for ln in proc.stderr.splitlines() if "hard link" in ln]) == 1
     assert (f"fanstore: {archive}: 2 hard links stored as copies of their targets (e.g. "
             "d/b.bin, a hard link to a.bin)") in proc.stderr
@@ -324,10 +325,10 @@ def test_hard_links_become_copies_and_dangling_ones_are_refused(tmp_path):
         for rel in ("a.bin", "d/b.bin", "d/c.bin"):
             assert s.ns.stat(s.ns.resolve(rel)).kind == KIND_FILE
             assert s.read_file(rel) == data
-    assert run_cli("verify", dest, "--no-progress").returncode == 0
+    assert run_main("verify", dest, "--no-progress").returncode == 0
     # The target deleted from the archive: the links point at nothing.
     sh("tar", "--delete", "-f", archive, "./a.bin")
-    proc = run_cli("pack", archive, tmp_path / "other", *SMALL_ARGS)
+    proc = run_main("pack", archive, tmp_path / "other", *SMALL_ARGS)
     assert_cli_error(proc, code=1, contains="2 entries cannot be packed")
     assert (f"cannot pack {archive}: ./d/b.bin: hard link to ./a.bin, which is not in the "
             "archive before it") in proc.stderr
@@ -353,7 +354,7 @@ def test_device_fifo_and_escaping_symlink_entries(tmp_path):
     if os.path.exists("/dev/null"):
         sh("tar", "-C", "/dev", "-rf", archive, "null")
     dest = tmp_path / "store"
-    proc = run_cli("pack", archive, dest, *SMALL_ARGS)
+    proc = run_main("pack", archive, dest, *SMALL_ARGS)
     n = 4 if os.path.exists("/dev/null") else 3
     assert_cli_error(proc, code=1, contains=f"{n} entries cannot be packed")
     assert f"{archive}: ./fifo: FIFO cannot be packed" in proc.stderr
@@ -362,19 +363,19 @@ def test_device_fifo_and_escaping_symlink_entries(tmp_path):
     if n == 4:
         assert f"{archive}: null: character device cannot be packed" in proc.stderr
     no_leftovers(dest)
-    run_cli("pack", archive, dest, *SMALL_ARGS, "--skip-unreadable", check=True)
+    run_main("pack", archive, dest, *SMALL_ARGS, "--skip-unreadable", check=True)
     with LocalStore(str(dest)) as s:
         assert set(table(dest)) == {b"", b"ok.txt", b"fine", b"escape", b"absolute"}
         assert s.ns.readlink(s.ns.resolve("fine")) == b"ok.txt"
         assert s.ns.readlink(s.ns.resolve("escape")) == b"../../etc/passwd"
         assert s.ns.readlink(s.ns.resolve("absolute")) == b"/etc/passwd"
     skipped = tmp_path / "skipped"
-    proc = run_cli("pack", archive, skipped, *SMALL_ARGS, "--skip-unreadable",
+    proc = run_main("pack", archive, skipped, *SMALL_ARGS, "--skip-unreadable",
                    "--symlinks", "skip")
     assert proc.returncode == 0, proc.stderr
     assert "1 symlinks (2 leading outside the source left out)" in proc.stdout
     assert set(table(skipped)) == {b"", b"ok.txt", b"fine"}
-    proc = run_cli("pack", archive, tmp_path / "followed", *SMALL_ARGS, "--symlinks", "follow")
+    proc = run_main("pack", archive, tmp_path / "followed", *SMALL_ARGS, "--symlinks", "follow")
     assert_cli_error(proc, code=2, contains="--symlinks follow needs a directory source; "
                                             "with a tar source give --symlinks store or skip")
     no_leftovers(tmp_path / "followed")
@@ -382,23 +383,23 @@ def test_device_fifo_and_escaping_symlink_entries(tmp_path):
 
 def test_sources_that_are_none_of_these(tmp_path):
     (tmp_path / "notes.bin").write_bytes(b"\0\1\2 not an archive")
-    proc = run_cli("pack", tmp_path / "notes.bin", tmp_path / "store")
+    proc = run_main("pack", tmp_path / "notes.bin", tmp_path / "store")
     assert_cli_error(proc, code=2, contains="is not a directory, a tar or zip archive")
-    proc = run_cli("pack", "ftp://host/x", tmp_path / "store")
+    proc = run_main("pack", "ftp://host/x", tmp_path / "store")
     assert_cli_error(proc, code=2, contains="unknown scheme ftp://")
     need("tar")
     src = tmp_path / "d"
     src.mkdir()
     (src / "f").write_bytes(b"f")
     sh("tar", "-C", src, "-cf", tmp_path / "x.tar", ".")
-    proc = run_cli("pack", tmp_path / "x.tar", tmp_path / "store", "--codec", "auto")
+    proc = run_main("pack", tmp_path / "x.tar", tmp_path / "store", "--codec", "auto")
     assert_cli_error(proc, code=2, contains="--codec auto needs a directory source")
     for args in (["--solid-kb", "64"], ["--codec", "zstd:3+dict"]):
-        proc = run_cli("pack", tmp_path / "x.tar", tmp_path / "store", *args)
+        proc = run_main("pack", tmp_path / "x.tar", tmp_path / "store", *args)
         assert_cli_error(proc, code=2, contains="needs a directory source; with a tar source")
     assert not (tmp_path / "store").exists()
     # No codec option: a streamed source gets zstd:3, and says so (nothing to sample first).
-    proc = run_cli("pack", tmp_path / "x.tar", tmp_path / "store", "--no-progress", check=True)
+    proc = run_main("pack", tmp_path / "x.tar", tmp_path / "store", "--no-progress", check=True)
     assert "a tar source is packed with zstd:3" in proc.stderr
     with LocalStore(str(tmp_path / "store")) as s:
         assert s.read_file("f") == b"f"
@@ -435,8 +436,8 @@ def test_tar_formats_pack_like_the_tree(tmp_path, fmt):
     archive = tmp_path / f"{fmt}.tar"
     sh("tar", f"--format={fmt}", "-C", src, "-cf", archive, ".")
     a, b = tmp_path / "from-tar", tmp_path / "from-dir"
-    run_cli("pack", archive, a, *SMALL_ARGS, check=True)
-    run_cli("pack", src, b, *SMALL_ARGS, check=True)
+    run_main("pack", archive, a, *SMALL_ARGS, check=True)
+    run_main("pack", src, b, *SMALL_ARGS, check=True)
     assert_same_index(a, b)
     with LocalStore(str(a)) as s:
         assert s.read_file(f"{'x' * 60}/{'y' * 60}/{'z' * 90}") == b"deep\n"
@@ -473,7 +474,7 @@ def test_tar_headers_written_by_python(tmp_path):
         add(tf, "olddir/", type=tarfile.AREGTYPE, mode=0o750)
         add(tf, "olddir/f", b"in the v7 directory\n")
     for archive in (pax, gnu, v7):
-        run_cli("pack", archive, tmp_path / archive.stem, *SMALL_ARGS, check=True)
+        run_main("pack", archive, tmp_path / archive.stem, *SMALL_ARGS, check=True)
     with LocalStore(str(tmp_path / "pax")) as s:
         assert set(table(tmp_path / "pax")) == {b"", b"renamed", b"renamed/by",
                                                 b"renamed/by/pax.txt", "n\u00e9.txt".encode()}
@@ -507,11 +508,11 @@ def test_sparse_members_are_refused_by_name(tmp_path, fmt):
     archive = tmp_path / "sparse.tar"
     sh("tar", "-S", f"--format={fmt}", "-C", src, "-cf", archive, "holes.img", "after.txt")
     dest = tmp_path / "store"
-    proc = run_cli("pack", archive, dest, *SMALL_ARGS)
+    proc = run_main("pack", archive, dest, *SMALL_ARGS)
     assert_cli_error(proc, code=1, contains="1 entry cannot be packed")
     assert f"cannot pack {archive}: holes.img: sparse file cannot be packed" in proc.stderr
     no_leftovers(dest)
-    run_cli("pack", archive, dest, *SMALL_ARGS, "--skip-unreadable", check=True)
+    run_main("pack", archive, dest, *SMALL_ARGS, "--skip-unreadable", check=True)
     assert set(table(dest)) == {b"", b"after.txt"}
     with LocalStore(str(dest)) as s:
         assert s.read_file("after.txt") == b"after the sparse file\n"
@@ -534,7 +535,7 @@ def test_a_damaged_header_is_an_error_not_the_end(tmp_path):
     bad = tmp_path / "bad.tar"
     bad.write_bytes(bytes(data))
     dest = tmp_path / "store"
-    proc = run_cli("pack", bad, dest, *SMALL_ARGS)
+    proc = run_main("pack", bad, dest, *SMALL_ARGS)
     assert_cli_error(proc, code=1, contains=f"{bad}: corrupt tar archive: bad header "
                                                    f"checksum (in the headers at byte {second:,}")
     no_leftovers(dest)
@@ -557,14 +558,14 @@ def test_the_store_does_not_depend_on_the_number_of_workers(tmp_path):
     stores = []
     for jobs in ("1", "3"):
         dest = tmp_path / f"store-{jobs}"
-        run_cli("pack", archive, dest, "--partitions", "3", "--chunk-kb", "16", "--jobs", jobs,
+        run_main("pack", archive, dest, "--partitions", "3", "--chunk-kb", "16", "--jobs", jobs,
                 "--no-progress", check=True)
         stores.append(dest)
     names = sorted(os.listdir(stores[0]))
     assert names == sorted(os.listdir(stores[1])) and len(names) == 4
     for n in names:
         assert (stores[0] / n).read_bytes() == (stores[1] / n).read_bytes(), n
-    assert run_cli("verify", stores[0], "--no-progress").returncode == 0
+    assert run_main("verify", stores[0], "--no-progress").returncode == 0
 
 
 @pytest.mark.long
@@ -920,7 +921,7 @@ def test_mount_a_store_staged_from_s3(s3_server, special_tree, mounted, tmp_path
     local = tmp_path / "local"
     mnt = mounted(url, "--local-dir", local, "--stage-jobs", "3", "--keep-local")
     assert assert_same_tree(special_tree["root"], mnt, check_mtime=True) > 3000
-    stats = run_cli("stats", mnt, "--json", check=True).stdout
+    stats = run_main("stats", mnt, "--json", check=True).stdout
     assert '"staged_partitions": 3' in stats
     assert sorted(n for n in os.listdir(local) if n.endswith(".fsp")) == [
         "part-00000.fsp", "part-00001.fsp", "part-00002.fsp"]
