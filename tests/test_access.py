@@ -42,6 +42,7 @@ from helpers import (
     is_mounted,
     process_tree,
     run_cli,
+    run_main,
 )
 from second_user import reachable_for_others, shared_test_dir
 
@@ -143,7 +144,7 @@ def test_a_0600_file_makes_a_store_no_other_user_can_read(other):
     with shared_test_dir() as d:
         src = _tree(Path(d) / "src")
         store = Path(d) / "store"
-        proc = run_cli("pack", src, store, *PACK, check=True)
+        proc = run_main("pack", src, store, *PACK, check=True)
         lines = _private_lines(proc)
         assert len(lines) == 1, proc.stderr  # said once, with an example and the way out
         assert lines[0].startswith("fanstore: ") and PRIVATE_LINE in lines[0]
@@ -160,7 +161,7 @@ def test_a_0600_file_makes_a_store_no_other_user_can_read(other):
         files = [store / "fanstore.idx", store / "part-00000.fsp", store / "part-00001.fsp"]
         assert other.open_each(*files) == {str(p): errno.EACCES for p in files}
         # the owner still reads it
-        assert run_cli("cat", store, "d/secret.txt", text=False, check=True).stdout == SECRET
+        assert run_main("cat", store, "d/secret.txt", text=False, check=True).stdout == SECRET
 
 
 @pytest.mark.skipif(not ROOT, reason="needs root to make a second user")
@@ -171,7 +172,7 @@ def test_a_public_tree_stays_shareable_and_shared_opts_out(other):
         for name, secret_mode, extra in (("public", 0o644, ()), ("opted", 0o600, ("--shared",))):
             src = _tree(Path(d) / f"src-{name}", secret_mode)
             store = Path(d) / f"store-{name}"
-            proc = run_cli("pack", src, store, *PACK, *extra, check=True)
+            proc = run_main("pack", src, store, *PACK, *extra, check=True)
             assert _private_lines(proc) == [], proc.stderr
             _assert_shared(store)
             r = other.fanstore("cat", store, "pub.txt", text=False)
@@ -186,7 +187,7 @@ def test_anything_others_may_not_read_makes_the_store_private(tmp_path, case):
     if case == "0700 source root":
         os.chmod(src, 0o700)
     store = tmp_path / "store"
-    proc = run_cli("pack", src, store, *PACK, check=True)
+    proc = run_main("pack", src, store, *PACK, check=True)
     lines = _private_lines(proc)
     assert len(lines) == 1, proc.stderr
     expect = {"0700 directory": "directory d (mode 0700)", "0640 file": "d/secret.txt (mode 0640)",
@@ -217,7 +218,7 @@ def test_a_streamed_source_follows_its_members_and_its_own_mode(tmp_path, kind, 
                                                                archive_mode, why):
     archive = _archive(tmp_path, kind, member_mode, archive_mode)
     store = tmp_path / "store"
-    proc = run_cli("pack", archive, store, *PACK, check=True)
+    proc = run_main("pack", archive, store, *PACK, check=True)
     lines = _private_lines(proc)
     if why is None:
         assert lines == [], proc.stderr
@@ -287,7 +288,7 @@ def test_staged_copies_follow_the_store(tmp_path):
     for name, secret_mode in (("private", 0o600), ("shared", 0o644)):
         src = _tree(tmp_path / f"src-{name}", secret_mode)
         store = tmp_path / f"store-{name}"
-        run_cli("pack", src, store, *PACK, check=True)
+        run_main("pack", src, store, *PACK, check=True)
         local = tmp_path / f"node-{name}" / "local"  # neither exists yet
         report = _stage(store, local)
         assert len(report.copied) == 2
@@ -317,7 +318,7 @@ def test_staging_never_writes_through_a_planted_symlink(tmp_path):
     untouched. Before: the .ok record was written through ``part-NNNNN.fsp.ok.tmp``."""
     src = _tree(tmp_path / "src", 0o644)
     store = tmp_path / "store"
-    run_cli("pack", src, store, *PACK, check=True)
+    run_main("pack", src, store, *PACK, check=True)
     local = tmp_path / "local"
     local.mkdir(mode=0o755)
     victims = {}
@@ -381,7 +382,7 @@ def test_a_local_dir_another_user_controls_is_refused(other_user, attack):
         os.chmod(d, 0o1777)  # like /tmp
         src = _tree(d / "src", 0o644)
         store = d / "store"
-        run_cli("pack", src, store, *PACK, check=True)
+        run_main("pack", src, store, *PACK, check=True)
         local = d / "local"
         victim = d / "root-dir"
         victim.mkdir()  # root's: the other user cannot write here, but could make root do it
@@ -468,7 +469,7 @@ def test_credentials_from_a_file_work_and_never_reach_a_command_line(
     url = f"s3://{bucket}/ds.fs"
 
     # Without the file there are no credentials at all: the file is what makes it work.
-    proc = run_cli("pack", src, url, *PACK)
+    proc = run_main("pack", src, url, *PACK)
     assert_cli_error(proc, contains="access denied")
 
     from helpers import FANSTORE
@@ -504,7 +505,7 @@ def test_credentials_in_argv_work_with_one_warning(s3_server, tmp_path, monkeypa
     inline = json.dumps({"key": "fanstore-test", "client_kwargs": {}, "secret": secret})
     src = _tree(tmp_path / "src", 0o644)
     url = f"s3://{s3_server.new_bucket()}/ds.fs"
-    proc = run_cli("pack", src, url, *PACK, "--storage-options", inline, check=True)
+    proc = run_main("pack", src, url, *PACK, "--storage-options", inline, check=True)
     warnings = [ln for ln in proc.stderr.splitlines() if ln.startswith("fanstore: warning:")]
     assert len(warnings) == 1, proc.stderr
     assert "--storage-options on the command line holds credentials (key, secret)" in \
@@ -515,13 +516,13 @@ def test_credentials_in_argv_work_with_one_warning(s3_server, tmp_path, monkeypa
     assert_cli_error(proc, code=2, contains="needs --local-dir")
     assert proc.stderr.count("fanstore: warning: --storage-options on the command line") == 1
     # no secret, no warning
-    proc = run_cli("ls", url, "--storage-options", json.dumps({"timeout": 10}))
+    proc = run_main("ls", url, "--storage-options", json.dumps({"timeout": 10}))
     assert "warning" not in proc.stderr
     # a file with the secret that others may read
     creds = tmp_path / "s3.json"
     creds.write_text(inline)
     os.chmod(creds, 0o644)
-    proc = run_cli("ls", url, "--storage-options", f"@{creds}", check=True)
+    proc = run_main("ls", url, "--storage-options", f"@{creds}", check=True)
     assert proc.stderr.count("fanstore: warning:") == 1, proc.stderr
     assert f"{creds} holds credentials (key, secret) but other users may read it (mode " \
            f"0644); chmod 600 {creds}" in proc.stderr
@@ -529,12 +530,12 @@ def test_credentials_in_argv_work_with_one_warning(s3_server, tmp_path, monkeypa
 
 
 def test_a_bad_options_file_is_one_line(tmp_path):
-    proc = run_cli("ls", "s3://bucket/ds.fs", "--storage-options", f"@{tmp_path}/missing")
+    proc = run_main("ls", "s3://bucket/ds.fs", "--storage-options", f"@{tmp_path}/missing")
     assert_cli_error(proc, code=2,
                      contains=f"--storage-options @{tmp_path}/missing: cannot read "
                               f"{tmp_path}/missing: No such file or directory")
     (tmp_path / "bad.json").write_text("[1, 2]")
-    proc = run_cli("ls", "s3://bucket/ds.fs", "--storage-options", f"@{tmp_path}/bad.json")
+    proc = run_main("ls", "s3://bucket/ds.fs", "--storage-options", f"@{tmp_path}/bad.json")
     assert_cli_error(proc, code=2, contains="expected a JSON object")
 
 

@@ -35,6 +35,7 @@ from helpers import (
     is_mounted,
     make_outside_links_tree,
     run_cli,
+    run_main,
 )
 from mpi_helpers import MpiJob, mpi_available
 
@@ -57,7 +58,7 @@ def tree(tmp_path_factory):
             (src / f"c{d}" / f"f{i:03d}.bin").write_bytes(data)
     os.symlink("c0/f001.bin", src / "alias")
     store = root / "store"
-    run_cli("pack", src, store, "--partitions", "4", "--chunk-kb", "64", "--no-progress",
+    run_main("pack", src, store, "--partitions", "4", "--chunk-kb", "64", "--no-progress",
             check=True)
     files = sorted(str(p.relative_to(src)) for p in src.rglob("*.bin"))
     return src, store, files
@@ -118,7 +119,7 @@ def test_symlinks_that_leave_the_store_are_a_clear_error(tmp_path):
     the link and its target, never the host's file; stat/exists look at the link itself."""
     tree = make_outside_links_tree(tmp_path)
     store = tmp_path / "store"
-    run_cli("pack", tree["root"], store, "--codec", "zstd:3", "--no-progress", check=True)
+    run_main("pack", tree["root"], store, "--codec", "zstd:3", "--no-progress", check=True)
     with fanstore.open_store(str(store)) as s:
         for rel in tree["leaving"]:
             target = tree["links"][rel]
@@ -139,7 +140,7 @@ def test_symlinks_that_leave_the_store_are_a_clear_error(tmp_path):
         with pytest.raises(NotFoundError) as info:
             s.read("inside_dangling")
         assert not isinstance(info.value, OutsideStoreError)
-    proc = run_cli("cat", store, "sub/rel")
+    proc = run_main("cat", store, "sub/rel")
     line = assert_cli_error(proc, code=1, contains="symlink 'sub/rel' -> '../../outside.txt' "
                                                    "leads outside the store")
     assert proc.stdout == "" and proc.stderr.strip() == line
@@ -206,7 +207,7 @@ def test_mount_reads_every_file_byte_exact_and_after_fork(tree, mounted):
         # Local partitions are read in the reader's own process, not by the daemon.
         mine = s.reader.stats
         assert mine.reads == 300 and mine.local_reads >= 300 and mine.remote_reads == 0
-        daemon = json.loads(run_cli("stats", mnt, "--json", check=True).stdout)
+        daemon = json.loads(run_main("stats", mnt, "--json", check=True).stdout)
         assert daemon["reads"] == 0 and daemon["local_reads"] == 0
         assert s.stats()["reads"] == 300  # the node's counters plus this process's
 
@@ -218,7 +219,7 @@ def test_prefetch_needs_prefetch_mode(tree, mounted, tmp_path):
     mnt = mounted(store)
     order = tmp_path / "order.txt"
     order.write_text("\n".join(files) + "\n")
-    res = run_cli("prefetch", mnt, "--list", order)
+    res = run_main("prefetch", mnt, "--list", order)
     assert res.returncode != 0
     assert "sync mode" in res.stderr and "--mode prefetch" in res.stderr
     assert_no_traceback(res)
@@ -326,6 +327,6 @@ def test_dataloader_over_a_prefetch_mount(tree, mounted):
     for _epoch, _rank, order, sizes in epochs:
         assert sorted(order) == list(range(300))
         assert sizes == [os.path.getsize(src / ds.files[i]) for i in order]
-    stats = json.loads(run_cli("stats", mnt, "--json", check=True).stdout)
+    stats = json.loads(run_main("stats", mnt, "--json", check=True).stdout)
     assert stats["prefetch_pushed"] > 0 and stats["prefetch_orders"] >= 2
     assert stats["errors"] == 0

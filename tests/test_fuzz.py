@@ -65,7 +65,7 @@ from fanstore.format.partition import (
 from fanstore.read import LocalPartitions
 from fanstore.store import LocalStore
 from fanstore.verify import verify_store
-from helpers import run_cli
+from helpers import run_cli, run_main
 
 #: Cases per target in the default run and in the slow suite.
 FAST = 300
@@ -128,7 +128,7 @@ def base(tmp_path_factory):
     os.symlink("d2", src / "d1" / "to_dir")
     (src / "emptydir").mkdir()
     store = root / "store"
-    run_cli("pack", src, store, "--partitions", "3", "--chunk-kb", "4", "--jobs", "1",
+    run_main("pack", src, store, "--partitions", "3", "--chunk-kb", "4", "--jobs", "1",
             "--codec", "zstd:1", "--no-progress", check=True)
     scratch = root / "scratch"
     shutil.copytree(store, scratch)

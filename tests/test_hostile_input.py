@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import FANSTORE, assert_cli_error, assert_no_traceback, run_cli
+from helpers import FANSTORE, assert_cli_error, assert_no_traceback, run_cli, run_main
 
 import fanstore
 from fanstore.errors import OutsideStoreError
@@ -181,7 +181,7 @@ def test_zip_members_sharing_their_bytes_are_refused(tmp_path):
              "crc": zlib.crc32(data), "size": len(data)}
     archive = tmp_path / "shared.zip"
     archive.write_bytes(_zip([first] + [dict(first, offset=0) for _ in range(20)]))
-    proc = run_cli("pack", archive, tmp_path / "store", *PACK_ARGS)
+    proc = run_main("pack", archive, tmp_path / "store", *PACK_ARGS)
     line = assert_cli_error(proc, code=1, contains="members 'a' and 'a' overlap")
     assert str(archive) in line
     assert not (tmp_path / "store").exists()
@@ -382,13 +382,13 @@ def test_out_of_range_archive_times_are_clamped(tmp_path, case, want):
         parts = [_member(b"f", b"0", b"data\n", mtime=_b256(n))]
     archive = tmp_path / "times.tar"
     archive.write_bytes(b"".join(parts) + END)
-    proc = run_cli("pack", archive, tmp_path / "store", *PACK_ARGS)
+    proc = run_main("pack", archive, tmp_path / "store", *PACK_ARGS)
     assert_no_traceback(proc)
     assert proc.returncode == 0, proc.stderr
     with LocalStore(str(tmp_path / "store")) as s:
         assert s.read_file("f") == b"data\n"
         assert s.ns.stat(s.ns.resolve("f")).mtime_ns == want
-    proc = run_cli("ls", "-l", tmp_path / "store")
+    proc = run_main("ls", "-l", tmp_path / "store")
     assert proc.returncode == 0 and " f" in proc.stdout, proc.stderr
     assert_no_traceback(proc)
 
@@ -409,7 +409,7 @@ def test_out_of_range_directory_times_are_clamped(tmp_path):
     past = os.stat(src / "past").st_mtime_ns
     if future <= MTIME_MAX_NS:
         pytest.skip(f"this file system keeps no time beyond 2262 ({future} ns)")
-    proc = run_cli("pack", src, tmp_path / "store", *PACK_ARGS)
+    proc = run_main("pack", src, tmp_path / "store", *PACK_ARGS)
     assert_no_traceback(proc)
     assert proc.returncode == 0, proc.stderr
     with LocalStore(str(tmp_path / "store")) as s:
@@ -466,11 +466,11 @@ def test_symlink_chains_are_judged_the_same_in_a_directory_and_an_archive(tmp_pa
     refused = {name: why for name, _, why in CHAINS if why and why != LEAVES}
     for source, prefix in ((src, f"{src}/"), (archive, f"{archive}: ")):
         store = tmp_path / f"store-{Path(source).name}"
-        proc = run_cli("pack", source, store, *PACK_ARGS)
+        proc = run_main("pack", source, store, *PACK_ARGS)
         assert_cli_error(proc, code=1, contains=f"{len(refused)} entries cannot be packed")
         for name, why in refused.items():
             assert f"cannot pack {prefix}{name}: {why}" in proc.stderr, (name, proc.stderr)
-        proc = run_cli("pack", source, store, *PACK_ARGS, "--skip-unreadable")
+        proc = run_main("pack", source, store, *PACK_ARGS, "--skip-unreadable")
         assert proc.returncode == 0, proc.stderr
         assert _symlinks_of(store) == {n: t for n, t, why in CHAINS if why in (None, LEAVES)}
         with LocalStore(str(store)) as s:
@@ -479,7 +479,7 @@ def test_symlink_chains_are_judged_the_same_in_a_directory_and_an_archive(tmp_pa
             with pytest.raises(OutsideStoreError, match="symlink 'c' -> 'a/b/..' leads "
                                                         "outside the store"):
                 s.read_file("via2")
-        proc = run_cli("pack", source, store, *PACK_ARGS, "--skip-unreadable", "--force",
+        proc = run_main("pack", source, store, *PACK_ARGS, "--skip-unreadable", "--force",
                        "--symlinks", "skip")
         assert proc.returncode == 0, proc.stderr
         assert "(3 leading outside the source left out)" in proc.stdout
@@ -497,7 +497,7 @@ def _store_with_targets(tmp_path: Path, targets: dict[str, bytes]) -> Path:
     for name in ("c", "l1", "l2"):
         os.symlink("f", src / name)
     store = tmp_path / "store"
-    run_cli("pack", src, store, *PACK_ARGS, check=True)
+    run_main("pack", src, store, *PACK_ARGS, check=True)
     index = read_index(str(store))
     e = {k: np.array(v) for k, v in index.entries.items()}
     blob = bytearray()
@@ -523,12 +523,12 @@ def test_a_store_whose_chain_climbs_out_is_read_only_inside(tmp_path, target):
     readers stop at the store's edge: never a file the path does not name on the mount."""
     store = _store_with_targets(tmp_path, {"c": target})
     for args in (("cat", store, "c/f"), ("cat", store, "c")):
-        proc = run_cli(*args)
+        proc = run_main(*args)
         assert_cli_error(proc, code=1, contains="symlink 'c' -> "
                          f"'{target.decode()}' leads outside the store")
         assert proc.stdout == ""
     for args in (("cat", store, "f"), ("verify", store, "--no-progress"), ("ls", store)):
-        proc = run_cli(*args)
+        proc = run_main(*args)
         assert proc.returncode == 0, (args, proc.stderr)
     with fanstore.open_store(str(store)) as s:
         assert s.read("f") == b"the f\n"
@@ -565,6 +565,6 @@ def test_validating_deep_symlinks_takes_linear_time(tmp_path):
     store.mkdir()
     (store / INDEX_NAME).write_bytes(encode_index(meta, b.entries, b.chunks, b.build_lookup(),
                                                   bytes(b.names), bytes(b.targets)))
-    proc = run_cli("ls", store, timeout=60)
+    proc = run_main("ls", store, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["d/"]

@@ -23,6 +23,7 @@ from helpers import (
     fuse_available,
     is_mounted,
     run_cli,
+    run_main,
     stats_json,
     tmpfs,
 )
@@ -275,7 +276,7 @@ def dataset(tmp_path_factory):
     (src / "val").mkdir()
     (src / "val" / "v.bin").write_bytes(rng.randbytes(30_000))
     store = root / "store"
-    run_cli("pack", src, store, "--partitions", "8", "--chunk-kb", "64", "--codec", "zstd:3",
+    run_main("pack", src, store, "--partitions", "8", "--chunk-kb", "64", "--codec", "zstd:3",
             "--broadcast", "val", "--jobs", "2", "--no-progress", check=True)
     index = read_index(str(store))
     sizes = [p.size for p in index.partitions]
@@ -295,7 +296,7 @@ def staged(local: Path) -> set[int]:
 def test_info_local_capacity_table_and_json(dataset):
     fullest = R.fullest_bytes(dataset.sizes, dataset.flags, 4)
     cap = fullest[1]  # exactly two copies on 4 nodes
-    proc = run_cli("info", dataset.store, "--local-capacity", str(cap), check=True)
+    proc = run_main("info", dataset.store, "--local-capacity", str(cap), check=True)
     lines = proc.stdout.splitlines()
     at = lines.index(f"local capacity {show_size(cap)} per node: copies that fit "
                      "(--replicas auto)")
@@ -305,19 +306,19 @@ def test_info_local_capacity_table_and_json(dataset):
     assert rows[4][2] == (f"{show_size(fullest[1])} (3 copies would need "
                           f"{show_size(fullest[2])})")
     assert rows[1][1] == "0" and rows[1][2].startswith("nothing fits: one copy needs ")
-    doc = json.loads(run_cli("info", dataset.store, "--local-capacity", str(cap), "--nodes",
+    doc = json.loads(run_main("info", dataset.store, "--local-capacity", str(cap), "--nodes",
                              "4", "--json", check=True).stdout)
     assert doc["local_capacity"] == {"bytes": cap, "fits": [{
         "nodes": 4, "replicas": 2, "node_bytes": fullest[1], "one_copy_node_bytes": fullest[0],
         "next_copy_node_bytes": fullest[2], "every_partition_on_every_node": False}]}
     whole = sum(dataset.sizes)
-    doc = json.loads(run_cli("info", dataset.store, "--local-capacity", "1G", "--nodes", "3",
+    doc = json.loads(run_main("info", dataset.store, "--local-capacity", "1G", "--nodes", "3",
                              "--json", check=True).stdout)
     assert doc["local_capacity"]["fits"][0]["replicas"] == 3
     assert doc["local_capacity"]["fits"][0]["every_partition_on_every_node"]
     assert doc["local_capacity"]["fits"][0]["node_bytes"] == whole
     assert "local_capacity" not in json.loads(
-        run_cli("info", dataset.store, "--json", check=True).stdout)
+        run_main("info", dataset.store, "--json", check=True).stdout)
 
 
 def test_bad_capacity_and_replicas_values_are_one_line_and_exit_2(dataset, tmp_path):
@@ -340,7 +341,7 @@ def test_bad_capacity_and_replicas_values_are_one_line_and_exit_2(dataset, tmp_p
          "--local-capacity is the room for staged partitions: it needs --local-dir"),
         (("select", dataset.src, "--local-capacity", "big"), "expected a size such as 500G"),
     ]:
-        assert_cli_error(run_cli(*args), 2, message)
+        assert_cli_error((run_cli if args[0] == "mount" else run_main)(*args), 2, message)
     assert not is_mounted(mnt) and not (tmp_path / "l").exists()
 
 
@@ -351,7 +352,7 @@ def test_mount_help_describes_auto():
 
 
 def test_select_says_how_many_copies_fit(dataset):
-    proc = run_cli("select", dataset.src, "--reader", "api", "--sample-mb", "1",
+    proc = run_main("select", dataset.src, "--reader", "api", "--sample-mb", "1",
                    "--mode", "prefetch", "--mb-per-sec", "1", "--cores", "2",
                    "--storage-mb-per-sec", "100000", "--local-capacity", "1K", "--json",
                    "--trials", "0",
@@ -365,7 +366,7 @@ def test_select_says_how_many_copies_fit(dataset):
     assert fits["min_nodes_one_copy"] == -(-stored // 1024)
     assert not fits["every_partition_on_every_node"]
     assert fits["copies_per_node"] == round(1024 / stored, 2)
-    proc = run_cli("select", dataset.src, "--reader", "api", "--sample-mb", "1",
+    proc = run_main("select", dataset.src, "--reader", "api", "--sample-mb", "1",
                    "--mode", "prefetch", "--mb-per-sec", "1", "--cores", "2",
                    "--storage-mb-per-sec", "100000", "--local-capacity", "1G", "--trials", "0",
                    check=True, timeout=300)

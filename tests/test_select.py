@@ -619,7 +619,7 @@ def test_cli_impossible_budget_exits_3(tmp_path):
     assert "no codec meets the budget" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert "<- chosen" in proc.stdout  # the table is printed before the error
-    proc = run_cli(*args, "--json")
+    proc = run_main(*args, "--json")
     assert proc.returncode == 3
     doc = json.loads(proc.stdout)
     assert doc["met"] is False and doc["chosen"]
@@ -627,15 +627,15 @@ def test_cli_impossible_budget_exits_3(tmp_path):
 
 
 def test_cli_usage_errors(tmp_path):
-    proc = run_cli("select", str(tmp_path / "missing"), "--mb-per-sec", "1")
+    proc = run_main("select", str(tmp_path / "missing"), "--mb-per-sec", "1")
     assert proc.returncode == 2 and "does not exist" in proc.stderr
     assert "Traceback" not in proc.stderr
-    proc = run_cli("select", str(tmp_path), "--mb-per-sec", "1", "--files-per-sec", "1")
+    proc = run_main("select", str(tmp_path), "--mb-per-sec", "1", "--files-per-sec", "1")
     assert proc.returncode == 2
-    proc = run_cli("select", str(tmp_path), "--storage-latency-us", "-5")
+    proc = run_main("select", str(tmp_path), "--storage-latency-us", "-5")
     assert proc.returncode == 2 and "--storage-latency-us must be a number >= 0" in proc.stderr
     assert "Traceback" not in proc.stderr
-    proc = run_cli("select", str(tmp_path), "--rounds", "0")
+    proc = run_main("select", str(tmp_path), "--rounds", "0")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "--rounds" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -646,11 +646,11 @@ def test_pack_auto_records_the_choice(tmp_path):
     dest = str(tmp_path / "store")
     # the choice recorded, not measured (--trials 0): a pack --codec auto whose finalists
     # are measured is test_select_measure's test_check_reads_a_live_mount_and_a_store_...
-    proc = run_cli("pack", src, dest, "--codec", "auto", *LOOSE_ARGS, "--sample-mb", "4",
+    proc = run_main("pack", src, dest, "--codec", "auto", *LOOSE_ARGS, "--sample-mb", "4",
                    "--trials", "0", "--partitions", "1", "--no-progress")
     assert proc.returncode == 0, proc.stderr
     assert "codec selection:" in proc.stderr
-    info = json.loads(run_cli("info", dest, "--json").stdout)
+    info = json.loads(run_main("info", dest, "--json").stdout)
     sel = info["selection"]
     assert sel["mode"] == "prefetch" and sel["met"] is True
     assert ":shuffle:4" in sel["chosen"] or ":bitshuffle:4" in sel["chosen"]
@@ -663,7 +663,7 @@ def test_pack_auto_per_kind_applies_the_policy(tmp_path):
     dest = str(tmp_path / "store")
     # --trials 2: `none` and one single codec are measured, then the mix (always); read
     # through the Python API (sync): a trial round through a mount is test_select_measure's
-    proc = run_cli("pack", src, dest, "--codec", "auto", "--per-kind", "--mode", "sync",
+    proc = run_main("pack", src, dest, "--codec", "auto", "--per-kind", "--mode", "sync",
                    "--mb-per-sec", "1", "--cores", "2", "--storage-mb-per-sec", "100000",
                    "--reader", "api", "--sample-mb", "4", "--trials", "2", "--partitions", "2",
                    "--no-progress")
@@ -746,7 +746,7 @@ def test_every_name_select_prints_is_a_codec_pack_takes(tmp_path):
     """The names of a real selection (one codec, per kind, the extras per kind) go to
     `pack --codec` as they are, and pack applies what they say."""
     src, files = _names_tree(tmp_path / "src")
-    proc = run_cli("select", src, "--per-kind", "--json", "--sample-mb", "2", "--reader", "api",
+    proc = run_main("select", src, "--per-kind", "--json", "--sample-mb", "2", "--reader", "api",
                    "--trials", "0", *LOOSE_ARGS, timeout=300)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
@@ -771,9 +771,9 @@ def test_the_report_ends_with_the_pack_command(tmp_path):
 
     src, files = _names_tree(tmp_path / "src")
     args = ["--sample-mb", "2", "--reader", "api", "--trials", "0", *LOOSE_ARGS]
-    text = run_cli("select", src, *args, timeout=300)
+    text = run_main("select", src, *args, timeout=300)
     assert text.returncode == 0, text.stderr
-    doc = json.loads(run_cli("select", src, "--json", *args, timeout=300).stdout)
+    doc = json.loads(run_main("select", src, "--json", *args, timeout=300).stdout)
     assert list(doc)[-1] == "pack_command"
     want = f"fanstore pack {src} DEST --codec {doc['chosen']}"
     assert doc["pack_command"] == want
@@ -787,7 +787,7 @@ def test_the_report_ends_with_the_pack_command(tmp_path):
     info = run(doc["pack_command"], tmp_path / "one")
     assert "selection" not in info or info["selection"] is None  # a pinned codec
 
-    per_kind = json.loads(run_cli("select", src, "--json", "--per-kind", *args,
+    per_kind = json.loads(run_main("select", src, "--json", "--per-kind", *args,
                                   timeout=300).stdout)
     assert per_kind["met"] and list(per_kind)[-1] == "pack_command"
     chosen = per_kind["chosen"]
@@ -810,14 +810,14 @@ def test_the_report_ends_with_the_pack_command(tmp_path):
     check = ["--report", str(report), "--reader", "api", "--mode", "sync"]
     for store, want, mix in (("mix", mix_pred, per_kind["per_kind"]),
                              ("single", single_pred, None)):
-        out = json.loads(run_cli("select", "--check", str(tmp_path / store), *check, "--json",
+        out = json.loads(run_main("select", "--check", str(tmp_path / store), *check, "--json",
                                  timeout=300).stdout)
         assert out["predicted"]["files_per_s"] == want["files_per_s"], store
         assert out["predicted"]["mb_per_s"] == want["mb_per_s"], store
         assert out["predicted"]["per_kind"] == mix, store
         assert out["measured_over_predicted"] == pytest.approx(
             out["measured"]["files_per_s"] / want["files_per_s"], rel=1e-2, abs=1e-3)
-    text = run_cli("select", "--check", str(tmp_path / "mix"), *check, timeout=300).stdout
+    text = run_main("select", "--check", str(tmp_path / "mix"), *check, timeout=300).stdout
     line = next(x for x in text.splitlines() if x.startswith("predicted "))
     assert "for the per-kind mix (" + ", ".join(
         f"{k}={v}" for k, v in sorted(per_kind["per_kind"].items())) + ")" in line
@@ -843,7 +843,7 @@ def test_the_report_ends_with_the_pack_command(tmp_path):
 ])
 def test_codec_spec_usage_errors(tmp_path, args, message):
     src = write_files(tmp_path / "src", {"a.txt": b"abc"})
-    proc = run_cli("pack", src, str(tmp_path / "s"), *args, "--no-progress")
+    proc = run_main("pack", src, str(tmp_path / "s"), *args, "--no-progress")
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
     assert not (tmp_path / "s").exists()
@@ -883,10 +883,10 @@ def test_the_report_says_which_kinds_it_reads_at_random_offsets(tmp_path):
     for i in range(40):
         (src / "t" / f"{i}.txt").write_bytes(b"some words again " * (50 + i))
     args = ["--sample-mb", "1", "--reader", "api", "--trials", "0", *LOOSE_ARGS]
-    doc = json.loads(run_cli("select", src, "--json", *args, timeout=300).stdout)
+    doc = json.loads(run_main("select", src, "--json", *args, timeout=300).stdout)
     assert doc["kinds"]["h5/large"]["access"] == "random"
     assert doc["kinds"]["txt/tiny"]["access"] == "whole"
-    text = run_cli("select", src, *args, timeout=300)
+    text = run_main("select", src, *args, timeout=300)
     assert text.returncode == 0, text.stderr
     line = next(x for x in text.stdout.splitlines() if x.startswith("access"))
     assert "h5/large: read at random offsets" in line and "once per node" in line

@@ -17,7 +17,7 @@ import os
 import numpy as np
 import pytest
 from helpers import (TESTS_DIR, assert_cli_error, assert_no_traceback, cleanup_mount,
-                     mount_store, run_cli)
+                     mount_store, run_cli, run_main)
 
 from fanstore.select import finalists
 from fanstore.select.calibrate import reader_cost
@@ -581,7 +581,7 @@ def test_the_report_pack_command_packs_the_store_it_measured(tmp_path):
     dest = tmp_path / "packed"
     words = shlex.split(pack_command(res, dest=str(dest)))
     assert words[:2] == ["fanstore", "pack"] and words[words.index("--seed") + 1] == "7"
-    run_cli(*words[1:], "--no-progress", check=True, timeout=300)
+    run_main(*words[1:], "--no-progress", check=True, timeout=300)
     index = read_index(str(dest))
     stored = [get_codec(cfg).dict_data for cfg in index.codecs if "dict" in cfg]
     assert sorted(stored) == sorted(measured.values())
