@@ -44,6 +44,7 @@ from helpers import (
     os_error,
     pid_alive,
     run_cli,
+    run_main,
     set_index_version,
     wait_until,
 )
@@ -241,7 +242,7 @@ def test_symlinks_that_leave_the_store_are_shown_as_they_are(tmp_path, mounted):
 
     tree = make_outside_links_tree(tmp_path)
     store = tmp_path / "store"
-    run_cli("pack", tree["root"], store, "--codec", "zstd:3", "--no-progress", check=True)
+    run_main("pack", tree["root"], store, "--codec", "zstd:3", "--no-progress", check=True)
     mnt = mounted(store)
     assert mnt.parent == tmp_path
     for rel, target in tree["links"].items():
@@ -369,7 +370,7 @@ def test_eight_concurrent_reader_processes(mounted, special_store, special_tree,
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err
         assert json.loads(out) == expected
-    stats = json.loads(run_cli("stats", m, "--json", check=True).stdout)
+    stats = json.loads(run_main("stats", m, "--json", check=True).stdout)
     assert stats["errors"] == 0
     if frontend == "pyfuse3":
         assert stats["opens"] >= len(rels)
@@ -390,7 +391,7 @@ def test_stats_counters_move_when_reading(mounted, special_store, special_tree, 
     m = mounted(special_store, "--workers", "1")
 
     def stats():
-        return json.loads(run_cli("stats", m, "--json", check=True).stdout)
+        return json.loads(run_main("stats", m, "--json", check=True).stdout)
 
     before = stats()
     for key in ("opens", "reads", "cache_hits", "cache_misses", "local_reads", "remote_reads",
@@ -414,7 +415,7 @@ def test_stats_counters_move_when_reading(mounted, special_store, special_tree, 
     assert _read(os.path.join(m, "chunks/two_exact.bin")) == expected
     final = stats()
     assert final["chunks_decoded"] == after["chunks_decoded"] + 1  # chunk 1 only
-    human = run_cli("stats", m, check=True).stdout
+    human = run_main("stats", m, check=True).stdout
     assert re.search(rf"^opens +{final['opens']}$", human, re.M), human
 
 
@@ -443,10 +444,10 @@ def test_damaged_files_give_eio_and_the_rest_reads_right(mounted, small_store, s
         assert os_error(os.pread, fd, 10, 4096) == errno.EIO
     finally:
         os.close(fd)
-    stats = json.loads(run_cli("stats", m, "--json", check=True).stdout)
+    stats = json.loads(run_main("stats", m, "--json", check=True).stdout)
     assert stats["errors"] >= 2
     # verify agrees on exactly which files are damaged.
-    proc = run_cli("verify", store, "--no-progress")
+    proc = run_main("verify", store, "--no-progress")
     assert proc.returncode == 1
     assert [ln.split(":")[0] for ln in proc.stdout.splitlines()] == [
         "DAMAGED a.txt", "DAMAGED sub/deeper/d.txt"]
@@ -557,7 +558,7 @@ def test_mount_usage_errors(small_store, tmp_path, mounted):
 def test_empty_store_mounts(mounted, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    run_cli("pack", src, tmp_path / "store", "--partitions", "1", "--no-progress", check=True)
+    run_main("pack", src, tmp_path / "store", "--partitions", "1", "--no-progress", check=True)
     m = mounted(tmp_path / "store")
     assert os.listdir(m) == []
     assert os.statvfs(m).f_files == 1
@@ -569,25 +570,25 @@ def test_empty_store_mounts(mounted, tmp_path):
 def test_umount(mounted, small_store):
     m = mounted(small_store)
     pid = daemon_pid(m)
-    proc = run_cli("umount", m)
+    proc = run_main("umount", m)
     assert proc.returncode == 0, proc.stderr
     assert not is_mounted(m) and wait_until(lambda: not pid_alive(pid), 10)
     assert os.listdir(m) == []  # the empty mount point directory again
-    assert_cli_error(run_cli("umount", m), code=1, contains="is not mounted")
+    assert_cli_error(run_main("umount", m), code=1, contains="is not mounted")
 
 
 def test_umount_of_a_busy_mount_refuses_without_lazy(mounted, small_store, small_tree):
     m = mounted(small_store)
     fd = os.open(os.path.join(m, "a.txt"), os.O_RDONLY)
     try:
-        proc = run_cli("umount", m)
+        proc = run_main("umount", m)
         refused = proc.returncode == 1 and "is busy" in proc.stderr and "--lazy" in proc.stderr
         still_mounted = is_mounted(m)
         read_error = os_error(os.pread, fd, 5, 0)
     finally:
         os_error(os.close, fd)
     assert (refused, still_mounted, read_error) == (True, True, None), proc.stderr
-    assert run_cli("umount", m, "--lazy").returncode == 0
+    assert run_main("umount", m, "--lazy").returncode == 0
     assert not is_mounted(m)
 
 
@@ -669,7 +670,7 @@ def test_a_killed_worker_is_replaced_and_reads_go_on(mounted, small_store, small
         for rel, data in small_tree[1].items():
             assert _read(os.path.join(m, rel), os.O_DIRECT) == data
     serving = process_tree(pid)
-    assert run_cli("umount", m).returncode == 0
+    assert run_main("umount", m).returncode == 0
     assert wait_until(lambda: not any(pid_alive(p) for p in serving), 15)
     assert "replac" in log.read_text().lower()
 
@@ -683,7 +684,7 @@ def test_crashed_daemon_leaves_a_stale_mount_that_umount_cleans(mounted, small_s
     rt = runtime.MountRuntime.find(str(m))
     _crash(m)
     assert os.path.isdir(rt.path)
-    proc = run_cli("umount", m)
+    proc = run_main("umount", m)
     assert proc.returncode == 0, proc.stderr
     assert not is_mounted(m) and os.listdir(m) == []
     assert not os.path.exists(rt.path)
@@ -696,7 +697,7 @@ def test_umount_leaves_no_runtime_directory(mounted, small_store):
     rt = runtime.MountRuntime.find(str(m))
     assert "state.json" in os.listdir(rt.path)
     pid = daemon_pid(m)
-    assert run_cli("umount", m).returncode == 0
+    assert run_main("umount", m).returncode == 0
     assert wait_until(lambda: not pid_alive(pid), 15), "the daemon did not exit"
     assert not os.path.exists(rt.path), os.listdir(rt.path)
     assert os.path.isdir(rt.root)  # the root stays: other mounts of this user use it
@@ -729,7 +730,7 @@ def test_times_before_1970_stat_without_a_listing_first(mounted, tmp_path):
     when_ns = -1_000_000_000 * 1_000_000_000 + 123  # 1938-04-24, with nanoseconds
     os.utime(old, ns=(when_ns, when_ns))
     store = tmp_path / "store"
-    run_cli("pack", src, store, "--codec", "zstd:3", "--no-progress", check=True)
+    run_main("pack", src, store, "--codec", "zstd:3", "--no-progress", check=True)
     m = mounted(store)
     st = os.stat(m / "old.txt")  # no listing first
     assert st.st_mtime_ns == when_ns
@@ -775,7 +776,7 @@ def test_a_directory_with_unsorted_names_is_eio_alone(mounted, tmp_path, how):
 
     src, store = tmp_path / "src", tmp_path / "store"
     files = make_small_tree(src)
-    run_cli("pack", src, store, "--no-progress", check=True)
+    run_main("pack", src, store, "--no-progress", check=True)
     damage_directory(store, "sub/deeper", how)
     mnt = mounted(store, "--workers", "1")
     for name in ("d.txt", "e.bin", "missing", "d.txt"):

@@ -19,7 +19,7 @@ import random
 import numpy as np
 import pytest
 
-from helpers import MiB, run_cli, wait_until
+from helpers import MiB, run_cli, run_main, wait_until
 
 pytestmark = [pytest.mark.fuse, pytest.mark.usefixtures("frontend")]
 lmdb = pytest.importorskip("lmdb")
@@ -68,13 +68,13 @@ def tree(tmp_path_factory):
 @pytest.fixture(scope="module")
 def store(tree, tmp_path_factory):
     dest = tmp_path_factory.mktemp("random-store") / "store"
-    proc = run_cli("pack", tree["root"], dest, "--no-progress", timeout=300)
+    proc = run_main("pack", tree["root"], dest, "--no-progress", timeout=300)
     assert proc.returncode == 0, proc.stderr
     return dest
 
 
 def _stats(mnt) -> dict:
-    return json.loads(run_cli("stats", mnt, "--json", check=True).stdout)
+    return json.loads(run_main("stats", mnt, "--json", check=True).stdout)
 
 
 def _settled(mnt) -> bool:
@@ -242,7 +242,7 @@ def test_worker_ranks_share_and_spill_chunks(tree, store, tmp_path, frontend):
             assert len(touched) <= st["chunks_decoded"] <= bound, (st, len(touched))
             assert st["reads"] < sum(map(len, offsets)) / 4, st
         for node in range(2):
-            assert run_cli("umount", job.mnt(node), timeout=60).returncode == 0
+            assert run_main("umount", job.mnt(node), timeout=60).returncode == 0
         assert job.wait_exit(60) == 0, job.output()[-3000:]
 
 

@@ -184,7 +184,7 @@ def test_a_pass_reads_every_file_once_and_counts_what_fails(tmp_path):
 
 def test_a_pass_through_the_api_reads_the_store(tmp_path):
     files = _tree(tmp_path / "src")
-    run_cli("pack", tmp_path / "src", tmp_path / "s", "--codec", "zstd:3", "--no-progress",
+    run_main("pack", tmp_path / "src", tmp_path / "s", "--codec", "zstd:3", "--no-progress",
             check=True)
     drop_page_cache([str(tmp_path / "s")])
     r = run_pass(Target("api", str(tmp_path / "s"), cache_mb=1), sorted(files), readers=2)
@@ -243,7 +243,7 @@ def _npy_tree(root, n=12):
 @needs_fuse
 def test_a_budget_no_codec_meets_ends_with_the_fastest_and_its_pack_command(tmp_path):
     src = _npy_tree(tmp_path / "d")
-    proc = run_cli("select", src, "--mode", "sync", "--mb-per-sec", "1000000000", "--cores",
+    proc = run_main("select", src, "--mode", "sync", "--mb-per-sec", "1000000000", "--cores",
                    "1", "--sample-mb", "1", "--trials", "2", "--rounds", "1", timeout=300)
     assert proc.returncode == 3, proc.stderr
     assert_no_traceback(proc)
@@ -254,7 +254,7 @@ def test_a_budget_no_codec_meets_ends_with_the_fastest_and_its_pack_command(tmp_
     err = proc.stderr.strip().splitlines()
     assert err[-1].startswith("fanstore: budget not met: no codec meets the budget")
     assert not any(line.startswith("fanstore: error") for line in err)
-    doc = json.loads(run_cli("select", src, "--mode", "sync", "--mb-per-sec", "1000000000",
+    doc = json.loads(run_main("select", src, "--mode", "sync", "--mb-per-sec", "1000000000",
                              "--cores", "1", "--sample-mb", "1", "--trials", "2",
                                  "--rounds", "1", "--json",
                              timeout=300).stdout)
@@ -266,22 +266,22 @@ def test_a_budget_no_codec_meets_ends_with_the_fastest_and_its_pack_command(tmp_
 @needs_fuse
 def test_check_reads_a_store_as_its_report_predicted(tmp_path):
     src = _npy_tree(tmp_path / "d", n=40)
-    sel = run_cli("select", src, "--json", "--mb-per-sec", "1", "--cores", "2",
+    sel = run_main("select", src, "--json", "--mb-per-sec", "1", "--cores", "2",
                   "--sample-mb", "2", "--trials", "2", "--rounds", "1", timeout=300)
     assert sel.returncode == 0, sel.stderr
     report = tmp_path / "sel.json"
     report.write_text(sel.stdout)
     doc = json.loads(sel.stdout)
     store = tmp_path / "s"
-    run_cli("pack", src, store, "--codec", doc["chosen"], "--no-progress", check=True)
-    proc = run_cli("select", "--check", store, "--report", report, timeout=300)
+    run_main("pack", src, store, "--codec", doc["chosen"], "--no-progress", check=True)
+    proc = run_main("select", "--check", store, "--report", report, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = {ln[:10].strip(): ln for ln in proc.stdout.splitlines()}
     assert "40 files" in lines["check"] and doc["chosen"].split("+")[0] in lines["check"]
     assert "sync, 2 readers through a temporary mount, cold" in lines["read"]
     assert f"for {doc['chosen']}" in lines["predicted"] and str(report) in lines["predicted"]
     assert "x the prediction" in lines["measured"] and lines["budget"].endswith(": met")
-    out = json.loads(run_cli("select", "--check", store, "--report", report, "--json",
+    out = json.loads(run_main("select", "--check", store, "--report", report, "--json",
                              timeout=300).stdout)
     assert out["files"] == 40 and out["met"] is True and out["kind"] == "store"
     assert out["cold"] is True and out["resident_after_drop"] <= 0.05  # on a disk
@@ -290,7 +290,7 @@ def test_check_reads_a_store_as_its_report_predicted(tmp_path):
     # The same store against a budget its measurement cannot meet: status 3, one line.
     doc["budget"]["required_mb_per_s"] = 1e9
     report.write_text(json.dumps(doc))
-    proc = run_cli("select", "--check", store, "--report", report, timeout=300)
+    proc = run_main("select", "--check", store, "--report", report, timeout=300)
     assert proc.returncode == 3 and "NOT met" in proc.stdout
     assert proc.stderr.strip().startswith("fanstore: budget not met:")
     with open("/proc/mounts") as f:
@@ -301,14 +301,14 @@ def test_check_reads_a_store_as_its_report_predicted(tmp_path):
 def test_check_reads_a_live_mount_and_a_store_packed_with_auto(tmp_path):
     src = _npy_tree(tmp_path / "d", n=20)
     store = tmp_path / "s"
-    proc = run_cli("pack", src, store, "--codec", "auto", "--mb-per-sec", "1", "--cores", "2",
+    proc = run_main("pack", src, store, "--codec", "auto", "--mb-per-sec", "1", "--cores", "2",
                    "--sample-mb", "2", "--trials", "2",
                        "--rounds", "1", "--no-progress", timeout=300)
     assert proc.returncode == 0, proc.stderr
     mnt = tmp_path / "mnt"
     pid = mount_store(store, mnt)
     try:
-        out = json.loads(run_cli("select", "--check", mnt, "--json", timeout=300).stdout)
+        out = json.loads(run_main("select", "--check", mnt, "--json", timeout=300).stdout)
         assert out["kind"] == "mount" and out["files"] == 20 and out["mode"] == "sync"
         assert out["predicted"]["from"] == "the store's recorded selection"
         assert out["predicted"]["rate_from"] == "measured" and out["met"] is True
@@ -329,7 +329,7 @@ def test_check_bad_input(tmp_path, small_store, args, message):
     (tmp_path / "bad.json").write_text("{nope")
     (tmp_path / "quick.json").write_text(json.dumps({"quick": True}))
     argv = [a.format(tmp=tmp_path, store=small_store) for a in args]
-    proc = run_cli("select", *argv)
+    proc = run_main("select", *argv)
     assert_cli_error(proc, code=2, contains=message)
 
 
@@ -371,7 +371,7 @@ def test_more_cores_than_here_are_scaled_by_the_cpu_per_file_and_said(tmp_path):
     here = len(os.sched_getaffinity(0))
     args = [src, "--reader", "api", "--mode", "sync", "--mb-per-sec", "1", "--cores", "16",
             "--sample-mb", "2", "--trials", "2", "--rounds", "1", "--storage-mb-per-sec", "1000"]
-    doc = json.loads(run_cli("select", *args, "--json", timeout=300).stdout)
+    doc = json.loads(run_main("select", *args, "--json", timeout=300).stdout)
     assert doc["measurement"]["readers"] == min(16, here) and doc["budget"]["cores"] == 16
     assert doc["measurement"]["rounds"] == 1  # --rounds 1: each finalist read once
     for c in doc["candidates"]:
@@ -384,7 +384,7 @@ def test_more_cores_than_here_are_scaled_by_the_cpu_per_file_and_said(tmp_path):
         cpu_bound = 16 / (m["cpu_us_per_file"] * 1e-6)
         assert m["files_per_s"] == pytest.approx(
             max(m["files_per_s_as_measured"], min(linear, cpu_bound)), rel=0.02)
-    text = run_cli("select", *args, timeout=300).stdout
+    text = run_main("select", *args, timeout=300).stdout
     line = next(x for x in text.splitlines() if x.startswith("measured  "))
     assert f"rates scaled from {min(16, here)} to 16 cores by the CPU each file" in line
     assert "the median of one round scaled to the whole source" in line
