@@ -244,7 +244,11 @@ class EncoderPool:
 
     def close(self) -> None:
         """Stop the collector, end the workers (closing their command pipes; killing any
-        that lingers), free the ring. Results not passed on yet are dropped."""
+        that lingers), free the ring. Results not passed on yet are dropped: workers with
+        chunks still queued (a failed or interrupted pack) are killed at once rather than
+        left to compress what nobody will write (a worker's death ended a zstd:19 pack
+        of a tar only once the other had drained its queue, 10 s later)."""
+        abandoned = bool(self.tasks) or self.error is not None
         self._stop = True
         if self._collector is not None:
             os.write(self._wake_w, b"x")
@@ -255,6 +259,8 @@ class EncoderPool:
                 os.close(w.cmd)
             except OSError:
                 pass
+            if abandoned and w.proc.poll() is None:
+                w.proc.kill()  # holds only its share of the ring and its pipes
         for w in self.workers:
             try:
                 w.proc.wait(timeout=10)
