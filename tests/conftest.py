@@ -19,6 +19,7 @@ temporary directories and kills any FanStore daemon the tests started.
 
 from __future__ import annotations
 
+import collections
 import os
 import secrets
 import sys
@@ -66,15 +67,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
         if "s3_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.s3)
-    items.sort(key=lambda item: _LONG_FIRST.get(item.nodeid.split("::")[0], len(_LONG_FIRST)))
+    units = collections.Counter(_work_unit(item.nodeid) for item in items)
+    items.sort(key=lambda item: (_LONG_FIRST.get(item.nodeid.split("::")[0], len(_LONG_FIRST)),
+                                 -units[_work_unit(item.nodeid)]))
 
 
 #: fixtures that mount (or run a test once per FUSE frontend): their tests are ``fuse``
 _MOUNTING_FIXTURES = frozenset({"frontend", "mounted", "module_mounted"})
 
-#: modules of more than a minute, longest first (``--durations``)
+#: modules of more than half a minute under ``make test``, longest first (the time from a
+#: unit's first test to its last, on the CI log's timeline). They start first, the rest
+#: after them, larger units first: no long one is left to run alone at the end, and those
+#: that mostly wait (node deaths, Slurm, start faults) overlap with those that compute.
 _LONG_FIRST = {f"tests/{name}.py": i for i, name in enumerate(
-    ("test_slurm_e2e", "test_mpi", "test_faults", "test_sources", "test_load"))}
+    ("test_select_measure", "test_sources", "test_node_death", "test_slurm_e2e",
+     "test_start_faults", "test_capacity", "test_mpi", "test_hostile_input", "test_select",
+     "test_jpeg_store", "test_load", "test_access", "test_faults"))}
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist
@@ -87,6 +95,7 @@ def pytest_xdist_make_scheduler(config, log):
     (``serial`` marker)."""
     if config.getvalue("dist") != "loadscope":
         return None
+    config.option.loadscopereorder = False  # the order of pytest_collection_modifyitems
     from xdist.scheduler import LoadScopeScheduling
 
     class ModuleAndFrontend(LoadScopeScheduling):
