@@ -67,13 +67,34 @@ def run_cli(*args, check: bool = False, timeout: float = 120, text: bool = True,
     return proc
 
 
-def run_main(*args, check: bool = False, timeout: float | None = None, text: bool = True
-             ) -> subprocess.CompletedProcess:
+@contextlib.contextmanager
+def environment(env: dict | None):
+    """This process's environment with ``env`` added (FanStore's settings read afresh),
+    as it was afterwards."""
+    from fanstore import settings
+
+    old = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    settings.reset()
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        settings.reset()
+
+
+def run_main(*args, check: bool = False, timeout: float | None = None, text: bool = True,
+             env: dict | None = None) -> subprocess.CompletedProcess:
     """:func:`run_cli` through the command's ``main`` in this process: the same parsing,
     code, messages (a log record goes to stderr as the command formats it) and exit status,
     without an interpreter's start (0.1-0.35 s of CPU a call, most of a small pack's). For
-    tests whose point is not the process: its signals, exit, environment, memory or
-    children. ``timeout`` is not enforced here (pytest-timeout is)."""
+    tests whose point is not the process: its signals, exit, memory or children. ``env``
+    is added to this process's environment for the call. ``timeout`` is not enforced here
+    (pytest-timeout is)."""
     import io
     import logging
 
@@ -93,7 +114,7 @@ def run_main(*args, check: bool = False, timeout: float | None = None, text: boo
     root.setLevel(logging.DEBUG if "--debug" in argv else logging.WARNING)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with contextlib.redirect_stdout(streams["stdout"]), \
+        with environment(env), contextlib.redirect_stdout(streams["stdout"]), \
                 contextlib.redirect_stderr(streams["stderr"]):
             try:
                 code = main(argv)

@@ -239,11 +239,11 @@ def test_an_s3_source_gives_a_private_store_unless_shared(s3_server, tmp_path):
     fs.pipe(f"{bucket}/raw/a.txt", PUBLIC)
     fs.pipe(f"{bucket}/raw/b/c.txt", PUBLIC)
     url = f"s3://{bucket}/raw"
-    proc = run_cli("pack", url, tmp_path / "private", *PACK, env=s3_server.env, check=True)
+    proc = run_main("pack", url, tmp_path / "private", *PACK, env=s3_server.env, check=True)
     lines = _private_lines(proc)
     assert len(lines) == 1 and "object storage carries no file modes" in lines[0], proc.stderr
     _assert_private(tmp_path / "private")
-    proc = run_cli("pack", url, tmp_path / "shared", *PACK, "--shared", env=s3_server.env,
+    proc = run_main("pack", url, tmp_path / "shared", *PACK, "--shared", env=s3_server.env,
                    check=True)
     assert _private_lines(proc) == [], proc.stderr
     _assert_shared(tmp_path / "shared")
@@ -348,7 +348,7 @@ def test_a_planted_partial_copy_is_never_resumed_through_a_symlink(s3_server, tm
     src = _tree(tmp_path / "src", 0o644)
     bucket = s3_server.new_bucket()
     url = f"s3://{bucket}/ds.fs"
-    run_cli("pack", src, url, *PACK, env=s3_server.env, check=True)
+    run_main("pack", src, url, *PACK, env=s3_server.env, check=True)
     from fanstore.format.index import read_index
 
     for k, v in s3_server.env.items():

@@ -371,7 +371,7 @@ def test_default_pack_of_a_tree_without_data(tmp_path, tree):
 
 
 def _select_json(src, *args, env=None, timeout=300):
-    proc = run_cli("select", src, "--json", "--sample-mb", "4", "--storage-mb-per-sec", "1000",
+    proc = run_main("select", src, "--json", "--sample-mb", "4", "--storage-mb-per-sec", "1000",
                    *args, env=env, timeout=timeout)
     assert_no_traceback(proc)
     assert proc.returncode in (0, 3), proc.stderr

@@ -29,6 +29,7 @@ from helpers import (
     assert_cli_error,
     assert_no_traceback,
     assert_same_tree,
+    environment,
     make_small_tree,
     run_cli,
     run_main,
@@ -649,7 +650,7 @@ def test_pack_from_an_s3_prefix(s3_server, small_tree, small_store, tmp_path):
     assert _upload_tree(s3_server, bucket, "data/set", src) == files
     s3_server.fs().pipe(f"{bucket}/data/setx/not-under-the-prefix", b"x")
     dest = tmp_path / "store"
-    proc = run_cli("pack", f"s3://{bucket}/data/set", dest, *SMALL_ARGS[:-3], "--jobs", "4",
+    proc = run_main("pack", f"s3://{bucket}/data/set", dest, *SMALL_ARGS[:-3], "--jobs", "4",
                    "--no-progress", env=s3_server.env, check=True)
     assert_no_traceback(proc)
     got, tree = table(dest), table(small_store)
@@ -667,12 +668,12 @@ def test_pack_from_an_s3_prefix(s3_server, small_tree, small_store, tmp_path):
 
 def test_s3_source_errors(s3_server, tmp_path):
     dest = tmp_path / "store"
-    proc = run_cli("pack", "s3://no-such-bucket-here/x", dest, env=s3_server.env)
+    proc = run_main("pack", "s3://no-such-bucket-here/x", dest, env=s3_server.env)
     assert_cli_error(proc, code=1, contains="bucket 'no-such-bucket-here' does not exist")
     bucket = s3_server.new_bucket()
-    proc = run_cli("pack", f"s3://{bucket}/empty", dest, env=s3_server.env)
+    proc = run_main("pack", f"s3://{bucket}/empty", dest, env=s3_server.env)
     assert_cli_error(proc, code=1, contains=f"s3://{bucket}/empty: no objects under this prefix")
-    proc = run_cli("pack", f"s3://{bucket}/x", dest, "--storage-options", "[1]",
+    proc = run_main("pack", f"s3://{bucket}/x", dest, "--storage-options", "[1]",
                    env=s3_server.env)
     assert_cli_error(proc, code=2, contains="--storage-options: expected a JSON object")
     no_leftovers(dest)
@@ -703,11 +704,11 @@ def test_wrong_credentials(tmp_path):
         fs.mkdir("creds")
         fs.pipe("creds/data/f.txt", b"hello")
         server.set_auth(0)  # from now on every request must be signed by a known key
-        ok_proc = run_cli("pack", "s3://creds/data", tmp_path / "ok", "--no-progress",
+        ok_proc = run_main("pack", "s3://creds/data", tmp_path / "ok", "--no-progress",
                           env=server.env)
         assert ok_proc.returncode == 0, ok_proc.stderr
         bad = dict(server.env, AWS_SECRET_ACCESS_KEY="not-the-secret")
-        proc = run_cli("pack", "s3://creds/data", tmp_path / "bad", "--no-progress", env=bad)
+        proc = run_main("pack", "s3://creds/data", tmp_path / "bad", "--no-progress", env=bad)
         line = assert_cli_error(proc, code=1, contains="s3://creds/data: access denied by "
                                                         f"{server.url}")
         assert "check the credentials" in line
@@ -776,7 +777,7 @@ def test_pack_into_s3_replace_and_read_its_index(s3_server, small_tree, special_
     bucket = s3_server.new_bucket()
     url = f"s3://{bucket}/sets/ds.fs"
     env = s3_server.env
-    proc = run_cli("pack", src, url, *SMALL_ARGS, env=env, check=True)
+    proc = run_main("pack", src, url, *SMALL_ARGS, env=env, check=True)
     assert proc.stdout.splitlines()[0].endswith(f"into 2 partitions at {url}")
     assert _objects(s3_server, f"{bucket}/sets") == [
         "sets/ds.fs/fanstore.idx", "sets/ds.fs/part-00000.fsp", "sets/ds.fs/part-00001.fsp"]
@@ -784,18 +785,18 @@ def test_pack_into_s3_replace_and_read_its_index(s3_server, small_tree, special_
     fs = s3_server.fs()
     for name in ("part-00000.fsp", "part-00001.fsp"):
         assert fs.cat(f"{bucket}/sets/ds.fs/{name}") == (small_store / name).read_bytes()
-    info = run_cli("info", url, env=env, check=True).stdout
+    info = run_main("info", url, env=env, check=True).stdout
     assert f"store          {url}" in info and "partitions     2" in info
-    ls = run_cli("ls", url, "sub", env=env, check=True).stdout.split()
+    ls = run_main("ls", url, "sub", env=env, check=True).stdout.split()
     assert ls == ["c.txt", "deeper/"]
 
-    proc = run_cli("pack", src, url, *SMALL_ARGS, env=env)
+    proc = run_main("pack", src, url, *SMALL_ARGS, env=env)
     assert_cli_error(proc, code=1, contains=f"destination {url} already holds a store")
     # --force from a tar, with fewer partitions: the old extra partition goes.
     need("tar")
     archive = tmp_path / "small.tar"
     sh("tar", "-C", src, "-cf", archive, ".")
-    run_cli("pack", archive, url, "--partitions", "1", "--chunk-kb", "4", "--no-progress",
+    run_main("pack", archive, url, "--partitions", "1", "--chunk-kb", "4", "--no-progress",
             "--force", env=env, check=True)
     assert _objects(s3_server, f"{bucket}/sets") == [
         "sets/ds.fs/fanstore.idx", "sets/ds.fs/part-00000.fsp"]
@@ -803,23 +804,15 @@ def test_pack_into_s3_replace_and_read_its_index(s3_server, small_tree, special_
     assert len(index.partitions) == 1 and index.meta["pack"]["source"] == str(archive)
     # Something that is not a store is never overwritten.
     fs.pipe(f"{bucket}/other/precious.txt", b"keep")
-    proc = run_cli("pack", src, f"s3://{bucket}/other", *SMALL_ARGS, "--force", env=env)
+    proc = run_main("pack", src, f"s3://{bucket}/other", *SMALL_ARGS, "--force", env=env)
     assert_cli_error(proc, code=1, contains="is not empty and is not a store")
     assert fs.cat(f"{bucket}/other/precious.txt") == b"keep"
 
 
 def read_index_env(url: str, env: dict):
     """read_index of an s3:// store with the endpoint of ``env`` (in this process)."""
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with environment(env):
         return read_index(url)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _slow_tree(root: Path) -> None:
@@ -854,9 +847,9 @@ def test_interrupted_pack_into_s3_leaves_no_store_and_is_cleaned(s3_server, tmp_
     assert left and all(TMP_MARK in o for o in left), left
     assert not any(o.endswith(INDEX_NAME) for o in left)
     tmp_prefix = left[0].rsplit("/", 1)[0]
-    proc = run_cli("info", url, env=s3_server.env)
+    proc = run_main("info", url, env=s3_server.env)
     assert_cli_error(proc, code=1, contains="not a FanStore store")
-    proc = run_cli("pack", src, url, "--codec", "zstd:1", "--no-progress", env=s3_server.env,
+    proc = run_main("pack", src, url, "--codec", "zstd:1", "--no-progress", env=s3_server.env,
                    check=True)
     assert f"removing leftover of an interrupted pack: s3://{bucket}/{tmp_prefix}/" \
         in proc.stderr
@@ -912,7 +905,7 @@ def test_endpoint_that_stops_answering_while_writing_a_store(s3_server, tmp_path
 def _s3_store(server, src, extra=()) -> str:
     bucket = server.new_bucket()
     url = f"s3://{bucket}/ds.fs"
-    run_cli("pack", src, url, *extra, "--no-progress", env=server.env, check=True)
+    run_main("pack", src, url, *extra, "--no-progress", env=server.env, check=True)
     return url
 
 
