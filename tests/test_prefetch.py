@@ -38,9 +38,10 @@ from mpi_helpers import MpiJob, mpi_available
 _fuse_ok, _fuse_why = fuse_available()
 _mpi_ok, _mpi_why = mpi_available()
 ROOT = os.geteuid() == 0
-#: drop_caches empties every mount's page cache and dentries, which other mount tests
-#: count on: this module runs alone (``make test``'s second run).
-pytestmark = pytest.mark.serial
+#: A fresh mount holds no inode (but its root) and no page in the kernel: the tests start
+#: from one. drop_caches empties every mount's page cache and dentries, which other mount
+#: tests count on: the one test that drops them in the middle of an epoch is ``serial``
+#: (``make test``'s second run, alone).
 
 
 @pytest.fixture(scope="module")
@@ -134,13 +135,11 @@ def test_auto_serves_both_modes_with_the_kernel_frontend(tree, mounted, tmp_path
 
 @pytest.mark.fuse
 @pytest.mark.skipif(not _fuse_ok, reason=_fuse_why)
-@pytest.mark.skipif(not ROOT, reason="drops the page cache (root)")
 def test_a_listed_epoch_is_read_from_the_page_cache(tree, mounted, tmp_path):
     """The directory listed first (READDIRPLUS gives the kernel every inode), then the
     order: every file is pushed without a look-up, and the epoch sends (almost) no READ."""
     src, store, files = tree
     mnt = mounted(store, "--mode", "prefetch", "--prefetch-mb", "32")
-    drop_caches()
     list_all(mnt)
     order = files[:]
     random.Random(1).shuffle(order)
@@ -161,13 +160,11 @@ def test_a_listed_epoch_is_read_from_the_page_cache(tree, mounted, tmp_path):
 
 @pytest.mark.fuse
 @pytest.mark.skipif(not _fuse_ok, reason=_fuse_why)
-@pytest.mark.skipif(not ROOT, reason="drops the page cache (root)")
 def test_unlisted_files_are_looked_up_then_pushed(tree, mounted, tmp_path):
     """Nothing listed: the first refused push of a directory lists it through the mount
     (once for all the workers), the kernel then holds every inode of it."""
     src, store, files = tree
     mnt = mounted(store, "--mode", "prefetch")
-    drop_caches()
     order = files[::-1]
     send_order(mnt, order, tmp_path)
     s = wait_prefetched(mnt, len(order) - 1)
@@ -188,14 +185,12 @@ def test_unlisted_files_are_looked_up_then_pushed(tree, mounted, tmp_path):
 
 @pytest.mark.fuse
 @pytest.mark.skipif(not _fuse_ok, reason=_fuse_why)
-@pytest.mark.skipif(not ROOT, reason="drops the page cache (root)")
 def test_refused_pushes_are_served_from_the_buffer(tree, mounted, tmp_path, monkeypatch):
     """No look-ups and no listing: the kernel holds no inode, every push is refused and the
     files wait in the shared buffer; READs (any worker) are answered from it."""
     src, store, files = tree
     mnt = mounted(store, "--mode", "prefetch", "--prefetch-mb", "64", "--workers", "2",
                   "--no-prefetch-lookup")
-    drop_caches()
     small = [f for f in files if (src / f).stat().st_size < 1_000_000 and
              (src / f).stat().st_size > 0]
     send_order(mnt, small, tmp_path)
@@ -211,14 +206,12 @@ def test_refused_pushes_are_served_from_the_buffer(tree, mounted, tmp_path, monk
 
 @pytest.mark.fuse
 @pytest.mark.skipif(not _fuse_ok, reason=_fuse_why)
-@pytest.mark.skipif(not ROOT, reason="drops the page cache (root)")
 def test_the_buffer_stays_within_prefetch_mb(tree, mounted, tmp_path, monkeypatch):
     """A 4 MB budget for ~5 MB of refused pushes: the oldest are dropped unread (counted),
     the buffer never holds more than its share, and reads stay right."""
     src, store, files = tree
     mnt = mounted(store, "--mode", "prefetch", "--prefetch-mb", "4", "--workers", "2",
                   "--no-prefetch-lookup")
-    drop_caches()
     small = [f for f in files if 0 < (src / f).stat().st_size < 1_000_000]
     send_order(mnt, small, tmp_path)
     s = wait_prefetched(mnt, len(small))
@@ -234,6 +227,7 @@ def test_the_buffer_stays_within_prefetch_mb(tree, mounted, tmp_path, monkeypatc
 @pytest.mark.fuse
 @pytest.mark.skipif(not _fuse_ok, reason=_fuse_why)
 @pytest.mark.skipif(not ROOT, reason="drops the page cache and the inodes (root)")
+@pytest.mark.serial
 def test_every_byte_is_the_sources_whatever_the_order(tree, mounted, tmp_path):
     src, store, files = tree
     mnt = mounted(store, "--mode", "prefetch", "--prefetch-mb", "16")
@@ -271,7 +265,6 @@ def test_every_byte_is_the_sources_whatever_the_order(tree, mounted, tmp_path):
 
 @pytest.mark.fuse
 @pytest.mark.skipif(not _fuse_ok, reason=_fuse_why)
-@pytest.mark.skipif(not ROOT, reason="drops the page cache (root)")
 def test_two_clients_with_their_own_orders(tree, mounted, tmp_path):
     """Two training processes send different orders at once and read them concurrently:
     both orders are prefetched (one window), every byte right."""
@@ -279,7 +272,6 @@ def test_two_clients_with_their_own_orders(tree, mounted, tmp_path):
 
     src, store, files = tree
     mnt = mounted(store, "--mode", "prefetch")
-    drop_caches()
     a = files[: len(files) // 2]
     b = files[len(files) // 2:][::-1]
     stores = [fanstore.open_store(str(mnt)) for _ in range(2)]
@@ -309,13 +301,11 @@ def test_two_clients_with_their_own_orders(tree, mounted, tmp_path):
 
 @pytest.mark.fuse
 @pytest.mark.skipif(not _fuse_ok, reason=_fuse_why)
-@pytest.mark.skipif(not ROOT, reason="drops the page cache (root)")
 def test_directory_read_ahead_without_an_order(tree, mounted):
     """No order ever given: a reader going through a directory in name order gets the next
     files of it pushed ahead; one reading in no order gets nothing it did not ask for."""
     src, store, files = tree
     mnt = mounted(store, "--mode", "prefetch")
-    drop_caches()
     d1 = [f for f in files if f.startswith("d1/")]
     read_all(mnt, src, d1[::-7][:5])  # out of order: no read-ahead
     time.sleep(0.3)
@@ -331,7 +321,6 @@ def test_directory_read_ahead_without_an_order(tree, mounted):
 
 @pytest.mark.fuse
 @pytest.mark.skipif(not _fuse_ok, reason=_fuse_why)
-@pytest.mark.skipif(not ROOT, reason="drops the page cache (root)")
 def test_a_damaged_file_is_eio_alone(tree, mounted, tmp_path):
     src, store, files = tree
     import shutil
@@ -341,7 +330,6 @@ def test_a_damaged_file_is_eio_alone(tree, mounted, tmp_path):
     victim = "d3/f010.bin"
     damage_file(bad_store, victim)
     mnt = mounted(bad_store, "--mode", "prefetch")
-    drop_caches()
     send_order(mnt, files, tmp_path)
     s = wait_prefetched(mnt, len(files) - 1)
     assert s["prefetch_errors"] == 1
@@ -353,7 +341,6 @@ def test_a_damaged_file_is_eio_alone(tree, mounted, tmp_path):
 
 @pytest.mark.fuse
 @pytest.mark.skipif(not _fuse_ok, reason=_fuse_why)
-@pytest.mark.skipif(not ROOT, reason="drops the page cache (root)")
 def test_a_replaced_worker_gets_the_order_again(tree, mounted, tmp_path):
     """SIGKILL one worker after the order was sent: its replacement is handed the order and
     prefetches the dead worker's share."""
@@ -363,7 +350,6 @@ def test_a_replaced_worker_gets_the_order_again(tree, mounted, tmp_path):
     tree_pids = process_tree(pid)
     assert len(tree_pids) >= 4  # daemon, frontend process, 2 workers
     workers = tree_pids[-2:]
-    drop_caches()
     os.kill(workers[0], signal.SIGKILL)
     assert wait_until(lambda: len(process_tree(pid)) >= 4 and
                       workers[0] not in process_tree(pid), 20)
@@ -381,7 +367,6 @@ def test_a_replaced_worker_gets_the_order_again(tree, mounted, tmp_path):
 @pytest.mark.skipif(not (_fuse_ok and _mpi_ok), reason=_fuse_why or _mpi_why)
 @pytest.mark.fuse
 @pytest.mark.skipif(not _fuse_ok, reason=_fuse_why)
-@pytest.mark.skipif(not ROOT, reason="drops the page cache (root)")
 @pytest.mark.parametrize("ranks_per_node", [1, 3])
 def test_remote_files_are_prefetched_by_the_worker_ranks(tree, tmp_path, ranks_per_node):
     """A 2-node job: node 0's order, half of it held by node 1, is fetched over MPI by node
@@ -392,7 +377,6 @@ def test_remote_files_are_prefetched_by_the_worker_ranks(tree, tmp_path, ranks_p
     with MpiJob(store, tmp_path, ranks=2, extra=["--mode", "prefetch", "--workers", "2"],
                 ranks_per_node=ranks_per_node) as job:
         mnt = job.mnt(0)
-        drop_caches()
         list_all(mnt)
         order = files[:]
         random.Random(9).shuffle(order)
