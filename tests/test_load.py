@@ -50,7 +50,7 @@ CACHE_MB = 16
 RSS_SLACK_MB = 96
 #: Seconds of load in the default run and in the slow suite. Every reader and the mount
 #: run flat out: the default run's three load tests cost their seconds on every core.
-SECONDS, SLOW_SECONDS = 4, 60
+SECONDS, SLOW_SECONDS = 3, 60
 
 
 @pytest.fixture(scope="module")
