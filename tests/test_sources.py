@@ -569,6 +569,49 @@ def test_the_store_does_not_depend_on_the_number_of_workers(tmp_path):
     assert run_main("verify", stores[0], "--no-progress").returncode == 0
 
 
+def test_a_small_archive_is_compressed_without_workers(tmp_path, monkeypatch):
+    """``--jobs`` left at its default: an archive that gives less than ``INLINE_BYTES`` is
+    compressed in the packing process (no worker starts); a larger one there until then,
+    by the workers after; an explicit ``--jobs`` gets its workers from the start. The
+    three stores are byte-identical (codec, stored-raw and empty chunks alike)."""
+    from fanstore.pack import encoders, stream
+
+    need("tar")
+    src = tmp_path / "src"
+    rng = random.Random(12)
+    raw = 0
+    for d in range(3):
+        (src / f"d{d}").mkdir(parents=True)
+        for i in range(40):
+            size = rng.choice([0, 10, 3000, 20_000, 70_000])
+            data = rng.randbytes(size // 2) + bytes(size - size // 2)
+            if i % 7 == 0:
+                data = rng.randbytes(size)  # does not shrink: stored raw
+            (src / f"d{d}" / f"{i:03d}.bin").write_bytes(data)
+            raw += size
+    archive = tmp_path / "small.tar"
+    sh("tar", "-C", src, "-cf", archive, ".")
+    spawned = []
+    real = encoders.spawn_piped
+    monkeypatch.setattr(encoders, "spawn_piped",
+                        lambda *a, **k: spawned.append(a) or real(*a, **k))
+    stores = {}
+    for how, inline, jobs in (("inline", raw * 2, ()), ("switch", raw // 2, ()),
+                              ("jobs", raw * 2, ("--jobs", "2"))):
+        monkeypatch.setattr(stream, "INLINE_BYTES", inline)
+        spawned.clear()
+        dest = tmp_path / how
+        run_main("pack", archive, dest, "--partitions", "3", "--chunk-kb", "16", "--codec",
+                 "zstd:3", *jobs, "--no-progress", check=True)
+        want = {"inline": 0, "switch": len(os.sched_getaffinity(0)), "jobs": 2}[how]
+        assert len(spawned) == want, how
+        stores[how] = {n: (dest / n).read_bytes() for n in os.listdir(dest)}
+    assert stores["inline"] == stores["switch"] == stores["jobs"]
+    with LocalStore(str(tmp_path / "inline")) as s:
+        for path in src.rglob("*.bin"):
+            assert s.read_file(path.relative_to(src).as_posix()) == path.read_bytes()
+
+
 @pytest.mark.long
 def test_a_compression_worker_that_dies_fails_the_pack(tmp_path):
     """A worker process killed mid-pack (as the OOM killer would): the pack ends at once

@@ -401,6 +401,85 @@ class EncoderPool:
                                        code, what))
 
 
+class InlineFirst:
+    """An :class:`EncoderPool` started only once ``inline_bytes`` have been submitted: a
+    small source (``worker.INLINE_BYTES``, what a directory's pack compresses without
+    workers too) is hashed and compressed here, chunk by chunk as it is read, and no worker
+    process starts (each is an interpreter's start: 0.15-0.3 s of CPU, more than a small
+    tar's compression). The same interface and the same bytes: a chunk that does not
+    shrink is kept raw, a codec's refusal is kept raw, its error ends the pack; the results
+    reach ``sink`` in submission order, those made here at ``submit``. ``inline_bytes`` 0:
+    the pool from the start (an explicit ``--jobs``)."""
+
+    def __init__(self, jobs: int, ring_size: int, sink: Sink, label: str = "",
+                 inline_bytes: int = 0) -> None:
+        self._pool_args = (jobs, ring_size, sink, label)
+        self.sink = sink
+        self.label = label
+        self.inline_left = inline_bytes
+        self.pool: EncoderPool | None = None
+        self.configs: dict[int, dict[str, Any]] = {}
+        self._codecs: dict[int, Any] = {}
+        self._buf = bytearray()
+
+    def start(self, configs: dict[int, dict[str, Any]]) -> None:
+        for slot, config in sorted(configs.items()):
+            self.add_codec(slot, config)
+        if self.inline_left <= 0:
+            self._start_pool()
+
+    def _start_pool(self) -> None:
+        self.pool = EncoderPool(*self._pool_args)
+        self.pool.start(self.configs)  # spawned by fork-and-exec: safe from threads
+
+    def add_codec(self, slot: int, config: dict[str, Any]) -> None:
+        if slot in self.configs:
+            return
+        self.configs[slot] = config
+        if self.pool is not None:
+            self.pool.add_codec(slot, config)
+
+    def reserve(self, n: int) -> memoryview:
+        if self.pool is None and n > self.inline_left:
+            self._start_pool()
+        if self.pool is not None:
+            return self.pool.reserve(n)
+        if len(self._buf) < n:
+            self._buf = bytearray(n)
+        return memoryview(self._buf)[:n]
+
+    def submit(self, n: int, slot: int, token: Any) -> None:
+        if self.pool is not None:
+            self.pool.submit(n, slot, token)
+            return
+        self.inline_left -= n
+        region = memoryview(self._buf)[:n]
+        csum = xxhash.xxh3_64_intdigest(region)
+        stored = region
+        if slot:
+            codec = self._codecs.get(slot) or self._codecs.setdefault(
+                slot, get_codec(self.configs[slot]))
+            try:
+                stored = codec.encode(region)
+            except DeclinedError:  # kept raw, as a chunk that does not shrink
+                stored = region
+            except CodecError as exc:
+                raise PackError(f"{self.label}: compression failed: {exc}" if self.label
+                                else f"compression failed: {exc}") from None
+        if len(stored) < n:
+            self.sink(token, memoryview(stored), slot, n, csum)
+        else:
+            self.sink(token, region, 0, n, csum)
+
+    def finish(self) -> None:
+        if self.pool is not None:
+            self.pool.finish()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+
 if __name__ == "__main__":
     try:
         sys.exit(_run_worker(sys.argv[1:]))

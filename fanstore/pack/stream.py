@@ -9,7 +9,10 @@ A tar stream cannot be listed before it is read, so nothing is planned ahead:
    (``fanstore.pack.encoders``) while this process reads on; this process appends the
    results to the partitions strictly in arrival order, so the output does not depend on
    the number of workers, and a file's chunks are adjacent in its partition. The ring
-   bounds the data in flight: ``max(64 MiB, 4 chunks per worker)``.
+   bounds the data in flight: ``max(64 MiB, 4 chunks per worker)``. The workers start
+   once the source has given ``worker.INLINE_BYTES`` (2 MiB) without an explicit
+   ``--jobs``: a smaller source is compressed in this process
+   (``encoders.InlineFirst``), as a small directory is, into the same bytes.
 2. Names are normalised and checked as they come (``..`` and absolute names refused, never
    written anywhere); the namespace is assembled in a :class:`VirtualTree` (duplicates:
    the last one wins, reported; implied directories; symlink checks).
@@ -51,7 +54,7 @@ from fanstore.format.partition import PartitionWriter, partition_name
 from fanstore.pack import fallback
 from fanstore.pack.access import PRIVATE_FILE_MODE, decide_stream
 from fanstore.pack.dest import open_destination
-from fanstore.pack.encoders import EncoderPool
+from fanstore.pack.encoders import InlineFirst
 from fanstore.pack.indexing import build_index
 from fanstore.pack.options import (
     PackOptions,
@@ -72,7 +75,7 @@ from fanstore.pack.sources.base import (
     normalize_name,
     target_problem,
 )
-from fanstore.pack.worker import PartResult
+from fanstore.pack.worker import INLINE_BYTES, PartResult
 
 
 @dataclass
@@ -111,7 +114,7 @@ class StreamPacker:
         self.links: list[tuple[bytes, Node, bytes]] = []
         self.jobs = options.jobs or len(os.sched_getaffinity(0))
         self.ring_size = max(64 << 20, 4 * self.jobs * self.cs)
-        self.pool: EncoderPool | None = None
+        self.pool: InlineFirst | None = None
         self.bar = None
         self._bar_last = 0
 
@@ -281,9 +284,10 @@ class StreamPacker:
         self.dest.create_tmp()
         show_bar = sys.stderr.isatty() if options.progress is None else options.progress
         try:
-            # Fork the workers first: before any thread of ours exists, before any
-            # partition file is open.
-            self.pool = EncoderPool(self.jobs, self.ring_size, self._sink, self.source.url)
+            # The workers start once the source has given INLINE_BYTES (a small one is
+            # compressed here), or at once with an explicit --jobs.
+            self.pool = InlineFirst(self.jobs, self.ring_size, self._sink, self.source.url,
+                                    0 if options.jobs else INLINE_BYTES)
             self.pool.start({})
             for p in range(self.n_normal):  # every partition exists, even an empty one
                 self._writer(p)
