@@ -83,9 +83,7 @@ def _worker_main(ring: mmap.mmap, cmd_fd: int, res_fd: int) -> None:
                 region = view[pos:pos + n]
                 csum = hash64(region)
                 try:
-                    stored = codecs[slot].encode(region) if slot else region
-                except DeclinedError:  # kept raw, as a chunk that does not shrink
-                    stored = region
+                    stored = _encode_chunk(codecs[slot] if slot else None, region)
                 except CodecError as exc:
                     _send_error(res_fd, out, str(exc))
                     return
@@ -112,6 +110,22 @@ def _worker_main(ring: mmap.mmap, cmd_fd: int, res_fd: int) -> None:
         if out:
             _write_all(res_fd, out)
             out.clear()
+
+
+def _encode_chunk(codec: Any, region: memoryview):
+    """A chunk's stored bytes: ``codec``'s encoding, or the chunk itself (no codec, slot 0;
+    or the codec declined it, as a chunk that does not shrink). Raises CodecError."""
+    if codec is None:
+        return region
+    try:
+        return codec.encode(region)
+    except DeclinedError:
+        return region
+
+
+def _compression_failed(label: str, msg: str) -> PackError:
+    return PackError(f"{label}: compression failed: {msg}" if label
+                     else f"compression failed: {msg}")
 
 
 def _send_error(fd: int, out: bytearray, msg: str) -> None:
@@ -381,8 +395,7 @@ class EncoderPool:
                     break
                 msg = bytes(buf[i + _RES.size:i + _RES.size + stored]).decode("utf-8",
                                                                             "replace")
-                raise PackError(f"{self.label}: compression failed: {msg}" if self.label
-                                else f"compression failed: {msg}")
+                raise _compression_failed(self.label, msg)
             i += _RES.size
             t = w.queue.popleft()
             t.used, t.stored, t.csum = used, stored, csum
@@ -419,7 +432,7 @@ class InlineFirst:
         self.inline_left = inline_bytes
         self.pool: EncoderPool | None = None
         self.configs: dict[int, dict[str, Any]] = {}
-        self._codecs: dict[int, Any] = {}
+        self._codecs: dict[int, Any] = {}  # slot -> codec, for the chunks done here
         self._buf = bytearray()
 
     def start(self, configs: dict[int, dict[str, Any]]) -> None:
@@ -438,6 +451,8 @@ class InlineFirst:
         self.configs[slot] = config
         if self.pool is not None:
             self.pool.add_codec(slot, config)
+        elif slot:
+            self._codecs[slot] = get_codec(config)
 
     def reserve(self, n: int) -> memoryview:
         if self.pool is None and n > self.inline_left:
@@ -455,17 +470,10 @@ class InlineFirst:
         self.inline_left -= n
         region = memoryview(self._buf)[:n]
         csum = xxhash.xxh3_64_intdigest(region)
-        stored = region
-        if slot:
-            codec = self._codecs.get(slot) or self._codecs.setdefault(
-                slot, get_codec(self.configs[slot]))
-            try:
-                stored = codec.encode(region)
-            except DeclinedError:  # kept raw, as a chunk that does not shrink
-                stored = region
-            except CodecError as exc:
-                raise PackError(f"{self.label}: compression failed: {exc}" if self.label
-                                else f"compression failed: {exc}") from None
+        try:
+            stored = _encode_chunk(self._codecs.get(slot), region)
+        except CodecError as exc:
+            raise _compression_failed(self.label, str(exc)) from None
         if len(stored) < n:
             self.sink(token, memoryview(stored), slot, n, csum)
         else:
