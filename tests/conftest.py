@@ -78,10 +78,10 @@ _MOUNTING_FIXTURES = frozenset({"frontend", "mounted", "module_mounted"})
 #: modules of more than half a minute under ``make test`` (the time from a unit's first
 #: test to its last, on the CI log's timeline), handed out in this order, the rest after
 #: them, larger units first: no long one is left to run alone at the end, and those that
-#: mostly wait (Slurm, node deaths, start faults) overlap with those that compute. Each of
-#: the 4 processes takes two units at the start (xdist): the Slurm module's is followed by
-#: test_launch on the same process, and the modules that kill MPI processes start once the
-#: longest computing ones end, not beside the local Slurm's daemons.
+#: mostly wait (Slurm, node deaths, start faults) overlap with those that compute. Each
+#: process takes two units at the start (xdist) and runs its second when its first ends:
+#: the modules that kill MPI processes are second units, so they start a minute or more
+#: into the run, mostly after the Slurm module (not always: capacity's may end first).
 _LONG_FIRST = {f"tests/{name}.py": i for i, name in enumerate(
     ("test_select_measure", "test_sources", "test_slurm_e2e", "test_capacity",
      "test_node_death", "test_start_faults", "test_launch", "test_hostile_input",
