@@ -139,9 +139,14 @@ class World:
                 f"MPI world size is {world.Get_size()} but Slurm started {expected} tasks: "
                 "launch with 'srun --mpi=pmi2' (without an MPI plugin every task is its own "
                 "1-rank world and would silently serve only its own partitions)")
+        probe = cls(timeout=timeout, alive=alive, mpi=MPI)
+        # Dup and Split are blocking, and MPICH's blocking calls spin: a rank that never
+        # reaches them (hung after MPI_Init) left the others spinning a core each until
+        # their lifeline's grace ran out, 15 s after the launcher left. Every rank is known
+        # to be here first, in a wait that watches the launcher and the deadline.
+        probe.wait(world.Ibarrier(), "every rank's arrival after MPI_Init")
         comm = world.Dup()
         rank = comm.Get_rank()
-        probe = cls(timeout=timeout, alive=alive, mpi=MPI)
         node_comm, leaders_comm, node_of = split_nodes(comm, MPI, ranks_per_node,
                                                        probe.wait, probe.received)
         leaders: list[int] = []
