@@ -220,6 +220,7 @@ def run_pass(target: Target, rels: Sequence[str], readers: int,
     n = max(1, min(int(readers), len(rels)))
     pids = mount_pids(watch) if watch else []
     group = _Readers(time.monotonic() + timeout, timeout)
+    finished = False
     try:
         for i in range(n):
             group.start({"reader": target.reader, "root": target.root,
@@ -232,8 +233,9 @@ def run_pass(target: Target, rels: Sequence[str], readers: int,
         order_s = _send_order(target, rels) if target.order_to is not None else None
         got = [json.loads(body) for body in group.collect(RESULT, "finish")]
         cpu1 = cpu_seconds(pids) if pids else None
+        finished = True
     finally:
-        group.close()
+        group.close(abandon=not finished)
     latency = [0.0] * len(rels)
     for slot, r in enumerate(got):
         latency[slot::n] = r["lat"]
@@ -312,9 +314,15 @@ class _Readers:
                f"exit status {code}")
         return f"a reader died ({how})"
 
-    def close(self) -> None:
+    def close(self, abandon: bool = False) -> None:
+        """End the readers: those that answered exit by themselves; when the pass is
+        ``abandon``-ed (a reader failed, hung or the deadline passed) every one is killed
+        at once, since a hung one would otherwise cost 5 s, one reader after another."""
         for fd in self.cmds:
             os.close(fd)  # a reader still waiting for the start ends
+        if abandon:
+            for proc in self.procs:
+                proc.kill()
         for proc in self.procs:
             try:
                 proc.wait(timeout=5)
