@@ -125,17 +125,18 @@ def _crc_of(byte: bytes, size: int) -> int:
 
 @pytest.fixture(scope="module")
 def bz2_zeros() -> bytes:
-    """512 MiB of zeros as one bzip2 stream (a few hundred bytes)."""
+    """256 MiB of zeros as one bzip2 stream (a few hundred bytes; 1.5 s to make: a
+    whole-stream read of it peaks far above RSS_LIMIT_MIB)."""
     c = bz2.BZ2Compressor(9)
     block = bytes(MiB)
-    parts = [c.compress(block) for _ in range(512)]
+    parts = [c.compress(block) for _ in range(256)]
     return b"".join(parts) + c.flush()
 
 
 def test_zip_symlink_bomb_is_refused_in_bounded_memory(tmp_path):
-    """A 400 MiB symlink member (a 400 KB zip): zipfile read it whole (834 MiB peak);
-    now its declared size refuses it by name, unread."""
-    size = 400 * MiB
+    """A 256 MiB symlink member (a 256 KB zip): zipfile read it whole (834 MiB peak for
+    400 MiB); now its declared size refuses it by name, unread."""
+    size = 256 * MiB
     link = {"name": b"link", "data": _deflate_of(b"a", size), "method": 8,
             "crc": _crc_of(b"a", size), "size": size, "mode": stat.S_IFLNK | 0o777}
     ok = {"name": b"f.txt", "data": b"hello\n", "method": 0, "crc": zlib.crc32(b"hello\n"),
@@ -158,9 +159,9 @@ def test_zip_symlink_bomb_is_refused_in_bounded_memory(tmp_path):
 @pytest.mark.parametrize("kind", ["file", "symlink"])
 def test_zip_member_longer_than_declared_is_an_error_in_bounded_memory(tmp_path, kind,
                                                                          bz2_zeros):
-    """A bzip2 member that says 10 bytes (with the CRC of 10 zero bytes) but holds 512 MiB:
-    zipfile decompressed the whole stream at once (about 1 GiB) and then kept the first 10
-    bytes; now reading stops after 11 bytes and the member is named."""
+    """A bzip2 member that says 10 bytes (with the CRC of 10 zero bytes) but holds 256 MiB:
+    zipfile decompressed the whole stream at once (about 1 GiB for 512 MiB) and then kept
+    the first 10 bytes; now reading stops after 11 bytes and the member is named."""
     mode = (stat.S_IFLNK | 0o777) if kind == "symlink" else 0o100644
     member = {"name": b"liar", "data": bz2_zeros, "method": 12, "crc": zlib.crc32(bytes(10)),
               "size": 10, "mode": mode}
@@ -224,15 +225,31 @@ def _pax(records: list[tuple[bytes, bytes]]) -> bytes:
 
 
 def _pax_member(records, typ=b"x") -> bytes:
-    return _member(b"././@PaxHeader", typ, _pax(records))
+    """An extended header of ``records`` ((key, value) pairs, or the body already built)."""
+    body = records if isinstance(records, bytes) else _pax(records)
+    return _member(b"././@PaxHeader", typ, body)
 
 
 END = bytes(1024)
 
 
-def _tiny_records(size: int, tag: bytes) -> list[tuple[bytes, bytes]]:
-    """About ``size`` bytes of distinct pax records with two-byte values."""
-    return [(b"%s%07d" % (tag, i), b"xy") for i in range(size // 18)]  # <= 17 bytes each
+def _tiny_pax(size: int, tag: bytes) -> bytes:
+    """A pax body of about ``size`` bytes of distinct records with two-byte values:
+    ``_pax([(tag + b"%07d" % i, b"xy") for i in range(size // 18)])``, built as one array
+    (the records are all one length, only their seven digits differ; 4 million of them
+    one by one took 3 s)."""
+    n = size // 18
+    body = 1 + len(tag) + 7 + len(b"=xy\n")
+    length = body + len(str(body))
+    length += len(str(length)) != len(str(body))
+    head = b"%d %s" % (length, tag)
+    out = np.empty((n, length), dtype=np.uint8)
+    out[:, :len(head)] = np.frombuffer(head, dtype=np.uint8)
+    i = np.arange(n)
+    for p in range(7):
+        out[:, len(head) + 6 - p] = 48 + (i // 10 ** p) % 10
+    out[:, len(head) + 7:] = np.frombuffer(b"=xy\n", dtype=np.uint8)
+    return out.tobytes()
 
 
 def _write_gz(path: Path, parts) -> Path:
@@ -246,7 +263,7 @@ def test_pax_header_of_many_records_is_refused_in_bounded_memory(tmp_path):
     """A 15 MiB pax header of a million tiny records (any key): parsed into a dict it
     cost hundreds of MB; now a pax header over 1 MiB refuses the archive, unread."""
     archive = _write_gz(tmp_path / "pax.tar.gz", [
-        _pax_member(_tiny_records(15 * MiB, b"k")), _member(b"f", b"0", b"hi"), END])
+        _pax_member(_tiny_pax(15 * MiB, b"k")), _member(b"f", b"0", b"hi"), END])
     proc, rss = pack_measured(archive, tmp_path / "store")
     assert_bounded(proc, rss)
     line = assert_cli_error(proc, code=1, contains="pax header")
@@ -269,7 +286,7 @@ def test_a_run_of_pax_headers_is_bounded(tmp_path):
     """70 pax headers of just under 1 MiB each before one member: their records piled up
     in one dict (5 million entries); now only the keys the packer uses are kept, and more
     than 64 extended headers in a row refuse the archive."""
-    parts = [_pax_member(_tiny_records(MiB - 4096, b"h%02d" % k)) for k in range(70)]
+    parts = [_pax_member(_tiny_pax(MiB - 4096, b"h%02d" % k)) for k in range(70)]
     archive = _write_gz(tmp_path / "run.tar.gz", parts + [_member(b"f", b"0", b"hi"), END])
     proc, rss = pack_measured(archive, tmp_path / "store")
     assert_bounded(proc, rss)
