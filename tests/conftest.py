@@ -189,23 +189,61 @@ def _leaves_nothing(_module_state, tmp_path_factory):
 # --------------------------------------------------------------------------- trees and stores
 
 
+def built_once(tmp_path_factory, name: str, build):
+    """``build(directory)`` once per test run, whatever the number of xdist workers: the
+    first worker to ask builds into ``shared-NAME`` under the run's temporary root (its
+    workers share that root; another run has its own), under a lock; the others wait and
+    reuse it. ``build`` returns a value of literals (str, bytes, int, lists, dicts), kept
+    beside the directory as its repr. A failed build is removed and raises again."""
+    import ast
+    import fcntl
+    import shutil
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # .../pytest-N/popen-gwK -> .../pytest-N
+    where, record = root / f"shared-{name}", root / f"shared-{name}.repr"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if record.exists():
+            return ast.literal_eval(record.read_text())
+        shutil.rmtree(where, ignore_errors=True)
+        where.mkdir()
+        try:
+            value = build(where)
+        except BaseException:
+            shutil.rmtree(where, ignore_errors=True)
+            raise
+        record.write_text(repr(value))
+        return value
+
+
 @pytest.fixture(scope="session")
 def special_tree(tmp_path_factory) -> dict:
-    """The special source tree (built once per session); see ``make_special_tree``.
+    """The special source tree (built once per run, shared by the xdist workers); see
+    ``make_special_tree``.
 
     Read-only for tests: never modify it (other tests compare against it).
     """
-    return make_special_tree(tmp_path_factory.mktemp("special") / "src")
+    return built_once(tmp_path_factory, "special-tree",
+                      lambda where: make_special_tree(where / "src"))
 
 
 @pytest.fixture(scope="session")
 def special_pack(special_tree, tmp_path_factory):
     """(store path, completed ``fanstore pack`` process): ``special_tree`` packed once per
-    session with ``SPECIAL_PACK_ARGS``. Read-only."""
-    dest = tmp_path_factory.mktemp("special-store") / "store"
-    proc = run_cli("pack", special_tree["root"], dest, *SPECIAL_PACK_ARGS, check=True,
-                   timeout=300)
-    return dest, proc
+    run with ``SPECIAL_PACK_ARGS``. Read-only."""
+    import subprocess
+
+    def pack(where: Path) -> dict:
+        proc = run_cli("pack", special_tree["root"], where / "store", *SPECIAL_PACK_ARGS,
+                       check=True, timeout=300)
+        return {"dest": str(where / "store"), "args": [str(a) for a in proc.args],
+                "stdout": proc.stdout, "stderr": proc.stderr}
+
+    got = built_once(tmp_path_factory, "special-store", pack)
+    return Path(got["dest"]), subprocess.CompletedProcess(got["args"], 0, got["stdout"],
+                                                          got["stderr"])
 
 
 @pytest.fixture(scope="session")
