@@ -60,8 +60,9 @@ test: setup
 	    --durations=25 $(PYTEST_ARGS)
 	$(TEST_ENV) $(PY) -m pytest -q -m "serial and not slow" $(PYTEST_ARGS) || test $$? -eq 5
 
-## test-quick: the edit loop: no FUSE, MPI, Slurm or S3 endpoint (format, codecs, read core,
-## kernel handler without a kernel, pack, select, CLI)
+## test-quick: the edit loop: no FUSE, MPI, Slurm or S3 endpoint, none of the `long` tests
+## (measured selections, memory-measured packs, faults injected into pack workers): format,
+## codecs, read core, kernel handler without a kernel, pack, select, CLI
 test-quick: setup
 	$(TEST_ENV) $(PY) -m pytest -q -n $(QUICK_JOBS) --dist load \
 	    -m "not fuse and not mpi and not slurm and not s3 and not long and not slow and not serial" \

@@ -133,6 +133,7 @@ def bz2_zeros() -> bytes:
     return b"".join(parts) + c.flush()
 
 
+@pytest.mark.long  # a pack measured in a process of its own: not the edit loop
 def test_zip_symlink_bomb_is_refused_in_bounded_memory(tmp_path):
     """A 256 MiB symlink member (a 256 KB zip): zipfile read it whole (834 MiB peak for
     400 MiB); now its declared size refuses it by name, unread."""
@@ -156,6 +157,7 @@ def test_zip_symlink_bomb_is_refused_in_bounded_memory(tmp_path):
         assert s.ns.n_entries == 2
 
 
+@pytest.mark.long  # a pack measured in a process of its own: not the edit loop
 @pytest.mark.parametrize("kind", ["file", "symlink"])
 def test_zip_member_longer_than_declared_is_an_error_in_bounded_memory(tmp_path, kind,
                                                                          bz2_zeros):
@@ -259,6 +261,7 @@ def _write_gz(path: Path, parts) -> Path:
     return path
 
 
+@pytest.mark.long  # a pack measured in a process of its own: not the edit loop
 def test_pax_header_of_many_records_is_refused_in_bounded_memory(tmp_path):
     """A 15 MiB pax header of a million tiny records (any key): parsed into a dict it
     cost hundreds of MB; now a pax header over 1 MiB refuses the archive, unread."""
@@ -270,6 +273,7 @@ def test_pax_header_of_many_records_is_refused_in_bounded_memory(tmp_path):
     assert "more than the 1 MiB" in line and str(archive) in line
 
 
+@pytest.mark.long  # a pack measured in a process of its own: not the edit loop
 def test_pax_header_of_a_gigabyte_is_refused_unread(tmp_path):
     """A header that says its pax data is 1 GiB: refused before a byte of it is read
     (the archive holds none of it)."""
@@ -298,6 +302,7 @@ def _deep(n: int) -> bytes:
     return b"a/" * n + b"f"
 
 
+@pytest.mark.long  # a pack measured in a process of its own: not the edit loop
 @pytest.mark.parametrize("case", ["gnu-long-name", "gnu-long-link", "pax-path"])
 def test_huge_names_are_refused_by_name_in_bounded_memory(tmp_path, case):
     """A 14 MiB name of 'a/' (a 14 KB .tar.gz): splitting it and creating its 7 million
@@ -330,6 +335,7 @@ def test_huge_names_are_refused_by_name_in_bounded_memory(tmp_path, case):
         assert s.read_file("ok.txt") == b"fine\n"
 
 
+@pytest.mark.long  # a pack measured in a process of its own: not the edit loop
 def test_long_symlink_targets_are_not_kept(tmp_path):
     """400 symlinks whose pax linkpath is 900 KB: each was kept in the namespace until
     the end (360 MB) and refused only then; now refused as it arrives, not kept."""
@@ -344,6 +350,7 @@ def test_long_symlink_targets_are_not_kept(tmp_path):
     assert "l399: symlink target longer than 4095 bytes" in proc.stderr
 
 
+@pytest.mark.long  # a pack measured in a process of its own: not the edit loop
 def test_xz_dictionary_larger_than_the_decoder_limit_is_refused(tmp_path):
     """A 46 KB .tar.xz of 300 MiB of zeros whose block header asks for a 1.5 GiB
     dictionary: LZMAFile has no memory limit and filled 300 MiB of it (RSS 402 MiB; as

@@ -99,6 +99,7 @@ def _rerun_succeeds(src: Path, dest: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.long  # a fault injected into a pack of its own: not the edit loop
 @pytest.mark.parametrize("phase", ["compress", "dedup"])
 def test_a_sigkilled_worker_ends_the_pack_at_once(tmp_path, phase):
     """SIGKILL of one worker while it holds a partition (or a share of the duplicate
@@ -132,6 +133,7 @@ def test_a_sigkilled_worker_ends_the_pack_at_once(tmp_path, phase):
     _rerun_succeeds(src, dest)
 
 
+@pytest.mark.long  # a fault injected into a pack of its own: not the edit loop
 def test_a_worker_that_crashes_ends_the_pack(tmp_path):
     """A crash inside a worker (SIGSEGV, as a codec bug would give): one line naming it."""
     src = _tree(tmp_path / "src")
@@ -147,6 +149,7 @@ def test_a_worker_that_crashes_ends_the_pack(tmp_path):
     _rerun_succeeds(src, dest)
 
 
+@pytest.mark.long  # a fault injected into a pack of its own: not the edit loop
 @pytest.mark.parametrize("fault", ["dedup-rewrite", "dedup-append"])
 def test_a_duplicate_changed_after_its_compare_fails_the_pack(tmp_path, fault):
     """A duplicate is never read after the byte compare (its entry gets its first copy's
@@ -180,6 +183,7 @@ def test_a_duplicate_changed_after_its_compare_fails_the_pack(tmp_path, fault):
     assert run_cli("cat", dest, "orig.bin", text=False, check=True).stdout == data
 
 
+@pytest.mark.long  # a fault injected into a pack of its own: not the edit loop
 def test_the_python_api_is_told_which_worker_died(tmp_path):
     """``fanstore.pack.pack`` raises PackError (no exit, no print) and leaves no worker."""
     src = _tree(tmp_path / "src")
