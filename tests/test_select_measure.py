@@ -571,7 +571,7 @@ def test_the_report_pack_command_packs_the_store_it_measured(tmp_path):
     raw = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(src) for f in fs)
     assert raw > DICT_TRAIN_BYTES * 1.05
     res = run_selection(src, SelectionOptions(
-        mode="sync", mb_per_sec=1.0, cores=2, sample_mb=1.0, seed=7, reader="api", trials=3,
+        mode="sync", mb_per_sec=1.0, cores=2, sample_mb=1.0, seed=7, reader="api", trials=2,
         rounds=1,
         storage_mb_per_sec=1000.0, progress=False, storage_dir=str(tmp_path)))
     chosen = res.candidate(res.chosen)
