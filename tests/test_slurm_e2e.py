@@ -317,10 +317,10 @@ def test_a_job_dir_another_user_made_first_stops_the_job(packed, tmp_path, plant
     assert wait_until(lambda: no_daemons_for(tmp_path), 10)
 
 
-#: launches of test_mpi_start_up_under_srun_is_reliable: a few of each shape in the default
-#: run (each launch is a real srun of real MPI ranks: 1-2 s); the 30 that would catch the
-#: 10% failures of old are the slow variant
-LAUNCHES = [6, pytest.param(30, marks=pytest.mark.slow)]
+#: launches of test_mpi_start_up_under_srun_is_reliable: two of each shape in the default
+#: run (each launch is a real srun of real MPI ranks: 1-2 s, 2.5 CPU-s); the 30 that would
+#: catch the 10% failures of old are the slow variant
+LAUNCHES = [4, pytest.param(30, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("launches", LAUNCHES)

@@ -878,8 +878,10 @@ def test_interrupted_pack_into_s3_leaves_no_store_and_is_cleaned(s3_server, tmp_
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=dict(os.environ, **s3_server.env), start_new_session=True)
     try:
+        # (every look is a listing the endpoint answers: 0.1 s apart, not 0.02; zstd:19
+        # keeps the pack busy for seconds after its first partition)
         assert wait_until(lambda: any(TMP_MARK in o for o in _objects(s3_server, bucket))
-                          or proc.poll() is not None, 60, 0.02)
+                          or proc.poll() is not None, 60, 0.1)
         assert proc.poll() is None, "the pack finished before it could be killed"
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
