@@ -703,14 +703,11 @@ def test_the_trial_mount_has_at_most_cores_workers_and_reads_cold(tmp_path):
 # --------------------------------------------------------------------------- no mount here
 
 
-@pytest.mark.long
-@pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="needs a /dev/fuse to exist")
-def test_a_fuse_device_that_cannot_mount_falls_back_to_the_api(other_user):
+def _selects_of_a_user_who_cannot_mount(other_user, *runs: tuple[str, ...]) -> list:
     """/dev/fuse exists (so `select` defaults to --reader mount), but an unprivileged user
-    without fusermount3 on PATH cannot mount: a sync selection measures with the Python API
-    and says so in one line (table and JSON); a prefetch one, whose API reads go through a
-    mount too, chooses on the model and says why; --reader mount, asked for, is one error
-    line and status 1. Run as a second user, with the real `fanstore mount` failing."""
+    without fusermount3 on PATH cannot mount: one `fanstore select` of a small tree as that
+    user per argument list in ``runs`` (the real `fanstore mount` failing); their completed
+    processes. Every trial must be cleaned up."""
     import sys
 
     from second_user import reachable_for_others, shared_test_dir
@@ -727,17 +724,26 @@ def test_a_fuse_device_that_cannot_mount_falls_back_to_the_api(other_user):
             os.chown(path, other_user.uid, other_user.gid)
         env = other_user.env(PATH=bare, TMPDIR=work, FANSTORE_RUNTIME_DIR=rt,
                              FANSTORE_FRONTEND="kernel")
+        done = [other_user.run(
+            [sys.executable, "-m", "fanstore.cli", "select", src, "--mb-per-sec", "1",
+             "--cores", "2", "--sample-mb", "1", "--trials", "2", "--rounds", "1",
+             "--storage-mb-per-sec", "1000", *args], env=env, timeout=300) for args in runs]
+        assert os.listdir(work) == []  # every trial cleaned up
+    return done
 
-        def select(*args):
-            return other_user.run(
-                [sys.executable, "-m", "fanstore.cli", "select", src, "--mb-per-sec", "1",
-                 "--cores", "2", "--sample-mb", "1", "--trials", "2", "--rounds", "1",
-                 "--storage-mb-per-sec", "1000", *args], env=env, timeout=300)
 
-        sync, table, prefetch, insist = (select("--json"), select(),
-                                         select("--mode", "prefetch", "--json"),
-                                         select("--reader", "mount"))
-        left = os.listdir(work)
+needs_a_fuse_device = pytest.mark.skipif(not os.path.exists("/dev/fuse"),
+                                         reason="needs a /dev/fuse to exist")
+
+
+@pytest.mark.long
+@needs_a_fuse_device
+def test_a_fuse_device_that_cannot_mount_falls_back_to_the_api(other_user):
+    """A sync selection where no mount can be made measures with the Python API and says so
+    in one line (table and JSON)."""
+    # (the text table is read for its fallback line only: one finalist, none)
+    sync, table = _selects_of_a_user_who_cannot_mount(other_user, ("--json",),
+                                                      ("--trials", "1"))
     assert sync.returncode == 0 and sync.stderr == "", sync.stderr
     doc = json.loads(sync.stdout)
     m = doc["measurement"]
@@ -749,6 +755,17 @@ def test_a_fuse_device_that_cannot_mount_falls_back_to_the_api(other_user):
     assert table.returncode == 0, table.stderr
     lines = [x for x in table.stdout.splitlines() if x.startswith("fallback  ")]
     assert lines == ["fallback  " + m["reader_fallback"]]
+
+
+@pytest.mark.long
+@needs_a_fuse_device
+def test_without_a_mount_prefetch_chooses_on_the_model_and_a_mount_reader_is_an_error(
+        other_user):
+    """Where no mount can be made, a prefetch selection (whose API reads go through a mount
+    too) chooses on the model and says why; --reader mount, asked for, is one error line
+    and status 1."""
+    prefetch, insist = _selects_of_a_user_who_cannot_mount(
+        other_user, ("--mode", "prefetch", "--json"), ("--reader", "mount"))
     assert prefetch.returncode == 0 and prefetch.stderr == "", prefetch.stderr
     p = json.loads(prefetch.stdout)["measurement"]
     assert p["measured"] is False and p["reader_fallback"] is None
@@ -758,4 +775,3 @@ def test_a_fuse_device_that_cannot_mount_falls_back_to_the_api(other_user):
     assert insist.stderr.count("\n") == 1 and "Traceback" not in insist.stderr
     assert insist.stderr.startswith("fanstore: error: calibration: 'fanstore mount' of a "
                                     "temporary store failed: fusermount3 not found")
-    assert left == []  # every trial cleaned up
