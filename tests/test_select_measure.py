@@ -16,8 +16,8 @@ import os
 
 import numpy as np
 import pytest
-from helpers import (TESTS_DIR, assert_cli_error, assert_no_traceback, cleanup_mount,
-                     mount_store, run_cli, run_main)
+from helpers import (FANSTORE, TESTS_DIR, assert_cli_error, assert_no_traceback,
+                     cleanup_mount, mount_store, run_cli, run_main, started)
 
 from fanstore.select import finalists
 from fanstore.select.calibrate import reader_cost
@@ -624,22 +624,24 @@ def test_trials_on_a_tmpfs_are_reported_not_cold(tmp_path):
     src = _json_tree(tmp_path / "src", 600)
     shm = tempfile.mkdtemp(prefix="fanstore-test-", dir="/dev/shm")
     args = [src, "--mb-per-sec", "0.1", "--cores", "1", "--sample-mb", "1", "--trials", "1",
-        "--rounds", "1",
-            "--storage-mb-per-sec", "1000"]
+            "--rounds", "1", "--storage-mb-per-sec", "1000"]
     try:
-        env = {"TMPDIR": shm}
-        doc = json.loads(run_cli("select", *args, "--json", env=env, timeout=300).stdout)
-        text = run_cli("select", *args, env=env, timeout=300)
+        env = dict(os.environ, TMPDIR=shm)
+        # the JSON and the table at once: two selections of one user side by side
+        with started([FANSTORE, "select", *args, "--json"], env=env) as as_json, \
+                started([FANSTORE, "select", *args], env=env) as text:
+            doc = json.loads(as_json.communicate(timeout=300)[0])
+            text_out, text_err = text.communicate(timeout=300)
         assert os.listdir(shm) == []  # the trials cleaned up
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     m = doc["measurement"]
     assert m["cold"] is False and m["resident_after_drop"] > 0.9
     assert "NOT cold" in m["how"]
-    assert text.returncode == 0, text.stderr
-    line = next(x for x in text.stdout.splitlines() if x.startswith("cold "))
+    assert text.returncode == 0, text_err
+    line = next(x for x in text_out.splitlines() if x.startswith("cold "))
     assert line.startswith("cold      NO: ") and "tmpfs" in line
-    assert "was not cold" in text.stderr
+    assert "was not cold" in text_err
 
 def _trial_mounts(work) -> list[str]:
     with open("/proc/mounts") as f:

@@ -1017,8 +1017,8 @@ def test_interrupted_stage_in_fetches_only_what_is_missing(s3_server, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     rng = random.Random(5)
-    for i in range(4):
-        (src / f"r{i}.bin").write_bytes(rng.randbytes(16 << 20))
+    for i in range(4):  # 32 MiB: 2 partitions of 16 blocks of 1 MiB, killed after 4
+        (src / f"r{i}.bin").write_bytes(rng.randbytes(8 << 20))
     url = _s3_store(s3_server, src, ("--codec", "none", "--partitions", "2"))
     index = read_index_env(url, s3_server.env)
     total = sum(p.size for p in index.partitions)
