@@ -83,15 +83,14 @@ def _worker_main(ring: mmap.mmap, cmd_fd: int, res_fd: int) -> None:
                 region = view[pos:pos + n]
                 csum = hash64(region)
                 try:
-                    stored = _encode_chunk(codecs[slot] if slot else None, region)
+                    slot, stored = _encode_chunk(codecs[slot] if slot else None, slot,
+                                                 region)
                 except CodecError as exc:
                     _send_error(res_fd, out, str(exc))
                     return
-                if len(stored) < n:
+                if slot:
                     region[:len(stored)] = stored
-                    out += _RES.pack(_DONE, slot, len(stored), csum)
-                else:
-                    out += _RES.pack(_DONE, 0, n, csum)
+                out += _RES.pack(_DONE, slot, len(stored), csum)
                 # Hand results back soon (the packer frees the ring in order), but not one
                 # write per tiny chunk.
                 if n >= 65536 or len(out) >= 32 * _RES.size:
@@ -112,15 +111,17 @@ def _worker_main(ring: mmap.mmap, cmd_fd: int, res_fd: int) -> None:
             out.clear()
 
 
-def _encode_chunk(codec: Any, region: memoryview):
-    """A chunk's stored bytes: ``codec``'s encoding, or the chunk itself (no codec, slot 0;
-    or the codec declined it, as a chunk that does not shrink). Raises CodecError."""
+def _encode_chunk(codec: Any, slot: int, region: memoryview) -> tuple[int, Any]:
+    """(slot, stored bytes) of a chunk: ``codec``'s encoding under ``slot``, or the chunk
+    itself under slot 0 (no codec; the codec declined it; or its encoding does not shrink
+    it). The one place the worker and the inline path decide it. Raises CodecError."""
     if codec is None:
-        return region
+        return 0, region
     try:
-        return codec.encode(region)
+        stored = codec.encode(region)
     except DeclinedError:
-        return region
+        return 0, region
+    return (slot, stored) if len(stored) < len(region) else (0, region)
 
 
 def _compression_failed(label: str, msg: str) -> PackError:
@@ -471,13 +472,10 @@ class InlineFirst:
         region = memoryview(self._buf)[:n]
         csum = xxhash.xxh3_64_intdigest(region)
         try:
-            stored = _encode_chunk(self._codecs.get(slot), region)
+            slot, stored = _encode_chunk(self._codecs.get(slot), slot, region)
         except CodecError as exc:
             raise _compression_failed(self.label, str(exc)) from None
-        if len(stored) < n:
-            self.sink(token, memoryview(stored), slot, n, csum)
-        else:
-            self.sink(token, region, 0, n, csum)
+        self.sink(token, memoryview(stored), slot, n, csum)
 
     def finish(self) -> None:
         if self.pool is not None:
