@@ -708,8 +708,8 @@ def test_the_trial_mount_has_at_most_cores_workers_and_reads_cold(tmp_path):
 def _selects_of_a_user_who_cannot_mount(other_user, *runs: tuple[str, ...]) -> list:
     """/dev/fuse exists (so `select` defaults to --reader mount), but an unprivileged user
     without fusermount3 on PATH cannot mount: one `fanstore select` of a small tree as that
-    user per argument list in ``runs`` (the real `fanstore mount` failing); their completed
-    processes. Every trial must be cleaned up."""
+    user per argument list in ``runs``, each with its --trials (the real `fanstore mount`
+    failing); their completed processes. Every trial must be cleaned up."""
     import sys
 
     from second_user import reachable_for_others, shared_test_dir
@@ -728,7 +728,7 @@ def _selects_of_a_user_who_cannot_mount(other_user, *runs: tuple[str, ...]) -> l
                              FANSTORE_FRONTEND="kernel")
         done = [other_user.run(
             [sys.executable, "-m", "fanstore.cli", "select", src, "--mb-per-sec", "1",
-             "--cores", "2", "--sample-mb", "1", "--trials", "2", "--rounds", "1",
+             "--cores", "2", "--sample-mb", "1", "--rounds", "1",
              "--storage-mb-per-sec", "1000", *args], env=env, timeout=300) for args in runs]
         assert os.listdir(work) == []  # every trial cleaned up
     return done
@@ -744,7 +744,7 @@ def test_a_fuse_device_that_cannot_mount_falls_back_to_the_api(other_user):
     """A sync selection where no mount can be made measures with the Python API and says so
     in one line (table and JSON)."""
     # (the text table is read for its fallback line only: one finalist, none)
-    sync, table = _selects_of_a_user_who_cannot_mount(other_user, ("--json",),
+    sync, table = _selects_of_a_user_who_cannot_mount(other_user, ("--json", "--trials", "2"),
                                                       ("--trials", "1"))
     assert sync.returncode == 0 and sync.stderr == "", sync.stderr
     doc = json.loads(sync.stdout)
@@ -767,7 +767,8 @@ def test_without_a_mount_prefetch_chooses_on_the_model_and_a_mount_reader_is_an_
     too) chooses on the model and says why; --reader mount, asked for, is one error line
     and status 1."""
     prefetch, insist = _selects_of_a_user_who_cannot_mount(
-        other_user, ("--mode", "prefetch", "--json"), ("--reader", "mount"))
+        other_user, ("--mode", "prefetch", "--json", "--trials", "2"),
+        ("--reader", "mount", "--trials", "2"))
     assert prefetch.returncode == 0 and prefetch.stderr == "", prefetch.stderr
     p = json.loads(prefetch.stdout)["measurement"]
     assert p["measured"] is False and p["reader_fallback"] is None
