@@ -534,11 +534,12 @@ def test_no_finalist_measured_is_one_error_and_a_nonzero_exit(tmp_path, monkeypa
 # --------------------------------------------------------------------------- the measured store
 
 
-def _json_tree(root, n: int, seed: int = 12) -> str:
-    """``n`` small JSON files of one kind (json/tiny, about 2.6 kB each)."""
+def _json_tree(root, n: int, seed: int = 12, rows: int = 22) -> str:
+    """``n`` small JSON files of one kind (``rows`` 22: json/tiny, about 2.6 kB each;
+    ``rows`` over 34: json/small, about 120 bytes a row)."""
     rng = np.random.default_rng(seed)
     words = np.array([f"w{i}" for i in range(300)])
-    rows = 22  # per file; drawn for every file at once (a loop of draws took 6 s)
+    # rows per file, drawn for every file at once (a loop of draws took 6 s)
     ids = rng.integers(1 << 30, size=(n, rows)).tolist()
     labels = rng.choice(words, (n, rows)).tolist()
     boxes = np.round(rng.random((n, rows, 4)) * 640, 2).tolist()
@@ -567,7 +568,7 @@ def test_the_report_pack_command_packs_the_store_it_measured(tmp_path):
     from fanstore.select.dictionaries import DICT_TRAIN_BYTES
     from fanstore.select.report import pack_command
 
-    src = _json_tree(tmp_path / "src", 4000)
+    src = _json_tree(tmp_path / "src", 700, rows=132)  # json/small, 9.5 MB
     raw = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(src) for f in fs)
     assert raw > DICT_TRAIN_BYTES * 1.05
     res = run_selection(src, SelectionOptions(
