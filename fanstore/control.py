@@ -54,7 +54,7 @@ _KINDS: dict[str, type[FanStoreError]] = {
     cls.__name__: cls for cls in (
         E.FanStoreError, E.UsageError, E.FormatError, E.CorruptDataError, E.NotFoundError,
         E.IsADirectoryError_, E.NotADirectoryError_, E.SymlinkLoopError, E.MountError,
-        E.RemoteError, E.UnsafePathError, E.StageError, E.PermissionDeniedError,
+        E.RemoteError, E.NodeStoppingError, E.UnsafePathError, E.StageError, E.PermissionDeniedError,
         E.OutsideStoreError)
 }
 

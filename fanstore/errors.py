@@ -146,6 +146,13 @@ class RemoteError(FanStoreError):
     errno = _errno.EIO
 
 
+class NodeStoppingError(RemoteError):
+    """This node stops serving its mount: a read of another node's data that has not been
+    answered by then ends (ENOTCONN, as any read of a mount whose daemon goes away)."""
+
+    errno = _errno.ENOTCONN
+
+
 class StageError(FanStoreError):
     """Copying partitions to node-local storage failed."""
 

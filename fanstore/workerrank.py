@@ -40,7 +40,7 @@ import time
 from typing import Callable
 
 from fanstore.daemon.launcher import launcher_alive
-from fanstore.daemon.nodegroup import WorkerSide
+from fanstore.daemon.nodegroup import STOPPED_SIGNAL, WorkerSide
 from fanstore.daemon.world import World
 from fanstore.errors import FanStoreError
 from fanstore.mountspec import START_TIMEOUT, NodeShare
@@ -61,7 +61,7 @@ def run_worker(world: World, debug: bool = False,
     setup_logging(debug, sys.stderr, fmt=(
         f"%(asctime)s fanstore[node {job.node} worker rank {job.rank}] %(levelname)s: "
         "%(message)s"))
-    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, STOPPED_SIGNAL):
         signal.signal(s, signal.SIG_IGN)
     from fanstore.daemon.pacing import precise_sleeps
 
@@ -86,6 +86,10 @@ def run_worker(world: World, debug: bool = False,
     transport = parts = None
     try:
         transport, parts, reader = _build(job, share)
+        # the node stops serving its mount: reads of other nodes still waiting end within
+        # STOP_GRACE (ENOTCONN); serving the peers goes on
+        signal.signal(STOPPED_SIGNAL, lambda _s, _f: transport.interrupt(
+            "the node stops serving its mount"))
         if not share.worker_socket:
             # the node's frontend serves its mount itself (pyfuse3): this rank answers the
             # other nodes' reads of the node's partitions until the node is done

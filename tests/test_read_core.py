@@ -101,6 +101,33 @@ def test_a_dead_owner_fails_over_to_a_replica(routed_store, small_tree):
         job.close()
 
 
+def test_a_stopping_node_reads_no_peer_and_blames_none(routed_store, small_tree):
+    """transport.interrupt (the node stops serving its mount; no grace here): a read of
+    another node's file is ENOTCONN at once, with no failover and no peer marked dead;
+    this node's own files still read, and pings (the drain's probes) still go out."""
+    job = Job(routed_store, replicas=2)
+    try:
+        rel = "a.txt"
+        part = _owner(routed_store, rel)
+        reader_rank = next(r for r in range(N_RANKS) if r not in job.table[part])
+        peers = job.peers[reader_rank]
+        peers.transport.interrupt("the node stops serving its mount", grace=0)
+        reader = job.readers[reader_rank]
+        with pytest.raises(RemoteError) as info:
+            reader.read_all(job.entry(rel))
+        assert info.value.errno == errno.ENOTCONN
+        assert "not asked further: the node stops serving its mount" in str(info.value)
+        assert reader.stats.remote_failovers == 0 and peers.dead == set()
+        mine = [r for r in small_tree[1] if _owner(routed_store, r) is not None
+                and reader_rank in job.table[_owner(routed_store, r)]]
+        assert mine
+        for r in mine:
+            assert reader.read_all(job.entry(r)) == small_tree[1][r]
+        assert all(peers.transport.ping(r, 1.0) for r in range(N_RANKS) if r != reader_rank)
+    finally:
+        job.close()
+
+
 def test_a_dead_owner_without_replica_is_eio_for_its_files_only(routed_store, small_tree):
     job = Job(routed_store, replicas=1)
     try:

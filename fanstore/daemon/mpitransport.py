@@ -31,7 +31,7 @@ from collections.abc import Callable
 from fanstore.daemon import protocol as P
 from fanstore.daemon.mpirequests import AllOf, Posted, Reply, done, mpi_error
 from fanstore.daemon.pacing import HOT_SECONDS, Backoff, Pacer, precise_sleeps, wait_request
-from fanstore.daemon.transport import PeerUnreachable, RemoteTimeout
+from fanstore.daemon.transport import STOP_GRACE, Interrupted, PeerUnreachable, RemoteTimeout
 from fanstore.errors import FanStoreError, RemoteError
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,9 @@ class MpiTransport:
         self._latency = Pacer(start=300e-6, lo=20e-6, hi=5e-3)  # of replies, seen here
         #: replies are asked for in messages of at most this many bytes (protocol.pieces)
         self.piece = piece if piece == 0 or piece > P.RESP.size else P.DEFAULT_PIECE
+        #: why this rank's own reads give up (:meth:`interrupt`), or None; and from when
+        self.interrupted: str | None = None
+        self.interrupt_at = 0.0
 
     # ------------------------------------------------------------------ server
     def start(self) -> None:
@@ -216,6 +219,25 @@ class MpiTransport:
         return buf, P.Status.OK
 
     # ------------------------------------------------------------------ client
+    def interrupt(self, reason: str, grace: float = STOP_GRACE) -> None:
+        """This rank's node stops serving its mount: its reads of other ranks (waiting or
+        new) end ``grace`` seconds from now at the latest, with :class:`Interrupted`
+        (ENOTCONN). A live peer answers well within it; a reply from one that died would
+        otherwise be waited for until the remote timeout, holding the reader and the
+        node's end. Pings (the drain's probes), control messages and serving the peers go
+        on. Safe in a signal handler (two stores, the reason last)."""
+        if self.interrupted is None:
+            self.interrupt_at = time.monotonic() + grace
+            self.interrupted = reason
+
+    def _past_interrupt(self) -> bool:
+        return self.interrupted is not None and time.monotonic() >= self.interrupt_at
+
+    def _gave_up(self, owner: int, timeout: float, reads: bool = True) -> RemoteError:
+        if reads and self._past_interrupt():
+            return Interrupted(f"rank {owner} not asked further: {self.interrupted}")
+        return RemoteTimeout(f"rank {owner} did not answer within {timeout:g} s")
+
     def _next(self) -> tuple[int, int]:
         with self._lock:
             return next(self._tags), next(self._ids)
@@ -236,10 +258,13 @@ class MpiTransport:
 
     def _fetch(self, owner: int, part: int, offset: int, length: int, timeout: float,
                op: int) -> memoryview:
+        reads = op == P.Op.READ  # (a ping is not a read: the drain's probes go on)
+        if reads and self._past_interrupt():
+            raise self._gave_up(owner, timeout)
         reply = self._post(owner, part, offset, length, op)
-        if not self._wait_reply(reply.complete, time.monotonic() + timeout):
+        if not self._wait_reply(reply.complete, time.monotonic() + timeout, reads):
             reply.abandon()
-            raise RemoteTimeout(f"rank {owner} did not answer within {timeout:g} s")
+            raise self._gave_up(owner, timeout, reads)
         return reply.result()
 
     def fetch_many(self, owner: int, ranges: list[tuple[int, int, int]], timeout: float
@@ -248,7 +273,9 @@ class MpiTransport:
         request is sent before any reply is waited for, and all replies are waited for
         together (one paced wait for the batch, not one per range). Returns, per range,
         its bytes or the RemoteError it got; RemoteTimeout (PeerUnreachable) when the batch
-        is not all answered within ``timeout``."""
+        is not all answered within ``timeout``; Interrupted (see :meth:`interrupt`)."""
+        if self._past_interrupt():
+            raise self._gave_up(owner, timeout)
         try:
             replies = [self._post(owner, p, off, n, P.Op.READ) for p, off, n in ranges]
         except self.MPI.Exception as exc:
@@ -268,7 +295,7 @@ class MpiTransport:
         if not done:
             for r in replies:
                 r.abandon()
-            raise RemoteTimeout(f"rank {owner} did not answer within {timeout:g} s")
+            raise self._gave_up(owner, timeout)
         out: list[memoryview | RemoteError] = []
         for r in replies:
             try:
@@ -291,12 +318,13 @@ class MpiTransport:
         r_send = self.comm.Isend([header, MPI.BYTE], dest=owner, tag=P.TAG_REQUEST)
         return Reply(self, owner, part, length, req_id, piece, buf, recvs, r_send, header)
 
-    def _wait_reply(self, test: Callable[[], bool], deadline: float) -> bool:
+    def _wait_reply(self, test: Callable[[], bool], deadline: float,
+                    interruptible: bool = True) -> bool:
         """Poll ``test()`` (a reply complete?): a few tests at once (a fast peer), then
         sleep most of the latency the last replies had, then shorter steps (see Pacer);
-        never past ``deadline``. Records how long the reply took (what was slept through
-        at the first wake-up is counted short, so the estimate can only fall to the truth,
-        not feed on its own naps)."""
+        never past ``deadline``, nor past an :meth:`interrupt` (False: gave up). Records
+        how long the reply took (what was slept through at the first wake-up is counted
+        short, so the estimate can only fall to the truth, not feed on its own naps)."""
         t0 = time.monotonic()
         for _ in range(3):
             if test():
@@ -306,7 +334,10 @@ class MpiTransport:
         nap = pace.first()
         wakes = 0
         while True:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
+            if interruptible and self.interrupted is not None:
+                left = min(left, self.interrupt_at - now)
             if left <= 0:
                 return False
             time.sleep(min(nap, left))

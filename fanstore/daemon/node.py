@@ -181,6 +181,7 @@ class Node(NodeEnd):
             return
         self.stopping = reason
         log.info("stopping: %s", reason)
+        self.end_remote_reads()
         if self.frontend is not None:
             self.frontend.stop(reason)
 
@@ -298,7 +299,7 @@ class Node(NodeEnd):
                                  args=(self._serving, self.request_stop, self.check_deaths),
                                  name="fanstore-probe", daemon=True).start()
             reason = self.frontend.serve()
-            self._serving.clear()
+            self.stopped_serving()
             if self.stopping is None and reason != UNMOUNTED:
                 # the frontend died (SIGKILL, a crash; or it lost its worker ranks): not
                 # this node's own stop, so the job ends on every node, as for a dead daemon

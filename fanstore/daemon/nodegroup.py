@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -83,6 +84,9 @@ def _bcast_bytes(comm, data: bytes | None, alive=None,
 TELL_TIMEOUT = 30.0
 #: the tag of a worker rank's hello (its pid) to its leader, on the node's communicator
 HELLO_TAG = 77
+#: the leader's word to its worker ranks that the node's mount is gone: their reads of
+#: other nodes give up at once (a signal: a worker rank may be inside one, waiting)
+STOPPED_SIGNAL = signal.SIGUSR2
 
 
 def _byte(comm):
@@ -141,6 +145,19 @@ class LeaderSide:
         shown = ", ".join(str(r) for r in ranks[:20]) + (" ..." if len(ranks) > 20 else "")
         return (f"worker rank{'s' if len(ranks) > 1 else ''} {shown} of this node did not "
                 f"{what} within {timeout:g} s (--start-timeout)")
+
+    def stopped_serving(self) -> None:
+        """The node's mount is gone (unmounted, lazily if files were open): tell the
+        worker ranks (STOPPED_SIGNAL), so that a read waiting for another node's reply
+        ends within STOP_GRACE (ENOTCONN). Without it, a read of a peer that died waited the remote
+        timeout shared by the peer node's ranks (15 s of 30 for two), and the node's end
+        with it (measured: a worker rank of node 1 SIGKILLed while node 0 read its data,
+        node 0 gone 17.4 s later)."""
+        for pid in self.worker_pids:
+            try:
+                os.kill(pid, STOPPED_SIGNAL)
+            except ProcessLookupError:
+                pass
 
     def wait_workers_gone(self, timeout: float = 15.0) -> bool:
         """After MPI_Finalize: wait (bounded) until every worker rank's process has exited,

@@ -21,8 +21,8 @@ import time
 from typing import Callable
 
 from fanstore.daemon import placement as pl
-from fanstore.daemon.transport import RemoteTimeout
-from fanstore.errors import RemoteError
+from fanstore.daemon.transport import Interrupted, RemoteTimeout
+from fanstore.errors import NodeStoppingError, RemoteError
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,8 @@ class PeerSource:
                 try:
                     return self.transport.fetch(rank, part, offset, length,
                                                 left / (len(live) - i))
+                except Interrupted as exc:  # this node stops: no failover, nobody to blame
+                    raise NodeStoppingError(f"{what}: {exc}") from None
                 except RemoteTimeout as exc:
                     self.mark_dead(rank, str(exc))
                 except RemoteError as exc:
@@ -103,6 +105,10 @@ class PeerSource:
             try:
                 got = self.transport.fetch_many(
                     rank, [items[i][:3] for i in idx], self.timeout)
+            except Interrupted as exc:
+                for i in idx:
+                    out[i] = exc
+                continue
             except RemoteTimeout as exc:
                 self.mark_dead(rank, str(exc))
                 continue

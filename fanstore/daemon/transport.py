@@ -15,11 +15,22 @@ from collections.abc import Callable
 from typing import Protocol
 
 from fanstore.daemon import protocol as P
-from fanstore.errors import FanStoreError, RemoteError
+from fanstore.errors import FanStoreError, NodeStoppingError, RemoteError
 
 
 class RemoteTimeout(RemoteError):
     """A peer did not answer within the remote timeout."""
+
+
+class Interrupted(NodeStoppingError):
+    """This rank's node stops serving its mount: a remote read not answered within
+    STOP_GRACE of that gives up, with no failover and no peer marked dead (the peer may
+    have done nothing wrong)."""
+
+
+#: seconds a read of a peer may still take once its node stops serving (a live peer,
+#: draining, answers in milliseconds; one that died never does)
+STOP_GRACE = 1.0
 
 
 class PeerUnreachable(RemoteTimeout):
@@ -49,6 +60,10 @@ class Transport(Protocol):
         """Stored bytes of ``part`` from rank ``owner``; RemoteTimeout / RemoteError."""
 
     def ping(self, owner: int, timeout: float) -> bool: ...
+
+    def interrupt(self, reason: str, grace: float = STOP_GRACE) -> None:
+        """This rank's reads of its peers (waiting or new) end ``grace`` seconds from now
+        at the latest, with Interrupted; its pings, control messages and service go on."""
 
     def send_control(self, kind: int, ranks, reason: str = "", timeout: float = 2.0) -> None:
         ...
@@ -81,6 +96,8 @@ class LocalTransport:
         self.served_requests = 0
         self.served_bytes = 0
         self._running = False
+        self.interrupted: str | None = None
+        self.interrupt_at = 0.0
         hub.ranks[rank] = self
 
     def start(self) -> None:
@@ -100,7 +117,14 @@ class LocalTransport:
             raise RemoteTimeout(f"rank {owner} did not answer within {timeout:g} s")
         return peer
 
+    def interrupt(self, reason: str, grace: float = STOP_GRACE) -> None:
+        if self.interrupted is None:
+            self.interrupt_at = time.monotonic() + grace
+            self.interrupted = reason
+
     def fetch(self, owner: int, part: int, offset: int, length: int, timeout: float):
+        if self.interrupted is not None and time.monotonic() >= self.interrupt_at:
+            raise Interrupted(f"rank {owner} not asked further: {self.interrupted}")
         peer = self._peer(owner, timeout)
         if peer.parts is None or not peer.parts.has(part):
             raise RemoteError(f"rank {owner} could not serve partition {part}: not here")
@@ -118,7 +142,7 @@ class LocalTransport:
         for part, offset, length in ranges:
             try:
                 out.append(self.fetch(owner, part, offset, length, timeout))
-            except RemoteTimeout:
+            except (RemoteTimeout, Interrupted):
                 raise
             except RemoteError as exc:
                 out.append(exc)
