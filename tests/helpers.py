@@ -994,6 +994,7 @@ def reader_main(spec_json: str) -> None:
     direct_share = spec.get("direct", 0.8)
     deadline = time.monotonic() + spec["seconds"]
     stop_file = spec.get("stop_file")
+    reading = spec.get("reading")
     out = {"reads": 0, "ops": 0, "bytes_checked": 0, "wrong": [], "errors": {},
            "error_samples": [], "expected_eio": 0, "eio_files": [], "zero_length": 0,
            "past_eof": 0, "max_latency": 0.0, "after_marker_ok": 0, "after_marker_ok_files": 0,
@@ -1052,7 +1053,10 @@ def reader_main(spec_json: str) -> None:
         if got != want:
             if len(out["wrong"]) < 10:
                 out["wrong"].append([rel, off, n, len(got), len(want)])
-        elif after:
+        elif reading:  # the first right read: say so (wait_reading)
+            open(reading, "w").close()
+            reading = None
+        if got == want and after:
             out["after_marker_ok"] += 1
             ok_after.add(rel)
     out["eio_files"] = sorted(eio_files)
@@ -1110,12 +1114,18 @@ def start_readers(n: int, mounts_for, src, sizes: dict[str, int], seconds: float
     """Start ``n`` reader processes (see ``reader_main``); reader ``i`` reads the mounts
     ``mounts_for(i)`` (a list). ``spec`` adds ``chunk``, ``may_fail`` (paths for which EIO
     is expected), ``marker`` (a path: reads after it exists are counted apart), ``direct``
-    (share of O_DIRECT opens), ``stop_file``, ``stop_on_error``."""
+    (share of O_DIRECT opens), ``stop_file``, ``stop_on_error``, ``reading`` (a directory:
+    each reader makes a file in it after its first right read, for :func:`wait_reading`)."""
     files = sorted([rel, size] for rel, size in sizes.items())
+    reading = spec.pop("reading", None)
+    if reading is not None:
+        os.makedirs(reading, exist_ok=True)
     procs = []
     for i in range(n):
         body = dict(spec, files=files, mounts=[os.fspath(m) for m in mounts_for(i)],
                     src=os.fspath(src), seconds=seconds, seed=seed * 1000 + i)
+        if reading is not None:
+            body["reading"] = os.path.join(os.fspath(reading), f"reader-{i}")
         body["may_fail"] = sorted(body.get("may_fail", []))
         if body.get("marker"):
             body["marker"] = os.fspath(body["marker"])
@@ -1126,7 +1136,21 @@ def start_readers(n: int, mounts_for, src, sizes: dict[str, int], seconds: float
         procs.append(subprocess.Popen([sys.executable, "-c", code, _json.dumps(body)],
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
+        procs[-1].reading = body.get("reading")
     return procs
+
+
+def wait_reading(procs: list[subprocess.Popen], timeout: float = 60) -> None:
+    """Wait until every reader (started with ``reading=``) has read right once: a fault
+    injected after this lands mid-read whatever the machine's load (a reader's interpreter
+    takes 0.1 s to start alone and seconds on a busy machine). AssertionError naming the
+    readers that did not, or that exited first."""
+    pending = lambda: [p for p in procs if not os.path.exists(p.reading)]  # noqa: E731
+    wait_until(lambda: not pending() or any(p.poll() is not None for p in pending()),
+               timeout)
+    late = pending()
+    assert not late, (f"{len(late)} of {len(procs)} readers made no right read within "
+                      f"{timeout:g} s; exited: {[p.returncode for p in late]}")
 
 
 def abort_fuse_connection(mnt) -> bool:

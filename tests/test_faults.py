@@ -76,6 +76,7 @@ from helpers import (
     stored_extent,
     summarize_readers,
     tmpfs,
+    wait_reading,
     wait_until,
 )
 from mpi_helpers import MpiJob, mpi_available, read_tree_bytes, wait_gone
@@ -471,9 +472,9 @@ def _kill_mid_read(data, tmp_path, replicas: bool, timeout: float = 2.0) -> dict
     with MpiJob(store, tmp_path, ranks=n_ranks, extra=extra) as job:
         readers = start_readers(6, lambda i: [job.mnt(survivors[i % 3])], src, sizes, seconds,
                                 seed=7, chunk=CHUNK, may_fail=lost, marker=marker,
-                                stop_on_error=not replicas)
+                                stop_on_error=not replicas, reading=tmp_path / "reading")
         try:
-            time.sleep(1.5)
+            wait_reading(readers)  # the kill lands mid-read
             pids = job.kill_node(victim)  # the daemon and the node's worker ranks
             marker.touch()
             assert wait_until(lambda: not any(pid_alive(p) for p in pids), 10)
@@ -565,9 +566,9 @@ def test_repeated_kills_of_different_ranks_with_replicas(data, tmp_path):
         with MpiJob(store, work, ranks=4,
                     extra=["--replicas", "2", "--remote-timeout", "2", "--cache-mb", "0"]) as job:
             readers = start_readers(6, lambda i: [job.mnt(survivors[i % 3])], src, sizes, 8,
-                                    seed=victim, chunk=CHUNK)
+                                    seed=victim, chunk=CHUNK, reading=work / "reading")
             try:
-                time.sleep(2)
+                wait_reading(readers)  # the kill lands mid-read
                 job.kill_node(victim)
             finally:
                 total = summarize_readers(collect_readers(

@@ -35,6 +35,7 @@ from helpers import (
     stats_json,
     summarize_readers,
     vm_rss_kb,
+    wait_reading,
     wait_until,
 )
 from mpi_helpers import MpiJob, mpi_available
@@ -176,16 +177,16 @@ def test_8_readers_per_rank_on_4_ranks_long(load_data, tmp_path):
 
 
 @pytest.mark.parametrize("how", ["fanstore umount --lazy", "SIGTERM"])
-def test_unmount_while_readers_are_active(load_data, mounted, how):
+def test_unmount_while_readers_are_active(load_data, mounted, how, tmp_path):
     """Readers get an error (never wrong bytes, never a hang), the daemon exits, no stale
     mount is left, and the mount point takes a new mount."""
     src, store, sizes = load_data
     m = mounted(store, "--cache-mb", str(CACHE_MB))
     pid = daemon_pid(m)
     readers = start_readers(8, lambda i: [m], src, sizes, 60, seed=3, chunk=CHUNK,
-                            stop_on_error=True)
+                            stop_on_error=True, reading=tmp_path / "reading")
     try:
-        time.sleep(1.5)
+        wait_reading(readers)  # the stop lands mid-read
         if how == "SIGTERM":
             os.kill(pid, signal.SIGTERM)
         else:
