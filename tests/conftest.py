@@ -150,8 +150,9 @@ def _settings_follow_the_environment(monkeypatch):
 def _module_state(request, tmp_path_factory):
     """Each test module has its own runtime root and index-copy directory (see
     ``isolation.py``): modules run in parallel, and a test that opens, damages or fills
-    them must not reach another's. A module that tests /dev/shm itself sets
-    ``OWN_SHM = False``. At the module's end nothing of it may be left."""
+    them must not reach another's. A module about other users' files in /dev/shm sets
+    ``OWN_SHM = "sticky"`` (its own directory, made like /dev/shm); ``False`` keeps the
+    machine's. At the module's end nothing of it may be left."""
     from isolation import ModuleState, Snapshot, leftovers
 
     from fanstore import settings

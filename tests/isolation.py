@@ -36,18 +36,21 @@ ENV_KEYS = ("FANSTORE_RUNTIME_DIR", "FANSTORE_SHM_DIR")
 
 @dataclass
 class ModuleState:
-    """A module's runtime root and index-copy directory (``shm`` is None when the module
-    keeps the machine's /dev/shm: its tests are about that directory itself)."""
+    """A module's runtime root and index-copy directory (``own_shm`` "sticky": a directory
+    of the module's own made like /dev/shm, world-writable and sticky, for tests of other
+    users' files in it; ``shm`` None when the module keeps the machine's /dev/shm)."""
 
     root: Path
     shm: Path | None
     saved: dict[str, str | None] = field(default_factory=dict)
 
     @classmethod
-    def enter(cls, tmp: Path, own_shm: bool) -> ModuleState:
+    def enter(cls, tmp: Path, own_shm: bool | str) -> ModuleState:
         shm = None
         if own_shm and os.path.isdir("/dev/shm"):
             shm = Path(tempfile.mkdtemp(prefix="fanstore-test-", dir="/dev/shm"))
+            if own_shm == "sticky":
+                os.chmod(shm, 0o1777)
         self = cls(tmp, shm)
         self.saved = {k: os.environ.get(k) for k in ENV_KEYS}
         os.environ["FANSTORE_RUNTIME_DIR"] = str(tmp)

@@ -40,10 +40,11 @@ from second_user import fuse_device_for_all, reachable_for_others, shared_test_d
 
 pytestmark = pytest.mark.fuse
 
-#: the index copies stay in the machine's /dev/shm: these tests are about that directory
-#: (another user's files there), not a directory of the suite's own (conftest); the leak
-#: check leaves index copies there to these tests, which assert their own
-OWN_SHM = False
+#: the index copies go to a directory of the module's own made like /dev/shm (mode 1777:
+#: these tests are about another user's files there), not the machine's: any daemon of
+#: this uid sweeps a dead daemon's copy from its directory, and in the machine's /dev/shm
+#: another test's daemon once removed the copy a test had left to check (isolation.py)
+OWN_SHM = "sticky"
 
 ROOT = os.geteuid() == 0
 
@@ -78,11 +79,12 @@ def _read_all(root: Path, files: dict[str, bytes]) -> None:
 
 
 def _old_shm_name(mnt: Path) -> str:
-    """The predictable name older FanStore gave the index copy (the attack's target)."""
-    from fanstore import runtime
+    """The predictable name older FanStore gave the index copy (the attack's target), in
+    the index copies' directory (this module's own, made like /dev/shm)."""
+    from fanstore import runtime, settings
 
     key = hashlib.sha1(runtime.mount_key(str(mnt)).encode()).hexdigest()[:16]
-    return f"/dev/shm/fanstore-{os.geteuid()}-{key}-index.body"
+    return f"{settings.current().shm_dir}/fanstore-{os.geteuid()}-{key}-index.body"
 
 
 def _owner_request(sock_path: str, line: bytes, timeout: float = 10.0) -> dict:
@@ -260,9 +262,9 @@ def test_index_copy_is_private_unpredictable_and_removed_after_sigkill(other_use
                                                                        small_store,
                                                                        small_tree, mounted,
                                                                        tmp_path, frontend):
-    """The node's index copy in /dev/shm: the other user pre-creates the name older versions
-    used (to read or swap it): the mount uses a random name instead, 0600, which they cannot
-    read; after SIGKILL of every daemon process the copy is left, and ``fanstore umount``
+    """The node's index copy in the shm directory (this module's, made like /dev/shm): the
+    other user pre-creates the name older versions used (to read or swap it): the mount
+    uses a random name instead, 0600, which they cannot read; after SIGKILL of every daemon process the copy is left, and ``fanstore umount``
     removes it (but not the other user's file)."""
     mnt = tmp_path / "mnt"
     old = _old_shm_name(mnt)
