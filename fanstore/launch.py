@@ -125,7 +125,10 @@ def _mount_rank(spec: MountSpec, factory: FrontendFactory, debug: bool,
         from fanstore import workerrank
 
         code, clean = workerrank.run_worker(world, debug, on_hello=lifeline.disarm)
-        return Outcome(code, hard_exit=not workerrank.finish(world, clean))
+        if workerrank.finish(world, clean):
+            return Outcome(code)
+        launcher.release_mpi_shm()  # leaving without MPI_Finalize, which alone unlinks it
+        return Outcome(code, hard_exit=True)
     lifeline.disarm()  # the leader's own waits from here on all have deadlines
     runtime.sweep_dead()  # every node's leader: what gone daemons left on its host
     process.setup_logging(debug, sys.stderr, fmt=(
@@ -138,5 +141,8 @@ def _mount_rank(spec: MountSpec, factory: FrontendFactory, debug: bool,
     except FanStoreError as exc:
         if not node.skip_finalize:
             raise
+        launcher.release_mpi_shm()  # leaving without MPI_Finalize, which alone unlinks it
         return Outcome(exc.exit_code, hard_exit=True, error=exc)
+    if node.skip_finalize:
+        launcher.release_mpi_shm()
     return Outcome(code, hard_exit=node.skip_finalize)

@@ -39,7 +39,7 @@ import threading
 import time
 from typing import Callable
 
-from fanstore.daemon.launcher import launcher_alive
+from fanstore.daemon.launcher import launcher_alive, release_mpi_shm
 from fanstore.daemon.nodegroup import STOPPED_SIGNAL, WorkerSide
 from fanstore.daemon.world import World
 from fanstore.errors import FanStoreError
@@ -176,6 +176,7 @@ def _watch_leader(side: WorkerSide) -> None:
             return
         if gone or not launcher_alive():
             log.error("the node's daemon (pid %d) is gone; exiting", side.leader_pid)
+            release_mpi_shm()  # (no MPI_Finalize: it alone would unlink it)
             os._exit(1)
 
 

@@ -132,6 +132,8 @@ def test_a_killed_process_ends_the_job_on_every_node(dataset, tmp_path, case):
                                 END_WITHIN + 30, seed=44, stop_file=stop_file, stop_on_error=True,
                                 may_fail=set(sizes), reading=tmp_path / "reading")
         wait_reading(readers)  # the kill lands mid-read
+        segments = _mpi_segments(job)
+        assert segments, "no MPI shared-memory segment mapped by the job's daemons"
         pid = _victim(job, what)
         os.kill(pid, signal.SIGKILL)
         t0 = time.monotonic()
@@ -159,6 +161,9 @@ def test_a_killed_process_ends_the_job_on_every_node(dataset, tmp_path, case):
             assert text in out, (text, out[-4000:])
         assert "Traceback" not in out, out[-4000:]
         assert job.proc.returncode != 0
+        # the ranks left without MPI_Finalize, which alone unlinks MPICH's segment: they
+        # unlinked it themselves (it stayed in /dev/shm, in RAM, before)
+        assert [p for p in segments if os.path.exists(p)] == [], segments
         # a read is right or fails; none hangs (the remote timeout is 30 s by default: a
         # read of node 1's data waits at most until a ping has marked it dead)
         assert total["wrong"] == [], total["wrong"]
@@ -178,6 +183,20 @@ def test_a_killed_process_ends_the_job_on_every_node(dataset, tmp_path, case):
         if readers:
             collect_readers(readers, timeout=30, mounts=[job.mnt(r) for r in range(4)])
         job.stop()
+
+
+def _mpi_segments(job) -> set[str]:
+    """The MPI library's shared-memory files in /dev/shm that the job's daemons map."""
+    found = set()
+    for rank in range(4):
+        pid = job.pid(rank)
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                found.update(line.split(None, 5)[5].strip() for line in f
+                             if "/dev/shm/mpich_shm_" in line)
+        except (OSError, IndexError):
+            continue
+    return found
 
 
 def wait_until_deadline(pred, deadline: float, interval: float = 0.2) -> bool:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 
 from fanstore.process import die_with_parent
 
@@ -107,6 +108,42 @@ def mpi_started() -> None:
         die_with_parent(None, 0)
     if _lifeline is not None and _lifeline.start_deadline is not None:
         _lifeline.arm(*_lifeline.start_deadline)
+
+
+#: the MPI library's shared-memory segments in /dev/shm, one per host and job (MPICH, UCX)
+MPI_SHM_PREFIXES = ("mpich_shm_", "ucx_shm_")
+
+
+def release_mpi_shm() -> list[str]:
+    """Before leaving without MPI_Finalize (a process of the job died): unlink the MPI
+    library's shared-memory segments this rank maps, which only MPI_Finalize unlinks. A
+    job that ended with a death left each host's segment in /dev/shm, in RAM, for good
+    (16-135 MB each here, measured; a full /dev/shm then fails the next mount). The host's
+    other ranks keep their mappings: they are past MPI_Init, the only time a segment is
+    opened by name. Only this uid's regular files, never through a symlink (/dev/shm is
+    sticky: nobody else can swap them). Returns the paths removed."""
+    removed: list[str] = []
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return removed
+    for line in lines:
+        fields = line.split(None, 5)
+        if len(fields) < 6:
+            continue
+        path = os.fsdecode(fields[5])
+        where, name = os.path.split(path)
+        if where != "/dev/shm" or not name.startswith(MPI_SHM_PREFIXES) or path in removed:
+            continue
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                os.unlink(path)
+                removed.append(path)
+        except OSError:  # gone already (another rank of the host), or replaced
+            pass
+    return removed
 
 
 def _forward(child: int, signum: int) -> None:
@@ -193,6 +230,7 @@ class Lifeline:
         try:
             if self.on_gone is not None:
                 self.on_gone()
+            release_mpi_shm()
         finally:
             os._exit(1)
 
