@@ -54,8 +54,8 @@ _KINDS: dict[str, type[FanStoreError]] = {
     cls.__name__: cls for cls in (
         E.FanStoreError, E.UsageError, E.FormatError, E.CorruptDataError, E.NotFoundError,
         E.IsADirectoryError_, E.NotADirectoryError_, E.SymlinkLoopError, E.MountError,
-        E.RemoteError, E.NodeStoppingError, E.UnsafePathError, E.StageError, E.PermissionDeniedError,
-        E.OutsideStoreError)
+        E.RemoteError, E.NodeStoppingError, E.UnsafePathError, E.StageError,
+        E.PermissionDeniedError, E.OutsideStoreError)
 }
 
 

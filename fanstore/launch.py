@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from fanstore import mounttable, process, runtime
+from fanstore.daemon import launcher
 from fanstore.daemon.jobenv import launcher_world_size, substitute
 from fanstore.daemon.node import Node
 from fanstore.daemon.world import World
@@ -106,13 +107,21 @@ def _mount_rank(spec: MountSpec, factory: FrontendFactory, debug: bool,
     """A rank of a multi-rank job: in the foreground (the launcher owns it). Every rank
     the launcher started is a daemon (its node's lowest rank) or one of its node's worker
     ranks (fanstore.workerrank): nothing is spawned (fanstore.daemon.layout)."""
-    from fanstore.daemon import launcher
-
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # hydra's "a peer died"; handled once serving
     code = launcher.shim()  # under hydra: continue in a forked daemon (see launcher.py)
     if code is not None:
         why = launcher.shim_error
         return Outcome(code, hard_exit=True, error=MountError(why) if why else None)
+    outcome = _serve_rank(spec, factory, debug, notify)
+    if outcome.hard_exit:  # no MPI_Finalize, which alone unlinks MPI's shared memory
+        launcher.release_mpi_shm()
+    return outcome
+
+
+def _serve_rank(spec: MountSpec, factory: FrontendFactory, debug: bool,
+                notify: Callable[[str], None]) -> Outcome:
+    """The rank past its shim: MPI, then its node's daemon or one of its worker ranks.
+    ``hard_exit``: it must leave without MPI_Finalize (a process of the job died)."""
     # from here on a launcher that dies ends this rank, whatever it is blocked in
     # from MPI_Init's return, the layout's waits and the node's hello have the start
     # timeout each; a rank stuck outside them is ended (the job could not start anyway)
@@ -125,10 +134,7 @@ def _mount_rank(spec: MountSpec, factory: FrontendFactory, debug: bool,
         from fanstore import workerrank
 
         code, clean = workerrank.run_worker(world, debug, on_hello=lifeline.disarm)
-        if workerrank.finish(world, clean):
-            return Outcome(code)
-        launcher.release_mpi_shm()  # leaving without MPI_Finalize, which alone unlinks it
-        return Outcome(code, hard_exit=True)
+        return Outcome(code, hard_exit=not workerrank.finish(world, clean))
     lifeline.disarm()  # the leader's own waits from here on all have deadlines
     runtime.sweep_dead()  # every node's leader: what gone daemons left on its host
     process.setup_logging(debug, sys.stderr, fmt=(
@@ -141,8 +147,5 @@ def _mount_rank(spec: MountSpec, factory: FrontendFactory, debug: bool,
     except FanStoreError as exc:
         if not node.skip_finalize:
             raise
-        launcher.release_mpi_shm()  # leaving without MPI_Finalize, which alone unlinks it
         return Outcome(exc.exit_code, hard_exit=True, error=exc)
-    if node.skip_finalize:
-        launcher.release_mpi_shm()
     return Outcome(code, hard_exit=node.skip_finalize)

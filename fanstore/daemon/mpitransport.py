@@ -31,7 +31,7 @@ from collections.abc import Callable
 from fanstore.daemon import protocol as P
 from fanstore.daemon.mpirequests import AllOf, Posted, Reply, done, mpi_error
 from fanstore.daemon.pacing import HOT_SECONDS, Backoff, Pacer, precise_sleeps, wait_request
-from fanstore.daemon.transport import STOP_GRACE, Interrupted, PeerUnreachable, RemoteTimeout
+from fanstore.daemon.transport import STOP_GRACE, PeerUnreachable, ReadsEnd, RemoteTimeout
 from fanstore.errors import FanStoreError, RemoteError
 
 log = logging.getLogger(__name__)
@@ -74,9 +74,8 @@ class MpiTransport:
         self._latency = Pacer(start=300e-6, lo=20e-6, hi=5e-3)  # of replies, seen here
         #: replies are asked for in messages of at most this many bytes (protocol.pieces)
         self.piece = piece if piece == 0 or piece > P.RESP.size else P.DEFAULT_PIECE
-        #: why this rank's own reads give up (:meth:`interrupt`), or None; and from when
-        self.interrupted: str | None = None
-        self.interrupt_at = 0.0
+        #: when this rank's own reads give up (:meth:`interrupt`)
+        self.reads_end = ReadsEnd()
 
     # ------------------------------------------------------------------ server
     def start(self) -> None:
@@ -225,17 +224,12 @@ class MpiTransport:
         (ENOTCONN). A live peer answers well within it; a reply from one that died would
         otherwise be waited for until the remote timeout, holding the reader and the
         node's end. Pings (the drain's probes), control messages and serving the peers go
-        on. Safe in a signal handler (two stores, the reason last)."""
-        if self.interrupted is None:
-            self.interrupt_at = time.monotonic() + grace
-            self.interrupted = reason
-
-    def _past_interrupt(self) -> bool:
-        return self.interrupted is not None and time.monotonic() >= self.interrupt_at
+        on. Safe in a signal handler."""
+        self.reads_end.set(reason, grace)
 
     def _gave_up(self, owner: int, timeout: float, reads: bool = True) -> RemoteError:
-        if reads and self._past_interrupt():
-            return Interrupted(f"rank {owner} not asked further: {self.interrupted}")
+        if reads and self.reads_end.passed():
+            return self.reads_end.error(owner)
         return RemoteTimeout(f"rank {owner} did not answer within {timeout:g} s")
 
     def _next(self) -> tuple[int, int]:
@@ -259,8 +253,8 @@ class MpiTransport:
     def _fetch(self, owner: int, part: int, offset: int, length: int, timeout: float,
                op: int) -> memoryview:
         reads = op == P.Op.READ  # (a ping is not a read: the drain's probes go on)
-        if reads and self._past_interrupt():
-            raise self._gave_up(owner, timeout)
+        if reads and self.reads_end.passed():
+            raise self.reads_end.error(owner)
         reply = self._post(owner, part, offset, length, op)
         if not self._wait_reply(reply.complete, time.monotonic() + timeout, reads):
             reply.abandon()
@@ -274,8 +268,8 @@ class MpiTransport:
         together (one paced wait for the batch, not one per range). Returns, per range,
         its bytes or the RemoteError it got; RemoteTimeout (PeerUnreachable) when the batch
         is not all answered within ``timeout``; Interrupted (see :meth:`interrupt`)."""
-        if self._past_interrupt():
-            raise self._gave_up(owner, timeout)
+        if self.reads_end.passed():
+            raise self.reads_end.error(owner)
         try:
             replies = [self._post(owner, p, off, n, P.Op.READ) for p, off, n in ranges]
         except self.MPI.Exception as exc:
@@ -336,8 +330,9 @@ class MpiTransport:
         while True:
             now = time.monotonic()
             left = deadline - now
-            if interruptible and self.interrupted is not None:
-                left = min(left, self.interrupt_at - now)
+            end = self.reads_end.left(now) if interruptible else None
+            if end is not None:
+                left = min(left, end)
             if left <= 0:
                 return False
             time.sleep(min(nap, left))

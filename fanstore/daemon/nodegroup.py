@@ -149,9 +149,9 @@ class LeaderSide:
     def stopped_serving(self) -> None:
         """The node's mount is gone (unmounted, lazily if files were open): tell the
         worker ranks (STOPPED_SIGNAL), so that a read waiting for another node's reply
-        ends within STOP_GRACE (ENOTCONN). Without it, a read of a peer that died waited the remote
-        timeout shared by the peer node's ranks (15 s of 30 for two), and the node's end
-        with it (measured: a worker rank of node 1 SIGKILLed while node 0 read its data,
+        ends within STOP_GRACE (ENOTCONN). Without it, a read of a peer that died waited
+        the remote timeout shared by the peer node's ranks (15 s of 30 for two), and the
+        node's end with it (measured: a worker rank of node 1 SIGKILLed while node 0 read its data,
         node 0 gone 17.4 s later)."""
         for pid in self.worker_pids:
             try:

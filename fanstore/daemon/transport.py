@@ -33,6 +33,33 @@ class Interrupted(NodeStoppingError):
 STOP_GRACE = 1.0
 
 
+class ReadsEnd:
+    """When a transport's reads of its peers give up (``Transport.interrupt``): never
+    until :meth:`set`, then ``grace`` seconds later. Safe to set in a signal handler (two
+    stores, the reason last)."""
+
+    __slots__ = ("at", "reason")
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self.at = 0.0
+
+    def set(self, reason: str, grace: float = STOP_GRACE) -> None:
+        if self.reason is None:
+            self.at = time.monotonic() + grace
+            self.reason = reason
+
+    def left(self, now: float) -> float | None:
+        """Seconds a read may still wait (None: no end set)."""
+        return None if self.reason is None else self.at - now
+
+    def passed(self) -> bool:
+        return self.reason is not None and time.monotonic() >= self.at
+
+    def error(self, owner: int) -> Interrupted:
+        return Interrupted(f"rank {owner} not asked further: {self.reason}")
+
+
 class PeerUnreachable(RemoteTimeout):
     """MPI could not reach a peer at all (its process is gone): treated like a timeout,
     the peer is marked dead and its replicas are tried."""
@@ -96,8 +123,7 @@ class LocalTransport:
         self.served_requests = 0
         self.served_bytes = 0
         self._running = False
-        self.interrupted: str | None = None
-        self.interrupt_at = 0.0
+        self.reads_end = ReadsEnd()
         hub.ranks[rank] = self
 
     def start(self) -> None:
@@ -118,13 +144,11 @@ class LocalTransport:
         return peer
 
     def interrupt(self, reason: str, grace: float = STOP_GRACE) -> None:
-        if self.interrupted is None:
-            self.interrupt_at = time.monotonic() + grace
-            self.interrupted = reason
+        self.reads_end.set(reason, grace)
 
     def fetch(self, owner: int, part: int, offset: int, length: int, timeout: float):
-        if self.interrupted is not None and time.monotonic() >= self.interrupt_at:
-            raise Interrupted(f"rank {owner} not asked further: {self.interrupted}")
+        if self.reads_end.passed():
+            raise self.reads_end.error(owner)
         peer = self._peer(owner, timeout)
         if peer.parts is None or not peer.parts.has(part):
             raise RemoteError(f"rank {owner} could not serve partition {part}: not here")
