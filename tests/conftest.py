@@ -44,6 +44,7 @@ from helpers import (  # noqa: E402
     mount_store,
     pid_alive,
     run_cli,
+    shm_mapped,
 )
 
 _FUSE_OK, _FUSE_WHY = fuse_available()
@@ -435,16 +436,8 @@ def _remove_orphaned_mpi_shm(since: float) -> None:
         return
     if not names:
         return
-    mapped = set()
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/maps", "rb") as f:
-                    for line in f:
-                        if b"/dev/shm/" in line:
-                            mapped.add(line.rsplit(b"/", 1)[-1].strip().decode(errors="replace"))
-            except OSError:
-                continue
+    mapped = {os.path.basename(path) for pid in os.listdir("/proc") if pid.isdigit()
+              for path in shm_mapped(int(pid))}
     for name in names:
         path = os.path.join(shm, name)
         try:

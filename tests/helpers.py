@@ -1140,6 +1140,20 @@ def start_readers(n: int, mounts_for, src, sizes: dict[str, int], seconds: float
     return procs
 
 
+def shm_mapped(pid: int) -> set[str]:
+    """The /dev/shm files process ``pid`` maps (empty if it is gone or not ours to read)."""
+    found = set()
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            for line in f:
+                fields = line.split(None, 5)
+                if len(fields) == 6 and fields[5].startswith(b"/dev/shm/"):
+                    found.add(os.fsdecode(fields[5].strip()))
+    except OSError:
+        pass
+    return found
+
+
 def wait_reading(procs: list[subprocess.Popen], timeout: float = 60) -> None:
     """Wait until every reader (started with ``reading=``) has read right once: a fault
     injected after this lands mid-read whatever the machine's load (a reader's interpreter

@@ -25,6 +25,7 @@ from helpers import (
     fuse_available,
     run_cli,
     start_readers,
+    shm_mapped,
     summarize_readers,
     wait_reading,
 )
@@ -187,16 +188,8 @@ def test_a_killed_process_ends_the_job_on_every_node(dataset, tmp_path, case):
 
 def _mpi_segments(job) -> set[str]:
     """The MPI library's shared-memory files in /dev/shm that the job's daemons map."""
-    found = set()
-    for rank in range(4):
-        pid = job.pid(rank)
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                found.update(line.split(None, 5)[5].strip() for line in f
-                             if "/dev/shm/mpich_shm_" in line)
-        except (OSError, IndexError):
-            continue
-    return found
+    return {path for rank in range(4) for path in shm_mapped(job.pid(rank))
+            if path.startswith("/dev/shm/mpich_shm_")}
 
 
 def wait_until_deadline(pred, deadline: float, interval: float = 0.2) -> bool:
