@@ -89,6 +89,11 @@ def _settled(mnt) -> bool:
     return wait_until(same, 10, interval=0.2)
 
 
+#: how the tests' two reader processes start: spawned, never forked from pytest, which
+#: has threads (a fork CI run's pool worker hung on a lock another thread held at fork)
+READERS = "spawn"
+
+
 def _lmdb_gets(path: str, keys: list[int], corpus: bytes) -> int:
     env = lmdb.open(path, readonly=True, lock=False, readahead=False, subdir=True)
     try:
@@ -105,7 +110,7 @@ def test_lmdb_random_gets_from_two_processes(tree, store, mounted):
     rng = random.Random(1)
     keys = [[rng.randrange(RECORDS) for _ in range(1500)] for _ in range(2)]
     path = os.path.join(mnt, "samples.lmdb")
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(READERS)
     with ctx.Pool(2) as pool:
         done = pool.starmap(_lmdb_gets, [(path, k, tree["corpus"]) for k in keys])
     assert done == [1500, 1500]
@@ -155,7 +160,7 @@ def test_a_random_page_pass_decodes_each_chunk_about_once(tree, store, mounted, 
     rng = random.Random(4)
     n_pages = len(data) // PAGE
     offsets = [[rng.randrange(n_pages) * PAGE for _ in range(600)] for _ in range(2)]
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(READERS)
     with ctx.Pool(2) as pool:
         got = pool.starmap(_page_pass, [(path, o) for o in offsets])
     for offs, pages in zip(offsets, got):
@@ -230,7 +235,7 @@ def test_worker_ranks_share_and_spill_chunks(tree, store, tmp_path, frontend):
     touched = {off // MiB for offs in offsets for off in offs}
     with MpiJob(store, tmp_path, ranks=2, ranks_per_node=3, extra=["--cache-mb", "1"]) as job:
         path = os.path.join(job.mnt(0), "pages.bin")
-        with mp.get_context("fork").Pool(2) as pool:
+        with mp.get_context(READERS).Pool(2) as pool:
             got = pool.starmap(_page_pass, [(path, o) for o in offsets])
         for offs, pages in zip(offsets, got):
             assert all(p == data[o:o + PAGE] for o, p in zip(offs, pages))
